@@ -1,0 +1,152 @@
+"""Alpha-beta communication cost models: pure functions of bytes and links, returning milliseconds."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+
+from cost_models.devices import DeviceSpec, LinkSpec
+from planner.errors import InvalidArgument
+
+__all__ = [
+    "allreduce_link",
+    "halo_exchange_ms",
+    "halo_message_count",
+    "hierarchical_allreduce_ms",
+    "host_transfer_ms",
+    "nvme_transfer_ms",
+    "p2p_link",
+    "p2p_ms",
+    "ring_allreduce_ms",
+]
+
+
+def _require_count(value: object, what: str, *, minimum: int) -> int:
+    """Return `value` as an int >= `minimum`, or raise InvalidArgument naming `what` and the value."""
+    if isinstance(value, bool):
+        raise InvalidArgument(f"{what} must be an int, got {value!r}")
+    try:
+        count = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidArgument(
+            f"{what} must be an int, got {value!r} ({type(value).__name__}); round it with int() first"
+        ) from None
+    if count < minimum:
+        raise InvalidArgument(f"{what} must be >= {minimum}, got {count}")
+    return count
+
+
+def _alpha_ms(link: LinkSpec) -> float:
+    return link.latency_us * 1e-3
+
+
+def _beta_ms_per_byte(link: LinkSpec) -> float:
+    return 1e3 / link.bandwidth_bytes_per_s()
+
+
+def _ring_ms(nbytes: float, participants: int, link: LinkSpec) -> float:
+    """Ring all-reduce time for a possibly fractional byte count; callers validate their inputs."""
+    if participants == 1 or nbytes == 0:
+        return 0.0
+    steps = 2 * (participants - 1)
+    return steps * _alpha_ms(link) + steps / participants * nbytes * _beta_ms_per_byte(link)
+
+
+def p2p_ms(nbytes: int, link: LinkSpec) -> float:
+    """One point-to-point message of `nbytes` over `link`: alpha + nbytes / beta; 0.0 for 0 bytes."""
+    return link.transfer_ms(nbytes)
+
+
+def p2p_link(device: DeviceSpec, same_node: bool) -> LinkSpec:
+    """The link a point-to-point transfer uses: NVLink within a node, the NIC share across nodes."""
+    return device.intra_node if same_node else device.inter_node
+
+
+def ring_allreduce_ms(nbytes: int, participants: int, link: LinkSpec) -> float:
+    """Ring all-reduce of `nbytes` per participant over `link`.
+
+    A ring reduce-scatter then all-gather takes 2(n-1) steps, each sending nbytes/n to the next
+    rank and paying the link latency once:  2(n-1)*alpha + 2(n-1)/n * nbytes / beta.
+    0.0 for a single participant or for 0 bytes (no collective is issued).
+    """
+    count = _require_count(nbytes, "nbytes", minimum=0)
+    n = _require_count(participants, "participants", minimum=1)
+    return _ring_ms(float(count), n, link)
+
+
+def allreduce_link(device: DeviceSpec, participants: int, gpus_per_node: int) -> LinkSpec:
+    """The bottleneck link of a flat ring: intra_node if the group fits in one node, else inter_node."""
+    n = _require_count(participants, "participants", minimum=1)
+    per_node = _require_count(gpus_per_node, "gpus_per_node", minimum=1)
+    return device.intra_node if n <= per_node else device.inter_node
+
+
+def hierarchical_allreduce_ms(nbytes: int, participants: int, gpus_per_node: int, device: DeviceSpec) -> float:
+    """Two-level all-reduce: ring reduce-scatter in each node, ring all-reduce across nodes, all-gather.
+
+    With N = nbytes, g = gpus_per_node GPUs per node and m = participants / g nodes:
+
+        2(g-1)*alpha_intra + 2(g-1)/g * N / beta_intra        (reduce-scatter + all-gather in a node)
+      + 2(m-1)*alpha_inter + 2(m-1)/m * (N/g) / beta_inter    (g concurrent cross-node rings on N/g each)
+
+    Each GPU's cross-node ring runs over its own share of the node's NICs (`inter_node` is per GPU),
+    so the g rings proceed in parallel. A group that fits in one node is a flat ring over NVLink.
+    `participants` must be a multiple of `gpus_per_node` when it spans several nodes.
+    """
+    count = _require_count(nbytes, "nbytes", minimum=0)
+    n = _require_count(participants, "participants", minimum=1)
+    g = _require_count(gpus_per_node, "gpus_per_node", minimum=1)
+    if n <= g:
+        return _ring_ms(float(count), n, device.intra_node)
+    if n % g != 0:
+        raise InvalidArgument(
+            f"participants={n} spans several nodes but is not a multiple of gpus_per_node={g}; "
+            f"use whole nodes (e.g. {n // g * g} or {(n // g + 1) * g}) or ring_allreduce_ms with "
+            f"allreduce_link for an uneven group"
+        )
+    intra_ms = _ring_ms(float(count), g, device.intra_node)
+    inter_ms = _ring_ms(count / g, n // g, device.inter_node)
+    return intra_ms + inter_ms
+
+
+def halo_message_count(bytes_per_neighbour: Sequence[int]) -> int:
+    """Messages one rank sends in a halo exchange: one per neighbour with a non-empty halo."""
+    return sum(1 for nbytes in _halo_sizes(bytes_per_neighbour) if nbytes > 0)
+
+
+def halo_exchange_ms(bytes_per_neighbour: Sequence[int], link: LinkSpec) -> float:
+    """Time for one rank to exchange halos with all its neighbours over `link`.
+
+    `bytes_per_neighbour[i]` is what this rank sends to (and, symmetrically, receives from)
+    neighbour i. Model: the rank issues its k non-empty messages back to back, so the per-message
+    latencies serialise, while the payloads share the link's per-direction bandwidth. Sends and
+    receives use opposite directions of a full-duplex link and overlap completely:
+
+        k * alpha + sum(bytes_per_neighbour) / beta
+
+    This is pessimistic on latency (a NIC can overlap some issue cost) and exact on bandwidth
+    when every neighbour is reached over the same link. 0.0 when there is nothing to send.
+    """
+    sizes = _halo_sizes(bytes_per_neighbour)
+    messages = sum(1 for nbytes in sizes if nbytes > 0)
+    if messages == 0:
+        return 0.0
+    return messages * _alpha_ms(link) + sum(sizes) * _beta_ms_per_byte(link)
+
+
+def _halo_sizes(bytes_per_neighbour: Sequence[int]) -> list[int]:
+    if isinstance(bytes_per_neighbour, (str, bytes)) or not isinstance(bytes_per_neighbour, Sequence):
+        raise InvalidArgument(f"bytes_per_neighbour must be a sequence of int byte counts, got {bytes_per_neighbour!r}")
+    return [
+        _require_count(nbytes, f"bytes_per_neighbour[{i}]", minimum=0) for i, nbytes in enumerate(bytes_per_neighbour)
+    ]
+
+
+def host_transfer_ms(nbytes: int, device: DeviceSpec) -> float:
+    """One-way copy of `nbytes` between the device and host memory over its PCIe host link (e.g. swap)."""
+    return device.host_link.transfer_ms(nbytes)
+
+
+def nvme_transfer_ms(nbytes: int, device: DeviceSpec) -> float:
+    """One-way transfer of `nbytes` between the device's node and its local NVMe drive."""
+    return device.nvme.transfer_ms(nbytes)

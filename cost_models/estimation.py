@@ -1,0 +1,139 @@
+"""estimate(): the per-node cost table (FLOPs, time, memory) of a LayerGraph on a device."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+from cost_models.devices import DeviceSpec, get_device
+from cost_models.memory import (Precision, activation_bytes, get_precision, model_state_bytes,
+                                optimizer_state_count, rescale_bytes)
+from cost_models.roofline import NodeTraffic, node_times_ms
+from planner.errors import InvalidArgument
+from planner.graph import LayerGraph, LayerNode, NodeKind
+
+_COMPUTE_KINDS = (NodeKind.MODULE, NodeKind.FUNCTION, NodeKind.METHOD)
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """What one node costs per micro-batch of the traced batch size."""
+
+    name: str
+    fwd_flops: int
+    bwd_flops: int
+    fwd_ms: float
+    bwd_ms: float
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    buffer_bytes: int
+    saved_activation_bytes: int
+    output_bytes: int
+    measured_fwd_peak_bytes: int | None = None  # CUDA profile only: peak allocated in forward
+
+    @property
+    def model_state_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.buffer_bytes
+
+
+@dataclass(frozen=True)
+class CostTable(Mapping[str, NodeCost]):
+    """Costs of every node of one graph, in topological order, with how they were obtained.
+
+    ``source`` is ``"roofline"`` for estimates or ``"measured"`` when times were profiled.
+    """
+
+    costs: tuple[NodeCost, ...]
+    fingerprint: str
+    device: str
+    optimizer: str
+    precision: str
+    source: str
+
+    @functools.cached_property
+    def _by_name(self) -> dict[str, NodeCost]:
+        return {cost.name: cost for cost in self.costs}
+
+    def __getitem__(self, name: str) -> NodeCost:
+        return self._by_name[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._by_name)
+
+    def __len__(self) -> int:
+        return len(self.costs)
+
+    def total(self, field: str) -> float:
+        """Sum of one NodeCost field over all nodes, e.g. ``table.total("fwd_ms")``."""
+        return sum(getattr(cost, field) for cost in self.costs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"fingerprint": self.fingerprint, "device": self.device, "optimizer": self.optimizer,
+                "precision": self.precision, "source": self.source,
+                "nodes": [dataclasses.asdict(cost) for cost in self.costs]}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "CostTable":
+        return cls(tuple(NodeCost(**row) for row in data["nodes"]), data["fingerprint"],
+                   data["device"], data["optimizer"], data["precision"], data["source"])
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1, sort_keys=True) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CostTable":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def estimate(graph: LayerGraph, device: str | DeviceSpec = "V100-16GB", optimizer: str = "adam",
+             precision: str = "fp32") -> CostTable:
+    """Cost every node of ``graph``: FLOPs from tracing, time by roofline on ``device``.
+
+    Example::
+
+        costs = estimate(trace(model, inputs), device="A100-80GB", optimizer="adam",
+                         precision="bf16")
+        costs["layer1_0_conv1"].fwd_ms, costs.total("param_bytes")
+    """
+    spec = get_device(device)
+    mode = get_precision(precision)
+    optimizer_state_count(optimizer)  # validates the name before any work
+    if mode.name not in spec.supported_precisions():
+        raise InvalidArgument(f"device {spec.name!r} cannot train in {mode.name}; it supports "
+                              f"{', '.join(spec.supported_precisions())}")
+    costs = tuple(_node_cost(graph, node, spec, mode, optimizer) for node in graph)
+    return CostTable(costs, graph.fingerprint, spec.name, optimizer.lower(), mode.name, "roofline")
+
+
+def _node_cost(graph: LayerGraph, node: LayerNode, device: DeviceSpec, precision: Precision,
+               optimizer: str) -> NodeCost:
+    state = model_state_bytes(graph.owned_param_numel[node.name], precision, optimizer)
+    output_bytes = sum(rescale_bytes(meta.nbytes, meta.dtype, precision) for meta in node.outputs)
+    fwd_ms = bwd_ms = 0.0
+    if node.kind in _COMPUTE_KINDS:
+        input_bytes = sum(_output_bytes(graph.node(source), precision) for source in node.inputs
+                          if graph.node(source).kind is not NodeKind.PARAM)
+        used_param_bytes = sum(_param_bytes(graph, name, precision) for name in node.param_names)
+        traffic = NodeTraffic(node.work.fwd_flops, node.work.bwd_flops, input_bytes, output_bytes,
+                              used_param_bytes, any(meta.requires_grad for meta in node.outputs))
+        fwd_ms, bwd_ms = node_times_ms(node.op_type, traffic, device, precision)
+    return NodeCost(
+        name=node.name, fwd_flops=node.work.fwd_flops, bwd_flops=node.work.bwd_flops,
+        fwd_ms=fwd_ms, bwd_ms=bwd_ms, param_bytes=state.param_bytes, grad_bytes=state.grad_bytes,
+        optimizer_bytes=state.optimizer_bytes, buffer_bytes=graph.owned_buffer_bytes[node.name],
+        saved_activation_bytes=activation_bytes(node.work.saved_bytes_by_dtype, precision),
+        output_bytes=output_bytes)
+
+
+def _output_bytes(node: LayerNode, precision: Precision) -> int:
+    return sum(rescale_bytes(meta.nbytes, meta.dtype, precision) for meta in node.outputs)
+
+
+def _param_bytes(graph: LayerGraph, name: str, precision: Precision) -> int:
+    info = graph.parameter(name)
+    return rescale_bytes(info.nbytes, info.dtype, precision)

@@ -1,0 +1,266 @@
+"""profile(): measure real per-node forward/backward times (and CUDA memory), cached as JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import operator
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import torch
+import torch.fx
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from cost_models.devices import DeviceSpec, get_device
+from cost_models.estimation import CostTable, estimate
+from planner.errors import ProfileError
+
+if TYPE_CHECKING:
+    from planner.graph import LayerGraph
+
+_CACHE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class NodeTiming:
+    """Median forward and backward milliseconds of one node, and its CUDA forward peak."""
+
+    fwd_ms: float
+    bwd_ms: float
+    fwd_peak_bytes: int | None = None
+
+
+def profile(model: nn.Module, example_inputs: torch.Tensor | Sequence[torch.Tensor],
+            device: str = "cpu", *, optimizer: str = "adam", precision: str = "fp32",
+            warmup: int = 2, repeats: int = 5, cache_dir: str | Path | None = None,
+            refresh: bool = False, leaf_modules: Sequence[type | str] = ()) -> CostTable:
+    """Cost table of ``model`` with forward/backward times measured node by node.
+
+    ``device`` is where to measure: ``"cpu"``, ``"cuda"``/``"cuda:N"``, or a GPU preset name
+    (measured on the local GPU, labelled with the preset). The model and inputs must already
+    live there. Each node runs ``warmup`` + ``repeats`` times on its real inputs; the median is
+    kept. With ``cache_dir`` the timings are stored as JSON keyed by graph fingerprint, device
+    and dtype, and reused unless ``refresh``. Memory columns come from the fake-tensor
+    measurement; on CUDA each node's measured forward peak is recorded too.
+
+    Example::
+
+        table = profile(resnet50(device="cpu"), (torch.randn(8, 3, 64, 64),), "cpu",
+                        cache_dir="~/.cache/tessera/profiles")
+        table["conv1"].fwd_ms
+    """
+    return profile_with_graph(model, example_inputs, device, optimizer=optimizer,
+                              precision=precision, warmup=warmup, repeats=repeats,
+                              cache_dir=cache_dir, refresh=refresh, leaf_modules=leaf_modules)[1]
+
+
+def profile_with_graph(model: nn.Module, example_inputs: torch.Tensor | Sequence[torch.Tensor],
+                       device: str = "cpu", *, optimizer: str = "adam", precision: str = "fp32",
+                       warmup: int = 2, repeats: int = 5, cache_dir: str | Path | None = None,
+                       refresh: bool = False, leaf_modules: Sequence[type | str] = ()
+                       ) -> tuple["LayerGraph", CostTable]:
+    """profile() that also returns the traced graph the table describes."""
+    from planner.tracing import normalise_inputs, trace_module  # planner builds on cost_models
+
+    if warmup < 0 or repeats < 1:
+        raise ProfileError(f"warmup must be >= 0 and repeats >= 1, got warmup={warmup}, "
+                           f"repeats={repeats}")
+    torch_device, spec = _resolve_device(device)
+    inputs = normalise_inputs(example_inputs)
+    _check_placement(model, inputs, torch_device)
+    graph, module = trace_module(model, inputs, leaf_modules)
+    dtype = _model_dtype(model)
+    cache_file = _cache_path(cache_dir, graph.fingerprint, spec.name, dtype)
+    timings = None if refresh or cache_file is None else _read_cache(cache_file, graph.fingerprint)
+    if timings is None:
+        timings = _NodeProfiler(module, torch_device, warmup, repeats).run(inputs)
+        if cache_file is not None:
+            _write_cache(cache_file, graph.fingerprint, spec.name, dtype, timings)
+    table = estimate(graph, spec, optimizer, precision)
+    costs = tuple(dataclasses.replace(cost, fwd_ms=timings[cost.name].fwd_ms,
+                                      bwd_ms=timings[cost.name].bwd_ms,
+                                      measured_fwd_peak_bytes=timings[cost.name].fwd_peak_bytes)
+                  if cost.name in timings else cost for cost in table.costs)
+    return graph, dataclasses.replace(table, costs=costs, source="measured")
+
+
+def _resolve_device(device: str) -> tuple[torch.device, DeviceSpec]:
+    if device == "cpu":
+        return torch.device("cpu"), get_device("cpu")
+    if not torch.cuda.is_available():
+        raise ProfileError(f"cannot profile on {device!r}: CUDA is not available on this machine; "
+                           f"profile on 'cpu', or estimate GPU costs with estimate(graph, "
+                           f"device={device!r})")
+    if device.startswith("cuda"):
+        torch_device = torch.device(device)
+        return torch_device, _preset_for_local_gpu(torch_device)
+    return torch.device("cuda"), get_device(device)
+
+
+def _preset_for_local_gpu(device: torch.device) -> DeviceSpec:
+    """The preset matching the local GPU's name and memory (e.g. "NVIDIA H100 80GB HBM3")."""
+    from cost_models.devices import PRESETS
+
+    properties = torch.cuda.get_device_properties(device)
+    for preset in PRESETS.values():
+        family = preset.name.split("-")[0]
+        if family in properties.name and abs(properties.total_memory / preset.mem_bytes - 1) < 0.12:
+            return preset
+    raise ProfileError(f"the local GPU {properties.name!r} "
+                       f"({properties.total_memory / 2**30:.0f} GiB) matches no preset; pass a "
+                       f"preset name or a device JSON file as device= to label the measurement")
+
+
+def _check_placement(model: nn.Module, inputs: tuple[torch.Tensor, ...], device: torch.device) -> None:
+    tensors = [*model.parameters(), *model.buffers(), *inputs]
+    wrong = sorted({str(t.device) for t in tensors if t.device.type != device.type})
+    if wrong:
+        hint = ("build it on a real device (e.g. builder(device='cpu'))" if "meta" in wrong
+                else f"move it with model.to('{device}')")
+        raise ProfileError(f"profile needs the model and inputs on {device}, found tensors on "
+                           f"{', '.join(wrong)}; {hint}")
+
+
+def _model_dtype(model: nn.Module) -> str:
+    for tensor in model.parameters():
+        if tensor.is_floating_point():
+            return str(tensor.dtype).removeprefix("torch.")
+    return "float32"
+
+
+class _NodeProfiler:
+    """Runs the graph once, timing each node in isolation on its real inputs."""
+
+    def __init__(self, module: torch.fx.GraphModule, device: torch.device, warmup: int,
+                 repeats: int) -> None:
+        self.module = module
+        self.device = device
+        self.warmup = warmup
+        self.repeats = repeats
+
+    def run(self, inputs: tuple[torch.Tensor, ...]) -> dict[str, NodeTiming]:
+        buffers = {name: b.detach().clone() for name, b in self.module.named_buffers()}
+        try:
+            return self._run(inputs)
+        finally:
+            with torch.no_grad():
+                for name, b in self.module.named_buffers():
+                    b.copy_(buffers[name])
+
+    def _run(self, inputs: tuple[torch.Tensor, ...]) -> dict[str, NodeTiming]:
+        env: dict[str, Any] = {}
+        timings: dict[str, NodeTiming] = {}
+        feed = iter(inputs)
+        for node in self.module.graph.nodes:
+            if node.op == "placeholder":
+                env[node.name] = next(feed)
+            elif node.op == "get_attr":
+                env[node.name] = operator.attrgetter(node.target)(self.module)
+            elif node.op != "output":
+                env[node.name], timings[node.name] = self._time_node(node, env)
+        return timings
+
+    def _time_node(self, node: torch.fx.Node, env: dict[str, Any]) -> tuple[Any, NodeTiming]:
+        function, params = _real_callable(node, self.module)
+        args = torch.fx.node.map_arg(node.args, lambda n: env[n.name])
+        kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: env[n.name])
+        fwd_samples, peak_bytes = [], None
+        for _ in range(self.warmup + self.repeats):
+            call_args, call_kwargs, leaves = _isolate(args, kwargs)
+            elapsed, output, peak_bytes = self._timed(lambda: function(*call_args, **call_kwargs))
+            fwd_samples.append(elapsed)
+        targets = [t for t in _tensors(output) if t.requires_grad and t.is_floating_point()]
+        wrt = leaves + params
+        bwd_samples = [0.0]
+        if targets and wrt:
+            grads = [torch.ones_like(t) for t in targets]
+            bwd_samples = [self._timed(lambda: torch.autograd.grad(
+                targets, wrt, grads, retain_graph=True, allow_unused=True))[0]
+                for _ in range(self.warmup + self.repeats)]
+        timing = NodeTiming(statistics.median(fwd_samples[self.warmup:]),
+                            statistics.median(bwd_samples[self.warmup:] or bwd_samples), peak_bytes)
+        return _detach(output), timing
+
+    def _timed(self, work: Callable[[], Any]) -> tuple[float, Any, int | None]:
+        if self.device.type != "cuda":
+            start = time.perf_counter()
+            result = work()
+            return (time.perf_counter() - start) * 1e3, result, None
+        torch.cuda.synchronize(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        start = time.perf_counter()
+        result = work()
+        torch.cuda.synchronize(self.device)
+        elapsed = (time.perf_counter() - start) * 1e3
+        return elapsed, result, torch.cuda.max_memory_allocated(self.device) - base
+
+
+def _real_callable(node: torch.fx.Node, module: torch.fx.GraphModule) -> tuple[Callable[..., Any], list]:
+    if node.op == "call_module":
+        submodule = module.get_submodule(node.target)
+        return submodule, [p for p in submodule.parameters() if p.requires_grad]
+    if node.op == "call_method":
+        return (lambda self_arg, *args, **kwargs: getattr(self_arg, node.target)(*args, **kwargs)), []
+    return node.target, []
+
+
+def _isolate(args: Any, kwargs: Any) -> tuple[Any, Any, list[torch.Tensor]]:
+    """Fresh leaves for activation inputs that need grad; clones so in-place ops stay legal."""
+    leaves: list[torch.Tensor] = []
+
+    def isolate(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor) or not value.requires_grad:
+            return value
+        if isinstance(value, nn.Parameter):
+            leaves.append(value)
+            return value
+        leaf = value.detach().requires_grad_(True)
+        leaves.append(leaf)
+        return leaf.clone()
+    return pytree.tree_map(isolate, args), pytree.tree_map(isolate, kwargs), leaves
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)]
+
+
+def _detach(value: Any) -> Any:
+    return pytree.tree_map(lambda leaf: leaf.detach().requires_grad_(leaf.requires_grad)
+                           if isinstance(leaf, torch.Tensor) else leaf, value)
+
+
+def _cache_path(cache_dir: str | Path | None, fingerprint: str, device: str, dtype: str) -> Path | None:
+    if cache_dir is None:
+        return None
+    safe_device = "".join(c if c.isalnum() or c in "-_." else "_" for c in device)
+    return Path(cache_dir).expanduser() / f"{fingerprint[:24]}-{safe_device}-{dtype}.json"
+
+
+def _read_cache(path: Path, fingerprint: str) -> dict[str, NodeTiming] | None:
+    """Timings from a cache file, or None if it is missing, stale or unreadable (then re-measure)."""
+    try:
+        data = json.loads(path.read_text())
+        if data["version"] != _CACHE_VERSION or data["fingerprint"] != fingerprint:
+            return None
+        return {name: NodeTiming(**row) for name, row in data["nodes"].items()}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write_cache(path: Path, fingerprint: str, device: str, dtype: str,
+                 timings: dict[str, NodeTiming]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {"version": _CACHE_VERSION, "fingerprint": fingerprint, "device": device, "dtype": dtype,
+            "nodes": {name: dataclasses.asdict(t) for name, t in timings.items()}}
+    handle, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(handle, "w") as out:
+        json.dump(data, out, indent=1, sort_keys=True)
+    os.replace(tmp, path)

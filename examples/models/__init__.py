@@ -1,0 +1,1 @@
+"""Model zoo: self-contained, fx-traceable builders that default to the meta device."""

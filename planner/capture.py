@@ -1,0 +1,130 @@
+"""Capture a model as a torch.fx GraphModule: symbolic tracing first, torch.export as fallback."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+import torch.fx
+from torch import nn
+
+from planner.errors import TraceError
+
+LeafSpec = type | str
+"""A leaf module: a class, a class name (``"MyBlock"``) or a qualified submodule name (``"encoder.3"``)."""
+
+
+@dataclass(frozen=True)
+class Capture:
+    """A captured graph and how it was obtained."""
+
+    module: torch.fx.GraphModule
+    tracer: str  # "fx" or "export"
+
+
+class LeafTracer(torch.fx.Tracer):
+    """fx tracer that keeps standard torch.nn layers, and the user's leaf modules, as single nodes."""
+
+    def __init__(self, leaf_modules: Sequence[LeafSpec] = ()) -> None:
+        super().__init__()
+        self.leaf_types = tuple(spec for spec in leaf_modules if isinstance(spec, type))
+        self.leaf_names = frozenset(spec for spec in leaf_modules if isinstance(spec, str))
+
+    def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
+        if (qualified_name in self.leaf_names or type(module).__name__ in self.leaf_names
+                or isinstance(module, self.leaf_types)):
+            return True
+        return super().is_leaf_module(module, qualified_name)
+
+
+def check_leaf_specs(model: nn.Module, leaf_modules: Sequence[LeafSpec]) -> None:
+    """Reject leaf specs that name no submodule, so a typo does not silently change the graph."""
+    names = set()
+    for name, module in model.named_modules():
+        names.update((name, type(module).__name__))
+    for spec in leaf_modules:
+        if isinstance(spec, str) and spec not in names:
+            raise TraceError(f"leaf module {spec!r} is neither a submodule name nor a module class "
+                             f"name in {type(model).__name__}; give a qualified name from "
+                             f"model.named_modules(), a class name, or a module class")
+        if not isinstance(spec, (str, type)):
+            raise TraceError(f"leaf module {spec!r} must be a module class or a qualified name")
+
+
+def capture(model: nn.Module, example_inputs: tuple[torch.Tensor, ...],
+            leaf_modules: Sequence[LeafSpec] = ()) -> Capture:
+    """Trace ``model`` with torch.fx, falling back to torch.export; raise TraceError if both fail."""
+    check_leaf_specs(model, leaf_modules)
+    try:
+        return Capture(_symbolic_trace(model, leaf_modules), "fx")
+    except Exception as fx_error:  # noqa: BLE001 - any tracing failure sends us to the fallback
+        try:
+            return Capture(_export(model, example_inputs), "export")
+        except Exception as export_error:  # noqa: BLE001
+            raise TraceError(_both_failed_message(model, fx_error, export_error)) from export_error
+
+
+def _symbolic_trace(model: nn.Module, leaf_modules: Sequence[LeafSpec]) -> torch.fx.GraphModule:
+    tracer = LeafTracer(leaf_modules)
+    graph = tracer.trace(model)
+    name = type(model).__name__
+    return torch.fx.GraphModule(tracer.root, graph, name)
+
+
+def _export(model: nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> torch.fx.GraphModule:
+    device = _model_device(model)
+    inputs = tuple(torch.empty_like(x, device=device) if device.type == "meta" else x
+                   for x in example_inputs)
+    with _quiet_torch_logs():
+        exported = torch.export.export(model, inputs, strict=False)
+    module = exported.module()
+    for node in list(module.graph.nodes):
+        guard = node.op == "call_module" and node.target == "_guards_fn"
+        unused_weight = node.op == "get_attr" and not node.users  # export lifts every weight
+        if guard or unused_weight:
+            module.graph.erase_node(node)
+    module.recompile()
+    return module
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for tensor in model.parameters():
+        return tensor.device
+    for tensor in model.buffers():
+        return tensor.device
+    return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs() -> Iterator[None]:
+    """torch.export logs its own failures at WARNING; ours is the message the user should read."""
+    loggers = [logging.getLogger(name) for name in
+               ("torch.fx.experimental.symbolic_shapes", "torch._export", "torch.export",
+                "torch._dynamo")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+def _both_failed_message(model: nn.Module, fx_error: BaseException,
+                         export_error: BaseException) -> str:
+    name = type(model).__name__
+    return (f"cannot trace {name}: torch.fx symbolic tracing failed ({_first_line(fx_error)}) "
+            f"and the torch.export fallback failed ({_first_line(export_error)}). "
+            f"Python control flow that depends on tensor values cannot be captured. Fix: mark the "
+            f"submodule that contains it as a leaf, e.g. trace(model, inputs, "
+            f"leaf_modules=[MyBlock]) or leaf_modules=['encoder.block3'] (CLI: --leaf MyBlock), "
+            f"or rewrite the branch with torch.where / torch.cond.")

@@ -1,0 +1,95 @@
+"""The ``tessera`` command line: one subcommand per user task; errors are one line and exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from planner.errors import InvalidArgument, TesseraError
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error as one line, like every other tessera error."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise InvalidArgument(f"{message} (see '{self.prog} --help')")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="tessera", description="Plan and run training of models too large for one GPU.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _add_profile(commands.add_parser(
+        "profile", help="trace a model and print its per-layer cost table",
+        description="Trace MODEL, cost every layer (FLOPs, time, memory) and print the table. "
+                    "On --device cpu times are measured on this machine; on a GPU preset they "
+                    "are roofline estimates (the model is built on the meta device)."))
+    return parser
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", metavar="MODEL",
+                        help="builder as path/file.py:function or package.module:function")
+    parser.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="keyword argument for the builder (repeatable), e.g. num_classes=10")
+    parser.add_argument("--input", action="append", required=True, metavar="SHAPE[:DTYPE]",
+                        help="one sample's input shape without the batch dimension, e.g. "
+                             "3x224x224 or 1024:int64 (repeat for several inputs)")
+    parser.add_argument("--batch-size", type=int, required=True, help="samples per micro-batch")
+    parser.add_argument("--leaf", action="append", default=[], metavar="NAME",
+                        help="keep this submodule (qualified name or class name) as one node")
+
+
+def _add_profile(parser: argparse.ArgumentParser) -> None:
+    _add_model_arguments(parser)
+    parser.add_argument("--device", default="cpu",
+                        help="'cpu' (measured here), a GPU preset such as V100-16GB, or a device JSON file")
+    parser.add_argument("--optimizer", default="adam", help="sgd, momentum, adam or adamw")
+    parser.add_argument("--precision", default="fp32", help="fp32, fp16 or bf16 (mixed), fp64")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--estimate", action="store_true",
+                      help="roofline estimate even on cpu (no real tensors are allocated)")
+    mode.add_argument("--measure", action="store_true",
+                      help="measure on the local device (default for cpu; a GPU preset needs CUDA)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per node (median kept)")
+    parser.add_argument("--cache-dir", default=None,
+                        help="where measured timings are cached (default ~/.cache/tessera/profiles)")
+    parser.add_argument("--top", type=int, default=None, help="show only the N slowest layers")
+    parser.add_argument("-o", "--output", default=None, help="also write the cost table as JSON")
+    parser.set_defaults(handler=_run_profile)
+
+
+def _run_profile(args: argparse.Namespace) -> None:
+    from planner.profile_command import ProfileRequest, run_profile
+
+    if args.batch_size < 1:
+        raise InvalidArgument(f"--batch-size must be >= 1, got {args.batch_size}")
+    cache_dir = args.cache_dir or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tessera" / "profiles"
+    request = ProfileRequest(
+        model=args.model, model_args=tuple(args.model_arg), inputs=tuple(args.input),
+        batch_size=args.batch_size, device=args.device, optimizer=args.optimizer,
+        precision=args.precision, measure=None if not (args.estimate or args.measure) else args.measure,
+        repeats=args.repeats, cache_dir=Path(cache_dir), leaf_modules=tuple(args.leaf),
+        top=args.top, output=Path(args.output) if args.output else None)
+    print(run_profile(request, search_root=Path.cwd()))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``tessera`` console script; returns the exit code."""
+    if str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))  # so "examples.models.resnet:resnet50" imports
+    try:
+        args = build_parser().parse_args(argv)
+        args.handler(args)
+    except TesseraError as error:
+        message = " ".join(str(error).split())
+        print(f"tessera: error: {message}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("tessera: interrupted", file=sys.stderr)
+        return 130
+    return 0

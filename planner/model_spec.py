@@ -1,0 +1,128 @@
+"""Model specs ("pkg.mod:builder", "path/file.py:builder"), builder arguments and input shapes."""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from planner.errors import InvalidArgument, ModelSpecError
+
+_DTYPES = {"float32": "float32", "float": "float32", "fp32": "float32", "float64": "float64",
+           "double": "float64", "float16": "float16", "half": "float16", "bfloat16": "bfloat16",
+           "int64": "int64", "long": "int64", "int32": "int32", "int": "int32", "bool": "bool"}
+_INPUT_PATTERN = re.compile(r"^\d+(x\d+)*$")
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One model input without its batch dimension: ``3x224x224`` or ``1024:int64``."""
+
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+
+    def __str__(self) -> str:
+        dims = "x".join(str(d) for d in self.shape)
+        return dims if self.dtype == "float32" else f"{dims}:{self.dtype}"
+
+
+def parse_input(text: str) -> InputSpec:
+    """Parse ``3x224x224`` or ``1024:int64`` (shape per sample, batch dimension excluded)."""
+    dims, _, dtype = text.strip().partition(":")
+    dtype = dtype or "float32"
+    if not _INPUT_PATTERN.match(dims):
+        raise InvalidArgument(f"malformed input shape {text!r}: expected positive sizes separated "
+                              f"by 'x' without the batch dimension, e.g. 3x224x224 or 1024:int64")
+    shape = tuple(int(d) for d in dims.split("x"))
+    if any(d <= 0 for d in shape):
+        raise InvalidArgument(f"input shape {text!r} has a zero dimension; every size must be >= 1")
+    if dtype.lower() not in _DTYPES:
+        raise InvalidArgument(f"unknown dtype {dtype!r} in input {text!r}; use one of "
+                              f"{', '.join(sorted(set(_DTYPES.values())))}")
+    return InputSpec(shape, _DTYPES[dtype.lower()])
+
+
+def parse_model_args(pairs: Sequence[str]) -> dict[str, Any]:
+    """``["depth=50", "name=x"]`` → ``{"depth": 50, "name": "x"}`` (Python literals, else strings)."""
+    kwargs: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip().isidentifier():
+            raise InvalidArgument(f"malformed model argument {pair!r}: expected key=value, "
+                                  f"e.g. --model-arg num_classes=10")
+        try:
+            kwargs[key.strip()] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            kwargs[key.strip()] = value
+    return kwargs
+
+
+def load_builder(spec: str, search_root: Path | None = None) -> Callable[..., Any]:
+    """Resolve ``pkg.mod:builder`` or ``path/file.py:builder`` to the builder function."""
+    location, sep, name = spec.rpartition(":")
+    if not sep or not location or not name.isidentifier():
+        raise ModelSpecError(f"malformed model spec {spec!r}: expected 'pkg.module:builder' or "
+                             f"'path/to/file.py:builder', e.g. examples/models/resnet.py:resnet50")
+    module = _load_file(location, search_root) if location.endswith(".py") else _import(location)
+    builder = getattr(module, name, None)
+    if not callable(builder):
+        available = sorted(n for n, v in vars(module).items()
+                           if inspect.isfunction(v) and not n.startswith("_") and v.__module__ == module.__name__)
+        raise ModelSpecError(f"{location} has no builder function {name!r}; it defines "
+                             f"{', '.join(available) or 'no public functions'}")
+    return builder
+
+
+def build_model(builder: Callable[..., Any], kwargs: Mapping[str, Any], device: str) -> Any:
+    """Call ``builder(**kwargs)`` on ``device`` (passed as ``device=`` when the builder takes it)."""
+    import torch
+
+    parameters = inspect.signature(builder).parameters
+    takes_device = "device" in parameters or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    call_kwargs = {**kwargs, "device": device} if takes_device else dict(kwargs)
+    try:
+        with torch.device(device):
+            model = builder(**call_kwargs)
+    except TypeError as error:
+        raise ModelSpecError(f"{builder.__name__}({_describe(kwargs)}) failed: {error}; valid "
+                             f"arguments: {', '.join(parameters) or 'none'}") from error
+    if not isinstance(model, torch.nn.Module):
+        raise ModelSpecError(f"{builder.__name__} returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def _describe(kwargs: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+
+
+def _import(module_name: str) -> Any:
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as error:
+        raise ModelSpecError(f"cannot import {module_name!r} ({error}); give a module importable "
+                             f"from the current directory or a file path like "
+                             f"examples/models/resnet.py:resnet50") from error
+
+
+def _load_file(location: str, search_root: Path | None) -> Any:
+    path = Path(location)
+    if not path.is_absolute() and search_root is not None:
+        path = search_root / path
+    if not path.is_file():
+        raise ModelSpecError(f"model file {location!r} does not exist (looked at {path.resolve()})")
+    digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
+    module_spec = importlib.util.spec_from_file_location(f"tessera_model_{digest}", path)
+    assert module_spec is not None and module_spec.loader is not None
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as error:  # noqa: BLE001 - a user file may raise anything while importing
+        raise ModelSpecError(f"importing {location} failed: {type(error).__name__}: {error}") from error
+    return module

@@ -1,0 +1,79 @@
+"""`tessera profile`: build a model from its spec, cost or measure it, and render the table."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from planner.errors import InvalidArgument
+from planner.model_spec import InputSpec, build_model, load_builder, parse_input, parse_model_args
+
+_TORCH_DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "fp16": torch.float16,
+                 "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ProfileRequest:
+    """Everything `tessera profile` was asked for; ``measure=None`` means "cpu measures"."""
+
+    model: str
+    model_args: tuple[str, ...]
+    inputs: tuple[str, ...]
+    batch_size: int
+    device: str
+    optimizer: str = "adam"
+    precision: str = "fp32"
+    measure: bool | None = None
+    repeats: int = 5
+    cache_dir: Path | None = None
+    leaf_modules: tuple[str, ...] = ()
+    top: int | None = None
+    output: Path | None = None
+
+
+def run_profile(request: ProfileRequest, search_root: Path | None = None) -> str:
+    """Validate everything first, then trace and cost; returns the rendered table."""
+    from cost_models import estimate, get_device
+    from cost_models.profiling import profile_with_graph
+    from cost_models.memory import get_precision, optimizer_state_count
+    from planner.cost_report import format_cost_table
+    from planner.tracing import trace_module
+
+    specs = [parse_input(text) for text in request.inputs]
+    kwargs = parse_model_args(request.model_args)
+    builder = load_builder(request.model, search_root)
+    measure = request.device == "cpu" if request.measure is None else request.measure
+    precision = get_precision(request.precision)
+    optimizer_state_count(request.optimizer)
+    if not measure:
+        get_device(request.device)
+    if request.repeats < 1:
+        raise InvalidArgument(f"--repeats must be >= 1, got {request.repeats}")
+    build_device = ("cpu" if request.device == "cpu" else "cuda") if measure else "meta"
+    model = build_model(builder, kwargs, build_device)
+    inputs = tuple(_example_input(spec, request.batch_size, build_device) for spec in specs)
+    if measure:
+        dtype = _TORCH_DTYPES[precision.name]
+        model = model.to(dtype)
+        inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in inputs)
+        graph, table = profile_with_graph(
+            model, inputs, request.device, optimizer=request.optimizer, precision=request.precision,
+            repeats=request.repeats, cache_dir=request.cache_dir, leaf_modules=request.leaf_modules)
+    else:
+        graph, _ = trace_module(model, inputs, request.leaf_modules)
+        table = estimate(graph, request.device, request.optimizer, request.precision)
+    if request.output is not None:
+        table.save(request.output)
+    return format_cost_table(graph, table, top=request.top)
+
+
+def _example_input(spec: InputSpec, batch_size: int, device: str) -> torch.Tensor:
+    dtype = getattr(torch, spec.dtype)
+    shape = (batch_size, *spec.shape)
+    if device == "meta":
+        return torch.empty(shape, dtype=dtype, device="meta")
+    if dtype.is_floating_point:
+        return torch.randn(shape, dtype=dtype, device=device)
+    return torch.randint(0, 2, shape, dtype=dtype, device=device)

@@ -1,0 +1,135 @@
+"""trace(): capture a model, measure it on fake tensors and describe it as a LayerGraph."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.fx
+from torch import nn
+
+from cost_models.fake_measure import NodeMeasurement, dtype_name, measure_graph
+from planner import node_info
+from planner.capture import Capture, LeafSpec, capture
+from planner.errors import InvalidArgument, TraceError
+from planner.graph import LayerGraph, LayerNode, NodeKind, NodeWork, ParamInfo, TensorMeta
+
+
+def trace(model: nn.Module, example_inputs: torch.Tensor | Sequence[torch.Tensor], *,
+          leaf_modules: Sequence[LeafSpec] = ()) -> LayerGraph:
+    """Trace ``model`` into a costed-ready LayerGraph without allocating its weights.
+
+    ``example_inputs`` are tensors with the batch dimension first (only shapes and dtypes are
+    used; meta tensors are fine). Standard torch.nn layers stay single nodes; ``leaf_modules``
+    adds more (classes, class names or qualified submodule names).
+
+    Example::
+
+        model = resnet50(device="meta")
+        g = trace(model, (torch.empty(8, 3, 224, 224, device="meta"),))
+        print(len(g), g.param_count, g.fingerprint[:12])
+    """
+    return trace_module(model, normalise_inputs(example_inputs), leaf_modules)[0]
+
+
+def trace_module(model: nn.Module, inputs: tuple[torch.Tensor, ...],
+                 leaf_modules: Sequence[LeafSpec] = ()) -> tuple[LayerGraph, torch.fx.GraphModule]:
+    """trace() that also returns the captured GraphModule (for profiling and splitting)."""
+    captured = capture(model, inputs, leaf_modules)
+    try:
+        measured = measure_graph(captured.module, inputs)
+    except Exception as error:  # noqa: BLE001 - report which model failed and how to fix it
+        raise TraceError(f"{type(model).__name__} was captured by {captured.tracer} but running it "
+                         f"on fake tensors of shapes {[tuple(x.shape) for x in inputs]} failed: "
+                         f"{type(error).__name__}: {error}. Check that the example inputs match "
+                         f"what forward() expects, or mark the failing submodule as a leaf.") from error
+    return build_graph(captured, measured), captured.module
+
+
+def normalise_inputs(example_inputs: torch.Tensor | Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
+    bad = [type(x).__name__ for x in inputs if not isinstance(x, torch.Tensor)]
+    if not inputs or bad:
+        raise InvalidArgument(f"example_inputs must be a tensor or a tuple of tensors (batch "
+                              f"dimension first), got {bad or 'nothing'}; e.g. "
+                              f"(torch.empty(8, 3, 224, 224, device='meta'),)")
+    return inputs
+
+
+def build_graph(captured: Capture, measured: dict[str, NodeMeasurement]) -> LayerGraph:
+    """Turn a captured GraphModule and its fake measurements into the frozen IR."""
+    module = captured.module
+    canonical = _canonical_names(module)
+    shapes = {name: (m.outputs[0].shape if m.outputs else ()) for name, m in measured.items()}
+    nodes = tuple(_layer_node(node, module, measured[node.name], canonical, shapes)
+                  for node in module.graph.nodes)
+    return LayerGraph(nodes, _param_infos(module, nodes, canonical), captured.tracer)
+
+
+def _layer_node(node: torch.fx.Node, module: torch.fx.GraphModule, measurement: NodeMeasurement,
+                canonical: dict[str, str], shapes: node_info.Shapes) -> LayerNode:
+    outputs = tuple(TensorMeta(m.shape, m.dtype, m.nbytes, m.requires_grad)
+                    for m in measurement.outputs)
+    window = node_info.geometry(node, module, shapes)
+    return LayerNode(
+        name=node.name,
+        kind=NodeKind(node.op),
+        target=node_info.target_name(node),
+        op_type=node_info.op_type(node, module),
+        inputs=tuple(source.name for source in node.all_input_nodes),
+        outputs=outputs,
+        param_names=_params_used(node, module, canonical),
+        geometry=window,
+        spatially_splittable=node_info.spatially_splittable(node, module, window, outputs),
+        work=NodeWork(measurement.fwd_flops, measurement.bwd_flops, measurement.saved_bytes_by_dtype),
+    )
+
+
+def _canonical_names(module: nn.Module) -> dict[str, str]:
+    """Every parameter/buffer name, tied aliases included, mapped to its first (canonical) name."""
+    first: dict[int, str] = {}
+    canonical: dict[str, str] = {}
+    named = [*module.named_parameters(remove_duplicate=False),
+             *module.named_buffers(remove_duplicate=False)]
+    for name, tensor in named:
+        canonical[name] = first.setdefault(id(tensor), name)
+    return canonical
+
+
+def _params_used(node: torch.fx.Node, module: nn.Module, canonical: dict[str, str]) -> tuple[str, ...]:
+    names: list[str] = []
+    if node.op == "call_module":
+        submodule = module.get_submodule(node.target)
+        prefix = f"{node.target}."
+        names = [canonical[prefix + name] for name, _ in
+                 [*submodule.named_parameters(remove_duplicate=False),
+                  *submodule.named_buffers(remove_duplicate=False)]]
+    elif node.op == "get_attr" and node.target in canonical:
+        names = [canonical[node.target]]
+    for source in node.all_input_nodes:
+        if source.op == "get_attr" and source.target in canonical:
+            names.append(canonical[source.target])
+    return tuple(dict.fromkeys(names))
+
+
+def _param_infos(module: nn.Module, nodes: tuple[LayerNode, ...],
+                 canonical: dict[str, str]) -> tuple[ParamInfo, ...]:
+    """Unique parameters and buffers, each owned by the first compute node that reads it."""
+    owner: dict[str, str] = {}
+    for node in nodes:
+        if node.kind is not NodeKind.PARAM:
+            for name in node.param_names:
+                owner.setdefault(name, node.name)
+    for node in nodes:  # read by nothing but its own get_attr node
+        for name in node.param_names:
+            owner.setdefault(name, node.name)
+    tensors = dict([*module.named_parameters(), *module.named_buffers()])
+    buffers = {name for name, _ in module.named_buffers()}
+    aliases: dict[str, list[str]] = {}
+    for alias, name in canonical.items():
+        if alias != name:
+            aliases.setdefault(name, []).append(alias)
+    return tuple(ParamInfo(name, tuple(tensors[name].shape), dtype_name(tensors[name].dtype),
+                           tensors[name].numel() * tensors[name].element_size(), name in buffers,
+                           node_name, tuple(aliases.get(name, ())))
+                 for name, node_name in owner.items())

@@ -1,0 +1,61 @@
+"""Human-readable units for bytes, FLOPs and times, and parsing of memory sizes ("16GB")."""
+
+from __future__ import annotations
+
+import re
+
+from planner.errors import InvalidArgument
+
+_MEMORY_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?i?b?)?\s*$", re.IGNORECASE)
+
+
+def parse_mem_bytes(value: str | int | float) -> int:
+    """``"16GB"`` → 16e9, ``"16GiB"`` → 16 * 2**30, a number → bytes. Rejects <= 0.
+
+    "GB" follows how GPU memory is sold (V100-16GB holds 16 GiB), so "16GB" and "16GiB" both
+    mean 16 * 2**30 bytes; write a plain number for exact decimal bytes.
+    """
+    if isinstance(value, bool):
+        raise InvalidArgument(f"memory size {value!r} is not a size; give e.g. '16GB' or 17179869184")
+    if isinstance(value, (int, float)):
+        nbytes = int(value)
+    else:
+        match = _MEMORY_PATTERN.match(str(value))
+        if not match:
+            raise InvalidArgument(f"cannot parse memory size {value!r}; write e.g. '16GB', "
+                                  f"'16GiB', '512MB' or a number of bytes")
+        number, unit = float(match.group(1)), (match.group(2) or "").lower()
+        prefix = unit[:1] if unit and unit[0] in "kmgtp" else ""
+        scale = 1024 ** ("kmgtp".index(prefix) + 1) if prefix else 1
+        nbytes = int(number * scale)
+    if nbytes <= 0:
+        raise InvalidArgument(f"memory size {value!r} must be positive; give e.g. '16GB'")
+    return nbytes
+
+
+def format_bytes(nbytes: float) -> str:
+    """1536 → '1.5 KiB' (binary prefixes, as memory is counted)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(nbytes) < 1024 or unit == "TiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_flops(flops: float) -> str:
+    """3.1e12 → '3.10 T' (decimal prefixes, as FLOPs are counted)."""
+    for unit, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(flops) >= scale:
+            return f"{flops / scale:.2f} {unit}"
+    return f"{flops:.0f}"
+
+
+def format_count(count: float) -> str:
+    """25557032 → '25.56 M'."""
+    return format_flops(count)
+
+
+def format_ms(ms: float) -> str:
+    if ms >= 1000:
+        return f"{ms / 1000:.2f} s"
+    return f"{ms:.3f} ms" if ms < 10 else f"{ms:.1f} ms"

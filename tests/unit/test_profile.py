@@ -1,0 +1,80 @@
+"""cost_models.profile: measured node times sum to the whole model's time; the JSON cache."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import pytest
+import torch
+
+from cost_models import profile
+from examples.models.gpt import gpt
+from examples.models.resnet import resnet50
+from examples.models.wrn import wrn
+from planner.errors import ProfileError
+
+
+def _whole_model_ms(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], repeats: int = 7) -> float:
+    def once() -> float:
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        model(*inputs).float().sum().backward()
+        return (time.perf_counter() - start) * 1e3
+    for _ in range(2):
+        once()
+    return statistics.median(once() for _ in range(repeats))
+
+
+@pytest.mark.parametrize("name", ["wrn", "gpt"])
+def test_node_times_sum_to_whole_model_time(name: str) -> None:
+    if name == "wrn":
+        model, inputs = wrn(depth=16, widen_factor=4, device="cpu"), (torch.randn(8, 3, 32, 32),)
+    else:
+        model = gpt(hidden=256, layers=4, heads=4, seq_len=128, vocab=2048, device="cpu")
+        inputs = (torch.randint(0, 2048, (4, 128)),)
+    ratios = []
+    for _ in range(2):  # a second, independent measurement if a neighbour process disturbed one
+        table = profile(model, inputs, "cpu", repeats=5)
+        ratios.append((table.total("fwd_ms") + table.total("bwd_ms")) / _whole_model_ms(model, inputs))
+        if abs(ratios[-1] - 1) <= 0.15:
+            break
+    assert abs(ratios[-1] - 1) <= 0.15, f"per-node sum / whole-model time = {ratios}"
+    assert table.source == "measured" and max(cost.fwd_ms for cost in table.values()) > 0
+
+
+def test_profile_leaves_model_state_untouched() -> None:
+    model = resnet50(width=8, device="cpu")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    profile(model, (torch.randn(2, 3, 32, 32),), "cpu", warmup=1, repeats=2)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_cache_is_keyed_by_fingerprint_and_reused(tmp_path) -> None:
+    model = resnet50(width=8, device="cpu")
+    inputs = (torch.randn(2, 3, 32, 32),)
+    first = profile(model, inputs, "cpu", warmup=0, repeats=1, cache_dir=tmp_path)
+    [cache_file] = tmp_path.iterdir()
+    assert cache_file.name.startswith(first.fingerprint[:24]) and "cpu-float32" in cache_file.name
+    data = json.loads(cache_file.read_text())
+    data["nodes"]["conv1"]["fwd_ms"] = 123.0  # proves the second call reads the file
+    cache_file.write_text(json.dumps(data))
+    assert profile(model, inputs, "cpu", cache_dir=tmp_path)["conv1"].fwd_ms == 123.0
+    assert profile(model, inputs, "cpu", warmup=0, repeats=1, cache_dir=tmp_path,
+                   refresh=True)["conv1"].fwd_ms != 123.0
+    cache_file.write_text("{not json")
+    assert profile(model, inputs, "cpu", warmup=0, repeats=1, cache_dir=tmp_path)["conv1"].fwd_ms < 123.0
+
+
+def test_meta_models_cannot_be_profiled() -> None:
+    with pytest.raises(ProfileError, match="meta"):
+        profile(resnet50(width=8), (torch.empty(2, 3, 32, 32, device="meta"),), "cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without CUDA")
+def test_gpu_profile_without_cuda_is_a_clear_error() -> None:
+    with pytest.raises(ProfileError, match="CUDA is not available"):
+        profile(resnet50(width=8, device="cpu"), (torch.randn(2, 3, 32, 32),), "A100-80GB")

@@ -1,0 +1,28 @@
+"""planner.units: memory sizes in, human units out."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.errors import InvalidArgument
+from planner.units import format_bytes, format_flops, parse_mem_bytes
+
+
+@pytest.mark.parametrize(("text", "nbytes"), [
+    ("16GB", 16 * 2**30), ("16GiB", 16 * 2**30), ("16 gb", 16 * 2**30), ("512MB", 512 * 2**20),
+    ("1.5TB", int(1.5 * 2**40)), (17179869184, 17179869184), ("4096", 4096), ("1k", 1024),
+])
+def test_parse_mem_bytes(text, nbytes: int) -> None:
+    assert parse_mem_bytes(text) == nbytes
+
+
+@pytest.mark.parametrize("text", ["", "sixteen", "16XB", "-1GB", "0", 0, True])
+def test_bad_memory_sizes_are_rejected_with_the_value(text) -> None:
+    with pytest.raises(InvalidArgument, match="memory size"):
+        parse_mem_bytes(text)
+
+
+def test_formatting() -> None:
+    assert format_bytes(1536) == "1.5 KiB"
+    assert format_bytes(100) == "100 B"
+    assert format_flops(3.1e12) == "3.10 T"
