@@ -1,0 +1,177 @@
+"""The "cpu" device: measured on this machine with short torch micro-benchmarks, not guessed."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from cost_models.device_spec import BYTES_PER_GB, DeviceSpec, LinkSpec
+from cost_models.presets import NVME_GEN3_X4
+from planner.errors import InvalidArgument
+
+CPU_NAME = "cpu"
+
+# --------------------------------------------------------------------------------------------
+# Measured CPU device.
+# --------------------------------------------------------------------------------------------
+
+_MATMUL_BUDGET_S = 0.12  # wall-clock budget per precision; four precisions stay well under 1 s
+_MATMUL_MAX_SIZE = 512
+_MATMUL_MIN_SIZE = 64
+_COPY_MAX_BYTES = 128 * 2**20  # large enough to spill most last-level caches
+_REPEATS = 3
+
+
+def _median_seconds(run: Callable[[], object], *, repeats: int, budget_s: float) -> float:
+    """Median wall time of `run` after one warm-up, stopping early once `budget_s` is spent."""
+    run()  # warm-up: first-call allocation, page faults, kernel selection
+    samples: list[float] = []
+    deadline = time.perf_counter() + budget_s
+    while len(samples) < repeats:
+        start = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - start)
+        if time.perf_counter() > deadline:
+            break
+    return max(statistics.median(samples), 1e-9)
+
+
+def _matmul_tflops(dtype: Any) -> float:
+    """Measured CPU matmul TFLOP/s in `dtype`, or 0.0 if torch cannot run it on the CPU."""
+    import torch
+
+    def rate(size: int, budget_s: float) -> float:
+        a = torch.randn(size, size).to(dtype)
+        b = torch.randn(size, size).to(dtype)
+        out = torch.empty(size, size, dtype=dtype)
+        seconds = _median_seconds(lambda: torch.matmul(a, b, out=out), repeats=_REPEATS, budget_s=budget_s)
+        return 2.0 * size**3 / seconds
+
+    try:
+        # A small probe sizes the real run so slow (emulated) precisions stay inside the budget.
+        probe_flops_per_s = rate(_MATMUL_MIN_SIZE * 2, budget_s=_MATMUL_BUDGET_S / 4)
+        per_run_s = _MATMUL_BUDGET_S / (_REPEATS + 1)
+        size = int((probe_flops_per_s * per_run_s / 2.0) ** (1.0 / 3.0)) // 64 * 64
+        size = min(_MATMUL_MAX_SIZE, max(_MATMUL_MIN_SIZE, size))
+        return rate(size, budget_s=_MATMUL_BUDGET_S) / 1e12
+    except (RuntimeError, TypeError, NotImplementedError):
+        return 0.0
+
+
+def _copy_bandwidth_gb_per_s(mem_bytes: int) -> float:
+    """Measured copy bandwidth (bytes read + bytes written, as STREAM "Copy" counts) in GB/s."""
+    import torch
+
+    nbytes = min(_COPY_MAX_BYTES, max(2**20, mem_bytes // 16))
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    seconds = _median_seconds(lambda: dst.copy_(src), repeats=_REPEATS, budget_s=0.15)
+    return 2.0 * src.numel() * src.element_size() / seconds / BYTES_PER_GB
+
+
+def _op_overhead_us() -> float:
+    """Measured wall time of one tiny op (torch.add on 1-element tensors), in microseconds."""
+    import torch
+
+    a = torch.ones(1)
+    b = torch.ones(1)
+    out = torch.empty(1)
+    calls = 500
+
+    def batch() -> None:
+        for _ in range(calls):
+            torch.add(a, b, out=out)
+
+    return _median_seconds(batch, repeats=_REPEATS, budget_s=0.05) / calls * 1e6
+
+
+def _read_int_file(path: str) -> int | None:
+    try:
+        text = Path(path).read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # cgroup v2 writes "max" for "no limit"
+
+
+def _total_memory_bytes() -> int:
+    """Physical memory of this machine, capped by a cgroup (container) memory limit if one is set."""
+    total: int | None = None
+    try:
+        total = int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):
+        try:
+            for line in Path("/proc/meminfo").read_text().splitlines():
+                if line.startswith("MemTotal:"):
+                    total = int(line.split()[1]) * 1024  # /proc/meminfo reports kB (KiB)
+                    break
+        except (OSError, ValueError, IndexError):
+            total = None
+    if total is None or total <= 0:
+        raise InvalidArgument(
+            "cannot determine this machine's memory (os.sysconf and /proc/meminfo both failed); "
+            "describe the CPU as a JSON device file instead (see DeviceSpec.to_dict)"
+        )
+    for limit_path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        limit = _read_int_file(limit_path)
+        if limit is not None and 0 < limit < total:
+            total = limit
+    return total
+
+
+def measure_cpu_device(*, threads: int | None = None) -> DeviceSpec:
+    """Benchmark this machine's CPU with torch (well under a second) and describe it as a DeviceSpec.
+
+    Measured: fp64/fp32/fp16/bf16 matmul FLOP/s (0 where torch cannot run the dtype), copy
+    bandwidth, per-op overhead and memory size. tf32 is 0 (CPUs have no TF32 mode). The host,
+    intra- and inter-node links are loopback memcpy at the measured copy bandwidth (one machine,
+    no network is modelled). The NVMe link is a documented default, not measured. Efficiencies are
+    1.0 because the peaks are already achieved figures. `threads` sets torch's intra-op thread
+    count for the measurement only (default: torch's current setting).
+    """
+    import torch
+
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise InvalidArgument(f"threads must be a positive int or None, got {threads!r}")
+    previous_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            mem_bytes = _total_memory_bytes()
+            fp64 = _matmul_tflops(torch.float64)
+            fp32 = _matmul_tflops(torch.float32)
+            fp16 = _matmul_tflops(torch.float16)
+            bf16 = _matmul_tflops(torch.bfloat16)
+            copy_gb_per_s = _copy_bandwidth_gb_per_s(mem_bytes)
+            overhead_us = _op_overhead_us()
+    finally:
+        if threads is not None:
+            torch.set_num_threads(previous_threads)
+    if fp32 <= 0.0:
+        raise InvalidArgument(
+            "fp32 matmul could not be measured on this CPU; describe it as a JSON device file instead"
+        )
+    loopback = LinkSpec(name="loopback memcpy (measured)", bandwidth_gb_per_s=copy_gb_per_s, latency_us=overhead_us)
+    return DeviceSpec(
+        name=CPU_NAME,
+        mem_bytes=mem_bytes,
+        fp64_tflops=fp64,
+        fp32_tflops=fp32,
+        tf32_tflops=0.0,
+        fp16_tflops=fp16,
+        bf16_tflops=bf16,
+        mem_bandwidth_gb_per_s=copy_gb_per_s,
+        intra_node=loopback,
+        # Same machine: "another node" is modelled as loopback too; a CPU cluster needs a JSON device.
+        inter_node=dataclasses.replace(loopback, name="loopback memcpy (measured; no network modelled)"),
+        host_link=loopback,
+        nvme=NVME_GEN3_X4,  # not measured (disk benchmarks are slow and touch the filesystem)
+        matmul_efficiency=1.0,
+        memory_efficiency=1.0,
+        kernel_overhead_us=overhead_us,
+    )

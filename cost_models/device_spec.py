@@ -1,0 +1,244 @@
+"""DeviceSpec and LinkSpec: what the cost models know about an accelerator and its links."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from planner.errors import InvalidArgument
+
+PRECISIONS: tuple[str, ...] = ("fp64", "fp32", "tf32", "fp16", "bf16")
+"""Precisions accepted by `DeviceSpec.peak_flops`, in the order of the `*_tflops` fields."""
+
+BYTES_PER_GB = 1e9  # bandwidths use decimal GB (1e9 bytes), as datasheets and PCI-SIG do
+
+
+def _check_number(owner: str, field: str, value: object, *, allow_zero: bool) -> float:
+    """Return `value` as a finite float, or raise InvalidArgument naming `owner.field` and the value."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidArgument(
+            f"{owner}: field {field!r} must be a number, got {value!r} ({type(value).__name__}); pass an int or float"
+        )
+    number = float(value)
+    bound_ok = number >= 0.0 if allow_zero else number > 0.0
+    if not math.isfinite(number) or not bound_ok:
+        bound = ">= 0" if allow_zero else "> 0"
+        raise InvalidArgument(f"{owner}: field {field!r} must be finite and {bound}, got {value!r}")
+    return number
+
+
+def _check_nbytes(nbytes: object) -> int:
+    """Return `nbytes` as an int >= 0, or raise InvalidArgument naming the value."""
+    if isinstance(nbytes, bool):
+        raise InvalidArgument(f"nbytes must be an int number of bytes, got {nbytes!r}")
+    try:
+        count = operator.index(nbytes)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidArgument(
+            f"nbytes must be an int number of bytes, got {nbytes!r} ({type(nbytes).__name__}); "
+            f"round it with int() first"
+        ) from None
+    if count < 0:
+        raise InvalidArgument(f"nbytes must be >= 0, got {count}; a transfer cannot move negative bytes")
+    return count
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """One data path of a GPU, modelled alpha-beta: a fixed latency plus bytes over a bandwidth.
+
+    `bandwidth_gb_per_s` is per direction and per GPU, with GB = 1e9 bytes.
+    """
+
+    name: str
+    bandwidth_gb_per_s: float
+    latency_us: float
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise InvalidArgument(f"LinkSpec: field 'name' must be a non-empty string, got {self.name!r}")
+        owner = f"LinkSpec {self.name!r}"
+        bandwidth = _check_number(owner, "bandwidth_gb_per_s", self.bandwidth_gb_per_s, allow_zero=False)
+        latency = _check_number(owner, "latency_us", self.latency_us, allow_zero=True)
+        object.__setattr__(self, "bandwidth_gb_per_s", bandwidth)
+        object.__setattr__(self, "latency_us", latency)
+
+    def bandwidth_bytes_per_s(self) -> float:
+        """Per-direction bandwidth in bytes per second."""
+        return self.bandwidth_gb_per_s * BYTES_PER_GB
+
+    def transfer_ms(self, nbytes: int) -> float:
+        """Milliseconds to move `nbytes` one way: latency + nbytes / bandwidth; 0.0 for 0 bytes."""
+        count = _check_nbytes(nbytes)
+        if count == 0:
+            return 0.0
+        return self.latency_us * 1e-3 + count / self.bandwidth_bytes_per_s() * 1e3
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON form: {"name", "bandwidth_gb_per_s", "latency_us"}."""
+        return {"name": self.name, "bandwidth_gb_per_s": self.bandwidth_gb_per_s, "latency_us": self.latency_us}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, where: str = "link") -> LinkSpec:
+        """Inverse of `to_dict`; `where` names the object in error messages (e.g. "intra_node")."""
+        _check_keys(data, LINK_KEYS, where)
+        return cls(
+            name=_expect_str(data["name"], f"{where}.name"),
+            bandwidth_gb_per_s=_expect_float(data["bandwidth_gb_per_s"], f"{where}.bandwidth_gb_per_s"),
+            latency_us=_expect_float(data["latency_us"], f"{where}.latency_us"),
+        )
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator (or the host CPU) as the cost models see it.
+
+    `mem_bytes` is the nominal memory capacity in bytes. For GPU presets it is the datasheet
+    capacity read as GiB (HBM is sized in powers of two: "16 GB" = 16 * 2**30 bytes); the CUDA
+    context and driver reservations are NOT subtracted here.
+
+    Each `*_tflops` is the dense (no structured sparsity) peak for matmul in that precision, in
+    TFLOP/s: on tensor cores where the device has them for that precision, else on the regular
+    FP units; 0.0 means the device cannot run that precision (V100 has no tf32/bf16 tensor cores).
+
+    `matmul_efficiency`, `memory_efficiency` and `kernel_overhead_us` are calibration values, not
+    datasheet figures: the achieved fraction of peak FLOP/s for dense matmul/conv, the achieved
+    fraction of peak memory bandwidth for elementwise kernels, and the fixed cost per launched op.
+    """
+
+    name: str
+    mem_bytes: int
+    fp64_tflops: float
+    fp32_tflops: float
+    tf32_tflops: float
+    fp16_tflops: float
+    bf16_tflops: float
+    mem_bandwidth_gb_per_s: float
+    intra_node: LinkSpec
+    inter_node: LinkSpec
+    host_link: LinkSpec
+    nvme: LinkSpec
+    matmul_efficiency: float
+    memory_efficiency: float
+    kernel_overhead_us: float
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise InvalidArgument(f"DeviceSpec: field 'name' must be a non-empty string, got {self.name!r}")
+        owner = f"DeviceSpec {self.name!r}"
+        if isinstance(self.mem_bytes, bool) or not isinstance(self.mem_bytes, int) or self.mem_bytes <= 0:
+            raise InvalidArgument(
+                f"{owner}: field 'mem_bytes' must be a positive int number of bytes, got {self.mem_bytes!r}"
+            )
+        for field in ("fp64_tflops", "tf32_tflops", "fp16_tflops", "bf16_tflops"):
+            object.__setattr__(self, field, _check_number(owner, field, getattr(self, field), allow_zero=True))
+        for field in ("fp32_tflops", "mem_bandwidth_gb_per_s"):
+            object.__setattr__(self, field, _check_number(owner, field, getattr(self, field), allow_zero=False))
+        for field in ("matmul_efficiency", "memory_efficiency"):
+            value = _check_number(owner, field, getattr(self, field), allow_zero=False)
+            if value > 1.0:
+                raise InvalidArgument(
+                    f"{owner}: field {field!r} is a fraction of peak and must be in (0, 1], got {value!r}"
+                )
+            object.__setattr__(self, field, value)
+        overhead = _check_number(owner, "kernel_overhead_us", self.kernel_overhead_us, allow_zero=True)
+        object.__setattr__(self, "kernel_overhead_us", overhead)
+        for field in LINK_FIELDS:
+            link = getattr(self, field)
+            if not isinstance(link, LinkSpec):
+                raise InvalidArgument(
+                    f"{owner}: field {field!r} must be a LinkSpec, got {link!r} ({type(link).__name__})"
+                )
+
+    def supported_precisions(self) -> tuple[str, ...]:
+        """The precisions with a non-zero peak on this device, in `PRECISIONS` order."""
+        return tuple(p for p in PRECISIONS if getattr(self, f"{p}_tflops") > 0.0)
+
+    def peak_flops(self, precision: str) -> float:
+        """Dense peak FLOP/s in `precision` (one of PRECISIONS)."""
+        key = precision.lower() if isinstance(precision, str) else precision
+        if key not in PRECISIONS:
+            raise InvalidArgument(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
+        tflops: float = getattr(self, f"{key}_tflops")
+        if tflops <= 0.0:
+            raise InvalidArgument(
+                f"device {self.name!r} has no {key} support ({key}_tflops = 0); "
+                f"it supports {', '.join(self.supported_precisions())}"
+            )
+        return tflops * 1e12
+
+    def mem_bandwidth_bytes_per_s(self) -> float:
+        """Peak memory bandwidth in bytes per second."""
+        return self.mem_bandwidth_gb_per_s * BYTES_PER_GB
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON form (links as nested objects); `from_dict` inverts it exactly."""
+        data: dict[str, Any] = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            data[field.name] = value.to_dict() if isinstance(value, LinkSpec) else value
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> DeviceSpec:
+        """Build a DeviceSpec from `to_dict` output; every key is required and no other key is allowed."""
+        _check_keys(data, DEVICE_KEYS, "device")
+        kwargs: dict[str, Any] = {}
+        for key in DEVICE_KEYS:
+            value = data[key]
+            if key == "name":
+                kwargs[key] = _expect_str(value, key)
+            elif key == "mem_bytes":
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise InvalidArgument(
+                        f"key 'mem_bytes' must be an int number of bytes, got {value!r} ({type(value).__name__})"
+                    )
+                kwargs[key] = value
+            elif key in LINK_FIELDS:
+                if not isinstance(value, Mapping):
+                    raise InvalidArgument(
+                        f"key {key!r} must be an object with keys {', '.join(LINK_KEYS)}, "
+                        f"got {value!r} ({type(value).__name__})"
+                    )
+                kwargs[key] = LinkSpec.from_dict(value, where=key)
+            else:
+                kwargs[key] = _expect_float(value, key)
+        return cls(**kwargs)
+
+
+LINK_KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(LinkSpec))
+DEVICE_KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(DeviceSpec))
+LINK_FIELDS: tuple[str, ...] = ("intra_node", "inter_node", "host_link", "nvme")
+
+
+def _check_keys(data: Mapping[str, Any], expected: tuple[str, ...], where: str) -> None:
+    if not isinstance(data, Mapping):
+        raise InvalidArgument(
+            f"{where} must be a JSON object with keys {', '.join(expected)}, got {type(data).__name__}"
+        )
+    missing = [k for k in expected if k not in data]
+    unknown = sorted(str(k) for k in data if k not in expected)
+    if missing or unknown:
+        parts = []
+        if missing:
+            parts.append(f"missing key(s) {', '.join(repr(k) for k in missing)}")
+        if unknown:
+            parts.append(f"unknown key(s) {', '.join(repr(k) for k in unknown)}")
+        raise InvalidArgument(f"{where}: {'; '.join(parts)}; expected exactly the keys {', '.join(expected)}")
+
+
+def _expect_str(value: object, key: str) -> str:
+    if not isinstance(value, str):
+        raise InvalidArgument(f"key {key!r} must be a string, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _expect_float(value: object, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidArgument(f"key {key!r} must be a number, got {value!r} ({type(value).__name__})")
+    return float(value)
+
