@@ -209,15 +209,8 @@ def gpt2_small(
     Example:
         >>> model = gpt2_small()  # meta device
     """
-    return gpt(
-        hidden=768,
-        layers=12,
-        heads=12,
-        seq_len=seq_len,
-        vocab=vocab,
-        dropout=dropout,
-        device=device,
-    )
+    return gpt(hidden=768, layers=12, heads=12, seq_len=seq_len, vocab=vocab,
+               dropout=dropout, device=device)
 
 
 def gpt2_medium(
@@ -232,15 +225,8 @@ def gpt2_medium(
     Example:
         >>> model = gpt2_medium()  # meta device
     """
-    return gpt(
-        hidden=1024,
-        layers=24,
-        heads=16,
-        seq_len=seq_len,
-        vocab=vocab,
-        dropout=dropout,
-        device=device,
-    )
+    return gpt(hidden=1024, layers=24, heads=16, seq_len=seq_len, vocab=vocab,
+               dropout=dropout, device=device)
 
 
 def megatron_1_2b(
@@ -255,15 +241,8 @@ def megatron_1_2b(
     Example:
         >>> model = megatron_1_2b()  # meta device
     """
-    return gpt(
-        hidden=1536,
-        layers=40,
-        heads=16,
-        seq_len=seq_len,
-        vocab=vocab,
-        dropout=dropout,
-        device=device,
-    )
+    return gpt(hidden=1536, layers=40, heads=16, seq_len=seq_len, vocab=vocab,
+               dropout=dropout, device=device)
 
 
 def megatron_2_5b(
@@ -278,15 +257,8 @@ def megatron_2_5b(
     Example:
         >>> model = megatron_2_5b()  # meta device
     """
-    return gpt(
-        hidden=1920,
-        layers=54,
-        heads=20,
-        seq_len=seq_len,
-        vocab=vocab,
-        dropout=dropout,
-        device=device,
-    )
+    return gpt(hidden=1920, layers=54, heads=20, seq_len=seq_len, vocab=vocab,
+               dropout=dropout, device=device)
 
 
 def megatron_8_3b(
@@ -301,15 +273,8 @@ def megatron_8_3b(
     Example:
         >>> model = megatron_8_3b()  # meta device
     """
-    return gpt(
-        hidden=3072,
-        layers=72,
-        heads=24,
-        seq_len=seq_len,
-        vocab=vocab,
-        dropout=dropout,
-        device=device,
-    )
+    return gpt(hidden=3072, layers=72, heads=24, seq_len=seq_len, vocab=vocab,
+               dropout=dropout, device=device)
 
 
 def gpt_50b(
@@ -324,12 +289,5 @@ def gpt_50b(
     Example:
         >>> model = gpt_50b()  # meta device: builds in well under a second, no weight memory
     """
-    return gpt(
-        hidden=8192,
-        layers=62,
-        heads=64,
-        seq_len=seq_len,
-        vocab=vocab,
-        dropout=dropout,
-        device=device,
-    )
+    return gpt(hidden=8192, layers=62, heads=64, seq_len=seq_len, vocab=vocab,
+               dropout=dropout, device=device)

@@ -424,3 +424,9 @@ def test_cpu_build_is_deterministic() -> None:
 )
 def test_meta_forward_shapes(spec: str, x: torch.Tensor, shape: tuple[int, ...]) -> None:
     assert builder(spec)()(x).shape == shape
+
+
+def test_amoebanet_d_18_208_matches_the_gpipe_size() -> None:
+    # GPipe (Huang et al. 2019), Table 1: AmoebaNet-D (18, 208) has 82M parameters.
+    model = builder("amoebanet:amoebanet_d")(num_layers=18, num_filters=208)
+    assert count(model) == pytest.approx(82e6, rel=0.10)
