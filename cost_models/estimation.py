@@ -91,8 +91,11 @@ class CostTable(Mapping[str, NodeCost]):
 
 
 def estimate(graph: LayerGraph, device: str | DeviceSpec = "V100-16GB", optimizer: str = "adam",
-             precision: str = "fp32") -> CostTable:
+             precision: str = "fp32", *, batch_size: int | None = None) -> CostTable:
     """Cost every node of ``graph``: FLOPs from tracing, time by roofline on ``device``.
+
+    ``batch_size`` rescales everything that grows with the batch (FLOPs, activations, outputs)
+    from the traced batch (``graph.batch_size``) to that micro-batch size; weights do not scale.
 
     Example::
 
@@ -106,32 +109,38 @@ def estimate(graph: LayerGraph, device: str | DeviceSpec = "V100-16GB", optimize
     if mode.name not in spec.supported_precisions():
         raise InvalidArgument(f"device {spec.name!r} cannot train in {mode.name}; it supports "
                               f"{', '.join(spec.supported_precisions())}")
-    costs = tuple(_node_cost(graph, node, spec, mode, optimizer) for node in graph)
+    if batch_size is not None and batch_size < 1:
+        raise InvalidArgument(f"batch_size must be >= 1, got {batch_size}")
+    scale = 1.0 if batch_size is None else batch_size / graph.batch_size
+    costs = tuple(_node_cost(graph, node, spec, mode, optimizer, scale) for node in graph)
     return CostTable(costs, graph.fingerprint, spec.name, optimizer.lower(), mode.name, "roofline")
 
 
 def _node_cost(graph: LayerGraph, node: LayerNode, device: DeviceSpec, precision: Precision,
-               optimizer: str) -> NodeCost:
+               optimizer: str, scale: float) -> NodeCost:
     state = model_state_bytes(graph.owned_param_numel[node.name], precision, optimizer)
-    output_bytes = sum(rescale_bytes(meta.nbytes, meta.dtype, precision) for meta in node.outputs)
+    output_bytes = _output_bytes(node, precision, scale)
+    fwd_flops, bwd_flops = round(node.work.fwd_flops * scale), round(node.work.bwd_flops * scale)
     fwd_ms = bwd_ms = 0.0
     if node.kind in _COMPUTE_KINDS:
-        input_bytes = sum(_output_bytes(graph.node(source), precision) for source in node.inputs
+        input_bytes = sum(_output_bytes(graph.node(source), precision, scale) for source in node.inputs
                           if graph.node(source).kind is not NodeKind.PARAM)
         used_param_bytes = sum(_param_bytes(graph, name, precision) for name in node.param_names)
-        traffic = NodeTraffic(node.work.fwd_flops, node.work.bwd_flops, input_bytes, output_bytes,
-                              used_param_bytes, any(meta.requires_grad for meta in node.outputs))
+        traffic = NodeTraffic(fwd_flops, bwd_flops, input_bytes, output_bytes, used_param_bytes,
+                              any(meta.requires_grad for meta in node.outputs))
         fwd_ms, bwd_ms = node_times_ms(node.op_type, traffic, device, precision)
+    saved = activation_bytes(node.work.saved_bytes_by_dtype, precision)
     return NodeCost(
-        name=node.name, fwd_flops=node.work.fwd_flops, bwd_flops=node.work.bwd_flops,
+        name=node.name, fwd_flops=fwd_flops, bwd_flops=bwd_flops,
         fwd_ms=fwd_ms, bwd_ms=bwd_ms, param_bytes=state.param_bytes, grad_bytes=state.grad_bytes,
         optimizer_bytes=state.optimizer_bytes, buffer_bytes=graph.owned_buffer_bytes[node.name],
-        saved_activation_bytes=activation_bytes(node.work.saved_bytes_by_dtype, precision),
-        output_bytes=output_bytes)
+        saved_activation_bytes=round(saved * scale), output_bytes=output_bytes)
 
 
-def _output_bytes(node: LayerNode, precision: Precision) -> int:
-    return sum(rescale_bytes(meta.nbytes, meta.dtype, precision) for meta in node.outputs)
+def _output_bytes(node: LayerNode, precision: Precision, scale: float) -> int:
+    """Output bytes at the scaled batch; weights read through get_attr do not scale."""
+    nbytes = sum(rescale_bytes(meta.nbytes, meta.dtype, precision) for meta in node.outputs)
+    return nbytes if node.kind is NodeKind.PARAM else round(nbytes * scale)
 
 
 def _param_bytes(graph: LayerGraph, name: str, precision: Precision) -> int:

@@ -13,9 +13,17 @@ _EXPORTS = {
     "LayerGraph": "planner.graph",
     "LayerNode": "planner.graph",
     "NodeKind": "planner.graph",
+    "plan": "planner.api",
+    "Plan": "planner.plan",
 }
 
 __all__ = sorted(_EXPORTS)
+
+# The plan-file module is planner/plan.py while planner.plan() is the planning function. Load the
+# module now (standard library only) and drop the attribute the import system set, so the name
+# `plan` on this package always resolves, through __getattr__, to the function.
+importlib.import_module("planner.plan")
+del globals()["plan"]
 
 
 def __getattr__(name: str) -> Any:

@@ -28,7 +28,58 @@ def build_parser() -> argparse.ArgumentParser:
         description="Trace MODEL, cost every layer (FLOPs, time, memory) and print the table. "
                     "On --device cpu times are measured on this machine; on a GPU preset they "
                     "are roofline estimates (the model is built on the meta device)."))
+    _add_plan(commands.add_parser(
+        "plan", help="choose the pipeline x data-parallel split and schedule; print the plan",
+        description="Trace MODEL on the meta device, cost it on DEVICE, and solve for the fastest "
+                    "plan on GPUS GPUs with MEM memory each. -o saves it for `tessera run`."))
+    show = commands.add_parser("show", help="print a saved plan", description="Print a saved plan.")
+    show.add_argument("plan_file", metavar="PLAN", type=Path)
+    show.set_defaults(handler=lambda args: print(_commands().run_show(args.plan_file)))
+    simulate = commands.add_parser(
+        "simulate", help="replay a plan's schedule; write a Chrome trace and an SVG timeline",
+        description="Replay the plan's per-rank programs on its predicted costs.")
+    simulate.add_argument("plan_file", metavar="PLAN", type=Path)
+    simulate.add_argument("--trace", type=Path, default=None, help="Chrome trace JSON (default PLAN.trace.json)")
+    simulate.add_argument("--svg", type=Path, default=None, help="SVG timeline (default PLAN.svg)")
+    simulate.set_defaults(handler=lambda args: print(
+        _commands().run_simulate(args.plan_file, args.trace, args.svg)))
     return parser
+
+
+def _commands():
+    import planner.plan_command as commands
+
+    return commands
+
+
+def _add_plan(parser: argparse.ArgumentParser) -> None:
+    _add_model_arguments(parser)
+    parser.add_argument("--gpus", type=int, required=True, help="number of GPUs")
+    parser.add_argument("--mem", required=True, help="memory per GPU, e.g. 16GB, 16GiB or bytes")
+    parser.add_argument("--device", default="V100-16GB", help="GPU preset or device JSON file")
+    parser.add_argument("--gpus-per-node", type=int, default=None, help="default min(GPUS, 8)")
+    parser.add_argument("--optimizer", default="adam", help="sgd, momentum, adam or adamw")
+    parser.add_argument("--precision", default="fp32", help="fp32, fp16 or bf16 (mixed), fp64")
+    parser.add_argument("--schedule", action="append", default=None, choices=["gpipe", "1f1b"],
+                        help="schedules to consider (repeatable; default both)")
+    parser.add_argument("--micro-batch-size", action="append", type=int, default=None,
+                        help="micro-batch sizes to consider (repeatable; default every divisor)")
+    parser.add_argument("--time-limit", type=float, default=60.0, help="solver seconds for the search")
+    parser.add_argument("-o", "--output", type=Path, default=None, help="write the plan here (JSON)")
+    parser.set_defaults(handler=_run_plan)
+
+
+def _run_plan(args: argparse.Namespace) -> None:
+    from planner.plan_command import PlanRequest, run_plan
+
+    request = PlanRequest(
+        model=args.model, model_args=tuple(args.model_arg), inputs=tuple(args.input),
+        batch_size=args.batch_size, gpus=args.gpus, mem=args.mem, device=args.device,
+        gpus_per_node=args.gpus_per_node, optimizer=args.optimizer, precision=args.precision,
+        schedules=tuple(args.schedule or ("gpipe", "1f1b")),
+        micro_batch_sizes=tuple(args.micro_batch_size) if args.micro_batch_size else None,
+        time_limit_s=args.time_limit, leaf_modules=tuple(args.leaf), output=args.output)
+    print(run_plan(request, search_root=Path.cwd()))
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -92,4 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("tessera: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # e.g. `tessera show plan.json | head`
+        sys.stderr.close()
+        return 0
     return 0

@@ -25,3 +25,20 @@ class TraceError(TesseraError):
 
 class ProfileError(TesseraError):
     """A model cannot be profiled as asked (e.g. it lives on the meta device)."""
+
+
+class PlanInfeasible(TesseraError):
+    """No configuration fits the memory budget; the message names the smallest budget that would."""
+
+    def __init__(self, message: str, *, min_mem_bytes: int, binding: str) -> None:
+        super().__init__(message)
+        self.min_mem_bytes = min_mem_bytes
+        self.binding = binding
+
+
+class PlanFileError(TesseraError):
+    """A plan file is unreadable, corrupt, of another schema version, or does not match."""
+
+
+class SpatialError(TesseraError):
+    """A layer or image cannot be split into tiles exactly; the message names the layer and the fix."""

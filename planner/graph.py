@@ -246,6 +246,12 @@ class LayerGraph:
         return sum(info.numel for info in self.parameters if not info.is_buffer)
 
     @property
+    def batch_size(self) -> int:
+        """Leading dimension of the first input: the batch the costs were measured at."""
+        first = self.input_nodes[0]
+        return first.outputs[0].shape[0] if first.outputs and first.outputs[0].shape else 1
+
+    @property
     def input_nodes(self) -> tuple[LayerNode, ...]:
         return tuple(node for node in self.nodes if node.kind is NodeKind.INPUT)
 

@@ -126,3 +126,20 @@ def _load_file(location: str, search_root: Path | None) -> Any:
     except Exception as error:  # noqa: BLE001 - a user file may raise anything while importing
         raise ModelSpecError(f"importing {location} failed: {type(error).__name__}: {error}") from error
     return module
+
+
+def example_inputs(specs: Sequence[InputSpec], batch_size: int, device: str) -> tuple[Any, ...]:
+    """Tensors for ``specs`` with ``batch_size`` first: empty on meta, random elsewhere."""
+    import torch
+
+    tensors = []
+    for spec in specs:
+        dtype = getattr(torch, spec.dtype)
+        shape = (batch_size, *spec.shape)
+        if device == "meta":
+            tensors.append(torch.empty(shape, dtype=dtype, device="meta"))
+        elif dtype.is_floating_point:
+            tensors.append(torch.randn(shape, dtype=dtype, device=device))
+        else:
+            tensors.append(torch.randint(0, 2, shape, dtype=dtype, device=device))
+    return tuple(tensors)

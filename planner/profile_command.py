@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from planner.errors import InvalidArgument
-from planner.model_spec import InputSpec, build_model, load_builder, parse_input, parse_model_args
+from planner.model_spec import build_model, example_inputs, load_builder, parse_input, parse_model_args
 
 _TORCH_DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "fp16": torch.float16,
                  "bf16": torch.bfloat16}
@@ -53,7 +53,7 @@ def run_profile(request: ProfileRequest, search_root: Path | None = None) -> str
         raise InvalidArgument(f"--repeats must be >= 1, got {request.repeats}")
     build_device = ("cpu" if request.device == "cpu" else "cuda") if measure else "meta"
     model = build_model(builder, kwargs, build_device)
-    inputs = tuple(_example_input(spec, request.batch_size, build_device) for spec in specs)
+    inputs = example_inputs(specs, request.batch_size, build_device)
     if measure:
         dtype = _TORCH_DTYPES[precision.name]
         model = model.to(dtype)
@@ -67,13 +67,3 @@ def run_profile(request: ProfileRequest, search_root: Path | None = None) -> str
     if request.output is not None:
         table.save(request.output)
     return format_cost_table(graph, table, top=request.top)
-
-
-def _example_input(spec: InputSpec, batch_size: int, device: str) -> torch.Tensor:
-    dtype = getattr(torch, spec.dtype)
-    shape = (batch_size, *spec.shape)
-    if device == "meta":
-        return torch.empty(shape, dtype=dtype, device="meta")
-    if dtype.is_floating_point:
-        return torch.randn(shape, dtype=dtype, device=device)
-    return torch.randint(0, 2, shape, dtype=dtype, device=device)

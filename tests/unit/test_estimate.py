@@ -100,3 +100,16 @@ def test_cost_table_round_trip(tmp_path) -> None:
 def test_bad_arguments_name_the_value(kwargs: dict, message: str) -> None:
     with pytest.raises(InvalidArgument, match=message):
         estimate(_linear_graph(), **kwargs)
+
+
+def test_batch_size_rescales_activations_and_flops_but_not_weights() -> None:
+    graph = _linear_graph(batch=4)
+    base = estimate(graph, "A100-80GB")
+    double = estimate(graph, "A100-80GB", batch_size=8)
+    assert double["_0"].fwd_flops == 2 * base["_0"].fwd_flops
+    assert double.total("saved_activation_bytes") == 2 * base.total("saved_activation_bytes")
+    assert double["_0"].output_bytes == 2 * base["_0"].output_bytes
+    assert double["_0"].param_bytes == base["_0"].param_bytes
+    traced_at_8 = estimate(trace(nn.Sequential(nn.Linear(100, 50), nn.ReLU()),
+                                 torch.empty(8, 100, device="meta")), "A100-80GB")
+    assert traced_at_8.costs == double.costs  # linear layers scale exactly

@@ -1,0 +1,82 @@
+"""`tessera plan`, `tessera show` and `tessera simulate`: plans from the command line."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from planner.errors import InvalidArgument
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """Everything `tessera plan` was asked for."""
+
+    model: str
+    model_args: tuple[str, ...]
+    inputs: tuple[str, ...]
+    batch_size: int
+    gpus: int
+    mem: str
+    device: str = "V100-16GB"
+    gpus_per_node: int | None = None
+    optimizer: str = "adam"
+    precision: str = "fp32"
+    schedules: tuple[str, ...] = ("gpipe", "1f1b")
+    micro_batch_sizes: tuple[int, ...] | None = None
+    time_limit_s: float = 60.0
+    leaf_modules: tuple[str, ...] = ()
+    output: Path | None = None
+
+
+def run_plan(request: PlanRequest, search_root: Path | None = None) -> str:
+    """Build the model on the meta device, plan it, save the plan if asked; returns the printout."""
+    from planner.api import plan
+    from planner.model_spec import (build_model, example_inputs, load_builder, parse_input,
+                                    parse_model_args)
+    from planner.units import parse_mem_bytes
+
+    specs = [parse_input(text) for text in request.inputs]
+    kwargs = parse_model_args(request.model_args)
+    parse_mem_bytes(request.mem)
+    if request.output is not None and not request.output.parent.resolve().is_dir():
+        raise InvalidArgument(f"cannot write the plan to {str(request.output)!r}: folder "
+                              f"{str(request.output.parent)!r} does not exist")
+    builder = load_builder(request.model, search_root)
+    model = build_model(builder, kwargs, "meta")
+    result = plan(model, request.gpus, request.mem, batch_size=request.batch_size,
+                  example_inputs=example_inputs(specs, 1, "meta"), device=request.device,
+                  gpus_per_node=request.gpus_per_node, optimizer=request.optimizer,
+                  precision=request.precision, schedules=request.schedules,
+                  micro_batch_sizes=request.micro_batch_sizes, time_limit_s=request.time_limit_s,
+                  builder=request.model, builder_kwargs=kwargs, leaf_modules=request.leaf_modules)
+    if request.output is not None:
+        result.save(request.output)
+    return str(result) + (f"\nplan written to {request.output}" if request.output else "")
+
+
+def run_show(path: Path) -> str:
+    from planner.plan import Plan
+
+    return str(Plan.load(path))
+
+
+def run_simulate(path: Path, trace_path: Path | None, svg_path: Path | None) -> str:
+    """Replay the plan's programs; write a Chrome trace (Perfetto) and an SVG timeline."""
+    from planner.plan import Plan
+    from planner.plan_sim import simulate_plan
+    from planner.schedules.timeline import chrome_trace, svg
+    from planner.units import format_bytes, format_ms
+
+    plan = Plan.load(path)
+    result = simulate_plan(plan)
+    trace_path = trace_path or path.with_suffix(".trace.json")
+    svg_path = svg_path or path.with_suffix(".svg")
+    trace_path.write_text(json.dumps(chrome_trace(result)))
+    svg_path.write_text(svg(result))
+    peaks = ", ".join(format_bytes(b) for b in result.peak_mem_bytes)
+    return (f"simulated step {format_ms(result.step_ms)} (plan predicted "
+            f"{format_ms(plan.predicted.step_ms)}, solver objective {format_ms(plan.solver.objective)}), "
+            f"bubble {result.bubble_fraction:.1%}\npeak memory per stage: {peaks}\n"
+            f"timeline: {trace_path} (open in https://ui.perfetto.dev) and {svg_path}")

@@ -1,0 +1,214 @@
+"""The pure pipeline partition problem: a costed graph coarsened into units and one configuration.
+
+A *unit* is a run of consecutive nodes (topological order) that always share a stage; cuts fall
+only between units, at points where few bytes cross. Every number the ILP, the exact DP and the
+evaluator use comes from here, per micro-batch, so all three optimise the same costs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cost_models.comm import allreduce_link, p2p_link
+from cost_models.devices import DeviceSpec, LinkSpec
+from cost_models.estimation import CostTable
+from cost_models.memory import Precision, model_state_bytes
+from planner.graph import LayerGraph, NodeKind
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Consecutive nodes kept together; costs per micro-batch."""
+
+    nodes: tuple[str, ...]
+    fwd_ms: float
+    bwd_ms: float
+    state_bytes: int  # weights + gradients + optimizer state + buffers of parameters only it uses
+    grad_bytes: int  # gradients of those parameters (all-reduced across data-parallel replicas)
+    activation_bytes: int  # saved for backward, per micro-batch in flight
+    transient_bytes: int  # largest single-node working set (output and its gradient)
+    shared: tuple[int, ...] = ()  # indices into PipelineProblem.shared
+
+
+@dataclass(frozen=True)
+class SharedParam:
+    """A parameter used by several units (e.g. tied embeddings): held once per stage using it."""
+
+    name: str
+    state_bytes: int
+    grad_bytes: int
+
+
+@dataclass(frozen=True)
+class LinearCost:
+    """time_ms = fixed_ms + ms_per_byte * bytes (an alpha-beta link, or a ring all-reduce)."""
+
+    fixed_ms: float
+    ms_per_byte: float
+
+    def ms(self, nbytes: float) -> float:
+        return self.fixed_ms + self.ms_per_byte * nbytes if nbytes > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class PipelineProblem:
+    """One outer configuration: partition ``units`` into ``num_stages`` contiguous stages."""
+
+    units: tuple[Unit, ...]
+    boundary_bytes: tuple[int, ...]  # bytes crossing a cut after unit p (len(units) - 1 entries)
+    shared: tuple[SharedParam, ...]
+    num_stages: int
+    num_microbatches: int
+    in_flight: tuple[int, ...]  # micro-batches whose activations each stage holds at once
+    links: tuple[LinearCost, ...]  # p2p time across the boundary after stage s
+    allreduce: LinearCost  # gradient all-reduce time per gradient byte of a stage
+    mem_bytes: int
+    round_trip: bool = False  # 1F1B: a stage's next forward waits on its successor's backward
+
+    def __post_init__(self) -> None:
+        assert len(self.boundary_bytes) == len(self.units) - 1
+        assert len(self.in_flight) == self.num_stages and len(self.links) == self.num_stages - 1
+
+
+@dataclass(frozen=True)
+class Coarsening:
+    """Units over a graph, independent of the configuration (computed once per micro-batch)."""
+
+    units: tuple[Unit, ...]
+    boundary_bytes: tuple[int, ...]
+    shared: tuple[SharedParam, ...]
+
+
+def link_cost(link: LinkSpec) -> LinearCost:
+    return LinearCost(link.latency_us * 1e-3, 1e3 / (link.bandwidth_gb_per_s * 1e9))
+
+
+def pipeline_links(device: DeviceSpec, num_stages: int, data_parallel: int,
+                   gpus_per_node: int) -> tuple[LinearCost, ...]:
+    """Link between stage s and s + 1, with rank = stage * data_parallel + replica."""
+    def same_node(stage: int) -> bool:
+        return stage * data_parallel // gpus_per_node == (stage + 1) * data_parallel // gpus_per_node
+    return tuple(link_cost(p2p_link(device, same_node(stage))) for stage in range(num_stages - 1))
+
+
+def allreduce_cost(device: DeviceSpec, data_parallel: int, gpus_per_node: int) -> LinearCost:
+    """Ring all-reduce over one stage's replicas: 2(D-1) latencies + 2(D-1)/D bytes / bandwidth."""
+    if data_parallel == 1:
+        return LinearCost(0.0, 0.0)
+    link = allreduce_link(device, data_parallel, gpus_per_node)
+    steps = 2 * (data_parallel - 1)
+    return LinearCost(steps * link.latency_us * 1e-3,
+                      steps / data_parallel * 1e3 / (link.bandwidth_gb_per_s * 1e9))
+
+
+def coarsen(graph: LayerGraph, table: CostTable, precision: Precision, optimizer: str,
+            max_units: int) -> Coarsening:
+    """Group nodes into at most ``max_units`` units of similar time, cutting where few bytes cross."""
+    order = [node.name for node in graph]
+    crossing = _crossing_bytes(graph, table)
+    times = [table[name].fwd_ms + table[name].bwd_ms for name in order]
+    cuts = _choose_cuts(times, crossing, max_units)
+    groups = [order[start:end] for start, end in zip((0, *cuts), (*cuts, len(order)))]
+    users = _param_users(graph, groups)
+    shared_names = sorted(name for name, units in users.items() if len(units) > 1)
+    shared_index = {name: index for index, name in enumerate(shared_names)}
+    units = tuple(_unit(graph, table, group, precision, optimizer, shared_index)
+                  for group in groups)
+    shared = tuple(SharedParam(name, *_param_state(graph, name, precision, optimizer))
+                   for name in shared_names)
+    return Coarsening(units, tuple(crossing[cut - 1] for cut in cuts), shared)
+
+
+def _crossing_bytes(graph: LayerGraph, table: CostTable) -> list[int]:
+    """crossing[p]: bytes of activations produced at or before node p and read after it."""
+    position = {node.name: index for index, node in enumerate(graph)}
+    delta = [0] * (len(graph) + 1)
+    for node in graph:
+        readers = graph.users[node.name]
+        if node.kind is NodeKind.PARAM or not readers:
+            continue
+        start, end = position[node.name], position[readers[-1]]
+        delta[start] += table[node.name].output_bytes
+        delta[end] -= table[node.name].output_bytes
+    crossing, running = [], 0
+    for index in range(len(graph)):
+        running += delta[index]
+        crossing.append(running)
+    return crossing
+
+
+def _choose_cuts(times: list[float], crossing: list[int], max_units: int) -> list[int]:
+    """Cut indices (a cut at c separates node c-1 from node c) for about ``max_units`` units.
+
+    Walk the nodes accumulating time; once a unit has about total/max_units of it, cut at the
+    position with the fewest crossing bytes among those that keep the unit between half and
+    one and a half of the target.
+    """
+    total = sum(times) or float(len(times))
+    weights = times if sum(times) > 0 else [1.0] * len(times)
+    target = total / max(1, max_units)
+    cuts: list[int] = []
+    accumulated, index = 0.0, 0
+    while index < len(weights) - 1:
+        accumulated += weights[index]
+        if accumulated >= target:
+            window = _window(weights, index, target)
+            best = min(window, key=lambda p: (crossing[p], abs(p - index)))
+            cuts.append(best + 1)
+            index, accumulated = best + 1, 0.0
+            continue
+        index += 1
+    return [cut for cut in cuts if 0 < cut < len(weights)]
+
+
+def _window(weights: list[float], index: int, target: float) -> range:
+    """Positions around ``index`` whose unit would stay within [0.5, 1.5] x target."""
+    low = index
+    slack = 0.5 * target
+    while low > 0 and slack - weights[low] > 0:
+        slack -= weights[low]
+        low -= 1
+    high, extra = index, 0.0
+    while high + 1 < len(weights) - 1 and extra + weights[high + 1] <= 0.5 * target:
+        extra += weights[high + 1]
+        high += 1
+    return range(low, high + 1)
+
+
+def _param_users(graph: LayerGraph, groups: list[list[str]]) -> dict[str, set[int]]:
+    users: dict[str, set[int]] = {}
+    for unit, names in enumerate(groups):
+        for name in names:
+            node = graph.node(name)
+            if node.kind is not NodeKind.PARAM:
+                for param in node.param_names:
+                    users.setdefault(param, set()).add(unit)
+    return users
+
+
+def _param_state(graph: LayerGraph, name: str, precision: Precision, optimizer: str) -> tuple[int, int]:
+    info = graph.parameter(name)
+    if info.is_buffer:
+        return info.nbytes, 0
+    state = model_state_bytes(info.numel, precision, optimizer)
+    return state.total_bytes, state.grad_bytes
+
+
+def _unit(graph: LayerGraph, table: CostTable, names: list[str], precision: Precision,
+          optimizer: str, shared_index: dict[str, int]) -> Unit:
+    params = {p for name in names if graph.node(name).kind is not NodeKind.PARAM
+              for p in graph.node(name).param_names}
+    own = [p for p in params if p not in shared_index]
+    state = [_param_state(graph, p, precision, optimizer) for p in own]
+    costs = [table[name] for name in names]
+    return Unit(
+        nodes=tuple(names),
+        fwd_ms=sum(c.fwd_ms for c in costs),
+        bwd_ms=sum(c.bwd_ms for c in costs),
+        state_bytes=sum(s for s, _ in state),
+        grad_bytes=sum(g for _, g in state),
+        activation_bytes=sum(c.saved_activation_bytes for c in costs),
+        transient_bytes=max((2 * c.output_bytes for c, n in zip(costs, names)
+                             if graph.node(n).kind is not NodeKind.PARAM), default=0),
+        shared=tuple(sorted(shared_index[p] for p in params if p in shared_index)),
+    )

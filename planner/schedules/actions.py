@@ -1,0 +1,205 @@
+"""Schedule actions as data: the action kinds, one immutable action, and the stage-to-rank map."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+
+class ActionKind(str, Enum):
+    """What one step of a rank's program does; the value is the text used in ``str(action)``."""
+
+    F = "F"
+    B = "B"
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+    ALLREDUCE = "ALLREDUCE"
+    OPTIMIZER_STEP = "OPTIMIZER_STEP"
+    SWAP_OUT = "SWAP_OUT"
+    SWAP_IN = "SWAP_IN"
+    RECOMPUTE = "RECOMPUTE"
+
+    @property
+    def is_send(self) -> bool:
+        return self in _SENDS
+
+    @property
+    def is_recv(self) -> bool:
+        return self in _RECEIVES
+
+    @property
+    def is_communication(self) -> bool:
+        """A point-to-point send or receive (these carry a peer stage)."""
+        return self in _SENDS or self in _RECEIVES
+
+    @property
+    def is_per_stage(self) -> bool:
+        """A once-per-step action of a whole stage (no micro-batch): ALLREDUCE, OPTIMIZER_STEP."""
+        return self in _PER_STAGE
+
+    @property
+    def is_backward_direction(self) -> bool:
+        """Communication that carries gradients (backward) rather than activations (forward)."""
+        return self in (ActionKind.SEND_B, ActionKind.RECV_B)
+
+
+_SENDS = frozenset({ActionKind.SEND_F, ActionKind.SEND_B})
+_RECEIVES = frozenset({ActionKind.RECV_F, ActionKind.RECV_B})
+_PER_STAGE = frozenset({ActionKind.ALLREDUCE, ActionKind.OPTIMIZER_STEP})
+
+_EXPECTED_FORMS = ("'2F5', '2B5' (stage, kind, micro-batch); '2SEND_F5>3', '3RECV_F5<2', '3SEND_B5>2', "
+                   "'2RECV_B5<3' (sends point > to the peer stage, receives < from it); '2ALLREDUCE', "
+                   "'2OPTIMIZER_STEP'; '2SWAP_OUT5', '2SWAP_IN5', '2RECOMPUTE5'")
+_ACTION_PATTERN = re.compile(r"^(0|[1-9]\d*)([A-Z_]+)(0|[1-9]\d*)?(?:([<>])(0|[1-9]\d*))?$")
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of a rank's program; prints and parses as a compact string.
+
+    >>> str(Action(2, ActionKind.SEND_F, 5, peer=3))
+    '2SEND_F5>3'
+    >>> Action.parse("3RECV_F5<2")
+    Action(stage=3, kind=<ActionKind.RECV_F: 'RECV_F'>, microbatch=5, peer=2)
+    """
+
+    stage: int
+    kind: ActionKind
+    microbatch: int | None = None
+    peer: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, ActionKind):
+            object.__setattr__(self, "kind", ActionKind(self.kind))
+        kind = self.kind
+        if self.stage < 0:
+            raise ValueError(f"action stage must be >= 0, got {self.stage} in {self!r}")
+        if (kind in _PER_STAGE) != (self.microbatch is None):
+            need = "no micro-batch" if kind in _PER_STAGE else "a micro-batch"
+            raise ValueError(f"{kind.value} takes {need}; got microbatch={self.microbatch}")
+        if self.microbatch is not None and self.microbatch < 0:
+            raise ValueError(f"micro-batch must be >= 0, got {self.microbatch} in {self!r}")
+        if kind.is_communication != (self.peer is not None):
+            need = "a peer stage" if kind.is_communication else "no peer stage"
+            raise ValueError(f"{kind.value} takes {need}; got peer={self.peer}")
+        if self.peer is not None and (self.peer < 0 or self.peer == self.stage):
+            raise ValueError(f"peer stage must be >= 0 and differ from stage {self.stage}, got {self.peer}")
+
+    def __str__(self) -> str:
+        text = f"{self.stage}{self.kind.value}"
+        if self.microbatch is not None:
+            text += str(self.microbatch)
+        if self.peer is not None:
+            text += (">" if self.kind.is_send else "<") + str(self.peer)
+        return text
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        """Inverse of ``str``: ``Action.parse(str(a)) == a`` and ``str(Action.parse(s)) == s``."""
+        match = _ACTION_PATTERN.match(text)
+        if match is None or match.group(2) not in ActionKind.__members__:
+            raise ValueError(f"cannot parse action {text!r}; expected one of {_EXPECTED_FORMS}")
+        stage, kind_name, microbatch, arrow, peer = match.groups()
+        kind = ActionKind[kind_name]
+        if kind.is_communication and arrow != (">" if kind.is_send else "<"):
+            raise ValueError(f"cannot parse action {text!r}: {kind.value} needs "
+                             f"{'>' if kind.is_send else '<'}peer; expected one of {_EXPECTED_FORMS}")
+        try:
+            return cls(int(stage), kind, None if microbatch is None else int(microbatch),
+                       None if peer is None else int(peer))
+        except ValueError as error:
+            raise ValueError(f"cannot parse action {text!r}: {error}; expected one of "
+                             f"{_EXPECTED_FORMS}") from None
+
+
+Program = tuple[Action, ...]
+Programs = tuple[Program, ...]
+
+
+def matching_send(recv: Action) -> Action:
+    """The send that a receive takes: ``3RECV_F5<2`` ↔ ``2SEND_F5>3``."""
+    if not recv.kind.is_recv:
+        raise ValueError(f"{recv} is not a receive")
+    kind = ActionKind.SEND_F if recv.kind is ActionKind.RECV_F else ActionKind.SEND_B
+    assert recv.peer is not None
+    return Action(recv.peer, kind, recv.microbatch, peer=recv.stage)
+
+
+def matching_recv(send: Action) -> Action:
+    """The receive that takes a send: ``2SEND_F5>3`` ↔ ``3RECV_F5<2``."""
+    if not send.kind.is_send:
+        raise ValueError(f"{send} is not a send")
+    kind = ActionKind.RECV_F if send.kind is ActionKind.SEND_F else ActionKind.RECV_B
+    assert send.peer is not None
+    return Action(send.peer, kind, send.microbatch, peer=send.stage)
+
+
+def format_programs(programs: Programs) -> tuple[tuple[str, ...], ...]:
+    """Programs as rows of action strings (how a plan file stores them)."""
+    return tuple(tuple(str(action) for action in program) for program in programs)
+
+
+def parse_programs(rows: Iterable[Iterable[str]]) -> Programs:
+    """Inverse of :func:`format_programs`.
+
+    >>> parse_programs([["0F0", "0B0"]])[0][1].kind
+    <ActionKind.B: 'B'>
+    """
+    return tuple(tuple(Action.parse(text) for text in row) for row in rows)
+
+
+@dataclass(frozen=True)
+class StageMap:
+    """Which rank (within one pipeline replica) runs each stage: ``rank_of_stage[stage] = rank``.
+
+    GPipe and 1F1B put stage s on rank s; interleaved schedules put several stages on one rank.
+
+    >>> StageMap((0, 1, 0, 1)).stages_on(1)
+    (1, 3)
+    """
+
+    rank_of_stage: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rank_of_stage", tuple(self.rank_of_stage))
+        ranks = set(self.rank_of_stage)
+        if not ranks or ranks != set(range(len(ranks))):
+            raise ValueError(f"stage map {self.rank_of_stage} must use every rank 0..R-1 at least once")
+
+    @classmethod
+    def identity(cls, num_stages: int) -> StageMap:
+        """Stage s on rank s (GPipe, 1F1B)."""
+        if num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+        return cls(tuple(range(num_stages)))
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.rank_of_stage)
+
+    @property
+    def num_ranks(self) -> int:
+        return max(self.rank_of_stage) + 1
+
+    def rank(self, stage: int) -> int:
+        if not 0 <= stage < self.num_stages:
+            raise ValueError(f"stage {stage} is out of range; the stage map has {self.num_stages} stages")
+        return self.rank_of_stage[stage]
+
+    def stages_on(self, rank: int) -> tuple[int, ...]:
+        return tuple(stage for stage, owner in enumerate(self.rank_of_stage) if owner == rank)
+
+    def same_rank(self, stage_a: int, stage_b: int) -> bool:
+        return self.rank(stage_a) == self.rank(stage_b)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rank_of_stage": list(self.rank_of_stage)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> StageMap:
+        return cls(tuple(data["rank_of_stage"]))

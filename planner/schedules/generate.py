@@ -1,0 +1,120 @@
+"""Schedule generators: per-rank compute programs (F and B only) for each schedule kind."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from planner.schedules.actions import Action, ActionKind, Program, Programs, StageMap
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A generator's output: compute-only programs per rank and where each stage runs."""
+
+    kind: str
+    num_microbatches: int
+    stage_map: StageMap
+    programs: Programs
+
+    @property
+    def num_stages(self) -> int:
+        return self.stage_map.num_stages
+
+
+ScheduleGenerator = Callable[..., Schedule]
+"""``generator(num_stages, num_microbatches, **options) -> Schedule``; later kinds add keyword options."""
+
+
+def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
+    """GPipe: every stage runs all forwards, then all backwards (in micro-batch order).
+
+    >>> [str(a) for a in gpipe(2, 2).programs[1]]
+    ['1F0', '1F1', '1B0', '1B1']
+    """
+    _check_sizes(num_stages, num_microbatches)
+    programs = tuple(_forwards(stage, range(num_microbatches)) + _backwards(stage, range(num_microbatches))
+                     for stage in range(num_stages))
+    return Schedule("gpipe", num_microbatches, StageMap.identity(num_stages), programs)
+
+
+def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
+    """Non-interleaved 1F1B: ``min(M, S - s)`` warm-up forwards, then B/F pairs, then the remaining Bs.
+
+    >>> [str(a) for a in one_f_one_b(2, 3).programs[0]]
+    ['0F0', '0F1', '0B0', '0F2', '0B1', '0B2']
+    """
+    _check_sizes(num_stages, num_microbatches)
+    programs = tuple(_one_f_one_b_stage(stage, num_stages, num_microbatches) for stage in range(num_stages))
+    return Schedule("1f1b", num_microbatches, StageMap.identity(num_stages), programs)
+
+
+def _one_f_one_b_stage(stage: int, num_stages: int, num_microbatches: int) -> Program:
+    warmup = min(num_microbatches, num_stages - stage)
+    program = list(_forwards(stage, range(warmup)))
+    for microbatch in range(num_microbatches - warmup):
+        program.append(Action(stage, ActionKind.B, microbatch))
+        program.append(Action(stage, ActionKind.F, warmup + microbatch))
+    program.extend(_backwards(stage, range(num_microbatches - warmup, num_microbatches)))
+    return tuple(program)
+
+
+def _forwards(stage: int, microbatches: range) -> Program:
+    return tuple(Action(stage, ActionKind.F, microbatch) for microbatch in microbatches)
+
+
+def _backwards(stage: int, microbatches: range) -> Program:
+    return tuple(Action(stage, ActionKind.B, microbatch) for microbatch in microbatches)
+
+
+def _check_sizes(num_stages: int, num_microbatches: int) -> None:
+    if num_stages < 1 or num_microbatches < 1:
+        raise ValueError(f"a schedule needs num_stages >= 1 and num_microbatches >= 1, "
+                         f"got num_stages={num_stages}, num_microbatches={num_microbatches}")
+
+
+GENERATORS: Mapping[str, ScheduleGenerator] = MappingProxyType({
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+})
+"""Schedule kind (the plan's ``schedule.kind``) → generator. New kinds are new entries here."""
+
+
+def generate(kind: str, num_stages: int, num_microbatches: int, **options: Any) -> Schedule:
+    """Look up the generator for ``kind`` and run it.
+
+    >>> generate("1f1b", 4, 8).stage_map.num_ranks
+    4
+    """
+    if kind not in GENERATORS:
+        raise ValueError(f"unknown schedule kind {kind!r}; known kinds: {', '.join(sorted(GENERATORS))}")
+    return GENERATORS[kind](num_stages, num_microbatches, **options)
+
+
+def max_in_flight(programs: Programs, num_stages: int) -> tuple[int, ...]:
+    """Per stage, the most micro-batches between their F and their B at once (running max of F - B).
+
+    >>> max_in_flight(one_f_one_b(3, 8).programs, 3)
+    (3, 2, 1)
+    """
+    held, peak = [0] * num_stages, [0] * num_stages
+    for program in programs:
+        for action in program:
+            if action.kind is ActionKind.F:
+                held[action.stage] += 1
+                peak[action.stage] = max(peak[action.stage], held[action.stage])
+            elif action.kind is ActionKind.B:
+                held[action.stage] -= 1
+    return tuple(peak)
+
+
+def in_flight(kind: str, num_stages: int, num_microbatches: int, **options: Any) -> tuple[int, ...]:
+    """Per stage, the most micro-batches whose activations it holds at once, read off the program.
+
+    >>> in_flight("gpipe", 4, 6), in_flight("1f1b", 4, 6)
+    ((6, 6, 6, 6), (4, 3, 2, 1))
+    """
+    schedule = generate(kind, num_stages, num_microbatches, **options)
+    return max_in_flight(schedule.programs, schedule.num_stages)

@@ -1,0 +1,184 @@
+"""Simulator: replays lowered programs on per-stage costs to predict step time, bubble and memory.
+
+Model: each rank runs its actions in order on one compute resource. F, B, OPTIMIZER_STEP take
+their stage's time and count as busy; ALLREDUCE takes ``allreduce_ms`` (all replicas reduce at
+once, so it is a local duration) and blocks the rank, but is communication, not busy time. A
+SEND returns at once and starts a transfer on the directed link src rank → dst rank; transfers
+on one link run one after another (FIFO). A RECV blocks until its transfer has arrived.
+SWAP_OUT, SWAP_IN and RECOMPUTE take no time until offload costs exist. Memory per rank is the
+static bytes of its stages plus ``activation_bytes`` for each micro-batch from the start of its F
+to the end of its B. A receive is paired with its send by what it carries (kind, micro-batch,
+stages); that the order on each channel matches is :func:`validate`'s job, so simulate
+validated programs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from planner.schedules.actions import Action, ActionKind, Programs, StageMap, matching_send
+from planner.schedules.replay import replay, stuck_ranks
+from planner.schedules.validate import ScheduleError
+
+COMPUTE_LANE = "compute"
+COMM_LANE = "comm"
+_BUSY_KINDS = (ActionKind.F, ActionKind.B, ActionKind.OPTIMIZER_STEP, ActionKind.RECOMPUTE)
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """What one stage costs per step and per micro-batch."""
+
+    fwd_ms: float
+    bwd_ms: float
+    activation_bytes: int  # held per micro-batch in flight (from its F start until its B finishes)
+    static_bytes: int  # weights, gradients, optimizer state, buffers: held all the time
+    allreduce_ms: float = 0.0
+    optimizer_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class SimCosts:
+    """Costs of every stage and of every tensor crossing; edges missing from ``transfer_ms`` cost 0."""
+
+    stages: tuple[StageCosts, ...]
+    transfer_ms: Mapping[tuple[int, int], float]  # (src_stage, dst_stage) -> ms per micro-batch, either way
+
+
+@dataclass(frozen=True)
+class SimEvent:
+    """One executed action on the timeline."""
+
+    rank: int
+    action: str
+    start_ms: float
+    end_ms: float
+    lane: str  # "compute" or "comm"
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What one simulated training step took."""
+
+    step_ms: float
+    bubble_fraction: float
+    busy_ms: tuple[float, ...]
+    peak_mem_bytes: tuple[int, ...]
+    memory_timeline: tuple[tuple[tuple[float, int], ...], ...]  # per rank: (t_ms, bytes) after each change
+    events: tuple[SimEvent, ...]
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.busy_ms)
+
+
+def simulate(programs: Programs, stage_map: StageMap, costs: SimCosts) -> SimResult:
+    """Replay lowered programs on costs.
+
+    >>> from planner.schedules.generate import gpipe
+    >>> from planner.schedules.lower import lower
+    >>> s = gpipe(2, 2)
+    >>> programs = lower(s.programs, s.stage_map, {(0, 1)}, data_parallel=False)
+    >>> stage = StageCosts(fwd_ms=1.0, bwd_ms=2.0, activation_bytes=10, static_bytes=100)
+    >>> result = simulate(programs, s.stage_map, SimCosts((stage, stage), {}))
+    >>> result.step_ms, round(result.bubble_fraction, 3), result.peak_mem_bytes
+    (9.0, 0.333, (120, 120))
+    """
+    if len(costs.stages) != stage_map.num_stages:
+        raise ValueError(f"costs give {len(costs.stages)} stages but the stage map has {stage_map.num_stages}")
+    if len(programs) != stage_map.num_ranks:
+        raise ValueError(f"got {len(programs)} programs for {stage_map.num_ranks} ranks")
+    state = _Clocks(stage_map, costs)
+    positions = replay(programs, state.try_step)
+    stuck = stuck_ranks(programs, positions)
+    if stuck:
+        waits = ", ".join(f"rank {rank} at {programs[rank][positions[rank]]}" for rank in stuck)
+        raise ScheduleError(f"cannot simulate: ranks wait forever ({waits}); run validate() for the reason",
+                            programs, [(rank, positions[rank]) for rank in stuck])
+    return state.result()
+
+
+@dataclass
+class _Clocks:
+    """Mutable state of one simulation: per-rank clocks, link availability, arrivals, memory."""
+
+    stage_map: StageMap
+    costs: SimCosts
+    clock_ms: list[float] = field(default_factory=list)
+    busy_ms: list[float] = field(default_factory=list)
+    memory: list[list[tuple[float, int]]] = field(default_factory=list)
+    link_free_ms: dict[tuple[int, int], float] = field(default_factory=dict)
+    arrival_ms: dict[Action, float] = field(default_factory=dict)
+    events: list[SimEvent] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        ranks = range(self.stage_map.num_ranks)
+        self.clock_ms = [0.0 for _ in ranks]
+        self.busy_ms = [0.0 for _ in ranks]
+        self.memory = [[(0.0, self._static_bytes(rank))] for rank in ranks]
+
+    def _static_bytes(self, rank: int) -> int:
+        return sum(self.costs.stages[stage].static_bytes for stage in self.stage_map.stages_on(rank))
+
+    def try_step(self, rank: int, step: int, action: Action) -> bool:
+        if action.kind.is_recv:
+            return self._receive(rank, action)
+        if action.kind.is_send:
+            self._send(rank, action)
+        else:
+            self._run_locally(rank, action)
+        return True
+
+    def _receive(self, rank: int, recv: Action) -> bool:
+        arrival = self.arrival_ms.get(matching_send(recv))
+        if arrival is None:
+            return False
+        start = self.clock_ms[rank]
+        self.clock_ms[rank] = max(start, arrival)
+        self._record(rank, recv, start, self.clock_ms[rank], COMM_LANE)
+        return True
+
+    def _send(self, rank: int, send: Action) -> None:
+        assert send.peer is not None
+        link = (rank, self.stage_map.rank(send.peer))
+        edge = (send.stage, send.peer) if send.kind is ActionKind.SEND_F else (send.peer, send.stage)
+        start = max(self.clock_ms[rank], self.link_free_ms.get(link, 0.0))
+        end = start + self.costs.transfer_ms.get(edge, 0.0)
+        self.link_free_ms[link] = end
+        self.arrival_ms[send] = end
+        self._record(rank, send, start, end, COMM_LANE)
+
+    def _run_locally(self, rank: int, action: Action) -> None:
+        start = self.clock_ms[rank]
+        end = start + self._duration_ms(action)
+        self.clock_ms[rank] = end
+        activation = self.costs.stages[action.stage].activation_bytes
+        if action.kind is ActionKind.F:
+            self._change_memory(rank, start, activation)
+        elif action.kind is ActionKind.B:
+            self._change_memory(rank, end, -activation)
+        lane = COMPUTE_LANE if action.kind in _BUSY_KINDS else COMM_LANE
+        if lane == COMPUTE_LANE:
+            self.busy_ms[rank] += end - start
+        self._record(rank, action, start, end, lane)
+
+    def _duration_ms(self, action: Action) -> float:
+        stage = self.costs.stages[action.stage]
+        return {ActionKind.F: stage.fwd_ms, ActionKind.B: stage.bwd_ms, ActionKind.ALLREDUCE: stage.allreduce_ms,
+                ActionKind.OPTIMIZER_STEP: stage.optimizer_ms}.get(action.kind, 0.0)
+
+    def _change_memory(self, rank: int, time_ms: float, delta_bytes: int) -> None:
+        self.memory[rank].append((time_ms, self.memory[rank][-1][1] + delta_bytes))
+
+    def _record(self, rank: int, action: Action, start: float, end: float, lane: str) -> None:
+        self.events.append(SimEvent(rank, str(action), start, end, lane))
+
+    def result(self) -> SimResult:
+        step_ms = max((event.end_ms for event in self.events), default=0.0)
+        capacity = step_ms * self.stage_map.num_ranks
+        bubble = 1.0 - sum(self.busy_ms) / capacity if capacity > 0 else 0.0
+        return SimResult(step_ms=step_ms, bubble_fraction=bubble, busy_ms=tuple(self.busy_ms),
+                         peak_mem_bytes=tuple(max(nbytes for _, nbytes in timeline) for timeline in self.memory),
+                         memory_timeline=tuple(tuple(timeline) for timeline in self.memory),
+                         events=tuple(sorted(self.events, key=lambda event: (event.start_ms, event.rank))))

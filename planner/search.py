@@ -1,0 +1,198 @@
+"""The outer search: enumerate (stages, data parallel, micro-batch, schedule), solve each ILP.
+
+Configurations are visited in order of a lower bound on their step time and skipped once the
+bound cannot beat the best plan found, so most of the ILPs of a large search are never built.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from cost_models.devices import DeviceSpec
+from cost_models.estimation import CostTable, estimate
+from cost_models.memory import Precision
+from planner.errors import InvalidArgument, PlanInfeasible
+from planner.graph import LayerGraph
+from planner.ilp import SolveStatus, solve_partition
+from planner.objective import Evaluation, evaluate
+from planner.oracle import min_peak_partition
+from planner.problem import (Coarsening, PipelineProblem, allreduce_cost, coarsen,
+                             pipeline_links)
+from planner.schedules.generate import in_flight
+from planner.units import format_bytes
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """The discrete knobs and fixed inputs of one planning request."""
+
+    gpus: int
+    gpus_per_node: int
+    mem_bytes: int
+    global_batch_size: int
+    optimizer: str
+    precision: Precision
+    schedules: tuple[str, ...]
+    micro_batch_sizes: tuple[int, ...] | None = None  # None: every divisor
+    max_units: int = 160
+    time_limit_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class Config:
+    num_stages: int
+    data_parallel: int
+    micro_batch_size: int
+    num_microbatches: int
+    schedule: str
+
+    def describe(self) -> str:
+        return (f"{self.num_stages} stages x {self.data_parallel} replicas, micro-batch "
+                f"{self.micro_batch_size} x {self.num_microbatches}, {self.schedule}")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    config: Config
+    problem: PipelineProblem
+    coarsening: Coarsening
+    table: CostTable
+    cuts: tuple[int, ...]
+    evaluation: Evaluation
+    objective_ms: float
+    status: SolveStatus
+    solver: str
+    gap: float
+    binding: str
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    best: Candidate
+    runner_up: Candidate | None
+    configs_total: int
+    configs_solved: int
+    wall_s: float
+    solver_s: float = 0.0
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def configurations(space: SearchSpace, max_stages: int) -> list[Config]:
+    """Every (S, D, micro-batch, schedule) with S * D == gpus that divides the batch."""
+    configs = []
+    for stages in divisors(space.gpus):
+        replicas = space.gpus // stages
+        if stages > max_stages or space.global_batch_size % replicas:
+            continue
+        per_replica = space.global_batch_size // replicas
+        sizes = space.micro_batch_sizes or tuple(divisors(per_replica))
+        for micro in (m for m in sizes if per_replica % m == 0):
+            for schedule in space.schedules:
+                configs.append(Config(stages, replicas, micro, per_replica // micro, schedule))
+    if not configs:
+        raise InvalidArgument(_batch_message(space))
+    return configs
+
+
+def _batch_message(space: SearchSpace) -> str:
+    sizes = f" into micro-batches of {list(space.micro_batch_sizes)}" if space.micro_batch_sizes else ""
+    return (f"batch size {space.global_batch_size} cannot be split over any data-parallel degree "
+            f"dividing {space.gpus} GPUs{sizes}; use a batch size divisible by the data-parallel "
+            f"degree times the micro-batch size (e.g. a multiple of {space.gpus})")
+
+
+class Search:
+    """Costs per micro-batch size are computed once and shared by every configuration."""
+
+    def __init__(self, graph: LayerGraph, device: DeviceSpec, space: SearchSpace) -> None:
+        self.graph = graph
+        self.device = device
+        self.space = space
+        self._tables: dict[int, tuple[CostTable, Coarsening]] = {}
+
+    def costs(self, micro_batch_size: int) -> tuple[CostTable, Coarsening]:
+        if micro_batch_size not in self._tables:
+            table = estimate(self.graph, self.device, self.space.optimizer,
+                             self.space.precision.name, batch_size=micro_batch_size)
+            self._tables[micro_batch_size] = (table, coarsen(
+                self.graph, table, self.space.precision, self.space.optimizer, self.space.max_units))
+        return self._tables[micro_batch_size]
+
+    def problem(self, config: Config) -> tuple[PipelineProblem, Coarsening, CostTable]:
+        table, coarse = self.costs(config.micro_batch_size)
+        problem = PipelineProblem(
+            coarse.units, coarse.boundary_bytes, coarse.shared, config.num_stages,
+            config.num_microbatches,
+            in_flight(config.schedule, config.num_stages, config.num_microbatches),
+            pipeline_links(self.device, config.num_stages, config.data_parallel, self.space.gpus_per_node),
+            allreduce_cost(self.device, config.data_parallel, self.space.gpus_per_node),
+            self.space.mem_bytes, round_trip=config.schedule == "1f1b")
+        return problem, coarse, table
+
+    def run(self) -> SearchResult:
+        start = time.perf_counter()
+        max_stages = len(self.costs(1)[1].units)
+        configs = configurations(self.space, max_stages)
+        ranked = sorted(configs, key=self.lower_bound)
+        solved: list[Candidate] = []
+        solver_s = 0.0
+        for config in ranked:
+            best = min((c.objective_ms for c in solved), default=float("inf"))
+            if self.lower_bound(config) >= best:
+                continue
+            remaining = self.space.time_limit_s - (time.perf_counter() - start)
+            if remaining <= 0 and solved:
+                break
+            candidate = self.solve(config, max(1.0, remaining))
+            solver_s += candidate[1]
+            if candidate[0] is not None:
+                solved.append(candidate[0])
+        if not solved:
+            raise self.infeasible(configs)
+        solved.sort(key=lambda c: (round(c.objective_ms, 9), c.evaluation.peak_mem_bytes))
+        return SearchResult(solved[0], solved[1] if len(solved) > 1 else None, len(configs),
+                            len(solved), time.perf_counter() - start, solver_s)
+
+    def solve(self, config: Config, time_limit_s: float) -> tuple[Candidate | None, float]:
+        problem, coarse, table = self.problem(config)
+        result = solve_partition(problem, time_limit_s=time_limit_s)
+        if result.cuts is None:
+            return None, result.wall_s
+        evaluation = evaluate(problem, result.cuts)
+        return Candidate(config, problem, coarse, table, result.cuts, evaluation,
+                         result.objective, result.status, result.solver, result.gap,
+                         result.binding), result.wall_s
+
+    def lower_bound(self, config: Config) -> float:
+        """Step time no partition of this configuration can beat (bottleneck >= average stage)."""
+        _, coarse = self.costs(config.micro_batch_size)
+        compute = [unit.fwd_ms + unit.bwd_ms for unit in coarse.units]
+        total = sum(compute)
+        bottleneck = max(total / config.num_stages, max(compute))
+        return total + (config.num_microbatches - 1) * bottleneck
+
+    def infeasible(self, configs: Sequence[Config]) -> PlanInfeasible:
+        """The error for a budget nothing fits: the smallest memory the most frugal layout needs."""
+        frugal = min(configs, key=lambda c: (-c.num_stages, c.micro_batch_size,
+                                             sum(in_flight(c.schedule, c.num_stages, c.num_microbatches))))
+        problem, coarse, _ = self.problem(frugal)
+        floor = min_peak_partition(problem)
+        stage = max(floor.evaluation.stages, key=lambda s: s.peak_mem_bytes)
+        index = floor.evaluation.stages.index(stage)
+        nodes = [n for unit in coarse.units[stage.first_unit:stage.last_unit + 1] for n in unit.nodes]
+        heaviest = max(coarse.units[stage.first_unit:stage.last_unit + 1], key=lambda u: u.state_bytes)
+        need = stage.peak_mem_bytes
+        message = (
+            f"no plan fits {format_bytes(self.space.mem_bytes)} per GPU on {self.space.gpus} x "
+            f"{self.device.name}: the most memory-frugal layout ({frugal.describe()}) still needs "
+            f"{format_bytes(need)} on stage {index} (nodes {nodes[0]} .. {nodes[-1]}: "
+            f"{format_bytes(stage.static_bytes)} of weights, gradients, optimizer state and buffers, "
+            f"{format_bytes(need - stage.static_bytes)} of activations); its heaviest part starts at "
+            f"{heaviest.nodes[0]}. Give mem >= {format_bytes(need)}, more GPUs, or a smaller batch.")
+        return PlanInfeasible(message, min_mem_bytes=need, binding=f"stage {index} ({nodes[0]})")

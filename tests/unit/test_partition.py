@@ -1,0 +1,106 @@
+"""The partition ILP against the exact dynamic program, on random instances and on zoo models."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cost_models.devices import get_device
+from cost_models.memory import get_precision
+from examples.models.amoebanet import amoebanet_d
+from examples.models.gpt import gpt_tiny
+from examples.models.resnet import resnet50
+from examples.models.unet import unet_small
+from planner import trace
+from planner.ilp import SolveStatus, solve_partition
+from planner.objective import evaluate
+from planner.oracle import min_peak_partition, optimal_partition
+from planner.problem import LinearCost, PipelineProblem, SharedParam, Unit
+from planner.search import Config, Search, SearchSpace
+
+SHARED = (SharedParam("tied.weight", 700, 100), SharedParam("other", 300, 50))
+
+
+@st.composite
+def problems(draw) -> PipelineProblem:
+    num_units = draw(st.integers(1, 11))
+    num_stages = draw(st.integers(1, min(num_units, 5)))
+    microbatches = draw(st.integers(1, 8))
+    ms = st.floats(0.0, 10.0, allow_nan=False)
+    nbytes = st.integers(0, 1000)
+    units = tuple(Unit((f"n{i}",), draw(ms), draw(ms), draw(nbytes), draw(st.integers(0, 300)),
+                       draw(nbytes), draw(st.integers(0, 300)),
+                       tuple(draw(st.sets(st.sampled_from([0, 1]), max_size=2))))
+                  for i in range(num_units))
+    in_flight = tuple(draw(st.sampled_from([microbatches, min(microbatches, num_stages - s)]))
+                      for s in range(num_stages))
+    links = tuple(LinearCost(draw(st.floats(0, 1)), draw(st.floats(0, 0.01)))
+                  for _ in range(num_stages - 1))
+    return PipelineProblem(units, tuple(draw(nbytes) for _ in range(num_units - 1)), SHARED,
+                           num_stages, microbatches, in_flight, links,
+                           LinearCost(draw(st.floats(0, 1)), draw(st.floats(0, 0.01))),
+                           draw(st.integers(500, 8000)), draw(st.booleans()))
+
+
+def _brute_force(problem: PipelineProblem) -> float | None:
+    best = None
+    for cuts in itertools.combinations(range(len(problem.units) - 1), problem.num_stages - 1):
+        evaluation = evaluate(problem, cuts)
+        if evaluation.fits(problem.mem_bytes) and (best is None or evaluation.step_ms < best):
+            best = evaluation.step_ms
+    return best
+
+
+@settings(max_examples=300, deadline=None)
+@given(problems())
+def test_ilp_equals_exact_dynamic_program(problem: PipelineProblem) -> None:
+    result = solve_partition(problem)
+    oracle = optimal_partition(problem)
+    assert (oracle is None) == (result.status is SolveStatus.INFEASIBLE)
+    if oracle is None:
+        assert _brute_force(problem) is None
+        return
+    assert result.status is SolveStatus.OPTIMAL
+    exact = oracle.evaluation.step_ms
+    assert result.objective == pytest.approx(exact, rel=1e-6, abs=1e-6)
+    chosen = evaluate(problem, result.cuts)
+    assert chosen.step_ms == pytest.approx(result.objective, rel=1e-6, abs=1e-6)
+    assert chosen.fits(problem.mem_bytes)
+    assert exact == pytest.approx(_brute_force(problem), rel=1e-9, abs=1e-9)
+
+
+@settings(max_examples=100, deadline=None)
+@given(problems())
+def test_min_peak_partition_is_the_memory_floor(problem: PipelineProblem) -> None:
+    floor = min_peak_partition(problem).evaluation.peak_mem_bytes
+    every = [evaluate(problem, cuts).peak_mem_bytes for cuts in
+             itertools.combinations(range(len(problem.units) - 1), problem.num_stages - 1)]
+    assert floor == min(every)
+
+
+ZOO = {
+    "resnet50": lambda: (resnet50(), torch.empty(1, 3, 224, 224, device="meta")),
+    "amoebanet": lambda: (amoebanet_d(num_layers=6, num_filters=64), torch.empty(1, 3, 224, 224, device="meta")),
+    "unet": lambda: (unet_small(), torch.empty(1, 3, 256, 256, device="meta")),
+    "gpt": lambda: (gpt_tiny(), torch.empty(1, 32, dtype=torch.long, device="meta")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_ilp_equals_dynamic_program_on_zoo_models(name: str, schedule: str) -> None:
+    model, x = ZOO[name]()
+    graph = trace(model, x)
+    space = SearchSpace(gpus=8, gpus_per_node=4, mem_bytes=16 * 2**30, global_batch_size=32,
+                        optimizer="adam", precision=get_precision("fp32"), schedules=(schedule,),
+                        max_units=24)
+    search = Search(graph, get_device("V100-16GB"), space)
+    for config in (Config(4, 2, 2, 8, schedule), Config(8, 1, 4, 8, schedule)):
+        problem, _, _ = search.problem(config)
+        result = solve_partition(problem)
+        oracle = optimal_partition(problem)
+        assert result.objective == pytest.approx(oracle.evaluation.step_ms, rel=1e-6)

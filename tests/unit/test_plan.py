@@ -1,0 +1,179 @@
+"""plan(): the Plan it returns, the plan file, the simulator's agreement, and every error."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from examples.models.gpt import gpt_50b, gpt_tiny
+from examples.models.resnet import resnet50
+from examples.models.unet import unet_small
+from planner import Plan, plan, trace
+from planner.cli import main
+from planner.errors import InvalidArgument, PlanFileError, PlanInfeasible, UnknownDevice
+from planner.plan_sim import simulate_plan
+from planner.schedules.actions import StageMap, parse_programs
+from planner.schedules.validate import validate
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def resnet_graph():
+    return trace(resnet50(), torch.empty(1, 3, 224, 224, device="meta"))
+
+
+@pytest.fixture(scope="module")
+def resnet_plan(resnet_graph) -> Plan:
+    return plan(resnet50(), gpus=8, mem="8GB", batch_size=64, device="V100-16GB",
+                example_inputs=torch.empty(1, 3, 224, 224, device="meta"), graph=resnet_graph,
+                builder="examples/models/resnet.py:resnet50")
+
+
+def test_plan_covers_every_node_once_in_order(resnet_plan: Plan, resnet_graph) -> None:
+    names = [name for stage in resnet_plan.stages for name in stage.nodes]
+    assert names == [node.name for node in resnet_graph]
+    assert resnet_plan.num_stages * resnet_plan.data_parallel == 8
+    ranks = sorted(rank for stage in resnet_plan.stages for rank in stage.ranks)
+    assert ranks == list(range(8)) and len(resnet_plan.programs) == 8
+    training = resnet_plan.training
+    assert training.micro_batch_size * training.num_microbatches * resnet_plan.data_parallel == 64
+    assert resnet_plan.model.fingerprint == resnet_graph.fingerprint
+    assert [row.name for row in resnet_plan.layers] == names
+
+
+def test_programs_validate(resnet_plan: Plan) -> None:
+    programs = parse_programs(tuple(resnet_plan.programs[s.ranks[0]] for s in resnet_plan.stages))
+    validate(programs, StageMap.identity(resnet_plan.num_stages))
+
+
+def test_simulation_agrees_with_the_solver_objective(resnet_plan: Plan) -> None:
+    simulated = simulate_plan(resnet_plan)
+    assert simulated.step_ms == pytest.approx(resnet_plan.predicted.step_ms)
+    assert simulated.step_ms == pytest.approx(resnet_plan.solver.objective, rel=0.05)
+
+
+@pytest.mark.parametrize("mem", ["2GB", "3GB", "6GB"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_simulated_memory_never_exceeds_the_budget(mem: str, schedule: str) -> None:
+    model, x = unet_small(), torch.empty(1, 3, 512, 512, device="meta")
+    result = plan(model, gpus=4, mem=mem, batch_size=16, example_inputs=x, device="A100-40GB",
+                  schedules=(schedule,))
+    budget = result.cluster.mem_bytes
+    assert max(simulate_plan(result).peak_mem_bytes) <= budget
+    assert all(stage.predicted.peak_mem_bytes <= budget for stage in result.stages)
+
+
+def test_plan_file_round_trip(resnet_plan: Plan, tmp_path: Path) -> None:
+    path = tmp_path / "plan.json"
+    resnet_plan.save(path)
+    assert Plan.load(path) == resnet_plan
+    data = json.loads(path.read_text())
+    for key in ("schema_version", "model", "cluster", "training", "schedule", "data_parallel",
+                "stages", "layers", "programs", "predicted", "solver"):
+        assert key in data
+    assert data["model"]["builder"] == "examples/models/resnet.py:resnet50"
+    assert set(data["solver"]) >= {"name", "status", "objective", "gap", "wall_s", "configs_tried", "why"}
+    assert data["stages"][0]["offload"]["optimizer_state"] == "gpu"
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ("{not json", "not valid JSON"),
+    ('{"schema_version": 99}', "schema_version is 99"),
+    ('{"schema_version": 1, "model": {}}', "malformed"),
+])
+def test_corrupt_plan_files_are_clear_errors(tmp_path: Path, content: str, message: str) -> None:
+    path = tmp_path / "plan.json"
+    path.write_text(content)
+    with pytest.raises(PlanFileError, match=message):
+        Plan.load(path)
+
+
+def _tiny(**overrides):
+    arguments = dict(gpus=2, mem="1GB", batch_size=8, device="V100-16GB",
+                     example_inputs=torch.empty(1, 32, dtype=torch.long, device="meta"))
+    arguments.update(overrides)
+    return plan(gpt_tiny(), **arguments)
+
+
+@pytest.mark.parametrize(("overrides", "error", "message"), [
+    ({"gpus": 0}, InvalidArgument, "gpus must be"),
+    ({"mem": "lots"}, InvalidArgument, "cannot parse memory size 'lots'"),
+    ({"mem": "-4GB"}, InvalidArgument, "cannot parse memory size"),
+    ({"mem": 0}, InvalidArgument, "must be positive"),
+    ({"device": "TPU-v9"}, UnknownDevice, "TPU-v9"),
+    ({"batch_size": 8, "micro_batch_sizes": (3,)}, InvalidArgument, "batch size 8 cannot be split"),
+    ({"batch_size": 0}, InvalidArgument, "batch_size must be"),
+    ({"schedules": ("wpipe",)}, InvalidArgument, "not supported"),
+])
+def test_bad_arguments(overrides: dict, error: type, message: str) -> None:
+    with pytest.raises(error, match=message):
+        _tiny(**overrides)
+
+
+def test_infeasible_budget_names_the_memory_that_would_fit() -> None:
+    with pytest.raises(PlanInfeasible) as raised:
+        _tiny(mem=100_000)
+    need = raised.value.min_mem_bytes
+    assert need > 100_000 and "stage" in raised.value.binding
+    assert _tiny(mem=need).predicted.peak_mem_bytes[0] <= need  # the named budget does fit
+
+
+def test_gpt_50b_without_offload_does_not_fit_16_v100_32gb() -> None:
+    model = gpt_50b()
+    with pytest.raises(PlanInfeasible) as raised:
+        plan(model, gpus=16, mem="32GB", batch_size=4, device="V100-32GB",  # the seed's batch
+             example_inputs=torch.empty(1, 1024, dtype=torch.long, device="meta"))
+    params = sum(p.numel() for p in model.parameters())
+    model_state_per_gpu = 16 * params / 16  # 16 bytes per parameter (fp32 Adam) over 16 GPUs
+    assert model_state_per_gpu <= raised.value.min_mem_bytes <= 1.5 * model_state_per_gpu
+    assert "GiB" in str(raised.value) and "stage" in str(raised.value)
+
+
+def test_cli_plan_show_simulate(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "plan.json"
+    assert main(["plan", "examples/models/gpt.py:gpt_tiny", "--input", "32:int64", "--batch-size",
+                 "8", "--gpus", "2", "--mem", "1GB", "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "stage" in printed and "samples/s" in printed and "why:" in printed
+    assert Plan.load(out).model.builder == "examples/models/gpt.py:gpt_tiny"
+    assert main(["show", str(out)]) == 0 and "peak mem" in capsys.readouterr().out
+    trace_file, svg_file = tmp_path / "t.json", tmp_path / "t.svg"
+    assert main(["simulate", str(out), "--trace", str(trace_file), "--svg", str(svg_file)]) == 0
+    assert json.loads(trace_file.read_text())["traceEvents"]
+    assert svg_file.read_text().startswith("<svg")
+
+
+def test_failed_plan_leaves_an_existing_plan_file_untouched(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "plan.json"
+    out.write_text("precious")
+    code = main(["plan", "examples/models/gpt.py:gpt_tiny", "--input", "32:int64", "--batch-size",
+                 "8", "--gpus", "2", "--mem", "10KB", "-o", str(out)])
+    captured = capsys.readouterr()
+    assert code == 2 and "no plan fits" in captured.err and captured.err.count("\n") == 1
+    assert out.read_text() == "precious"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--gpus", "0"], "gpus must be"),
+    (["--mem", "sixteen"], "cannot parse memory size"),
+    (["--device", "K80"], "unknown device 'K80'"),
+])
+def test_cli_plan_errors_exit_2(args: list[str], message: str, capsys) -> None:
+    argv = ["plan", "examples/models/gpt.py:gpt_tiny", "--input", "32:int64", "--batch-size", "8",
+            "--gpus", "2", "--mem", "1GB"]
+    for flag, value in zip(args[::2], args[1::2]):
+        argv[argv.index(flag) + 1 if flag in argv else len(argv):] = (
+            [value] + argv[argv.index(flag) + 2:] if flag in argv else [flag, value])
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_show_of_a_corrupt_file_is_one_line(tmp_path: Path, capsys) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    assert main(["show", str(bad)]) == 2
+    assert "not valid JSON" in capsys.readouterr().err

@@ -1,0 +1,136 @@
+"""planner.schedules.simulate: step time, bubble and memory against hand-computed values."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.schedules.actions import StageMap, parse_programs
+from planner.schedules.generate import generate, in_flight
+from planner.schedules.lower import lower
+from planner.schedules.simulate import SimCosts, SimResult, StageCosts, simulate
+from planner.schedules.validate import ScheduleError
+
+ACT, STATIC = 1000, 50_000
+
+
+def _chain(num_stages: int) -> dict[tuple[int, int], float]:
+    return {(stage, stage + 1): 0.0 for stage in range(num_stages - 1)}
+
+
+def _run(kind: str, stages: tuple[StageCosts, ...], num_microbatches: int, transfer_ms: float = 0.0,
+         data_parallel: bool = False) -> SimResult:
+    schedule = generate(kind, len(stages), num_microbatches)
+    edges = {edge: transfer_ms for edge in _chain(len(stages))}
+    programs = lower(schedule.programs, schedule.stage_map, edges, data_parallel=data_parallel)
+    return simulate(programs, schedule.stage_map, SimCosts(stages, edges))
+
+
+def _equal(num_stages: int, fwd_ms: float = 1.5, **extra: float) -> tuple[StageCosts, ...]:
+    return tuple(StageCosts(fwd_ms, 2 * fwd_ms, ACT, STATIC, **extra) for _ in range(num_stages))
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("num_stages", range(1, 6))
+@pytest.mark.parametrize("num_microbatches", range(1, 9))
+def test_equal_stages_without_transfers(kind: str, num_stages: int, num_microbatches: int) -> None:
+    result = _run(kind, _equal(num_stages), num_microbatches)
+    slots = num_microbatches + num_stages - 1
+    assert result.step_ms == pytest.approx(slots * 3 * 1.5)
+    assert result.bubble_fraction == pytest.approx((num_stages - 1) / slots)
+    assert result.busy_ms == pytest.approx([num_microbatches * 4.5] * num_stages)
+
+
+@pytest.mark.parametrize("num_stages", range(1, 6))
+@pytest.mark.parametrize("num_microbatches", [1, 3, 8])
+def test_gpipe_transfers_add_two_hops_per_edge(num_stages: int, num_microbatches: int) -> None:
+    free = _run("gpipe", _equal(num_stages, fwd_ms=1.0), num_microbatches)
+    paid = _run("gpipe", _equal(num_stages, fwd_ms=1.0), num_microbatches, transfer_ms=0.25)
+    assert paid.step_ms == pytest.approx(free.step_ms + 2 * (num_stages - 1) * 0.25)
+
+
+def test_transfers_on_one_link_are_serialised() -> None:
+    # GPipe, S=2, F=1, B=2, transfer 2 ms each way, M=3. Sends at t=1,2,3 share the link 0->1:
+    # arrivals 3,5,7, so stage 1 runs F at [3,4], [5,6], [7,8] and B at [8,10], [10,12], [12,14].
+    # Gradients leave at 10,12,14 and arrive 12,14,16 (the link 1->0 is free each time);
+    # stage 0 runs B at [12,14], [14,16], [16,18]: the step takes 18 ms.
+    result = _run("gpipe", _equal(2, fwd_ms=1.0), 3, transfer_ms=2.0)
+    assert result.step_ms == pytest.approx(18.0)
+    sends = [(e.action, e.start_ms, e.end_ms) for e in result.events if "SEND_F" in e.action]
+    assert sends == [("0SEND_F0>1", 1.0, 3.0), ("0SEND_F1>1", 3.0, 5.0), ("0SEND_F2>1", 5.0, 7.0)]
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+def test_unequal_two_stage_example(kind: str) -> None:
+    # F0=1, B0=2, F1=3, B1=6, M=4, free transfers. Stage 1 is the bottleneck: once its first
+    # input arrives at t=1 it is never idle in either schedule.
+    # GPipe: stage 1 forwards [1,4] [4,7] [7,10] [10,13], backwards [13,19] [19,25] [25,31] [31,37];
+    #   stage 0's last backward waits for the gradient at 37 and runs [37,39].
+    # 1F1B: stage 1 runs F0 [1,4] B0 [4,10] F1 [10,13] B1 [13,19] F2 [19,22] B2 [22,28] F3 [28,31]
+    #   B3 [31,37] (each input was sent long before: stage 0 F2 runs [12,13], F3 [21,22]);
+    #   stage 0 again ends with B3 [37,39].
+    # Step = F0 + 4 * (F1 + B1) + B0 = 1 + 36 + 2 = 39 ms; busy = 4*3 + 4*9 = 48 of 2*39 = 78.
+    stages = (StageCosts(1.0, 2.0, ACT, STATIC), StageCosts(3.0, 6.0, ACT, STATIC))
+    result = _run(kind, stages, 4)
+    assert result.step_ms == pytest.approx(39.0)
+    assert result.busy_ms == pytest.approx([12.0, 36.0])
+    assert result.bubble_fraction == pytest.approx(1 - 48 / 78)
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(("num_stages", "num_microbatches"), [(1, 1), (3, 2), (4, 4), (4, 7), (6, 3)])
+def test_peak_memory_is_static_plus_in_flight_activations(kind: str, num_stages: int,
+                                                          num_microbatches: int) -> None:
+    result = _run(kind, _equal(num_stages), num_microbatches, transfer_ms=0.5)
+    formula = [num_microbatches if kind == "gpipe" else min(num_microbatches, num_stages - stage)
+               for stage in range(num_stages)]
+    assert result.peak_mem_bytes == tuple(STATIC + held * ACT for held in formula)
+    assert result.peak_mem_bytes == tuple(STATIC + held * ACT
+                                          for held in in_flight(kind, num_stages, num_microbatches))
+    for timeline in result.memory_timeline:
+        assert timeline[0] == (0.0, STATIC) and timeline[-1][1] == STATIC
+        assert [t for t, _ in timeline] == sorted(t for t, _ in timeline)
+
+
+def test_allreduce_and_optimizer_step_end_the_step() -> None:
+    stages = _equal(3, fwd_ms=1.0, allreduce_ms=4.0, optimizer_ms=0.5)
+    result = _run("1f1b", stages, 4, data_parallel=True)
+    assert result.step_ms == pytest.approx((4 + 3 - 1) * 3.0 + 4.0 + 0.5)
+    assert result.busy_ms == pytest.approx([4 * 3.0 + 0.5] * 3)  # the all-reduce is not busy compute
+    last = [e for e in result.events if e.rank == 0][-2:]
+    assert [(e.action, e.lane, e.end_ms - e.start_ms) for e in last] == [
+        ("0ALLREDUCE", "comm", 4.0), ("0OPTIMIZER_STEP", "compute", 0.5)]
+
+
+def test_every_action_is_one_event_on_its_lane() -> None:
+    schedule = generate("1f1b", 3, 4)
+    programs = lower(schedule.programs, schedule.stage_map, _chain(3), data_parallel=True)
+    result = simulate(programs, schedule.stage_map, SimCosts(_equal(3), {}))
+    assert sorted(e.action for e in result.events) == sorted(str(a) for p in programs for a in p)
+    for event in result.events:
+        compute = event.action[1] in "FB" or "OPTIMIZER" in event.action
+        assert event.lane == ("compute" if compute else "comm")
+        assert 0.0 <= event.start_ms <= event.end_ms <= result.step_ms
+
+
+def test_stages_sharing_a_rank_add_their_memory() -> None:
+    stage_map = StageMap((0, 1, 1, 0))
+    rows = ("0F0 0SEND_F0>1 3RECV_F0<2 3F0 3B0 3SEND_B0>2 0RECV_B0<1 0B0",
+            "1RECV_F0<0 1F0 2F0 2SEND_F0>3 2RECV_B0<3 2B0 1B0 1SEND_B0>0")
+    programs = parse_programs(row.split() for row in rows)
+    stages = tuple(StageCosts(1.0, 2.0, 10 * (stage + 1), 100) for stage in range(4))
+    result = simulate(programs, stage_map, SimCosts(stages, {}))
+    assert result.peak_mem_bytes == (200 + 10 + 40, 200 + 20 + 30)
+    assert result.step_ms == pytest.approx(12.0)
+
+
+def test_a_deadlocked_program_cannot_be_simulated() -> None:
+    programs = parse_programs([["0RECV_B0<1", "0F0", "0SEND_F0>1", "0B0"], ["1RECV_F0<0", "1F0", "1B0",
+                                                                           "1SEND_B0>0"]])
+    with pytest.raises(ScheduleError, match="ranks wait forever.*run validate"):
+        simulate(programs, StageMap.identity(2), SimCosts(_equal(2), {}))
+
+
+def test_costs_must_cover_every_stage() -> None:
+    schedule = generate("gpipe", 3, 2)
+    with pytest.raises(ValueError, match="costs give 2 stages but the stage map has 3"):
+        simulate(schedule.programs, schedule.stage_map, SimCosts(_equal(2), {}))
