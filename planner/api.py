@@ -45,17 +45,22 @@ def plan(model: nn.Module, gpus: int, mem: str | int, *, batch_size: int,
         print(p); p.save("plan.json")
     """
     inputs = normalise_inputs(example_inputs)
-    space, spec = _space(gpus, mem, batch_size, device, gpus_per_node, optimizer, precision,
-                         schedules, micro_batch_sizes, time_limit_s)
+    space, spec = validate_space(gpus, mem, batch_size, device, gpus_per_node, optimizer, precision,
+                                 schedules, micro_batch_sizes, time_limit_s)
     graph = graph or trace(model, inputs, leaf_modules=leaf_modules)
     result = Search(graph, spec, space).run()
-    model_ref = ModelRef(builder, freeze(dict(builder_kwargs or {})), graph.fingerprint,
-                         tuple(InputMeta(tuple(x.shape), str(x.dtype).removeprefix("torch."))
-                               for x in inputs), space.precision.name)
-    return build_plan(graph, spec, space, result, model_ref)
+    return build_plan(graph, spec, space, result,
+                      model_ref(graph, inputs, space, builder, builder_kwargs))
 
 
-def _space(gpus: int, mem: str | int, batch_size: int, device: str | DeviceSpec,
+def model_ref(graph: LayerGraph, inputs: tuple[torch.Tensor, ...], space: SearchSpace,
+              builder: str | None, builder_kwargs: Mapping[str, Any] | None) -> ModelRef:
+    return ModelRef(builder, freeze(dict(builder_kwargs or {})), graph.fingerprint,
+                    tuple(InputMeta(tuple(x.shape), str(x.dtype).removeprefix("torch."))
+                          for x in inputs), space.precision.name)
+
+
+def validate_space(gpus: int, mem: str | int, batch_size: int, device: str | DeviceSpec,
            gpus_per_node: int | None, optimizer: str, precision: str, schedules: Sequence[str],
            micro_batch_sizes: Sequence[int] | None, time_limit_s: float) -> tuple[SearchSpace, DeviceSpec]:
     """Validate every argument before any tracing, with messages that name the value and fix."""
@@ -150,6 +155,10 @@ def _stage_plan(best: Candidate, index: int, nodes: tuple[str, ...], ranks: tupl
 
 def _report(result: SearchResult, simulated: SimResult) -> SolverReport:
     best, runner_up = result.best, result.runner_up
+    if best.solver == "manual split":
+        return SolverReport(best.solver, best.status.value, best.objective_ms, 0.0, result.wall_s, 1,
+                            f"split given by the user: {best.config.describe()}; not searched",
+                            f"simulated step {format_ms(simulated.step_ms)}")
     why = f"{best.config.describe()} has the lowest predicted step ({format_ms(best.objective_ms)})"
     runner = None
     if runner_up is not None:

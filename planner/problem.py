@@ -104,10 +104,16 @@ def allreduce_cost(device: DeviceSpec, data_parallel: int, gpus_per_node: int) -
 def coarsen(graph: LayerGraph, table: CostTable, precision: Precision, optimizer: str,
             max_units: int) -> Coarsening:
     """Group nodes into at most ``max_units`` units of similar time, cutting where few bytes cross."""
+    crossing = _crossing_bytes(graph, table)
+    times = [table[node.name].fwd_ms + table[node.name].bwd_ms for node in graph]
+    return group_units(graph, table, precision, optimizer, _choose_cuts(times, crossing, max_units))
+
+
+def group_units(graph: LayerGraph, table: CostTable, precision: Precision, optimizer: str,
+                cuts: list[int]) -> Coarsening:
+    """Units that start at node indices ``cuts`` (plus node 0)."""
     order = [node.name for node in graph]
     crossing = _crossing_bytes(graph, table)
-    times = [table[name].fwd_ms + table[name].bwd_ms for name in order]
-    cuts = _choose_cuts(times, crossing, max_units)
     groups = [order[start:end] for start, end in zip((0, *cuts), (*cuts, len(order)))]
     users = _param_users(graph, groups)
     shared_names = sorted(name for name, units in users.items() if len(units) > 1)

@@ -124,8 +124,11 @@ class Search:
                 self.graph, table, self.space.precision, self.space.optimizer, self.space.max_units))
         return self._tables[micro_batch_size]
 
-    def problem(self, config: Config) -> tuple[PipelineProblem, Coarsening, CostTable]:
-        table, coarse = self.costs(config.micro_batch_size)
+    def problem(self, config: Config, coarse: Coarsening | None = None
+                ) -> tuple[PipelineProblem, Coarsening, CostTable]:
+        """The partition problem of ``config`` over ``coarse`` (default: the search's units)."""
+        table, default = self.costs(config.micro_batch_size)
+        coarse = coarse or default
         problem = PipelineProblem(
             coarse.units, coarse.boundary_bytes, coarse.shared, config.num_stages,
             config.num_microbatches,

@@ -1,0 +1,71 @@
+"""plan_with_split(): a Plan for a split the user chose (GEMS' --balance), costed like any other."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from cost_models.devices import DeviceSpec
+from planner.api import build_plan, model_ref, validate_space
+from planner.errors import InvalidArgument
+from planner.graph import LayerGraph
+from planner.ilp import SolveStatus
+from planner.objective import evaluate
+from planner.plan import Plan
+from planner.problem import group_units
+from planner.search import Candidate, Config, Search, SearchResult
+from planner.tracing import normalise_inputs, trace
+
+
+def plan_with_split(model: nn.Module, *, example_inputs: torch.Tensor | Sequence[torch.Tensor],
+                    stage_starts: Sequence[str], batch_size: int, micro_batch_size: int,
+                    data_parallel: int = 1, schedule: str = "1f1b", device: str | DeviceSpec = "V100-16GB",
+                    mem: str | int = "1TB", gpus_per_node: int | None = None, optimizer: str = "adam",
+                    precision: str = "fp32", builder: str | None = None,
+                    builder_kwargs: Mapping[str, Any] | None = None,
+                    graph: LayerGraph | None = None) -> Plan:
+    """A plan whose stage s + 1 begins at node ``stage_starts[s]`` (stage 0 at the first node).
+
+    Costs, programs and predictions are made exactly as for a solved plan, so a manual split
+    can be compared with tessera's and run by the same runtime.
+
+    Example::
+
+        p = plan_with_split(model, example_inputs=x, stage_starts=["layer3_0_conv1"],
+                            batch_size=8, micro_batch_size=2)
+    """
+    inputs = normalise_inputs(example_inputs)
+    graph = graph or trace(model, inputs)
+    num_stages = len(stage_starts) + 1
+    if batch_size % (data_parallel * micro_batch_size):
+        raise InvalidArgument(f"batch size {batch_size} is not a multiple of data_parallel "
+                              f"{data_parallel} x micro_batch_size {micro_batch_size}")
+    space, spec = validate_space(num_stages * data_parallel, mem, batch_size, device, gpus_per_node,
+                                 optimizer, precision, (schedule,), (micro_batch_size,), 0.0)
+    config = Config(num_stages, data_parallel, micro_batch_size,
+                    batch_size // (data_parallel * micro_batch_size), schedule)
+    search = Search(graph, spec, space)
+    table, _ = search.costs(micro_batch_size)
+    coarse = group_units(graph, table, space.precision, space.optimizer, _starts(graph, stage_starts))
+    problem, _, _ = search.problem(config, coarse)
+    cuts = tuple(range(num_stages - 1))
+    evaluation = evaluate(problem, cuts)
+    candidate = Candidate(config, problem, coarse, table, cuts, evaluation, evaluation.step_ms,
+                          SolveStatus.OPTIMAL, "manual split", 0.0, "")
+    result = SearchResult(candidate, None, 1, 1, 0.0)
+    return build_plan(graph, spec, space, result, model_ref(graph, inputs, space, builder, builder_kwargs))
+
+
+def _starts(graph: LayerGraph, stage_starts: Sequence[str]) -> list[int]:
+    position = {node.name: index for index, node in enumerate(graph)}
+    unknown = [name for name in stage_starts if name not in position]
+    if unknown:
+        raise InvalidArgument(f"stage_starts {unknown} are not nodes of the traced graph; use names "
+                              f"from trace(model, inputs) such as {list(position)[1:4]}")
+    starts = [position[name] for name in stage_starts]
+    if starts != sorted(set(starts)) or starts[0] == 0:
+        raise InvalidArgument(f"stage_starts must be distinct nodes after the first, in graph order; "
+                              f"got {list(stage_starts)} at positions {starts}")
+    return starts
