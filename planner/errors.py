@@ -42,3 +42,27 @@ class PlanFileError(TesseraError):
 
 class SpatialError(TesseraError):
     """A layer or image cannot be split into tiles exactly; the message names the layer and the fix."""
+
+
+class RuntimeSetupError(TesseraError):
+    """The plan, the rebuilt model and the launched processes disagree; found before any work.
+
+    ``same_on_every_rank`` is true when every rank detects the same mismatch (world size,
+    schema version, fingerprint), so only rank 0 needs to print it.
+    """
+
+    def __init__(self, message: str, *, same_on_every_rank: bool = True) -> None:
+        super().__init__(message)
+        self.same_on_every_rank = same_on_every_rank
+
+
+class RankFailure(TesseraError):
+    """A rank failed while training; every rank stops and exits non-zero."""
+
+
+class PeerFailure(RankFailure):
+    """This rank stopped because another rank failed, hung, or a wait timed out."""
+
+
+class CheckpointError(TesseraError):
+    """A checkpoint is missing, incomplete, or belongs to another plan."""

@@ -62,17 +62,19 @@ def segments(num_units: int, cuts: tuple[int, ...]) -> list[tuple[int, int]]:
 
 def stage_summary(problem: PipelineProblem, stage: int, first: int, last: int) -> StageSummary:
     """Costs of stage ``stage`` holding units ``first..last`` (inclusive)."""
-    units = problem.units[first:last + 1]
-    shared = {index for unit in units for index in unit.shared}
-    grad_bytes = sum(u.grad_bytes for u in units) + sum(problem.shared[i].grad_bytes for i in shared)
+    sums = problem.prefix_sums
+    def total(field: str) -> float:
+        return sums[field][last + 1] - sums[field][first]
+    shared = {index for unit in problem.units[first:last + 1] for index in unit.shared} if problem.shared else set()
+    grad_bytes = int(total("grad_bytes")) + sum(problem.shared[i].grad_bytes for i in shared)
     received = problem.boundary_bytes[first - 1] if stage > 0 else 0
     sent = problem.boundary_bytes[last] if stage < problem.num_stages - 1 else 0
-    static = (sum(u.state_bytes for u in units) + sum(problem.shared[i].state_bytes for i in shared)
-              + max(u.transient_bytes for u in units) + sent)
-    activation = sum(u.activation_bytes for u in units) + received
+    static = (int(total("state_bytes")) + sum(problem.shared[i].state_bytes for i in shared)
+              + problem.max_transient(first, last) + sent)
+    activation = int(total("activation_bytes")) + received
     send_ms = problem.links[stage].ms(sent) if stage < problem.num_stages - 1 else 0.0
     allreduce_ms = problem.allreduce.fixed_ms + problem.allreduce.ms_per_byte * grad_bytes
-    fwd_ms, bwd_ms = sum(u.fwd_ms for u in units), sum(u.bwd_ms for u in units)
+    fwd_ms, bwd_ms = total("fwd_ms"), total("bwd_ms")
     cycle_ms = 0.0
     if problem.round_trip and stage > 0:
         cycle_ms = fwd_ms + bwd_ms + 2 * problem.links[stage - 1].ms(received)

@@ -7,6 +7,7 @@ evaluator use comes from here, per micro-batch, so all three optimise the same c
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from cost_models.comm import allreduce_link, p2p_link
@@ -68,6 +69,33 @@ class PipelineProblem:
     def __post_init__(self) -> None:
         assert len(self.boundary_bytes) == len(self.units) - 1
         assert len(self.in_flight) == self.num_stages and len(self.links) == self.num_stages - 1
+
+    @functools.cached_property
+    def prefix_sums(self) -> dict[str, list[float]]:
+        """Running sums of each additive unit field, so any stage is summed in O(1)."""
+        sums: dict[str, list[float]] = {}
+        for name in ("fwd_ms", "bwd_ms", "state_bytes", "grad_bytes", "activation_bytes"):
+            running = [0]
+            for unit in self.units:
+                running.append(running[-1] + getattr(unit, name))
+            sums[name] = running
+        return sums
+
+    def max_transient(self, first: int, last: int) -> int:
+        """Largest transient of units first..last (a sparse table answers in O(1))."""
+        level = (last - first + 1).bit_length() - 1
+        table = self._transient_table
+        return max(table[level][first], table[level][last - (1 << level) + 1])
+
+    @functools.cached_property
+    def _transient_table(self) -> list[list[int]]:
+        table = [[unit.transient_bytes for unit in self.units]]
+        width = 1
+        while 2 * width <= len(self.units):
+            previous = table[-1]
+            table.append([max(previous[i], previous[i + width]) for i in range(len(previous) - width)])
+            width *= 2
+        return table
 
 
 @dataclass(frozen=True)

@@ -146,25 +146,34 @@ class Search:
         solved: list[Candidate] = []
         solver_s = 0.0
         for config in ranked:
-            best = min((c.objective_ms for c in solved), default=float("inf"))
-            if self.lower_bound(config) >= best:
+            best = min((c.objective_ms for c in solved), default=None)
+            if best is not None and self.lower_bound(config) >= best:
                 continue
             remaining = self.space.time_limit_s - (time.perf_counter() - start)
             if remaining <= 0 and solved:
                 break
-            candidate = self.solve(config, max(1.0, remaining))
-            solver_s += candidate[1]
-            if candidate[0] is not None:
-                solved.append(candidate[0])
+            if not self.fits(config):
+                continue
+            candidate, wall_s = self.solve(config, max(1.0, remaining), best)
+            solver_s += wall_s
+            if candidate is not None:
+                solved.append(candidate)
         if not solved:
             raise self.infeasible(configs)
         solved.sort(key=lambda c: (round(c.objective_ms, 9), c.evaluation.peak_mem_bytes))
         return SearchResult(solved[0], solved[1] if len(solved) > 1 else None, len(configs),
                             len(solved), time.perf_counter() - start, solver_s)
 
-    def solve(self, config: Config, time_limit_s: float) -> tuple[Candidate | None, float]:
+    def fits(self, config: Config) -> bool:
+        """Whether any partition of this configuration fits the budget (exact, by DP)."""
+        problem, _, _ = self.problem(config)
+        return min_peak_partition(problem).evaluation.peak_mem_bytes <= self.space.mem_bytes
+
+    def solve(self, config: Config, time_limit_s: float,
+              cutoff_ms: float | None) -> tuple[Candidate | None, float]:
+        """The ILP's best partition of ``config``, or None if none fits or beats ``cutoff_ms``."""
         problem, coarse, table = self.problem(config)
-        result = solve_partition(problem, time_limit_s=time_limit_s)
+        result = solve_partition(problem, time_limit_s=time_limit_s, cutoff_ms=cutoff_ms)
         if result.cuts is None:
             return None, result.wall_s
         evaluation = evaluate(problem, result.cuts)
