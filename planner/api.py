@@ -30,13 +30,14 @@ def plan(model: nn.Module, gpus: int, mem: str | int, *, batch_size: int,
          example_inputs: torch.Tensor | Sequence[torch.Tensor], device: str | DeviceSpec = "V100-16GB",
          gpus_per_node: int | None = None, optimizer: str = "adam", precision: str = "fp32",
          schedules: Sequence[str] = SUPPORTED_SCHEDULES, micro_batch_sizes: Sequence[int] | None = None,
-         time_limit_s: float = 60.0, builder: str | None = None,
+         num_stages: Sequence[int] | None = None, time_limit_s: float = 60.0, builder: str | None = None,
          builder_kwargs: Mapping[str, Any] | None = None, leaf_modules: Sequence[type | str] = (),
          graph: LayerGraph | None = None) -> Plan:
     """Choose the fastest pipeline x data-parallel plan of ``model`` that fits ``mem`` per GPU.
 
     ``batch_size`` is the global batch per step; ``example_inputs`` only fix shapes (any batch
     dimension; meta tensors are fine). Costs are roofline estimates on ``device``.
+    ``micro_batch_sizes`` and ``num_stages`` restrict the search (default: every divisor).
 
     Example::
 
@@ -46,7 +47,7 @@ def plan(model: nn.Module, gpus: int, mem: str | int, *, batch_size: int,
     """
     inputs = normalise_inputs(example_inputs)
     space, spec = validate_space(gpus, mem, batch_size, device, gpus_per_node, optimizer, precision,
-                                 schedules, micro_batch_sizes, time_limit_s)
+                                 schedules, micro_batch_sizes, time_limit_s, num_stages)
     graph = graph or trace(model, inputs, leaf_modules=leaf_modules)
     result = Search(graph, spec, space).run()
     return build_plan(graph, spec, space, result,
@@ -62,7 +63,8 @@ def model_ref(graph: LayerGraph, inputs: tuple[torch.Tensor, ...], space: Search
 
 def validate_space(gpus: int, mem: str | int, batch_size: int, device: str | DeviceSpec,
            gpus_per_node: int | None, optimizer: str, precision: str, schedules: Sequence[str],
-           micro_batch_sizes: Sequence[int] | None, time_limit_s: float) -> tuple[SearchSpace, DeviceSpec]:
+           micro_batch_sizes: Sequence[int] | None, time_limit_s: float,
+           num_stages: Sequence[int] | None = None) -> tuple[SearchSpace, DeviceSpec]:
     """Validate every argument before any tracing, with messages that name the value and fix."""
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
         raise InvalidArgument(f"gpus must be a whole number >= 1, got {gpus!r}")
@@ -77,13 +79,16 @@ def validate_space(gpus: int, mem: str | int, batch_size: int, device: str | Dev
                               f"{', '.join(SUPPORTED_SCHEDULES)}")
     if micro_batch_sizes is not None and (not micro_batch_sizes or min(micro_batch_sizes) < 1):
         raise InvalidArgument(f"micro_batch_sizes must be positive, got {list(micro_batch_sizes)}")
+    if num_stages is not None and (not num_stages or any(gpus % s for s in num_stages)):
+        raise InvalidArgument(f"num_stages {list(num_stages or [])} must divide gpus={gpus}; "
+                              f"choose from {[d for d in range(1, gpus + 1) if gpus % d == 0]}")
     spec = get_device(device)
     mode = get_precision(precision)
     optimizer_state_count(optimizer)
     space = SearchSpace(gpus, per_node, parse_mem_bytes(mem), batch_size, optimizer.lower(), mode,
                         tuple(dict.fromkeys(schedules)),
                         tuple(micro_batch_sizes) if micro_batch_sizes else None,
-                        time_limit_s=time_limit_s)
+                        tuple(num_stages) if num_stages else None, time_limit_s=time_limit_s)
     return space, spec
 
 

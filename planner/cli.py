@@ -43,7 +43,34 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--svg", type=Path, default=None, help="SVG timeline (default PLAN.svg)")
     simulate.set_defaults(handler=lambda args: print(
         _commands().run_simulate(args.plan_file, args.trace, args.svg)))
+    _add_run(commands.add_parser(
+        "run", help="train a plan on this machine under torchrun (synthetic data)",
+        description="Start `torchrun --standalone --nproc-per-node N -m runtime PLAN --steps K`; "
+                    "arguments after -- go to the runtime (e.g. -- --report run.json --seed 1)."))
+    validate = commands.add_parser(
+        "validate", help="print a plan's predictions beside a run report's measurements",
+        description="Compare predicted and measured step time and per-rank peak memory.")
+    validate.add_argument("plan_file", metavar="PLAN", type=Path)
+    validate.add_argument("report_file", metavar="RUN_REPORT", type=Path)
+    validate.set_defaults(handler=lambda args: print(
+        _run_commands().run_validate(args.plan_file, args.report_file)))
     return parser
+
+
+def _run_commands():
+    import planner.run_command as commands
+
+    return commands
+
+
+def _add_run(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("plan_file", metavar="PLAN", type=Path)
+    parser.add_argument("--nproc", type=int, default=None, help="processes (default: the plan's GPUs)")
+    parser.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
+    parser.add_argument("runtime_args", nargs=argparse.REMAINDER, metavar="-- RUNTIME_ARGS",
+                        help="passed to `python -m runtime` (see `python -m runtime --help`)")
+    parser.set_defaults(handler=lambda args: _run_commands().run_torchrun(
+        args.plan_file, args.nproc, args.steps, args.runtime_args))
 
 
 def _commands():
@@ -135,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.path.insert(0, str(Path.cwd()))  # so "examples.models.resnet:resnet50" imports
     try:
         args = build_parser().parse_args(argv)
-        args.handler(args)
+        status = args.handler(args)  # `tessera run` returns torchrun's exit status
     except TesseraError as error:
         message = " ".join(str(error).split())
         print(f"tessera: error: {message}", file=sys.stderr)
@@ -146,4 +173,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. `tessera show plan.json | head`
         sys.stderr.close()
         return 0
-    return 0
+    return status if isinstance(status, int) else 0

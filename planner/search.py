@@ -36,6 +36,7 @@ class SearchSpace:
     precision: Precision
     schedules: tuple[str, ...]
     micro_batch_sizes: tuple[int, ...] | None = None  # None: every divisor
+    num_stages: tuple[int, ...] | None = None  # None: every divisor of gpus
     max_units: int = 160
     time_limit_s: float = 60.0
 
@@ -90,6 +91,8 @@ def configurations(space: SearchSpace, max_stages: int) -> list[Config]:
         replicas = space.gpus // stages
         if stages > max_stages or space.global_batch_size % replicas:
             continue
+        if space.num_stages is not None and stages not in space.num_stages:
+            continue
         per_replica = space.global_batch_size // replicas
         sizes = space.micro_batch_sizes or tuple(divisors(per_replica))
         for micro in (m for m in sizes if per_replica % m == 0):
@@ -102,9 +105,11 @@ def configurations(space: SearchSpace, max_stages: int) -> list[Config]:
 
 def _batch_message(space: SearchSpace) -> str:
     sizes = f" into micro-batches of {list(space.micro_batch_sizes)}" if space.micro_batch_sizes else ""
+    stages = f" with {list(space.num_stages)} stages" if space.num_stages else ""
     return (f"batch size {space.global_batch_size} cannot be split over any data-parallel degree "
-            f"dividing {space.gpus} GPUs{sizes}; use a batch size divisible by the data-parallel "
-            f"degree times the micro-batch size (e.g. a multiple of {space.gpus})")
+            f"dividing {space.gpus} GPUs{stages}{sizes}; use a batch size divisible by the "
+            f"data-parallel degree times the micro-batch size (e.g. a multiple of {space.gpus}), "
+            f"and stage counts that divide the GPU count")
 
 
 class Search:

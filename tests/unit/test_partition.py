@@ -104,3 +104,24 @@ def test_ilp_equals_dynamic_program_on_zoo_models(name: str, schedule: str) -> N
         result = solve_partition(problem)
         oracle = optimal_partition(problem)
         assert result.objective == pytest.approx(oracle.evaluation.step_ms, rel=1e-6)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_ilp_equals_dynamic_program_when_memory_binds_at_real_scale(schedule: str) -> None:
+    """Budgets of tens of GiB and byte-sized coefficients: the ILP must not lose plans to tolerances."""
+    from dataclasses import replace
+
+    from examples.models.gpt import gpt
+
+    graph = trace(gpt(hidden=1024, layers=8, heads=16, seq_len=512),
+                  torch.empty(1, 512, dtype=torch.long, device="meta"))
+    space = SearchSpace(gpus=8, gpus_per_node=8, mem_bytes=80 * 2**30, global_batch_size=16,
+                        optimizer="adam", precision=get_precision("fp32"), schedules=(schedule,))
+    search = Search(graph, get_device("A100-80GB"), space)
+    problem, _, _ = search.problem(Config(8, 1, 2, 8, schedule))
+    floor = min_peak_partition(problem).evaluation.peak_mem_bytes
+    tight = replace(problem, mem_bytes=int(floor * 1.03))
+    result = solve_partition(tight)
+    oracle = optimal_partition(tight)
+    assert result.objective == pytest.approx(oracle.evaluation.step_ms, rel=1e-9)
+    assert evaluate(tight, result.cuts).fits(tight.mem_bytes)

@@ -177,3 +177,10 @@ def test_show_of_a_corrupt_file_is_one_line(tmp_path: Path, capsys) -> None:
     bad.write_text("{")
     assert main(["show", str(bad)]) == 2
     assert "not valid JSON" in capsys.readouterr().err
+
+
+def test_num_stages_restricts_the_search() -> None:
+    assert _tiny(gpus=4, num_stages=(2,)).num_stages == 2
+    assert _tiny(gpus=4, num_stages=(4,)).num_stages == 4
+    with pytest.raises(InvalidArgument, match="must divide gpus=4"):
+        _tiny(gpus=4, num_stages=(3,))
