@@ -22,6 +22,8 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException,
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
+from cost_models.fake_memo import Recording, node_key, rebuild_output, record
+
 
 @dataclass(frozen=True)
 class OutputMeta:
@@ -62,6 +64,7 @@ class StorageLedger:
         self.counted: set[int] = set()
         self.saved: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
         self._alive: list[torch.Tensor] = []  # keeps every keyed storage alive so keys stay unique
+        self._internal = 0
 
     def resolve(self, tensor: torch.Tensor) -> int:
         key = storage_key(tensor)
@@ -81,14 +84,21 @@ class StorageLedger:
             self._alive.append(tensor)
 
     def record_saved(self, tensor: torch.Tensor, node: str) -> None:
-        key = self.resolve(tensor)
+        self._alive.append(tensor)
+        self.record_key(self.resolve(tensor), tensor.dtype, tensor.untyped_storage().nbytes(), node)
+
+    def record_key(self, key: int, dtype: torch.dtype, nbytes: int, node: str) -> None:
+        """Count storage ``key`` once, for its producer (``node`` if it has none yet)."""
         if key in self.param_keys or key in self.counted:
             return
         self.counted.add(key)
-        self._alive.append(tensor)
         producer = self.producer.setdefault(key, node)
-        nbytes = self.nbytes.setdefault(key, tensor.untyped_storage().nbytes())
-        self.saved[producer][dtype_name(tensor.dtype)] += nbytes
+        self.saved[producer][dtype_name(dtype)] += self.nbytes.setdefault(key, nbytes)
+
+    def record_internal(self, dtype: torch.dtype, nbytes: int, node: str) -> None:
+        """A storage ``node`` allocated and autograd saved, re-counted without a tensor (replay)."""
+        self._internal -= 1  # negative keys never collide with real storages
+        self.record_key(self._internal, dtype, nbytes, node)
 
 
 def measure_graph(module: torch.fx.GraphModule,
@@ -128,6 +138,7 @@ class _FakeRunner:
         self.state = state
         self.ledger = ledger
         self.fake_mode = fake_mode
+        self.memo: dict[Any, Recording] = {}
 
     def run(self, example_inputs: tuple[torch.Tensor, ...]) -> dict[str, tuple]:
         env: dict[str, Any] = {}
@@ -171,20 +182,42 @@ class _FakeRunner:
             return self._call_concrete(node, env)
 
     def _call_fake(self, node: torch.fx.Node, env: dict[str, Any]) -> tuple[Any, int, int]:
+        raw_args = torch.fx.node.map_arg(node.args, lambda n: env[n.name])
+        raw_kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: env[n.name])
+        inputs = _tensors((raw_args, raw_kwargs))
+        key = node_key(node, self.module, raw_args, raw_kwargs, self.ledger.param_keys)
+        if key is not None and key in self.memo:
+            return self._replay(self.memo[key], node.name, inputs)
         leaves: list[torch.Tensor] = []
         isolate = self._isolator(leaves)
-        args = pytree.tree_map(isolate, torch.fx.node.map_arg(node.args, lambda n: env[n.name]))
-        kwargs = pytree.tree_map(isolate, torch.fx.node.map_arg(node.kwargs, lambda n: env[n.name]))
+        args, kwargs = pytree.tree_map(isolate, raw_args), pytree.tree_map(isolate, raw_kwargs)
         function, params = self._callable(node)
-        pack = self._packer(node.name)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        saved: list[torch.Tensor] = []
+        with torch.autograd.graph.saved_tensors_hooks(self._packer(node.name, saved), lambda t: t):
             with FlopCounterMode(display=False) as counter:
                 output = function(*args, **kwargs)
         fwd_flops = counter.get_total_flops()
         for tensor in _tensors(output):
             self.ledger.claim(tensor, node.name)
         bwd_flops = _backward_flops(output, leaves + params)
+        if key is not None:
+            self.memo[key] = record(inputs, output, saved, self.ledger.resolve, self.ledger.param_keys,
+                                    fwd_flops, bwd_flops)
         return _detach(output), fwd_flops, bwd_flops
+
+    def _replay(self, recording: Recording, node: str, inputs: list[torch.Tensor]) -> tuple[Any, int, int]:
+        """An identical node was measured before: rebuild its outputs, re-attribute its saves."""
+        output = rebuild_output(recording, inputs)
+        outputs = _tensors(output)
+        for tensor in outputs:
+            self.ledger.claim(tensor, node)
+        for ref in recording.saved:
+            if ref.kind == "internal":
+                self.ledger.record_internal(ref.dtype, ref.nbytes, node)
+            elif ref.kind != "param":
+                source = inputs[ref.index] if ref.kind == "input" else pytree.tree_leaves(output)[ref.index]
+                self.ledger.record_key(self.ledger.resolve(source), ref.dtype, ref.nbytes, node)
+        return output, recording.fwd_flops, recording.bwd_flops
 
     def _call_concrete(self, node: torch.fx.Node, env: dict[str, Any]) -> tuple[Any, int, int]:
         """A leaf whose forward branches on values: run it once on real zero-valued CPU tensors.
@@ -254,9 +287,12 @@ class _FakeRunner:
                     getattr(self_arg, node.target)(*args, **kwargs)), []
         return node.target, []
 
-    def _packer(self, node_name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    def _packer(self, node_name: str, saved: list[torch.Tensor] | None = None
+                ) -> Callable[[torch.Tensor], torch.Tensor]:
         def pack(tensor: torch.Tensor) -> torch.Tensor:
             self.ledger.record_saved(tensor, node_name)
+            if saved is not None:
+                saved.append(tensor)
             return tensor
         return pack
 

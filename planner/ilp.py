@@ -115,13 +115,14 @@ def _prefix_variables(lp: pulp.LpProblem, num_units: int, num_stages: int) -> di
 
 
 def _contiguity(lp: pulp.LpProblem, done: dict, num_units: int, num_stages: int) -> None:
-    """Stages are contiguous runs of units in topological order, numbered in that order."""
+    """Stages are contiguous runs of units in topological order, numbered in that order.
+
+    done[., s] is a prefix of ones; with every stage non-empty the prefixes grow with s, so
+    done[i, s] <= done[i, s + 1] holds without stating it.
+    """
     for s in range(num_stages - 1):
         for i in range(num_units - 1):
             lp += done[i, s] >= done[i + 1, s], f"order_{i}_{s}"
-        if s + 1 < num_stages - 1:
-            for i in range(num_units):
-                lp += done[i, s] <= done[i, s + 1], f"nested_{i}_{s}"
     if num_stages > 1:
         lp += done[0, 0] == 1, "first_unit_on_first_stage"
         lp += done[num_units - 1, num_stages - 2] == 0, "last_unit_on_last_stage"
