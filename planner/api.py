@@ -174,7 +174,7 @@ def _report(result: SearchResult, simulated: SimResult) -> SolverReport:
                          "micro_batch_size": runner_up.config.micro_batch_size,
                          "schedule": runner_up.config.schedule, "step_ms": runner_up.objective_ms})
     why += (f"; {result.configs_solved} of {result.configs_total} configurations solved, the rest "
-            f"pruned by a lower bound")
+            f"could not fit the memory or could not beat it (lower bound)")
     slowest = max(best.evaluation.stages, key=lambda s: s.compute_ms)
     binding = (f"{best.binding}; bottleneck stage {best.evaluation.stages.index(slowest)} "
                f"({format_ms(slowest.compute_ms)} per micro-batch); simulated step "
