@@ -16,6 +16,6 @@ def test_readme_has_exactly_two_setup_commands_and_ci_runs_the_test_one() -> Non
     blocks = _bash_blocks()
     assert len(blocks) == 2, blocks
     main_command, test_command = blocks
-    assert "tessera profile" in main_command and "pytest" in test_command
+    assert "tessera plan" in main_command and "pytest" in test_command
     ci_lines = (ROOT / ".ci/run").read_text().splitlines()
     assert test_command in ci_lines
