@@ -184,7 +184,7 @@ class _FakeRunner:
     def _call_fake(self, node: torch.fx.Node, env: dict[str, Any]) -> tuple[Any, int, int]:
         raw_args = torch.fx.node.map_arg(node.args, lambda n: env[n.name])
         raw_kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: env[n.name])
-        inputs = _tensors((raw_args, raw_kwargs))
+        inputs = tensor_leaves((raw_args, raw_kwargs))
         key = node_key(node, self.module, raw_args, raw_kwargs, self.ledger.param_keys)
         if key is not None and key in self.memo:
             return self._replay(self.memo[key], node.name, inputs)
@@ -197,18 +197,18 @@ class _FakeRunner:
             with FlopCounterMode(display=False) as counter:
                 output = function(*args, **kwargs)
         fwd_flops = counter.get_total_flops()
-        for tensor in _tensors(output):
+        for tensor in tensor_leaves(output):
             self.ledger.claim(tensor, node.name)
         bwd_flops = _backward_flops(output, leaves + params)
         if key is not None:
             self.memo[key] = record(inputs, output, saved, self.ledger.resolve, self.ledger.param_keys,
                                     fwd_flops, bwd_flops)
-        return _detach(output), fwd_flops, bwd_flops
+        return detach_tree(output), fwd_flops, bwd_flops
 
     def _replay(self, recording: Recording, node: str, inputs: list[torch.Tensor]) -> tuple[Any, int, int]:
         """An identical node was measured before: rebuild its outputs, re-attribute its saves."""
         output = rebuild_output(recording, inputs)
-        outputs = _tensors(output)
+        outputs = tensor_leaves(output)
         for tensor in outputs:
             self.ledger.claim(tensor, node)
         for ref in recording.saved:
@@ -245,11 +245,11 @@ class _FakeRunner:
             with torch.autograd.graph.saved_tensors_hooks(self._packer(node.name), lambda t: t):
                 with FlopCounterMode(display=False) as counter:
                     output = submodule(*args, **kwargs)
-            for tensor in _tensors(output):
+            for tensor in tensor_leaves(output):
                 self.ledger.claim(tensor, node.name)
             params = [p for p in submodule.parameters() if p.requires_grad]
             bwd_flops = _backward_flops(output, leaves + params)
-            output = _detach(output)
+            output = detach_tree(output)
         return pytree.tree_map(self._to_fake, output), counter.get_total_flops(), bwd_flops
 
     def _to_fake(self, value: Any) -> Any:
@@ -308,7 +308,7 @@ def _concrete_copy(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def _backward_flops(output: Any, inputs: list[torch.Tensor]) -> int:
-    targets = [t for t in _tensors(output) if t.requires_grad and t.is_floating_point()]
+    targets = [t for t in tensor_leaves(output) if t.requires_grad and t.is_floating_point()]
     if not targets or not inputs:
         return 0
     with FlopCounterMode(display=False) as counter:
@@ -317,11 +317,13 @@ def _backward_flops(output: Any, inputs: list[torch.Tensor]) -> int:
     return counter.get_total_flops()
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
+def tensor_leaves(value: Any) -> list[torch.Tensor]:
+    """Every tensor inside a (nested) value, in pytree order."""
     return [leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)]
 
 
-def _detach(value: Any) -> Any:
+def detach_tree(value: Any) -> Any:
+    """``value`` with every tensor detached, keeping its requires_grad flag."""
     def detach(leaf: Any) -> Any:
         if isinstance(leaf, torch.Tensor):
             return leaf.detach().requires_grad_(leaf.requires_grad)
@@ -331,4 +333,4 @@ def _detach(value: Any) -> Any:
 
 def _output_metas(value: Any) -> tuple[OutputMeta, ...]:
     return tuple(OutputMeta(tuple(t.shape), dtype_name(t.dtype), t.numel() * t.element_size(),
-                            t.requires_grad) for t in _tensors(value))
+                            t.requires_grad) for t in tensor_leaves(value))

@@ -20,6 +20,7 @@ from torch.utils import _pytree as pytree
 
 from cost_models.devices import DeviceSpec, get_device
 from cost_models.estimation import CostTable, estimate
+from cost_models.fake_measure import detach_tree, tensor_leaves
 from planner.errors import ProfileError
 
 if TYPE_CHECKING:
@@ -176,7 +177,7 @@ class _NodeProfiler:
             call_args, call_kwargs, leaves = _isolate(args, kwargs)
             elapsed, output, peak_bytes = self._timed(lambda: function(*call_args, **call_kwargs))
             fwd_samples.append(elapsed)
-        targets = [t for t in _tensors(output) if t.requires_grad and t.is_floating_point()]
+        targets = [t for t in tensor_leaves(output) if t.requires_grad and t.is_floating_point()]
         wrt = leaves + params
         bwd_samples = [0.0]
         if targets and wrt:
@@ -186,7 +187,7 @@ class _NodeProfiler:
                 for _ in range(self.warmup + self.repeats)]
         timing = NodeTiming(statistics.median(fwd_samples[self.warmup:]),
                             statistics.median(bwd_samples[self.warmup:] or bwd_samples), peak_bytes)
-        return _detach(output), timing
+        return detach_tree(output), timing
 
     def _timed(self, work: Callable[[], Any]) -> tuple[float, Any, int | None]:
         if self.device.type != "cuda":
@@ -226,15 +227,6 @@ def _isolate(args: Any, kwargs: Any) -> tuple[Any, Any, list[torch.Tensor]]:
         leaves.append(leaf)
         return leaf.clone()
     return pytree.tree_map(isolate, args), pytree.tree_map(isolate, kwargs), leaves
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    return [leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)]
-
-
-def _detach(value: Any) -> Any:
-    return pytree.tree_map(lambda leaf: leaf.detach().requires_grad_(leaf.requires_grad)
-                           if isinstance(leaf, torch.Tensor) else leaf, value)
 
 
 def _cache_path(cache_dir: str | Path | None, fingerprint: str, device: str, dtype: str) -> Path | None:

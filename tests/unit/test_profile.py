@@ -35,7 +35,7 @@ def test_node_times_sum_to_whole_model_time(name: str) -> None:
         model = gpt(hidden=256, layers=4, heads=4, seq_len=128, vocab=2048, device="cpu")
         inputs = (torch.randint(0, 2048, (4, 128)),)
     ratios = []
-    for _ in range(2):  # a second, independent measurement if a neighbour process disturbed one
+    for _ in range(3):  # fresh, independent measurements if a neighbour process disturbed one
         table = profile(model, inputs, "cpu", repeats=5)
         ratios.append((table.total("fwd_ms") + table.total("bwd_ms")) / _whole_model_ms(model, inputs))
         if abs(ratios[-1] - 1) <= 0.15:
