@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from planner.objective import Evaluation, evaluate, pace_ms, stage_summary
 from planner.problem import PipelineProblem
 
@@ -77,20 +79,70 @@ def _objective(problem: PipelineProblem, total_compute: float, label: _Label) ->
 
 
 def min_peak_partition(problem: PipelineProblem) -> OracleResult:
-    """The partition whose largest per-stage peak memory is smallest (memory budget ignored)."""
+    """The partition whose largest per-stage peak memory is smallest (memory budget ignored).
+
+    A min-max DP over (stage, last unit); each stage's memory for every possible first unit is
+    computed as one vector (numpy), so a 16-stage, 150-unit problem takes milliseconds.
+    """
     num_units, num_stages = len(problem.units), problem.num_stages
-    best: dict[int, tuple[int, tuple[int, ...]]] = {}
-    for last in range(num_units - num_stages + 1):
-        best[last] = (stage_summary(problem, 0, 0, last).peak_mem_bytes, (last,))
+    memory = _SegmentMemory(problem)
+    best = memory.first_stage_peaks(num_units - num_stages)  # best[last]: stage 0 ends at last
+    choices: list[np.ndarray] = []
     for stage in range(1, num_stages):
         remaining = num_stages - stage - 1
-        following: dict[int, tuple[int, tuple[int, ...]]] = {}
-        for previous_last, (peak, cuts) in best.items():
-            for last in range(previous_last + 1, num_units - remaining):
-                value = max(peak, stage_summary(problem, stage, previous_last + 1, last).peak_mem_bytes)
-                if last not in following or value < following[last][0]:
-                    following[last] = (value, cuts + (last,))
+        following = np.full(num_units, np.inf)
+        choice = np.zeros(num_units, dtype=int)
+        for last in range(stage, num_units - remaining):
+            firsts = np.arange(stage, last + 1)  # stage covers first..last; previous ends at first-1
+            value = np.maximum(best[firsts - 1], memory.stage_peaks(stage, firsts, last))
+            pick = int(np.argmin(value))
+            following[last], choice[last] = value[pick], firsts[pick]
         best = following
-    _, cuts = best[num_units - 1]
-    cuts = cuts[:-1]
-    return OracleResult(cuts, evaluate(problem, cuts))
+        choices.append(choice)
+    cuts: list[int] = []
+    last = num_units - 1
+    for choice in reversed(choices):
+        first = int(choice[last])
+        cuts.append(first - 1)
+        last = first - 1
+    cuts.reverse()
+    return OracleResult(tuple(cuts), evaluate(problem, tuple(cuts)))
+
+
+class _SegmentMemory:
+    """Vectorised peak memory of a stage over units first..last (as objective.stage_summary)."""
+
+    def __init__(self, problem: PipelineProblem) -> None:
+        units = problem.units
+        self.problem = problem
+        self.state = np.concatenate([[0.0], np.cumsum([u.state_bytes for u in units], dtype=float)])
+        self.act = np.concatenate([[0.0], np.cumsum([u.activation_bytes for u in units], dtype=float)])
+        self.transient = np.array([u.transient_bytes for u in units], dtype=float)
+        self.boundary = np.array(problem.boundary_bytes, dtype=float)
+        self.next_use = [self._next_use([q in u.shared for u in units]) for q in range(len(problem.shared))]
+
+    @staticmethod
+    def _next_use(used: list[bool]) -> np.ndarray:
+        """next_use[f]: the first unit at or after f using the parameter (len(used) if none)."""
+        following = np.full(len(used) + 1, len(used))
+        for index in range(len(used) - 1, -1, -1):
+            following[index] = index if used[index] else following[index + 1]
+        return following
+
+    def stage_peaks(self, stage: int, firsts: np.ndarray, last: int) -> np.ndarray:
+        problem = self.problem
+        transient = np.maximum.accumulate(self.transient[firsts[0]:last + 1][::-1])[::-1]
+        sent = self.boundary[last] if stage < problem.num_stages - 1 else 0.0
+        received = self.boundary[firsts - 1] if stage > 0 else np.zeros(len(firsts))
+        static = self.state[last + 1] - self.state[firsts] + transient[firsts - firsts[0]] + sent
+        for q, next_use in enumerate(self.next_use):
+            static = static + (next_use[firsts] <= last) * problem.shared[q].state_bytes
+        activation = self.act[last + 1] - self.act[firsts] + received
+        return static + problem.in_flight[stage] * activation
+
+    def first_stage_peaks(self, last_max: int) -> np.ndarray:
+        """Stage 0 starting at unit 0 and ending at each last in 0..last_max (inf beyond)."""
+        values = np.full(len(self.problem.units), np.inf)
+        for last in range(last_max + 1):
+            values[last] = self.stage_peaks(0, np.array([0]), last)[0]
+        return values
