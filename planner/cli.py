@@ -67,10 +67,8 @@ def _add_run(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("plan_file", metavar="PLAN", type=Path)
     parser.add_argument("--nproc", type=int, default=None, help="processes (default: the plan's GPUs)")
     parser.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
-    parser.add_argument("runtime_args", nargs=argparse.REMAINDER, metavar="-- RUNTIME_ARGS",
-                        help="passed to `python -m runtime` (see `python -m runtime --help`)")
     parser.set_defaults(handler=lambda args: _run_commands().run_torchrun(
-        args.plan_file, args.nproc, args.steps, args.runtime_args))
+        args.plan_file, args.nproc, args.steps, args.passthrough), takes_passthrough=True)
 
 
 def _commands():
@@ -156,12 +154,23 @@ def _run_profile(args: argparse.Namespace) -> None:
     print(run_profile(request, search_root=Path.cwd()))
 
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Parse ``argv``; what follows a ``--`` is kept as ``args.passthrough`` (for `tessera run`)."""
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:cut])
+    args.passthrough = argv[cut + 1:]
+    if args.passthrough and not getattr(args, "takes_passthrough", False):
+        raise InvalidArgument(f"arguments after -- ({' '.join(args.passthrough)}) are only for "
+                              f"`tessera run`")
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``tessera`` console script; returns the exit code."""
     if str(Path.cwd()) not in sys.path:
         sys.path.insert(0, str(Path.cwd()))  # so "examples.models.resnet:resnet50" imports
     try:
-        args = build_parser().parse_args(argv)
+        args = _parse(build_parser(), list(sys.argv[1:] if argv is None else argv))
         status = args.handler(args)  # `tessera run` returns torchrun's exit status
     except TesseraError as error:
         message = " ".join(str(error).split())

@@ -9,9 +9,13 @@ gradient all-reduce a_s:
 (one micro-batch's path through every stage and link, plus M - 1 more at the pace of the
 slowest resource). Under 1F1B a stage cannot start its next forward before its successor has
 returned the backward of an earlier micro-batch, so the pace is also at least
-u_{s+1} + 2 c_s (the successor's compute plus the round trip) for every boundary s. Stage s holds its weights, gradients and optimizer state, its largest
-transient, one outgoing send buffer, and (activations it saves + inputs it received) for each
-micro-batch in flight under the schedule.
+u_{s+1} + 2 c_s (the successor's compute plus the round trip) for every boundary s.
+
+Stage s holds its weights, gradients and optimizer state, its largest transient, one outgoing
+send buffer, and (activations it saves + inputs it received) for each micro-batch in flight
+under the schedule; on the last stage the activations include what the loss keeps for
+backward, one tensor the size of the model output (cross-entropy's log-softmax; added to the
+unit holding the graph's output in planner/problem.py, so the ILP and the DP see it too).
 """
 
 from __future__ import annotations

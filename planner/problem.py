@@ -228,6 +228,16 @@ def _param_state(graph: LayerGraph, name: str, precision: Precision, optimizer: 
     return state.total_bytes, state.grad_bytes
 
 
+def _loss_bytes(graph: LayerGraph, table: CostTable, names: list[str]) -> int:
+    """What the loss keeps for backward per micro-batch, on the unit holding the graph's output.
+
+    The loss is not part of the graph; cross-entropy keeps its log-softmax and MSE its
+    difference, each the size of the model output, until that micro-batch's backward.
+    """
+    return sum(table[source].output_bytes for name in names if graph.node(name).kind is NodeKind.OUTPUT
+               for source in graph.node(name).inputs)
+
+
 def _unit(graph: LayerGraph, table: CostTable, names: list[str], precision: Precision,
           optimizer: str, shared_index: dict[str, int]) -> Unit:
     params = {p for name in names if graph.node(name).kind is not NodeKind.PARAM
@@ -241,7 +251,7 @@ def _unit(graph: LayerGraph, table: CostTable, names: list[str], precision: Prec
         bwd_ms=sum(c.bwd_ms for c in costs),
         state_bytes=sum(s for s, _ in state),
         grad_bytes=sum(g for _, g in state),
-        activation_bytes=sum(c.saved_activation_bytes for c in costs),
+        activation_bytes=sum(c.saved_activation_bytes for c in costs) + _loss_bytes(graph, table, names),
         transient_bytes=max((2 * c.output_bytes for c, n in zip(costs, names)
                              if graph.node(n).kind is not NodeKind.PARAM), default=0),
         shared=tuple(sorted(shared_index[p] for p in params if p in shared_index)),

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from planner.errors import InvalidArgument
 
@@ -28,8 +28,7 @@ def run_torchrun(plan_path: Path, nproc: int | None, steps: int, runtime_args: S
     count = plan.cluster.gpus if nproc is None else nproc
     if count < 1 or steps < 1:
         raise InvalidArgument(f"--nproc and --steps must be >= 1, got {count} and {steps}")
-    extra = list(runtime_args[1:] if runtime_args[:1] == ["--"] else runtime_args)
-    return subprocess.call(torchrun_command(plan_path, count, steps, extra))
+    return subprocess.call(torchrun_command(plan_path, count, steps, runtime_args))
 
 
 def run_validate(plan_path: Path, report_path: Path) -> str:

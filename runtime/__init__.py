@@ -1,1 +1,31 @@
-"""tessera's executor: runs a saved plan under torchrun (arrives with the runtime issue)."""
+"""tessera's executor: runs a saved plan under torchrun, or inside a user's script.
+
+Example (inside a torchrun process with torch.distributed initialised)::
+
+    import runtime
+    exe = runtime.Executor(plan, model, loss_fn, lambda params: torch.optim.Adam(params))
+    loss = exe.step(inputs, targets)
+    runtime.initialize(reference_model, seed=0)   # the weights every rank's stages start from
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["Executor", "RunReport", "initialize"]
+
+
+def __getattr__(name: str) -> Any:  # imported lazily: `import runtime.spatial` stays light
+    if name == "Executor":
+        from runtime.executor import Executor
+
+        return Executor
+    if name == "initialize":
+        from runtime.weights import initialize
+
+        return initialize
+    if name == "RunReport":
+        from runtime.report import RunReport
+
+        return RunReport
+    raise AttributeError(f"module 'runtime' has no attribute {name!r}")

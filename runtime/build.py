@@ -1,0 +1,146 @@
+"""Rebuild the planned model, check it is the one planned, split it into stages, materialise a share.
+
+The model is built on the meta device in the plan's precision, traced exactly as the planner
+traced it (same node names, same fingerprint), split with ``torch.fx.passes.split_module`` by
+the plan's node-to-stage map, and only the modules this rank's stages use get real weights
+(:func:`runtime.initialize`, keyed by module name, so every rank agrees with a
+single-process model initialised with the same seed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Collection, Iterator, Sequence
+from pathlib import Path
+
+import torch
+import torch.fx
+from torch import nn
+from torch.fx.passes.split_module import split_module
+
+from planner.capture import LeafSpec
+from planner.errors import RuntimeSetupError
+from planner.plan import Plan
+
+_DTYPES = {"fp64": torch.float64, "fp32": torch.float32}
+
+
+def precision_dtype(precision: str) -> torch.dtype:
+    """The parameter dtype of a plan's precision (the runtime trains in one dtype)."""
+    try:
+        return _DTYPES[precision]
+    except KeyError:
+        raise RuntimeSetupError(f"the plan's precision is {precision!r} but the runtime trains in "
+                                f"{' or '.join(_DTYPES)} only (no mixed precision yet); re-plan "
+                                f"with --precision fp32") from None
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def rebuild_model(plan: Plan, search_root: Path | None = None) -> nn.Module:
+    """The plan's model from its builder, on the meta device, in the plan's precision."""
+    from planner.model_spec import build_model, load_builder
+
+    if not plan.model.builder:
+        raise RuntimeSetupError("the plan records no model builder (it was planned from a Python "
+                                "object); run it from your script with runtime.Executor(plan, model, ...)")
+    builder = load_builder(plan.model.builder, search_root)
+    with default_dtype(precision_dtype(plan.model.precision)):
+        return build_model(builder, dict(plan.model.builder_kwargs), "meta")
+
+
+def meta_inputs(plan: Plan) -> tuple[torch.Tensor, ...]:
+    """Meta tensors of the plan's example input shapes (the traced batch size)."""
+    return tuple(torch.empty(meta.shape, dtype=getattr(torch, meta.dtype), device="meta")
+                 for meta in plan.model.example_inputs)
+
+
+def trace_checked(model: nn.Module, plan: Plan,
+                  leaf_modules: Sequence[LeafSpec] = ()) -> torch.fx.GraphModule:
+    """Trace as the planner did and check the fingerprint; returns the traced GraphModule."""
+    from planner.tracing import trace_module
+
+    graph, traced = trace_module(model, meta_inputs(plan), leaf_modules)
+    if graph.fingerprint != plan.model.fingerprint:
+        raise RuntimeSetupError(
+            f"the rebuilt model's graph fingerprint {graph.fingerprint[:16]}... differs from the "
+            f"plan's {plan.model.fingerprint[:16]}... (builder {plan.model.builder!r}, arguments "
+            f"{dict(plan.model.builder_kwargs)}, precision {plan.model.precision}, inputs "
+            f"{[m.shape for m in plan.model.example_inputs]}): the model changed since planning, or "
+            f"it is built with other arguments or leaf modules. Re-plan it with `tessera plan`")
+    known = {node.name for node in traced.graph.nodes}
+    stage_of = plan.stage_of()
+    missing = sorted(known - set(stage_of))
+    if missing:
+        raise RuntimeSetupError(f"nodes {missing[:5]} of the model are in no stage of the plan; "
+                                f"re-create the plan with `tessera plan`")
+    return traced
+
+
+def split_stages(traced: torch.fx.GraphModule, model: nn.Module,
+                 plan: Plan) -> dict[int, torch.fx.GraphModule]:
+    """One GraphModule per stage from ``split_module`` (sharing the model's leaf modules)."""
+    stage_of = plan.stage_of()
+    split = split_module(traced, model, lambda node: stage_of[node.name],
+                         keep_original_node_name=True, tuple_return=True)
+    modules = {stage: getattr(split, f"submod_{stage}", None) for stage in range(plan.num_stages)}
+    empty = sorted(stage for stage, module in modules.items() if module is None)
+    if empty:
+        raise RuntimeSetupError(f"stages {empty} of the plan contain no computation (only inputs "
+                                f"or parameters); re-plan with fewer stages")
+    return modules  # type: ignore[return-value]
+
+
+def stage_tensors(module: torch.fx.GraphModule, model: nn.Module,
+                  param_targets: Collection[str]) -> list[torch.Tensor]:
+    """The parameters and buffers a stage uses: its submodules' and those read via get_attr."""
+    tensors = [*module.parameters(), *module.buffers()]
+    tensors += [attribute(model, target) for target in param_targets]
+    return list({id(t): t for t in tensors}.values())
+
+
+def holder_modules(model: nn.Module, tensors: Sequence[torch.Tensor]) -> set[str]:
+    """Qualified names of every module that directly holds one of ``tensors`` (tied aliases too)."""
+    wanted = {id(t) for t in tensors}
+    return {name for name, module in model.named_modules(remove_duplicate=False)
+            if any(id(t) in wanted for t in [*module._parameters.values(), *module._buffers.values()])}
+
+
+def attribute(model: nn.Module, target: str) -> torch.Tensor:
+    """The tensor at ``target`` (a get_attr path such as ``wte.weight``) in ``model``."""
+    value: object = model
+    for part in target.split("."):
+        value = getattr(value, part)
+    assert isinstance(value, torch.Tensor), f"get_attr {target} is not a tensor"
+    return value
+
+
+def canonical_names(model: nn.Module) -> dict[int, str]:
+    """id(parameter or buffer) -> its first qualified name in ``model`` (tied aliases share one)."""
+    names: dict[int, str] = {}
+    for name, tensor in [*model.named_parameters(remove_duplicate=False),
+                         *model.named_buffers(remove_duplicate=False)]:
+        names.setdefault(id(tensor), name)
+    return names
+
+
+def on_meta(tensors: Sequence[torch.Tensor]) -> bool:
+    return any(t.device.type == "meta" for t in tensors)
+
+
+def check_materialised(stage: int, tensors: Sequence[torch.Tensor], device: torch.device) -> None:
+    wrong = [tuple(t.shape) for t in tensors if t.device != device]
+    if wrong:
+        raise RuntimeSetupError(f"stage {stage} still has {len(wrong)} tensors off {device} (shapes "
+                                f"{wrong[:3]}) after materialisation; the model holds tensors outside "
+                                f"modules' parameters and buffers, which the runtime cannot rebuild "
+                                f"from meta: build the model with real weights and pass it to Executor",
+                                same_on_every_rank=False)

@@ -1,0 +1,123 @@
+"""Synthetic training data and loss for `python -m runtime`: deterministic per (seed, step, micro-batch).
+
+* Float inputs are standard normal; integer inputs are uniform in ``[0, high)`` where ``high``
+  is the smallest ``num_embeddings`` of the embeddings reading that input (2 if none does).
+* The loss follows the model output ``y`` of one micro-batch: cross-entropy for logits
+  ``(N, C)`` (class targets ``(N,)``), ``(N, S, V)`` (token targets ``(N, S)``) and
+  ``(N, C, H, W)`` with ``C >= 2`` (per-pixel targets ``(N, H, W)``); mean squared error
+  against standard-normal targets of ``y``'s shape otherwise.
+* Micro-batch ``j`` of step ``k`` (``j = replica x micro-batches + m``) draws its inputs and
+  its targets from generators seeded by ``(seed, "inputs"|"targets", k, j)``, so any rank can
+  make exactly the part it needs and a resumed run sees the data an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch import nn
+
+from planner.errors import RuntimeSetupError
+from runtime.microbatch import Microbatch
+from runtime.seeding import generator
+from runtime.values import ValueKind, ValueSpec
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor of one micro-batch: shape, dtype, and for integers the exclusive upper bound."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    high: int = 2
+
+    def draw(self, rng: torch.Generator) -> torch.Tensor:
+        if self.dtype.is_floating_point:
+            return torch.randn(self.shape, generator=rng, dtype=self.dtype)
+        return torch.randint(0, self.high, self.shape, generator=rng, dtype=self.dtype)
+
+
+@dataclass(frozen=True)
+class SyntheticTask:
+    """The synthetic loss for the model's output and the targets it takes."""
+
+    kind: str  # "cross_entropy" or "mse"
+    target: TensorSpec
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self.kind == "mse":
+            return F.mse_loss(output, target)
+        if output.dim() == 3:
+            return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
+        return F.cross_entropy(output, target)
+
+
+def synthetic_task(output: ValueSpec) -> SyntheticTask:
+    """Cross-entropy for (N, C), (N, S, V) and (N, C>=2, H, W) float outputs; MSE otherwise."""
+    if output.kind is not ValueKind.TENSOR or output.dtype is None:
+        raise RuntimeSetupError(f"synthetic training needs a model returning one tensor, but it "
+                                f"returns a {output.kind.value}; train it from your own script "
+                                f"with runtime.Executor and your loss")
+    shape = output.shape
+    if output.dtype.is_floating_point and len(shape) == 2:
+        return SyntheticTask("cross_entropy", TensorSpec(shape[:1], torch.int64, shape[1]))
+    if output.dtype.is_floating_point and len(shape) == 3:
+        return SyntheticTask("cross_entropy", TensorSpec(shape[:2], torch.int64, shape[2]))
+    if output.dtype.is_floating_point and len(shape) == 4 and shape[1] >= 2:
+        return SyntheticTask("cross_entropy", TensorSpec((shape[0], *shape[2:]), torch.int64, shape[1]))
+    return SyntheticTask("mse", TensorSpec(shape, output.dtype))
+
+
+def input_specs(traced: torch.fx.GraphModule, specs: dict[str, ValueSpec]) -> tuple[TensorSpec, ...]:
+    """One micro-batch of every model input, with integer ranges read from the embeddings."""
+    inputs = []
+    for node in traced.graph.nodes:
+        if node.op == "placeholder":
+            spec = specs[node.name]
+            assert spec.dtype is not None
+            inputs.append(TensorSpec(spec.shape, spec.dtype, _index_bound(traced, node)))
+    return tuple(inputs)
+
+
+def _index_bound(traced: torch.fx.GraphModule, node: torch.fx.Node) -> int:
+    bounds = []
+    for user in node.users:
+        if user.op == "call_module":
+            module = traced.get_submodule(str(user.target))
+            if isinstance(module, nn.Embedding) and user.args[0] is node:
+                bounds.append(module.num_embeddings)
+        elif user.op == "call_function" and user.target is F.embedding and user.args[0] is node:
+            weight = user.args[1]
+            if isinstance(weight, torch.fx.Node) and weight.op == "get_attr":
+                bounds.append(_attr_rows(traced, str(weight.target)))
+    return min(bounds, default=2)
+
+
+def _attr_rows(traced: torch.fx.GraphModule, target: str) -> int:
+    value: Any = traced
+    for part in target.split("."):
+        value = getattr(value, part)
+    return int(value.shape[0])
+
+
+@dataclass(frozen=True)
+class SyntheticData:
+    """Deterministic micro-batches: ``microbatch(step, index)`` is the same in every process."""
+
+    inputs: tuple[TensorSpec, ...]
+    task: SyntheticTask
+    seed: int
+
+    def microbatch(self, step: int, index: int, *, inputs: bool = True, targets: bool = True) -> Microbatch:
+        made_inputs = None
+        if inputs:
+            rng = generator(self.seed, "inputs", step, index)
+            made_inputs = tuple(spec.draw(rng) for spec in self.inputs)
+        made_targets = None
+        if targets:
+            made_targets = self.task.target.draw(generator(self.seed, "targets", step, index))
+        return Microbatch(made_inputs, made_targets)

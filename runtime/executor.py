@@ -1,0 +1,307 @@
+"""The Executor: interprets this rank's program of a plan, action by action, for one step at a time.
+
+It holds no schedule logic: ``F``/``B`` run the named stage on the named micro-batch, runs of
+consecutive ``SEND_*``/``RECV_*`` become one batched P2P exchange, ``ALLREDUCE`` sums the
+stage's gradients over its replicas and ``OPTIMIZER_STEP`` steps the stage's optimizer. A rank
+that runs several stages (interleaved, WPipe, GEMS programs) looks each stage up by the
+action's stage id; values between two stages on the same rank are handed over in memory.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from planner.capture import LeafSpec
+from planner.errors import RuntimeSetupError
+from planner.plan import Plan
+from planner.schedules.actions import Action, ActionKind
+from runtime.comm import P2P, Message, wait_for
+from runtime.dataflow import SourceKind
+from runtime.grads import GradientSync
+from runtime.memory import MemoryTracker
+from runtime.microbatch import Microbatch, Targets, split_batch
+from runtime.seeding import seeded
+from runtime.setup import set_up
+from runtime.stages import LocalStage, OptimizerFactory
+from runtime.state import MicrobatchState, StepState
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+_HANDLERS = {ActionKind.F: "_forward", ActionKind.B: "_backward", ActionKind.ALLREDUCE: "_allreduce",
+             ActionKind.OPTIMIZER_STEP: "_optimizer_step"}  # method per non-communication action
+
+
+class Executor:
+    """Runs a plan's program for this rank inside an initialised ``torch.distributed`` job.
+
+    ``model`` is the planned model: on the meta device (each rank then materialises only its
+    own stages, initialised by :func:`runtime.initialize` with ``seed``) or with real weights
+    (kept as they are). ``loss_fn(output, targets)`` returns the scalar loss of one micro-batch
+    (the loss of a step is their mean); it may be replaced between steps (``exe.loss_fn``).
+    ``optimizer_factory(params)`` makes one optimizer per stage. Peak memory is in
+    ``exe.memory.peak_bytes`` (on CPU, of the steps run with ``run(..., profile_memory=True)``).
+
+    Example (inside ``torchrun``, after ``dist.init_process_group``)::
+
+        plan = Plan.load("plan.json")
+        exe = Executor(plan, gpt_tiny(device="meta"), loss_fn,
+                       lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
+        for inputs, targets in batches:        # the whole global batch on every rank
+            loss = exe.step(inputs, targets)   # the global mean loss, on every rank
+    """
+
+    def __init__(self, plan: Plan, model: nn.Module, loss_fn: LossFn, optimizer_factory: OptimizerFactory,
+                 *, seed: int = 0, device: torch.device | str | None = None, timeout_s: float = 300.0,
+                 leaf_modules: Sequence[LeafSpec] = ()) -> None:
+        if not dist.is_initialized():
+            raise RuntimeSetupError("torch.distributed is not initialised: launch with `torchrun -m "
+                                    "runtime PLAN` or call dist.init_process_group first")
+        self.plan, self.model, self.loss_fn, self.seed = plan, model, loss_fn, seed
+        self.rank = dist.get_rank()
+        self.device = _resolve(device)
+        self.timeout_s = timeout_s
+        ready = set_up(plan, model, optimizer_factory, seed=seed, device=self.device,
+                       timeout_s=timeout_s, leaf_modules=leaf_modules)
+        self.segments, self.stage_ids, self.replica = ready.segments, ready.stage_ids, ready.replica
+        self.traced, self.flow = ready.traced, ready.flow
+        self.stages, self.groups = ready.stages, ready.groups
+        self.p2p = P2P(None, self.device, timeout_s)
+        self.sync = GradientSync(self.device, timeout_s)
+        self.memory = MemoryTracker(self.device, self._model_state)
+        self.steps_done = 0
+
+    def _model_state(self) -> list[torch.Tensor]:
+        """Parameters, buffers, gradients and optimizer state of this rank's stages."""
+        tensors: list[torch.Tensor] = []
+        for stage in self.stages.values():
+            tensors += [*stage.module.parameters(), *stage.module.buffers(), *stage.attrs.values()]
+            tensors += [p.grad for p in stage.params.values() if p.grad is not None]
+            if stage.optimizer is not None:
+                tensors += [v for state in stage.optimizer.state.values() for v in state.values()
+                            if isinstance(v, torch.Tensor)]
+        return tensors
+
+    # ------------------------------------------------------------------- step
+    def step(self, inputs: torch.Tensor | Sequence[torch.Tensor] | None, targets: Targets | None) -> float:
+        """Train on one global batch (the same on every rank; None where a rank does not need it).
+
+        Inputs are used by the first stage, targets by the last; each replica takes its slice
+        and cuts it into the plan's micro-batches. Returns the mean loss over the global batch.
+        """
+        training = self.plan.training
+        return self.run(split_batch(inputs, targets, global_batch_size=training.global_batch_size,
+                                    data_parallel=self.plan.data_parallel, replica=self.replica,
+                                    num_microbatches=training.num_microbatches))
+
+    @property
+    def needs_inputs(self) -> bool:
+        return self.flow.data_stage in self.stages
+
+    @property
+    def needs_targets(self) -> bool:
+        return self.flow.last_stage in self.stages
+
+    def run(self, microbatches: Sequence[Microbatch], *, profile_memory: bool = False) -> float:
+        """One step on this replica's micro-batches (``plan.training.num_microbatches`` of them).
+
+        ``profile_memory`` records this step's CPU allocations for the measured peak (slower;
+        see runtime/memory.py); on CUDA the allocator's own peak is always used.
+        """
+        if len(microbatches) != self.plan.training.num_microbatches:
+            raise ValueError(f"got {len(microbatches)} micro-batches, the plan has "
+                             f"{self.plan.training.num_microbatches}")
+        if not profile_memory:
+            return self._run(microbatches)
+        with self.memory.profiling():
+            return self._run(microbatches)
+
+    def _run(self, microbatches: Sequence[Microbatch]) -> float:
+        state = StepState(tuple(microbatches))
+        for segment in self.segments:
+            if isinstance(segment, tuple):
+                self._communicate(segment, state)
+            else:
+                getattr(self, _HANDLERS[segment.kind])(segment, state)
+            if self.memory.active:
+                self.memory.sample([*state.held(), *self.p2p.in_flight()])
+        self.p2p.finish()
+        self.steps_done += 1
+        return self._global_loss(state)
+
+    def _global_loss(self, state: StepState) -> float:
+        scale = self.plan.training.num_microbatches * self.plan.data_parallel
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for loss in state.losses:
+            total += loss.to(torch.float64)
+        total /= scale
+        wait_for(dist.all_reduce(total, async_op=True), datetime.timedelta(seconds=self.timeout_s),
+                 "the loss all-reduce")
+        return float(total.item())
+
+    # ---------------------------------------------------------------- compute
+    def _forward(self, action: Action, state: StepState) -> None:
+        key = (action.stage, action.microbatch)
+        stage, micro = self.stages[action.stage], state.micro(*key)
+        data = state.microbatches[action.microbatch]
+        if stage.index == self.flow.data_stage:
+            if data.inputs is None:
+                raise ValueError(f"rank {self.rank} runs the first stage and needs the inputs")
+            micro.env.update(zip(self.flow.data_inputs, (self._to_device(x) for x in data.inputs)))
+        args = [self._input(stage, name, action.microbatch, state) for name in stage.io.inputs]
+        micro.env.update(zip(stage.io.inputs, args))
+        micro.env.update(state.inbox.pop(key, {}))  # received values the loss reads, not the stage
+        global_microbatch = self.replica * self.plan.training.num_microbatches + action.microbatch
+        with self.memory.saving(key), seeded(self.seed, "forward", self.steps_done, action.stage,
+                                             global_microbatch, device=self.device):
+            micro.env.update(zip(stage.io.outputs, stage.module(*args)))
+            if stage.index == self.flow.last_stage:
+                self._loss(stage, micro, data, state)
+        micro.roots = {name: micro.env[name] for dst in self.flow.consumers(stage.index)
+                       for name in self.flow.gradients((stage.index, dst))}
+        self._hand_over(stage.index, action.microbatch, micro, state)
+
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's copy on the device; on the CPU, which stands in for one, a copy too
+        (so memory counts only micro-batches in flight, as on a GPU, not the caller's batch)."""
+        return tensor.clone() if tensor.device == self.device else tensor.to(self.device)
+
+    def _input(self, stage: LocalStage, name: str, microbatch: int, state: StepState) -> Any:
+        source = stage.io.sources[name]
+        if source.kind is SourceKind.PARAM:
+            return stage.attrs[name]
+        if source.kind is SourceKind.DATA:
+            return state.micro(stage.index, microbatch).env[name]
+        spec = self.flow.specs[name]
+        if not spec.travels:
+            return spec.decode(None, self.device)
+        return state.mailbox(stage.index, microbatch).pop(name)
+
+    def _loss(self, stage: LocalStage, micro: MicrobatchState, data: Microbatch, state: StepState) -> None:
+        output = torch.fx.node.map_aggregate(self.flow.output, lambda name: micro.env[name])
+        targets = torch.fx.node.map_aggregate(data.targets, lambda t: t.to(self.device)
+                                              if isinstance(t, torch.Tensor) else t)
+        loss = self.loss_fn(output, targets)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__} "
+                             f"{tuple(getattr(loss, 'shape', ()))}")
+        state.losses.append(loss.detach())
+        micro.loss = loss / (self.plan.training.num_microbatches * self.plan.data_parallel)
+        for name in stage.io.outputs:  # the loss is the only backward root of the last stage
+            micro.env.pop(name, None)
+
+    def _hand_over(self, stage: int, microbatch: int, micro: MicrobatchState, state: StepState) -> None:
+        """Values for consumer stages on this same rank (no communication)."""
+        for dst in self.flow.consumers(stage):
+            if dst in self.stages:
+                box = state.mailbox(dst, microbatch)
+                for name in self.flow.travelling((stage, dst)):
+                    value = micro.env[name]
+                    box[name] = (value.detach().requires_grad_(self.flow.specs[name].carries_grad)
+                                 if isinstance(value, torch.Tensor) else value)
+
+    def _backward(self, action: Action, state: StepState) -> None:
+        stage, micro = self.stages[action.stage], state.micro(action.stage, action.microbatch)
+        roots = [micro.loss] if micro.loss is not None else []
+        grads: list[torch.Tensor | None] = [None] * len(roots)
+        for name, tensor in micro.roots.items():
+            if name in micro.output_grads:
+                roots.append(tensor)
+                grads.append(micro.output_grads[name])
+        if roots:
+            torch.autograd.backward(roots, grads)
+        self.memory.release((action.stage, action.microbatch))
+        self.memory.state_changed()
+        for src in self.flow.producers(stage.index):
+            for name in self.flow.gradients((src, stage.index)):
+                value = micro.env[name]
+                grad = value.grad if value.grad is not None else torch.zeros_like(value)
+                if src in self.stages:
+                    _accumulate(state.micro(src, action.microbatch).output_grads, name, grad)
+                else:
+                    micro.input_grads[name] = grad
+        micro.env.clear()
+        micro.roots.clear()
+        micro.output_grads.clear()
+        micro.loss = None
+
+    # ---------------------------------------------------------- communication
+    def _communicate(self, actions: tuple[Action, ...], state: StepState) -> None:
+        messages = [self._message(action, state) for action in actions]
+        self.p2p.exchange(messages)
+        for message in messages:
+            if not message.is_send:
+                self._deliver(message, state)
+
+    def _message(self, action: Action, state: StepState) -> Message:
+        assert action.peer is not None and action.microbatch is not None
+        peer_rank = self.plan.stages[action.peer].ranks[self.replica]
+        micro = state.micro(action.stage, action.microbatch)
+        kind = action.kind
+        if kind is ActionKind.SEND_F:
+            names = self.flow.travelling((action.stage, action.peer))
+            tensors = [self.flow.specs[n].encode(micro.env[n], self.device) for n in names]
+        elif kind is ActionKind.SEND_B:
+            names = self.flow.gradients((action.peer, action.stage))
+            tensors = [micro.input_grads.pop(n).contiguous() for n in names]
+        elif kind is ActionKind.RECV_F:
+            names = self.flow.travelling((action.peer, action.stage))
+            tensors = [self.flow.specs[n].empty(self.device) for n in names]
+        else:
+            names = self.flow.gradients((action.stage, action.peer))
+            tensors = [self.flow.specs[n].empty(self.device) for n in names]
+        return Message(action, peer_rank, tensors)
+
+    def _deliver(self, message: Message, state: StepState) -> None:
+        action = message.action
+        assert action.peer is not None and action.microbatch is not None
+        if action.kind is ActionKind.RECV_F:
+            box = state.mailbox(action.stage, action.microbatch)
+            for name, wire in zip(self.flow.travelling((action.peer, action.stage)), message.tensors):
+                box[name] = self.flow.specs[name].decode(wire, self.device)
+            return
+        grads = state.micro(action.stage, action.microbatch).output_grads
+        for name, wire in zip(self.flow.gradients((action.stage, action.peer)), message.tensors):
+            _accumulate(grads, name, wire)
+
+    # ------------------------------------------------------------- per stage
+    def _allreduce(self, action: Action, state: StepState) -> None:
+        stage = self.stages[action.stage]
+        params = [p for name, p in stage.params.items() if name not in self.groups.tied_names]
+        self.sync.all_reduce(params, self.groups.data_parallel[action.stage], str(action))
+
+    def _optimizer_step(self, action: Action, state: StepState) -> None:
+        if not state.tied_synced:
+            self._sync_tied()
+            state.tied_synced = True
+        optimizer = self.stages[action.stage].optimizer
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        self.memory.state_changed()
+
+    def _sync_tied(self) -> None:
+        """Sum tied parameters' gradients over every copy (all ranks, one fixed order)."""
+        mine = {name: p for stage in self.stages.values() for name, p in stage.params.items()}
+        for group in self.groups.tied:
+            if group.group is not None:
+                self.sync.all_reduce([mine[name] for name in group.names], group.group,
+                                     f"tied {', '.join(group.names)}", fill_missing=True)
+
+
+def _accumulate(grads: dict[str, torch.Tensor], name: str, grad: torch.Tensor) -> None:
+    grads[name] = grad if name not in grads else grads[name] + grad
+
+
+def _resolve(device: torch.device | str | None) -> torch.device:
+    """The given device (default: CUDA if available, else the CPU) with its CUDA index filled in."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device

@@ -1,0 +1,143 @@
+"""Gradient synchronisation: data-parallel all-reduce in buckets, and tied parameters across stages.
+
+Process groups are created once, collectively and in the same order on every rank (torch
+requires it), and returned to the caller: nothing is kept in module globals.
+
+* Data parallel: one group per stage over its replica ranks; a stage's gradients (tied ones
+  excepted) are flattened into buckets of at most ``bucket_bytes`` and summed, two buckets in
+  flight at most (a lone contiguous gradient is reduced in place, without a copy). The loss was
+  already divided by (micro-batches x replicas), so the sum is the mean over the global batch.
+* Tied parameters (e.g. GPT's embedding reused as the LM head on the last stage): one group
+  per set of stages holding a copy, over all their replicas; the copies' gradients are summed
+  so every copy takes the same step a single-process model would.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from planner.plan import Plan
+from runtime.comm import wait_for
+from runtime.streams import AnyStream, current_stream, new_stream, use_stream
+
+BUCKET_BYTES = 25 * 2**20
+
+
+@dataclass(frozen=True)
+class TiedGroup:
+    """Parameters held by the same set of stages, and the group over all ranks holding a copy."""
+
+    stages: tuple[int, ...]
+    names: tuple[str, ...]  # canonical parameter names, sorted
+    ranks: tuple[int, ...]
+    group: dist.ProcessGroup | None  # None on ranks outside it
+
+
+@dataclass(frozen=True)
+class Groups:
+    """Every process group this rank takes part in, created at set-up."""
+
+    data_parallel: Mapping[int, dist.ProcessGroup]  # stage -> its replicas' group (my stages only)
+    tied: tuple[TiedGroup, ...]  # every tied set (group None where this rank holds no copy)
+
+    @property
+    def tied_names(self) -> frozenset[str]:
+        return frozenset(name for group in self.tied for name in group.names)
+
+
+def create_groups(plan: Plan, rank: int, stage_params: Mapping[int, set[str]],
+                  timeout_s: float) -> Groups:
+    """Create the data-parallel and tied-parameter groups (collective: every rank must call it)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    data_parallel = {}
+    if plan.data_parallel > 1:
+        for stage in plan.stages:
+            group = dist.new_group(list(stage.ranks), timeout=timeout)
+            if rank in stage.ranks:
+                data_parallel[stage.index] = group
+    tied = []
+    for stages, names in sorted(tied_sets(stage_params).items()):
+        ranks = tuple(sorted(r for s in stages for r in plan.stages[s].ranks))
+        group = dist.new_group(list(ranks), timeout=timeout) if len(ranks) > 1 else None
+        tied.append(TiedGroup(stages, names, ranks, group if rank in ranks else None))
+    return Groups(data_parallel, tuple(tied))
+
+
+def tied_sets(stage_params: Mapping[int, set[str]]) -> dict[tuple[int, ...], tuple[str, ...]]:
+    """Parameters used by more than one stage, grouped by the set of stages using them."""
+    holders: dict[str, list[int]] = {}
+    for stage in sorted(stage_params):
+        for name in stage_params[stage]:
+            holders.setdefault(name, []).append(stage)
+    sets: dict[tuple[int, ...], list[str]] = {}
+    for name, stages in holders.items():
+        if len(stages) > 1:
+            sets.setdefault(tuple(stages), []).append(name)
+    return {stages: tuple(sorted(names)) for stages, names in sets.items()}
+
+
+class GradientSync:
+    """All-reduces gradients on a side stream with timeouts; buckets by dtype and size."""
+
+    def __init__(self, device: torch.device, timeout_s: float, bucket_bytes: int = BUCKET_BYTES) -> None:
+        self.device = device
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.bucket_bytes = bucket_bytes
+        self.stream: AnyStream = new_stream(device)
+
+    def all_reduce(self, params: Sequence[nn.Parameter], group: dist.ProcessGroup, label: str, *,
+                   fill_missing: bool = False) -> None:
+        """Sum the gradients of ``params`` over ``group``.
+
+        Parameters without a gradient are skipped (every replica runs the same graph, so they
+        agree), or given a zero gradient first with ``fill_missing`` (tied copies on stages
+        whose graphs differ).
+        """
+        if fill_missing:
+            for param in params:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            return
+        self.stream.wait_stream(current_stream(self.device))
+        previous: tuple[list[torch.Tensor], torch.Tensor, dist.Work] | None = None
+        for bucket in _buckets(grads, self.bucket_bytes):  # at most two buckets alive at once
+            with use_stream(self.stream):
+                flat = bucket[0] if len(bucket) == 1 and bucket[0].is_contiguous() else torch.cat(
+                    [g.reshape(-1) for g in bucket])
+                work = dist.all_reduce(flat, group=group, async_op=True)
+            if previous is not None:
+                self._unpack(*previous, label)
+            previous = (bucket, flat, work)
+        if previous is not None:
+            self._unpack(*previous, label)
+        current_stream(self.device).wait_stream(self.stream)
+
+    def _unpack(self, bucket: list[torch.Tensor], flat: torch.Tensor, work: dist.Work, label: str) -> None:
+        with use_stream(self.stream):
+            wait_for(work, self.timeout, f"the {label} all-reduce")
+            if flat is bucket[0]:  # reduced in place
+                return
+            offset = 0
+            for grad in bucket:
+                grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
+
+def _buckets(grads: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for grad in grads:
+        nbytes = grad.numel() * grad.element_size()
+        if not buckets or buckets[-1][0].dtype != grad.dtype or size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(grad)
+        size += nbytes
+    return buckets

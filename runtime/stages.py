@@ -1,0 +1,67 @@
+"""The stages this rank runs: submodule, parameters it owns, get_attr tensors and optimizer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+from torch import nn
+
+from runtime.build import attribute, canonical_names, stage_tensors
+from runtime.dataflow import Dataflow, SourceKind, StageIO
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclass
+class LocalStage:
+    """One stage on this rank. ``params`` are the ones its optimizer steps (each parameter is
+    owned by the first of this rank's stages using it); ``attrs`` feed get_attr inputs."""
+
+    index: int
+    module: torch.fx.GraphModule
+    io: StageIO
+    params: dict[str, nn.Parameter]  # canonical name -> parameter
+    attrs: dict[str, torch.Tensor]  # input node name -> tensor
+    optimizer: torch.optim.Optimizer | None
+
+
+def param_targets(io: StageIO) -> list[str]:
+    return [source.target for source in io.sources.values() if source.kind is SourceKind.PARAM]
+
+
+def stage_param_names(model: nn.Module, modules: Mapping[int, torch.fx.GraphModule],
+                      flow: Dataflow) -> dict[int, set[str]]:
+    """Canonical names of the trainable parameters every stage uses (computed on every rank)."""
+    names = canonical_names(model)
+    return {stage: {names[id(t)] for t in stage_tensors(module, model, param_targets(flow.stages[stage]))
+                    if isinstance(t, nn.Parameter) and t.requires_grad}
+            for stage, module in modules.items()}
+
+
+def local_stages(model: nn.Module, modules: Mapping[int, torch.fx.GraphModule], flow: Dataflow,
+                 mine: Sequence[int], optimizer_factory: OptimizerFactory) -> dict[int, LocalStage]:
+    """Build this rank's stages (after materialisation) with one optimizer each."""
+    names = canonical_names(model)
+    owned: set[int] = set()
+    stages = {}
+    for stage in sorted(mine):
+        io = flow.stages[stage]
+        params = {}
+        for tensor in stage_tensors(modules[stage], model, param_targets(io)):
+            if isinstance(tensor, nn.Parameter) and tensor.requires_grad and id(tensor) not in owned:
+                owned.add(id(tensor))
+                params[names[id(tensor)]] = tensor
+        attrs = {name: attribute(model, source.target) for name, source in io.sources.items()
+                 if source.kind is SourceKind.PARAM}
+        optimizer = optimizer_factory(list(params.values())) if params else None
+        stages[stage] = LocalStage(stage, modules[stage], io, params, attrs, optimizer)
+    return stages
+
+
+def stage_state_tensors(model: nn.Module, stage: LocalStage) -> dict[str, torch.Tensor]:
+    """Canonical name -> every parameter and buffer the stage uses (what a checkpoint holds)."""
+    names = canonical_names(model)
+    return {names[id(t)]: t for t in stage_tensors(stage.module, model, param_targets(stage.io))}

@@ -1,0 +1,87 @@
+"""The synthetic training loop behind ``python -m runtime``: steps, checkpoints, the run report."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from planner.plan import Plan
+from runtime import checkpoint
+from runtime.build import rebuild_model
+from runtime.data import SyntheticData, input_specs, synthetic_task
+from runtime.executor import Executor
+from runtime.microbatch import Microbatch
+from runtime.optim import optimizer_factory
+from runtime.report import RunReport, gather_report
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What `python -m runtime` was asked to do (see runtime/launch.py for the flags)."""
+
+    plan: Path
+    steps: int
+    report: Path | None = None
+    checkpoint_dir: Path | None = None
+    checkpoint_every: int = 10
+    resume: bool = False
+    seed: int = 0
+    lr: float | None = None
+    timeout_s: float = 300.0
+    leaf_modules: tuple[str, ...] = ()
+    fail_at_step: int | None = None  # test hook: raise on ``fail_rank`` before this step
+    fail_rank: int = 0
+
+
+def run(plan: Plan, options: RunOptions, device: torch.device) -> RunReport:
+    """Train the plan's model on synthetic data for ``options.steps`` steps (collective)."""
+    model = rebuild_model(plan, Path.cwd())
+    executor = Executor(plan, model, _unbound_loss, optimizer_factory(plan.training.optimizer, options.lr),
+                        seed=options.seed, device=device, timeout_s=options.timeout_s,
+                        leaf_modules=options.leaf_modules)
+    output = executor.flow.specs[executor.flow.output_names[0]]
+    data = SyntheticData(input_specs(executor.traced, dict(executor.flow.specs)), synthetic_task(output),
+                         options.seed)
+    executor.loss_fn = data.task
+    start = checkpoint.restore(executor, options.checkpoint_dir) if (
+        options.resume and options.checkpoint_dir) else 0
+    step_ms, losses = [], []
+    for step in range(start, options.steps):
+        if options.fail_at_step == step and executor.rank == options.fail_rank:
+            raise RuntimeError(f"injected failure on rank {executor.rank} before step {step} "
+                               f"(--fail-at-step)")
+        profiled = device.type == "cpu" and step == options.steps - 1  # memory peak (runtime/memory.py)
+        microbatches = _microbatches(executor, data, step)
+        began = time.perf_counter()
+        losses.append(executor.run(microbatches, profile_memory=profiled))
+        elapsed_ms = (time.perf_counter() - began) * 1e3
+        if not profiled or step == start:  # the profiler slows its step down: not timed
+            step_ms.append(elapsed_ms)
+        _log(executor, step, options.steps, losses[-1], elapsed_ms)
+        if options.checkpoint_dir and _checkpoint_due(step + 1, options):
+            checkpoint.save(executor, options.checkpoint_dir, step + 1)
+    return gather_report(step_ms, losses, executor.memory.peak_bytes, executor.memory.held_bytes,
+                         fingerprint=plan.model.fingerprint, device=device,
+                         global_batch_size=plan.training.global_batch_size, start_step=start)
+
+
+def _unbound_loss(output: object, target: object) -> torch.Tensor:
+    raise AssertionError("the synthetic loss is bound once the model output is known")
+
+
+def _microbatches(executor: Executor, data: SyntheticData, step: int) -> list[Microbatch]:
+    count = executor.plan.training.num_microbatches
+    return [data.microbatch(step, executor.replica * count + m, inputs=executor.needs_inputs,
+                            targets=executor.needs_targets) for m in range(count)]
+
+
+def _checkpoint_due(done: int, options: RunOptions) -> bool:
+    return done == options.steps or (options.checkpoint_every > 0 and done % options.checkpoint_every == 0)
+
+
+def _log(executor: Executor, step: int, steps: int, loss: float, ms: float) -> None:
+    if executor.rank == 0:
+        print(f"step {step + 1}/{steps}  loss {loss:.6f}  {ms:.1f} ms", flush=True)

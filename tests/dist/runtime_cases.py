@@ -1,0 +1,115 @@
+"""Rank functions and the single-process float64 reference for the runtime's dist tests."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from planner.plan import Plan
+from runtime.build import rebuild_model, trace_checked
+from runtime.data import SyntheticData, input_specs, synthetic_task
+from runtime.executor import Executor
+from runtime.optim import optimizer_factory
+from runtime.values import value_specs
+from runtime.weights import initialize
+
+SEED = 7
+
+
+@dataclass(frozen=True)
+class Case:
+    plan_json: str
+    steps: int = 3
+    lr: float = 0.05
+    real_weights: bool = False  # pass a fully initialised model instead of a meta one
+
+
+@dataclass
+class Outcome:
+    """What a run produced: the loss per step, the last step's gradients, the final parameters.
+
+    Arrays are numpy (pickled by value: torch tensors would travel by shared-memory handles
+    that die with the child process).
+    """
+
+    losses: list[float]
+    grads: dict[str, np.ndarray]
+    params: dict[str, np.ndarray]
+
+
+def _recording(name: str, lr: float, grads: dict[int, torch.Tensor]) -> Any:
+    make = optimizer_factory(name, lr)
+
+    def factory(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        optimizer = make(params)
+
+        def record(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            for group in opt.param_groups:
+                for param in group["params"]:
+                    grads[id(param)] = param.grad.detach().clone()
+        optimizer.register_step_pre_hook(record)
+        return optimizer
+    return factory
+
+
+def run_cases(rank: int, world_size: int, cases: list[Case]) -> list[Outcome]:
+    """Rank function: train every case with the Executor; report this rank's stages."""
+    return [_run_case(case) for case in cases]
+
+
+def _run_case(case: Case) -> Outcome:
+    plan = Plan.from_dict(json.loads(case.plan_json))
+    grads: dict[int, torch.Tensor] = {}
+    model = initialize(rebuild_model(plan), SEED) if case.real_weights else rebuild_model(plan)
+    exe = Executor(plan, model, _no_loss, _recording(plan.training.optimizer, case.lr, grads),
+                   seed=SEED, timeout_s=60)
+    data = SyntheticData(input_specs(exe.traced, dict(exe.flow.specs)),
+                         synthetic_task(exe.flow.specs[exe.flow.output_names[0]]), SEED)
+    exe.loss_fn = data.task
+    total = plan.training.num_microbatches * plan.data_parallel
+    losses = []
+    for step in range(case.steps):  # the user's API: the whole global batch on every rank
+        parts = [data.microbatch(step, index) for index in range(total)]
+        inputs = [torch.cat(tensors) for tensors in zip(*(part.inputs for part in parts))]
+        losses.append(exe.step(inputs, torch.cat([part.targets for part in parts])))
+    params = {name: p for stage in exe.stages.values() for name, p in stage.params.items()}
+    dist.barrier()
+    return Outcome(losses, {name: grads[id(p)].numpy() for name, p in params.items()},
+                   {name: p.detach().numpy().copy() for name, p in params.items()})
+
+
+def _no_loss(output: Any, target: Any) -> torch.Tensor:
+    raise AssertionError("bound after set-up")
+
+
+def reference(case: Case) -> Outcome:
+    """One process, the whole model: the same initialisation, micro-batches, loss and optimizer."""
+    plan = Plan.from_dict(json.loads(case.plan_json))
+    model = initialize(rebuild_model(plan), SEED)
+    traced = trace_checked(model, plan)
+    inputs = [(meta.shape, getattr(torch, meta.dtype)) for meta in plan.model.example_inputs]
+    specs = value_specs(traced, inputs, plan.training.micro_batch_size)
+    output = next(node for node in traced.graph.nodes if node.op == "output").all_input_nodes[0].name
+    data = SyntheticData(input_specs(traced, specs), synthetic_task(specs[output]), SEED)
+    grads: dict[int, torch.Tensor] = {}
+    optimizer = _recording(plan.training.optimizer, case.lr, grads)(list(model.parameters()))
+    total = plan.training.num_microbatches * plan.data_parallel
+    losses = []
+    for step in range(case.steps):
+        step_losses = []
+        for index in range(total):
+            micro = data.microbatch(step, index)
+            loss = data.task(model(*micro.inputs), micro.targets)
+            (loss / total).backward()
+            step_losses.append(loss.item())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(sum(step_losses) / total)
+    named = dict(model.named_parameters())
+    return Outcome(losses, {name: grads[id(p)].numpy() for name, p in named.items()},
+                   {name: p.detach().numpy().copy() for name, p in named.items()})

@@ -1,0 +1,64 @@
+"""The runtime equals a single-process float64 run: losses, every gradient, every parameter.
+
+2 ranks: GPT (tied embedding across stages; one cut inside attention so Python ints cross
+stages) under GPipe and 1F1B, with SGD-momentum and once with Adam, and once given real
+weights instead of a meta model; ResNet-50 (width 4) cut
+inside a residual block so the block's input crosses to the next stage; the GPT and the ResNet in
+4 stages looped over 2 ranks (stages 0 and 2 on rank 0, so the ResNet's skip is handed over in
+memory), as interleaved schedules place them. 4 ranks:
+the ResNet in 4 stages with a skip from stage 0 to stage 2, and the GPT as 2 stages x 2 replicas.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.dist.harness import run_ranks
+from tests.dist.runtime_cases import Case, Outcome, reference, run_cases
+from tests.runtime_plans import GPT, RESNET, looped, make_plan
+
+pytestmark = pytest.mark.dist
+
+RTOL, ATOL = 1e-10, 1e-12
+FOUR_GPT_STAGES = ["blocks_0_ln_2", "blocks_1_ln_1", "blocks_1_ln_2"]
+SKIP_TO_STAGE_2 = ["layer2_0_conv2", "layer2_0_conv3", "layer3_0_conv1"]  # block input 0 -> 2
+
+
+def _check(case: Case, by_rank: list[Outcome]) -> None:
+    expected = reference(case)
+    seen: set[str] = set()
+    for rank, outcome in enumerate(by_rank):
+        np.testing.assert_allclose(outcome.losses, expected.losses, rtol=RTOL, atol=ATOL,
+                                   err_msg=f"rank {rank} losses")
+        for name, grad in outcome.grads.items():
+            np.testing.assert_allclose(grad, expected.grads[name], rtol=RTOL, atol=ATOL,
+                                       err_msg=f"rank {rank} gradient of {name}")
+            np.testing.assert_allclose(outcome.params[name], expected.params[name], rtol=RTOL,
+                                       atol=ATOL, err_msg=f"rank {rank} parameter {name}")
+        seen |= set(outcome.grads)
+    assert seen == set(expected.grads), f"parameters on no rank: {sorted(set(expected.grads) - seen)}"
+
+
+def test_two_rank_pipelines_equal_a_single_process() -> None:
+    cases = [Case(make_plan(GPT, ["blocks_1_ln_1"], schedule="gpipe")),
+             Case(make_plan(GPT, ["blocks_1_ln_1"], schedule="gpipe"), real_weights=True),
+             Case(make_plan(GPT, ["blocks_0_attn_qkv"], schedule="1f1b")),
+             Case(make_plan(GPT, ["blocks_1_ln_1"], schedule="1f1b", optimizer="adam"), lr=1e-3),
+             Case(make_plan(RESNET, ["layer2_0_conv2"], schedule="gpipe")),
+             Case(make_plan(RESNET, ["layer2_0_conv2"], schedule="1f1b")),
+             Case(looped(make_plan(GPT, FOUR_GPT_STAGES, schedule="gpipe"), ranks=2)),
+             Case(looped(make_plan(RESNET, SKIP_TO_STAGE_2, schedule="gpipe"), ranks=2))]
+    outcomes = run_ranks(run_cases, 2, cases, timeout_s=180)
+    for index, case in enumerate(cases):
+        _check(case, [outcomes[rank][index] for rank in range(2)])
+
+
+def test_four_rank_pipelines_and_data_parallel_equal_a_single_process() -> None:
+    cases = [Case(make_plan(RESNET, SKIP_TO_STAGE_2, schedule="gpipe")),
+             Case(make_plan(RESNET, SKIP_TO_STAGE_2, schedule="1f1b")),
+             Case(make_plan(GPT, ["blocks_1_ln_1"], schedule="gpipe", data_parallel=2, microbatches=2)),
+             Case(make_plan(GPT, ["blocks_1_ln_1"], schedule="1f1b", data_parallel=2, microbatches=3))]
+    outcomes = run_ranks(run_cases, 4, cases, timeout_s=240)
+    for index, case in enumerate(cases):
+        _check(case, [outcomes[rank][index] for rank in range(4)])

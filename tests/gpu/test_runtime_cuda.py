@@ -1,0 +1,71 @@
+"""On one CUDA device: the executor's CUDA path (compute and side streams ordered by events).
+
+NCCL cannot put two ranks on one GPU, so these tests run one process: several stages on one
+rank (handed over in memory) against the CPU float64 reference, the gradient all-reduce on its
+side stream right after a long kernel on the compute stream, and the allocator's peak.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from planner.plan import Plan
+from runtime.build import rebuild_model
+from runtime.executor import Executor
+from runtime.grads import GradientSync
+from runtime.optim import optimizer_factory
+from tests.dist.runtime_cases import Case, reference, run_cases
+from tests.runtime_plans import GPT, RESNET, looped, make_plan
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.fixture(scope="module")
+def nccl(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    torch.cuda.set_device(0)
+    init = tmp_path_factory.mktemp("nccl") / "rendezvous"
+    dist.init_process_group("nccl", init_method=f"file://{Path(init)}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60), device_id=torch.device("cuda", 0))
+    yield
+    dist.destroy_process_group()
+
+
+def test_stages_on_one_gpu_equal_the_cpu_reference(nccl: None) -> None:
+    cases = [Case(looped(make_plan(GPT, ["blocks_1_ln_1"], schedule="1f1b"), ranks=1)),
+             Case(looped(make_plan(RESNET, ["layer2_0_conv2", "layer2_0_conv3"], schedule="gpipe"), ranks=1))]
+    for case, outcome in zip(cases, run_cases(0, 1, cases)):
+        expected = reference(case)
+        np.testing.assert_allclose(outcome.losses, expected.losses, rtol=1e-9)
+        for name, grad in outcome.grads.items():
+            np.testing.assert_allclose(grad, expected.grads[name], rtol=1e-7, atol=1e-10, err_msg=name)
+        assert set(outcome.grads) == set(expected.grads)
+
+
+def test_the_all_reduce_stream_waits_for_the_compute_stream(nccl: None) -> None:
+    sync = GradientSync(torch.device("cuda", 0), timeout_s=60, bucket_bytes=2**20)
+    params = [torch.nn.Parameter(torch.zeros(512, 512, device="cuda")) for _ in range(3)]
+    big = torch.randn(4096, 4096, device="cuda")
+    for param in params:  # long kernels queued on the compute stream right before the reduce
+        param.grad = (big @ big)[:512, :512].contiguous()
+    expected = [p.grad.clone() for p in params]
+    sync.all_reduce(params, dist.group.WORLD, "test")
+    for param, want in zip(params, expected):
+        torch.testing.assert_close(param.grad, want)
+
+
+def test_the_peak_is_the_allocators(nccl: None) -> None:
+    plan = Plan.from_dict(json.loads(looped(make_plan(GPT, ["blocks_1_ln_1"], schedule="gpipe"), ranks=1)))
+    exe = Executor(plan, rebuild_model(plan), lambda out, target: out.float().pow(2).mean(),
+                   optimizer_factory("momentum", 0.01))
+    tokens = torch.randint(0, 512, (plan.training.global_batch_size, 32))
+    exe.step(tokens, None)
+    assert exe.memory.peak_bytes == torch.cuda.max_memory_allocated() > 0
+    assert all(p.device.type == "cuda" for stage in exe.stages.values() for p in stage.params.values())

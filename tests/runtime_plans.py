@@ -1,0 +1,65 @@
+"""Float64 test plans for the runtime: a tiny GPT and a narrow ResNet-50, cut where asked."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from runtime.build import default_dtype
+
+GPT = "examples/models/gpt.py:gpt_tiny"
+RESNET = "examples/models/resnet.py:resnet50"
+
+
+def make_plan(builder: str, stage_starts: list[str], *, schedule: str, data_parallel: int = 1,
+              optimizer: str = "momentum", microbatches: int = 4, micro_batch_size: int = 2,
+              device: str = "V100-16GB") -> str:
+    """A float64 plan (as JSON) for one of the test models with the given cut."""
+    from planner.manual import plan_with_split
+    from planner.model_spec import build_model, load_builder
+
+    kwargs, inputs = _model_args(builder)
+    with default_dtype(torch.float64):
+        model = build_model(load_builder(builder), kwargs, "meta")
+        plan = plan_with_split(model, example_inputs=inputs, stage_starts=stage_starts,
+                               batch_size=micro_batch_size * microbatches * data_parallel,
+                               micro_batch_size=micro_batch_size, data_parallel=data_parallel,
+                               schedule=schedule, device=device, optimizer=optimizer,
+                               precision="fp64", builder=builder, builder_kwargs=kwargs)
+    return plan.to_json()
+
+
+def _model_args(builder: str) -> tuple[dict[str, Any], torch.Tensor]:
+    if builder == GPT:
+        return {"dropout": 0.0}, torch.empty(1, 32, dtype=torch.long, device="meta")
+    return {"width": 4, "num_classes": 10}, torch.empty(1, 3, 64, 64, dtype=torch.float64, device="meta")
+
+
+def looped(plan_json: str, ranks: int) -> str:
+    """The plan's stages looped over fewer ranks (stage s on rank s % ranks), as interleaved
+    schedules place them: each rank runs all forwards of its stages, stage by stage, then all
+    backwards in reverse. Lowered and validated by the planner's own passes."""
+    import dataclasses
+    import json
+
+    from planner.plan import Plan, Prediction
+    from planner.schedules import Action, ActionKind, StageMap, format_programs, lower, validate
+
+    plan = Plan.from_dict(json.loads(plan_json))
+    stage_map = StageMap(tuple(stage % ranks for stage in range(plan.num_stages)))
+    microbatches = range(plan.training.num_microbatches)
+    compute = tuple(
+        tuple(Action(s, ActionKind.F, m) for s in stage_map.stages_on(rank) for m in microbatches)
+        + tuple(Action(s, ActionKind.B, m) for s in reversed(stage_map.stages_on(rank)) for m in microbatches)
+        for rank in range(ranks))
+    edges = {(t.src_stage, t.dst_stage) for t in plan.transfers}
+    programs = lower(compute, stage_map, edges, data_parallel=False)
+    validate(programs, stage_map, edges=edges)
+    stages = tuple(dataclasses.replace(stage, ranks=(stage_map.rank(stage.index),)) for stage in plan.stages)
+    looped_plan = dataclasses.replace(
+        plan, cluster=dataclasses.replace(plan.cluster, gpus=ranks), stages=stages,
+        programs=format_programs(programs),
+        predicted=dataclasses.replace(plan.predicted, peak_mem_bytes=plan.predicted.peak_mem_bytes[:ranks]))
+    assert isinstance(looped_plan.predicted, Prediction)
+    return looped_plan.to_json()

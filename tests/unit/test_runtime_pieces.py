@@ -1,0 +1,159 @@
+"""Runtime pieces without processes: batches, programs, synthetic data, reports, validate, CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from planner.cli import main
+from planner.errors import InvalidArgument, PlanFileError, RuntimeSetupError
+from planner.plan import Plan
+from planner.schedules.actions import Action, ActionKind
+from runtime import checks
+from runtime.data import SyntheticData, TensorSpec, synthetic_task
+from runtime.launch import RankEnv, parse_args
+from runtime.memory import MemoryTracker
+from runtime.microbatch import split_batch
+from runtime.optim import optimizer_factory
+from runtime.report import RunReport
+from runtime.validate import compare
+from runtime.values import ValueKind, ValueSpec
+from tests.runtime_plans import GPT, make_plan
+
+
+@pytest.fixture(scope="module")
+def plan() -> Plan:
+    return Plan.from_dict(json.loads(make_plan(GPT, ["blocks_1_ln_1"], schedule="1f1b", data_parallel=2)))
+
+
+def test_each_replica_takes_its_slice_in_micro_batches() -> None:
+    inputs, targets = torch.arange(12).reshape(12, 1), (torch.arange(12), torch.arange(12) * 10)
+    parts = split_batch(inputs, targets, global_batch_size=12, data_parallel=2, replica=1, num_microbatches=3)
+    assert [p.inputs[0].flatten().tolist() for p in parts] == [[6, 7], [8, 9], [10, 11]]
+    assert parts[2].targets[1].tolist() == [100, 110]
+    with pytest.raises(InvalidArgument, match="global batch is 12"):
+        split_batch(torch.zeros(6), None, global_batch_size=12, data_parallel=2, replica=0,
+                    num_microbatches=3)
+
+
+def test_programs_group_communication_runs_and_ranks_find_their_stages(plan: Plan) -> None:
+    program = checks.rank_program(plan, 2)
+    segments = checks.segments(program)
+    runs = [s for s in segments if isinstance(s, tuple)]
+    assert all(a.kind.is_communication for run in runs for a in run)
+    assert [a for s in segments for a in (s if isinstance(s, tuple) else (s,))] == list(program)
+    assert checks.my_stages(plan, 2) == ((1,), 0) and checks.my_stages(plan, 1) == ((0,), 1)
+
+
+def test_set_up_mismatches_name_the_values_and_the_fix(plan: Plan) -> None:
+    with pytest.raises(RuntimeSetupError, match=r"for 4 processes .* 3 were launched.*--nproc-per-node 4"):
+        checks.check_world_size(plan, 3)
+    offload = plan.programs[0] + ("0SWAP_OUT0",)
+    patched = Plan.from_dict({**plan.to_dict(), "programs": [list(offload), *plan.programs[1:]]})
+    with pytest.raises(RuntimeSetupError, match="SWAP_OUT"):
+        checks.rank_program(patched, 0)
+
+
+def test_the_synthetic_loss_follows_the_output_shape() -> None:
+    def task(*shape: int) -> tuple[str, tuple[int, ...], int]:
+        chosen = synthetic_task(ValueSpec("y", ValueKind.TENSOR, shape, torch.float32))
+        return chosen.kind, chosen.target.shape, chosen.target.high
+    assert task(4, 10) == ("cross_entropy", (4,), 10)
+    assert task(4, 16, 512) == ("cross_entropy", (4, 16), 512)
+    assert task(4, 3, 8, 8) == ("cross_entropy", (4, 8, 8), 3)
+    assert task(4, 1, 8, 8)[0] == "mse" and task(4, 7, 5, 2, 2)[0] == "mse"
+    with pytest.raises(RuntimeSetupError, match="one tensor"):
+        synthetic_task(ValueSpec("y", ValueKind.INTS, (2,)))
+
+
+def test_synthetic_micro_batches_depend_only_on_seed_step_and_index() -> None:
+    data = SyntheticData((TensorSpec((2, 5), torch.int64, 9),),
+                         synthetic_task(ValueSpec("y", ValueKind.TENSOR, (2, 3), torch.float32)), seed=1)
+    first, again, other = data.microbatch(4, 2), data.microbatch(4, 2), data.microbatch(4, 3)
+    assert torch.equal(first.inputs[0], again.inputs[0]) and torch.equal(first.targets, again.targets)
+    assert not torch.equal(first.inputs[0], other.inputs[0])
+    assert int(first.inputs[0].max()) < 9
+    assert torch.equal(data.microbatch(4, 2, inputs=False).targets, first.targets)
+
+
+def test_optimizers_by_name() -> None:
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    assert type(optimizer_factory("adamw")(params)).__name__ == "AdamW"
+    with pytest.raises(InvalidArgument, match="lamb"):
+        optimizer_factory("lamb")
+
+
+def _report(plan: Plan, **changes: object) -> RunReport:
+    values = {"plan_fingerprint": plan.model.fingerprint, "world_size": 4, "device": "cpu",
+              "global_batch_size": 16, "start_step": 0, "step_ms": (90.0, 40.0, 60.0),
+              "losses": (3.0, 2.5, 2.0), "peak_mem_bytes": (100, 100, 200, 200), "memory_measure": "test",
+              "held_mem_bytes": (90,) * 4}
+    values.update(changes)
+    return RunReport(**values)  # type: ignore[arg-type]
+
+
+def test_a_report_round_trips_and_excludes_the_warm_up_step(plan: Plan, tmp_path: Path) -> None:
+    report = _report(plan)
+    report.save(tmp_path / "run.json")
+    assert RunReport.load(tmp_path / "run.json") == report
+    assert report.median_step_ms == 50.0 and report.samples_per_s == pytest.approx(16 / 0.05)
+
+
+def test_validate_puts_predictions_beside_measurements(plan: Plan, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    text = compare(plan, _report(plan))
+    assert text.count("peak memory") == 4 and "step time" in text and "%" in text
+    with pytest.raises(PlanFileError, match="plan that was run"):
+        compare(plan, _report(plan, plan_fingerprint="0" * 64))
+    plan.save(tmp_path / "plan.json")
+    _report(plan).save(tmp_path / "run.json")
+    assert main(["validate", str(tmp_path / "plan.json"), str(tmp_path / "run.json")]) == 0
+    assert "rank 3 peak memory" in capsys.readouterr().out
+
+
+def test_tessera_run_wraps_torchrun(plan: Plan, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    monkeypatch.setattr("subprocess.call", lambda command: calls.append(command) or 0)
+    plan.save(tmp_path / "plan.json")
+    assert main(["run", str(tmp_path / "plan.json"), "--steps", "3", "--", "--seed", "2"]) == 0
+    command = calls[0]
+    assert command[1:4] == ["-m", "torch.distributed.run", "--standalone"]
+    assert command[command.index("--nproc-per-node") + 1] == "4" and command[-2:] == ["--seed", "2"]
+    assert main(["show", str(tmp_path / "plan.json"), "--", "--seed", "2"]) == 2
+
+
+def test_runtime_flags_and_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    options, device = parse_args(["plan.json", "--steps", "5", "--fail-at-step", "2", "--fail-rank", "1"])
+    assert (options.steps, options.fail_at_step, options.fail_rank, device) == (5, 2, 1, "auto")
+    with pytest.raises(RuntimeSetupError, match="--steps"):
+        parse_args(["plan.json"])
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(RuntimeSetupError, match="torchrun"):
+        RankEnv.from_environ()
+
+
+def test_held_bytes_count_saved_activations_until_their_backward() -> None:
+    layer = torch.nn.Linear(256, 256)
+    tracker = MemoryTracker(torch.device("cpu"), lambda: list(layer.parameters()))
+    x = torch.randn(64, 256)
+    with tracker.profiling():
+        with tracker.saving((0, 0)):
+            y = torch.relu(layer(x))
+        tracker.sample([y])
+        params = sum(p.numel() * 4 for p in layer.parameters())
+        assert tracker.held_bytes >= params + 2 * x.numel() * 4  # x and relu's output are saved
+        tracker.release((0, 0))
+        y.sum().backward()
+    assert tracker.peak_bytes >= tracker.held_bytes
+    with tracker.saving((0, 1)):  # outside a profiled step nothing is tracked
+        torch.relu(layer(x))
+    assert not tracker.saved
+
+
+def test_actions_the_runtime_does_not_run_yet_are_named() -> None:
+    assert ActionKind.SWAP_IN not in checks.SUPPORTED
+    assert checks.segments((Action(0, ActionKind.F, 0),)) == [Action(0, ActionKind.F, 0)]
