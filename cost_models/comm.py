@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 
+from cost_models.device_spec import require_count
 from cost_models.devices import DeviceSpec, LinkSpec
 from planner.errors import InvalidArgument
 
@@ -18,22 +18,9 @@ __all__ = [
     "p2p_link",
     "p2p_ms",
     "ring_allreduce_ms",
+    "p2p_coefficients",
+    "ring_allreduce_coefficients",
 ]
-
-
-def _require_count(value: object, what: str, *, minimum: int) -> int:
-    """Return `value` as an int >= `minimum`, or raise InvalidArgument naming `what` and the value."""
-    if isinstance(value, bool):
-        raise InvalidArgument(f"{what} must be an int, got {value!r}")
-    try:
-        count = operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise InvalidArgument(
-            f"{what} must be an int, got {value!r} ({type(value).__name__}); round it with int() first"
-        ) from None
-    if count < minimum:
-        raise InvalidArgument(f"{what} must be >= {minimum}, got {count}")
-    return count
 
 
 def _alpha_ms(link: LinkSpec) -> float:
@@ -44,12 +31,27 @@ def _beta_ms_per_byte(link: LinkSpec) -> float:
     return 1e3 / link.bandwidth_bytes_per_s()
 
 
+def p2p_coefficients(link: LinkSpec) -> tuple[float, float]:
+    """(fixed ms, ms per byte) of one message over `link`: the alpha-beta model as numbers."""
+    return _alpha_ms(link), _beta_ms_per_byte(link)
+
+
+def ring_allreduce_coefficients(participants: int, link: LinkSpec) -> tuple[float, float]:
+    """(fixed ms, ms per byte) of a ring all-reduce: 2(n-1) alphas and 2(n-1)/n bytes per beta.
+
+    Linear models (the partition ILP) use these; `ring_allreduce_ms` evaluates the same line.
+    """
+    n = require_count(participants, "participants", minimum=1)
+    steps = 2 * (n - 1)
+    return steps * _alpha_ms(link), steps / n * _beta_ms_per_byte(link)
+
+
 def _ring_ms(nbytes: float, participants: int, link: LinkSpec) -> float:
     """Ring all-reduce time for a possibly fractional byte count; callers validate their inputs."""
     if participants == 1 or nbytes == 0:
         return 0.0
-    steps = 2 * (participants - 1)
-    return steps * _alpha_ms(link) + steps / participants * nbytes * _beta_ms_per_byte(link)
+    fixed_ms, ms_per_byte = ring_allreduce_coefficients(participants, link)
+    return fixed_ms + ms_per_byte * nbytes
 
 
 def p2p_ms(nbytes: int, link: LinkSpec) -> float:
@@ -69,15 +71,15 @@ def ring_allreduce_ms(nbytes: int, participants: int, link: LinkSpec) -> float:
     rank and paying the link latency once:  2(n-1)*alpha + 2(n-1)/n * nbytes / beta.
     0.0 for a single participant or for 0 bytes (no collective is issued).
     """
-    count = _require_count(nbytes, "nbytes", minimum=0)
-    n = _require_count(participants, "participants", minimum=1)
+    count = require_count(nbytes, "nbytes", minimum=0)
+    n = require_count(participants, "participants", minimum=1)
     return _ring_ms(float(count), n, link)
 
 
 def allreduce_link(device: DeviceSpec, participants: int, gpus_per_node: int) -> LinkSpec:
     """The bottleneck link of a flat ring: intra_node if the group fits in one node, else inter_node."""
-    n = _require_count(participants, "participants", minimum=1)
-    per_node = _require_count(gpus_per_node, "gpus_per_node", minimum=1)
+    n = require_count(participants, "participants", minimum=1)
+    per_node = require_count(gpus_per_node, "gpus_per_node", minimum=1)
     return device.intra_node if n <= per_node else device.inter_node
 
 
@@ -93,9 +95,9 @@ def hierarchical_allreduce_ms(nbytes: int, participants: int, gpus_per_node: int
     so the g rings proceed in parallel. A group that fits in one node is a flat ring over NVLink.
     `participants` must be a multiple of `gpus_per_node` when it spans several nodes.
     """
-    count = _require_count(nbytes, "nbytes", minimum=0)
-    n = _require_count(participants, "participants", minimum=1)
-    g = _require_count(gpus_per_node, "gpus_per_node", minimum=1)
+    count = require_count(nbytes, "nbytes", minimum=0)
+    n = require_count(participants, "participants", minimum=1)
+    g = require_count(gpus_per_node, "gpus_per_node", minimum=1)
     if n <= g:
         return _ring_ms(float(count), n, device.intra_node)
     if n % g != 0:
@@ -138,7 +140,7 @@ def _halo_sizes(bytes_per_neighbour: Sequence[int]) -> list[int]:
     if isinstance(bytes_per_neighbour, (str, bytes)) or not isinstance(bytes_per_neighbour, Sequence):
         raise InvalidArgument(f"bytes_per_neighbour must be a sequence of int byte counts, got {bytes_per_neighbour!r}")
     return [
-        _require_count(nbytes, f"bytes_per_neighbour[{i}]", minimum=0) for i, nbytes in enumerate(bytes_per_neighbour)
+        require_count(nbytes, f"bytes_per_neighbour[{i}]", minimum=0) for i, nbytes in enumerate(bytes_per_neighbour)
     ]
 
 

@@ -31,19 +31,18 @@ def _check_number(owner: str, field: str, value: object, *, allow_zero: bool) ->
     return number
 
 
-def _check_nbytes(nbytes: object) -> int:
-    """Return `nbytes` as an int >= 0, or raise InvalidArgument naming the value."""
-    if isinstance(nbytes, bool):
-        raise InvalidArgument(f"nbytes must be an int number of bytes, got {nbytes!r}")
+def require_count(value: object, what: str, *, minimum: int) -> int:
+    """Return `value` as an int >= `minimum`, or raise InvalidArgument naming `what` and the value."""
+    if isinstance(value, bool):
+        raise InvalidArgument(f"{what} must be an int, got {value!r}")
     try:
-        count = operator.index(nbytes)  # type: ignore[arg-type]
+        count = operator.index(value)  # type: ignore[arg-type]
     except TypeError:
         raise InvalidArgument(
-            f"nbytes must be an int number of bytes, got {nbytes!r} ({type(nbytes).__name__}); "
-            f"round it with int() first"
+            f"{what} must be an int, got {value!r} ({type(value).__name__}); round it with int() first"
         ) from None
-    if count < 0:
-        raise InvalidArgument(f"nbytes must be >= 0, got {count}; a transfer cannot move negative bytes")
+    if count < minimum:
+        raise InvalidArgument(f"{what} must be >= {minimum}, got {count}")
     return count
 
 
@@ -73,7 +72,7 @@ class LinkSpec:
 
     def transfer_ms(self, nbytes: int) -> float:
         """Milliseconds to move `nbytes` one way: latency + nbytes / bandwidth; 0.0 for 0 bytes."""
-        count = _check_nbytes(nbytes)
+        count = require_count(nbytes, "nbytes", minimum=0)
         if count == 0:
             return 0.0
         return self.latency_us * 1e-3 + count / self.bandwidth_bytes_per_s() * 1e3

@@ -10,7 +10,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from cost_models.comm import allreduce_link, p2p_link
+from cost_models.comm import (allreduce_link, p2p_coefficients, p2p_link,
+                              ring_allreduce_coefficients)
 from cost_models.devices import DeviceSpec, LinkSpec
 from cost_models.estimation import CostTable
 from cost_models.memory import Precision, model_state_bytes
@@ -108,7 +109,7 @@ class Coarsening:
 
 
 def link_cost(link: LinkSpec) -> LinearCost:
-    return LinearCost(link.latency_us * 1e-3, 1e3 / (link.bandwidth_gb_per_s * 1e9))
+    return LinearCost(*p2p_coefficients(link))
 
 
 def pipeline_links(device: DeviceSpec, num_stages: int, data_parallel: int,
@@ -121,12 +122,8 @@ def pipeline_links(device: DeviceSpec, num_stages: int, data_parallel: int,
 
 def allreduce_cost(device: DeviceSpec, data_parallel: int, gpus_per_node: int) -> LinearCost:
     """Ring all-reduce over one stage's replicas: 2(D-1) latencies + 2(D-1)/D bytes / bandwidth."""
-    if data_parallel == 1:
-        return LinearCost(0.0, 0.0)
     link = allreduce_link(device, data_parallel, gpus_per_node)
-    steps = 2 * (data_parallel - 1)
-    return LinearCost(steps * link.latency_us * 1e-3,
-                      steps / data_parallel * 1e3 / (link.bandwidth_gb_per_s * 1e9))
+    return LinearCost(*ring_allreduce_coefficients(data_parallel, link))
 
 
 def coarsen(graph: LayerGraph, table: CostTable, precision: Precision, optimizer: str,

@@ -120,6 +120,7 @@ class Search:
         self.device = device
         self.space = space
         self._tables: dict[int, tuple[CostTable, Coarsening]] = {}
+        self._problems: dict[Config, tuple[PipelineProblem, Coarsening, CostTable]] = {}
 
     def costs(self, micro_batch_size: int) -> tuple[CostTable, Coarsening]:
         if micro_batch_size not in self._tables:
@@ -131,8 +132,11 @@ class Search:
 
     def problem(self, config: Config, coarse: Coarsening | None = None
                 ) -> tuple[PipelineProblem, Coarsening, CostTable]:
-        """The partition problem of ``config`` over ``coarse`` (default: the search's units)."""
+        """The partition problem of ``config`` over ``coarse`` (default: the search's units, cached)."""
+        if coarse is None and config in self._problems:
+            return self._problems[config]
         table, default = self.costs(config.micro_batch_size)
+        cache = coarse is None
         coarse = coarse or default
         problem = PipelineProblem(
             coarse.units, coarse.boundary_bytes, coarse.shared, config.num_stages,
@@ -141,6 +145,8 @@ class Search:
             pipeline_links(self.device, config.num_stages, config.data_parallel, self.space.gpus_per_node),
             allreduce_cost(self.device, config.data_parallel, self.space.gpus_per_node),
             self.space.mem_bytes, round_trip=config.schedule == "1f1b")
+        if cache:
+            self._problems[config] = (problem, coarse, table)
         return problem, coarse, table
 
     def run(self) -> SearchResult:

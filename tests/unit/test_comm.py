@@ -131,3 +131,11 @@ def test_preset_links_give_plausible_times() -> None:
     # 1 GB over NVLink4 (450 GB/s per direction) takes ~2.2 ms, over the 50 GB/s NDR NIC ~20 ms.
     assert p2p_ms(GB, p2p_link(h100, same_node=True)) == pytest.approx(1000 / 450 + 0.003)
     assert p2p_ms(GB, p2p_link(h100, same_node=False)) == pytest.approx(20.005)
+
+
+def test_ring_allreduce_coefficients_are_the_same_line() -> None:
+    from cost_models.comm import ring_allreduce_coefficients
+
+    link = LinkSpec("l", 10.0, 5.0)
+    fixed_ms, ms_per_byte = ring_allreduce_coefficients(4, link)
+    assert fixed_ms + ms_per_byte * 10**9 == pytest.approx(ring_allreduce_ms(10**9, 4, link))
