@@ -25,7 +25,7 @@ from examples.models.resnet import resnet152  # noqa: E402
 from examples.models.unet import unet  # noqa: E402
 from planner import LayerGraph, NodeKind, plan, trace  # noqa: E402
 from planner.manual import plan_with_split  # noqa: E402
-from planner.units import format_bytes  # noqa: E402
+from cost_models.units import format_bytes  # noqa: E402
 
 # name: (model factory, one input sample, global batch, GPUs, device, memory per GPU)
 CASES: dict[str, tuple[Callable[[], torch.nn.Module], torch.Tensor, int, int, str, str]] = {

@@ -28,7 +28,7 @@ import json, sys, time
 start = time.perf_counter()
 import torch
 from planner import plan, trace
-from planner.model_spec import build_model, load_builder
+from cost_models.graph.model_spec import build_model, load_builder
 builder, shape, dtype, batch, device, mem = json.loads(sys.argv[1])
 model = build_model(load_builder(builder), {}, "meta")
 x = torch.empty((1, *shape), dtype=getattr(torch, dtype), device="meta")

@@ -43,7 +43,7 @@ SEED, LR = 0, 1e-3
 
 
 def example() -> tuple[nn.Module, torch.Tensor]:
-    from planner.model_spec import build_model, load_builder
+    from cost_models.graph.model_spec import build_model, load_builder
 
     model = build_model(load_builder(BUILDER), MODEL, "meta")
     return model, torch.empty(1, MODEL["seq_len"], dtype=torch.long, device="meta")
@@ -62,7 +62,7 @@ def tessera_plan(schedule: str) -> Plan:
 def equal_parameter_plan(schedule: str) -> Plan:
     """The 2-stage cut with equal parameter bytes (pipelining's former default policy)."""
     from planner.manual import plan_with_split
-    from planner.tracing import trace
+    from cost_models.graph.tracing import trace
 
     model, x = example()
     graph = trace(model, x)

@@ -32,7 +32,7 @@ start = time.perf_counter()
 import torch
 from cost_models import estimate
 from planner import trace
-from planner.model_spec import build_model, load_builder
+from cost_models.graph.model_spec import build_model, load_builder
 spec, kwargs, shape, dtype = json.loads(sys.argv[1])
 model = build_model(load_builder(spec), kwargs, "meta")
 graph = trace(model, torch.empty(shape, dtype=getattr(torch, dtype), device="meta"))

@@ -23,8 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from planner import plan  # noqa: E402
-from planner.errors import PlanInfeasible  # noqa: E402
-from planner.model_spec import build_model, load_builder  # noqa: E402
+from cost_models.errors import PlanInfeasible  # noqa: E402
+from cost_models.graph.model_spec import build_model, load_builder  # noqa: E402
 
 # name: (builder, builder kwargs, input shape per sample, dtype, global batch, GPUs, device, memory)
 CASES: dict[str, tuple[str, dict[str, Any], tuple[int, ...], str, int, int, str, str]] = {

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from cost_models.device_spec import require_count
 from cost_models.devices import DeviceSpec, LinkSpec
-from planner.errors import InvalidArgument
+from cost_models.errors import InvalidArgument
 
 __all__ = [
     "allreduce_link",

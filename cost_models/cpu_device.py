@@ -12,7 +12,7 @@ from typing import Any
 
 from cost_models.device_spec import BYTES_PER_GB, DeviceSpec, LinkSpec
 from cost_models.presets import NVME_GEN3_X4
-from planner.errors import InvalidArgument
+from cost_models.errors import InvalidArgument
 
 CPU_NAME = "cpu"
 

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from planner.errors import InvalidArgument
+from cost_models.errors import InvalidArgument
 
 PRECISIONS: tuple[str, ...] = ("fp64", "fp32", "tf32", "fp16", "bf16")
 """Precisions accepted by `DeviceSpec.peak_flops`, in the order of the `*_tflops` fields."""

@@ -14,7 +14,7 @@ from cost_models.device_spec import (DEVICE_KEYS, LINK_FIELDS, LINK_KEYS, PRECIS
                                      LinkSpec)
 from cost_models.presets import (A100_40GB, A100_80GB, H100_80GB, H200_141GB, PRESETS, V100_16GB,
                                  V100_32GB)
-from planner.errors import InvalidArgument, UnknownDevice
+from cost_models.errors import InvalidArgument, UnknownDevice
 
 __all__ = ["A100_40GB", "A100_80GB", "DEVICES", "H100_80GB", "H200_141GB", "PRECISIONS", "PRESETS",
            "V100_16GB", "V100_32GB", "DeviceCatalog", "DeviceSpec", "LinkSpec", "get_device",

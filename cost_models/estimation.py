@@ -13,8 +13,8 @@ from cost_models.devices import DeviceSpec, get_device
 from cost_models.memory import (Precision, activation_bytes, get_precision, model_state_bytes,
                                 optimizer_state_count, rescale_bytes)
 from cost_models.roofline import NodeTraffic, node_times_ms
-from planner.errors import InvalidArgument
-from planner.graph import LayerGraph, LayerNode, NodeKind
+from cost_models.errors import InvalidArgument
+from cost_models.graph.ir import LayerGraph, LayerNode, NodeKind
 
 _COMPUTE_KINDS = (NodeKind.MODULE, NodeKind.FUNCTION, NodeKind.METHOD)
 

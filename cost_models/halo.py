@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from cost_models.comm import halo_exchange_ms
-from planner.errors import SpatialError
+from cost_models.errors import SpatialError
 
 if TYPE_CHECKING:
     from cost_models.device_spec import LinkSpec
-    from planner.graph import Geometry
+    from cost_models.graph.ir import Geometry
 
 __all__ = [
     "HaloCost",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.errors import InvalidArgument
+from cost_models.errors import InvalidArgument
 
 _FLOAT_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
 

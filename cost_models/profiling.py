@@ -21,10 +21,10 @@ from torch.utils import _pytree as pytree
 from cost_models.devices import DeviceSpec, get_device
 from cost_models.estimation import CostTable, estimate
 from cost_models.fake_measure import detach_tree, tensor_leaves
-from planner.errors import ProfileError
+from cost_models.errors import ProfileError
 
 if TYPE_CHECKING:
-    from planner.graph import LayerGraph
+    from cost_models.graph.ir import LayerGraph
 
 _CACHE_VERSION = 1
 
@@ -68,7 +68,7 @@ def profile_with_graph(model: nn.Module, example_inputs: torch.Tensor | Sequence
                        refresh: bool = False, leaf_modules: Sequence[type | str] = ()
                        ) -> tuple["LayerGraph", CostTable]:
     """profile() that also returns the traced graph the table describes."""
-    from planner.tracing import normalise_inputs, trace_module  # planner builds on cost_models
+    from cost_models.graph.tracing import normalise_inputs, trace_module  # planner builds on cost_models
 
     if warmup < 0 or repeats < 1:
         raise ProfileError(f"warmup must be >= 0 and repeats >= 1, got warmup={warmup}, "

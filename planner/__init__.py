@@ -9,17 +9,17 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "trace": "planner.tracing",
-    "LayerGraph": "planner.graph",
-    "LayerNode": "planner.graph",
-    "NodeKind": "planner.graph",
+    "trace": "cost_models.graph.tracing",
+    "LayerGraph": "cost_models.graph.ir",
+    "LayerNode": "cost_models.graph.ir",
+    "NodeKind": "cost_models.graph.ir",
     "plan": "planner.api",
     "Plan": "planner.plan",
 }
 
 __all__ = sorted(_EXPORTS)
 
-# The plan-file module is planner/plan.py while planner.plan() is the planning function. Load the
+# The plan-file package is planner/plan/ while planner.plan() is the planning function. Load the
 # module now (standard library only) and drop the attribute the import system set, so the name
 # `plan` on this package always resolves, through __getattr__, to the function.
 importlib.import_module("planner.plan")

@@ -9,19 +9,19 @@ from torch import nn
 
 from cost_models.devices import DeviceSpec, get_device
 from cost_models.memory import get_precision, optimizer_state_count
-from planner.errors import InvalidArgument
-from planner.graph import LayerGraph, NodeKind
+from cost_models.errors import InvalidArgument
+from cost_models.graph.ir import LayerGraph, NodeKind
 from planner.plan import (ClusterSpec, InputMeta, LayerRow, ModelRef, Plan, Prediction,
                           ScheduleKind, ScheduleSpec, SolverReport, StagePlan, StagePrediction,
                           TrainingSpec, Transfer, freeze)
-from planner.plan_sim import sim_costs
+from planner.simulation import sim_costs
 from planner.schedules.actions import format_programs
 from planner.schedules.generate import generate
 from planner.schedules.lower import lower
 from planner.schedules.simulate import SimResult, simulate
-from planner.search import Candidate, Search, SearchResult, SearchSpace
-from planner.tracing import normalise_inputs, trace
-from planner.units import format_ms, parse_mem_bytes
+from planner.search.search import Candidate, Search, SearchResult, SearchSpace
+from cost_models.graph.tracing import normalise_inputs, trace
+from cost_models.units import format_ms, parse_mem_bytes
 
 SUPPORTED_SCHEDULES = ("gpipe", "1f1b")
 

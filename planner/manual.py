@@ -9,14 +9,14 @@ from torch import nn
 
 from cost_models.devices import DeviceSpec
 from planner.api import build_plan, model_ref, validate_space
-from planner.errors import InvalidArgument
-from planner.graph import LayerGraph
-from planner.ilp import SolveStatus
-from planner.objective import evaluate
+from cost_models.errors import InvalidArgument
+from cost_models.graph.ir import LayerGraph
+from planner.search.ilp import SolveStatus
+from planner.search.objective import evaluate
 from planner.plan import Plan
-from planner.problem import group_units
-from planner.search import Candidate, Config, Search, SearchResult
-from planner.tracing import normalise_inputs, trace
+from planner.search.problem import group_units
+from planner.search.search import Candidate, Config, Search, SearchResult
+from cost_models.graph.tracing import normalise_inputs, trace
 
 
 def plan_with_split(model: nn.Module, *, example_inputs: torch.Tensor | Sequence[torch.Tensor],

@@ -25,7 +25,7 @@ def __getattr__(name: str) -> Any:  # imported lazily: `import runtime.spatial` 
 
         return initialize
     if name == "RunReport":
-        from runtime.report import RunReport
+        from planner.reports.run_report import RunReport
 
         return RunReport
     raise AttributeError(f"module 'runtime' has no attribute {name!r}")

@@ -18,8 +18,8 @@ import torch.fx
 from torch import nn
 from torch.fx.passes.split_module import split_module
 
-from planner.capture import LeafSpec
-from planner.errors import RuntimeSetupError
+from cost_models.graph.capture import LeafSpec
+from cost_models.errors import RuntimeSetupError
 from planner.plan import Plan
 
 _DTYPES = {"fp64": torch.float64, "fp32": torch.float32}
@@ -47,7 +47,7 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def rebuild_model(plan: Plan, search_root: Path | None = None) -> nn.Module:
     """The plan's model from its builder, on the meta device, in the plan's precision."""
-    from planner.model_spec import build_model, load_builder
+    from cost_models.graph.model_spec import build_model, load_builder
 
     if not plan.model.builder:
         raise RuntimeSetupError("the plan records no model builder (it was planned from a Python "
@@ -66,7 +66,7 @@ def meta_inputs(plan: Plan) -> tuple[torch.Tensor, ...]:
 def trace_checked(model: nn.Module, plan: Plan,
                   leaf_modules: Sequence[LeafSpec] = ()) -> torch.fx.GraphModule:
     """Trace as the planner did and check the fingerprint; returns the traced GraphModule."""
-    from planner.tracing import trace_module
+    from cost_models.graph.tracing import trace_module
 
     graph, traced = trace_module(model, meta_inputs(plan), leaf_modules)
     if graph.fingerprint != plan.model.fingerprint:

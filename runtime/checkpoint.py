@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from planner.errors import CheckpointError
+from cost_models.errors import CheckpointError
 from runtime.executor import Executor
 from runtime.stages import stage_state_tensors
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from planner.errors import RuntimeSetupError
+from cost_models.errors import RuntimeSetupError
 from planner.plan import SCHEMA_VERSION, Plan
-from planner.schedules.actions import Action, ActionKind, Program, parse_programs
+from planner.schedules import Action, ActionKind, Program, parse_programs
 
 SUPPORTED = frozenset({ActionKind.F, ActionKind.B, ActionKind.SEND_F, ActionKind.RECV_F,
                        ActionKind.SEND_B, ActionKind.RECV_B, ActionKind.ALLREDUCE,

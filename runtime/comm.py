@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from planner.errors import PeerFailure
-from planner.schedules.actions import Action
+from cost_models.errors import PeerFailure
+from planner.schedules import Action
 from runtime.streams import AnyStream, current_stream, keep_alive, new_stream, use_stream
 
 

@@ -21,7 +21,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
-from planner.errors import RuntimeSetupError
+from cost_models.errors import RuntimeSetupError
 from runtime.microbatch import Microbatch
 from runtime.seeding import generator
 from runtime.values import ValueKind, ValueSpec

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch.fx
 
-from planner.errors import RuntimeSetupError
+from cost_models.errors import RuntimeSetupError
 from runtime.values import ValueSpec, check_travels
 
 Edge = tuple[int, int]  # (src stage, dst stage)

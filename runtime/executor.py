@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from planner.capture import LeafSpec
-from planner.errors import RuntimeSetupError
+from cost_models.graph.capture import LeafSpec
+from cost_models.errors import RuntimeSetupError
 from planner.plan import Plan
-from planner.schedules.actions import Action, ActionKind
+from planner.schedules import Action, ActionKind
 from runtime.comm import P2P, Message, wait_for
 from runtime.dataflow import SourceKind
 from runtime.grads import GradientSync

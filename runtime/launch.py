@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from planner.errors import CheckpointError, PeerFailure, RankFailure, RuntimeSetupError, TesseraError
+from cost_models.errors import CheckpointError, PeerFailure, RankFailure, RuntimeSetupError, TesseraError
 from runtime.train import RunOptions
 
 EXIT_SETUP = 2

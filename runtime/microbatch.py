@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from planner.errors import InvalidArgument
+from cost_models.errors import InvalidArgument
 
 Targets = Any  # a tensor, or a tuple/list of tensors, split along dimension 0
 

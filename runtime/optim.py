@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from planner.errors import InvalidArgument
+from cost_models.errors import InvalidArgument
 from runtime.stages import OptimizerFactory
 
 DEFAULT_LR = {"sgd": 0.01, "momentum": 0.01, "sgd-momentum": 0.01, "adam": 1e-3, "adamw": 1e-3}

@@ -1,90 +1,16 @@
-"""The run report (JSON): per-step times and losses, throughput, measured peak memory per rank."""
+"""Gather every rank's step times, losses and peak memory into the run report (planner.reports.run_report)."""
 
 from __future__ import annotations
-
-import dataclasses
-import json
-import statistics
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from planner.errors import PlanFileError
+from planner.reports.run_report import RunReport
 
-REPORT_VERSION = 1
 MEMORY_MEASURES = {
     "cuda": "torch.cuda.max_memory_allocated",
     "cpu": "CPU tensor allocations of the last step, profiled, on top of the model state before it",
 }
-
-
-@dataclass(frozen=True)
-class RunReport:
-    """What one ``python -m runtime`` run measured; the input of ``tessera validate``.
-
-    Example::
-
-        report = RunReport.load("run.json")
-        print(report.samples_per_s, report.peak_mem_bytes)
-    """
-
-    plan_fingerprint: str
-    world_size: int
-    device: str
-    global_batch_size: int
-    start_step: int
-    step_ms: tuple[float, ...]  # per timed step, slowest rank (CPU: the memory-profiled last step is untimed)
-    losses: tuple[float, ...]
-    peak_mem_bytes: tuple[int, ...]  # per rank
-    memory_measure: str
-    held_mem_bytes: tuple[int, ...] = ()  # per rank, CPU: what the runtime holds (runtime/memory.py)
-    warmup_steps: int = 1
-    schema_version: int = REPORT_VERSION
-
-    @property
-    def timed_ms(self) -> tuple[float, ...]:
-        """Step times after the warm-up steps (all of them if the run is that short)."""
-        return self.step_ms[self.warmup_steps:] or self.step_ms
-
-    @property
-    def median_step_ms(self) -> float:
-        return statistics.median(self.timed_ms) if self.timed_ms else float("nan")
-
-    @property
-    def samples_per_s(self) -> float:
-        timed = self.timed_ms
-        return self.global_batch_size * len(timed) / sum(timed) * 1e3 if timed else 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
-        data["samples_per_s"] = self.samples_per_s
-        data["median_step_ms"] = self.median_step_ms
-        return data
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> RunReport:
-        if data.get("schema_version") != REPORT_VERSION:
-            raise PlanFileError(f"run report schema_version {data.get('schema_version')!r} is not "
-                                f"{REPORT_VERSION}; re-run `python -m runtime ... --report`")
-        fields = {f.name for f in dataclasses.fields(cls)}
-        values = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k in fields}
-        return cls(**values)
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1, sort_keys=True) + "\n")
-
-    @classmethod
-    def load(cls, path: str | Path) -> RunReport:
-        try:
-            return cls.from_dict(json.loads(Path(path).read_text()))
-        except OSError as error:
-            raise PlanFileError(f"cannot read run report {str(path)!r}: {error.strerror}") from error
-        except (json.JSONDecodeError, TypeError) as error:
-            raise PlanFileError(f"run report {str(path)!r} is malformed ({error}); re-run with "
-                                f"--report") from error
 
 
 def gather_report(step_ms: list[float], losses: list[float], peak_bytes: int, held_bytes: int, *,

@@ -18,10 +18,10 @@ import torch.distributed as dist
 import torch.fx
 from torch import nn
 
-from planner.capture import LeafSpec
-from planner.errors import RuntimeSetupError
+from cost_models.graph.capture import LeafSpec
+from cost_models.errors import RuntimeSetupError
 from planner.plan import Plan
-from planner.schedules.actions import Action
+from planner.schedules import Action
 from runtime import build, checks
 from runtime.dataflow import Dataflow, check_edges, dataflow
 from runtime.grads import Groups, create_groups

@@ -17,7 +17,7 @@ import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from planner.errors import RuntimeSetupError
+from cost_models.errors import RuntimeSetupError
 
 
 class ValueKind(str, Enum):

@@ -17,7 +17,7 @@ def make_plan(builder: str, stage_starts: list[str], *, schedule: str, data_para
               device: str = "V100-16GB") -> str:
     """A float64 plan (as JSON) for one of the test models with the given cut."""
     from planner.manual import plan_with_split
-    from planner.model_spec import build_model, load_builder
+    from cost_models.graph.model_spec import build_model, load_builder
 
     kwargs, inputs = _model_args(builder)
     with default_dtype(torch.float64):

@@ -12,7 +12,7 @@ from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from planner.errors import TesseraError
+from cost_models.errors import TesseraError
 from planner.schedules.actions import Action, ActionKind, Programs, StageMap, matching_recv, matching_send
 from planner.schedules.replay import replay, stuck_ranks
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from planner.errors import SpatialError
+from cost_models.errors import SpatialError
 from runtime.spatial.tiling import TileGrid
 from runtime.spatial.window import WINDOW_MODULES, WindowSpec, window_spec
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cost_models.halo import Region, halo_transfers
-from planner.errors import SpatialError
+from cost_models.errors import SpatialError
 from runtime.spatial.tiling import TileGrid
 from runtime.streams import AnyStream, Event, current_stream, keep_alive, new_stream, use_stream
 

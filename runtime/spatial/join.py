@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from planner.errors import SpatialError
+from cost_models.errors import SpatialError
 from runtime.spatial.tiling import TileGrid
 
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cost_models.halo import Region, Window, layer_needed_regions
-from planner.errors import SpatialError
+from cost_models.errors import SpatialError
 from runtime.spatial.halo import DEFAULT_TIMEOUT, ExchangePlan, HaloExchange
 from runtime.spatial.tiling import TileGrid
 from runtime.spatial.window import WindowSpec, compute_region, window_spec

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch import fx, nn
 
-from planner.errors import SpatialError
+from cost_models.errors import SpatialError
 from runtime.spatial.batchnorm import SpatialBatchNorm2d
 from runtime.spatial.graph import Role, SpatialGraph, analyse, trace_spatial
 from runtime.spatial.halo import DEFAULT_TIMEOUT

@@ -11,7 +11,7 @@ from math import isqrt
 import torch
 
 from cost_models.halo import Region, Window, balanced_edges, output_edges, tile_region
-from planner.errors import SpatialError
+from cost_models.errors import SpatialError
 
 Edges = tuple[int, ...]
 

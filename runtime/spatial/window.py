@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from cost_models.halo import Region, Window
-from planner.errors import SpatialError
-from planner.graph import Geometry
+from cost_models.errors import SpatialError
+from cost_models.graph.ir import Geometry
 
 WINDOW_MODULES = (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d)
 

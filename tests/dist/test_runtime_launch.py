@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.report import RunReport
+from planner.reports.run_report import RunReport
 from tests.runtime_plans import GPT, make_plan
 
 pytestmark = pytest.mark.dist

@@ -10,7 +10,7 @@ from torch import nn
 
 from examples.models.amoebanet import Cell
 from examples.models.resnet import resnet50
-from planner.errors import SpatialError, TesseraError
+from cost_models.errors import SpatialError, TesseraError
 from runtime.spatial import (
     FusedHaloBlock,
     SpatialConv2d,

@@ -7,7 +7,7 @@ import torch
 
 from cost_models import estimate, profile
 from examples.models.resnet import resnet50
-from planner.tracing import trace_module
+from cost_models.graph.tracing import trace_module
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -18,7 +18,7 @@ from cost_models.comm import (
     ring_allreduce_ms,
 )
 from cost_models.devices import PRESETS, DeviceSpec, LinkSpec
-from planner.errors import InvalidArgument
+from cost_models.errors import InvalidArgument
 
 GB = 10**9
 # 10 GB/s, 5 us: beta term is 100 ms per GB, alpha is 0.005 ms.

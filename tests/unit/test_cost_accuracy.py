@@ -18,7 +18,7 @@ from examples.models.amoebanet import amoebanet_d
 from examples.models.gpt import gpt_tiny
 from examples.models.resnet import resnet50
 from examples.models.wrn import wrn
-from planner.tracing import trace_module
+from cost_models.graph.tracing import trace_module
 
 
 class _StorageRecorder(TorchDispatchMode):

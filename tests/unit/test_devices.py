@@ -22,7 +22,7 @@ from cost_models.devices import (
     load_device,
     save_device,
 )
-from planner.errors import InvalidArgument, UnknownDevice
+from cost_models.errors import InvalidArgument, UnknownDevice
 
 GIB = 2**30
 

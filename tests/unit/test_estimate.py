@@ -11,7 +11,7 @@ from torch import nn
 from cost_models import CostTable, estimate, get_device
 from cost_models.devices import LinkSpec
 from planner import trace
-from planner.errors import InvalidArgument
+from cost_models.errors import InvalidArgument
 
 
 def _linear_graph(batch: int = 4):

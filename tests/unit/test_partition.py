@@ -16,11 +16,11 @@ from examples.models.gpt import gpt_tiny
 from examples.models.resnet import resnet50
 from examples.models.unet import unet_small
 from planner import trace
-from planner.ilp import SolveStatus, solve_partition
-from planner.objective import evaluate
-from planner.oracle import min_peak_partition, optimal_partition
-from planner.problem import LinearCost, PipelineProblem, SharedParam, Unit
-from planner.search import Config, Search, SearchSpace
+from planner.search.ilp import SolveStatus, solve_partition
+from planner.search.objective import evaluate
+from planner.search.oracle import min_peak_partition, optimal_partition
+from planner.search.problem import LinearCost, PipelineProblem, SharedParam, Unit
+from planner.search.search import Config, Search, SearchSpace
 
 SHARED = (SharedParam("tied.weight", 700, 100), SharedParam("other", 300, 50))
 

@@ -13,8 +13,8 @@ from examples.models.resnet import resnet50
 from examples.models.unet import unet_small
 from planner import Plan, plan, trace
 from planner.cli import main
-from planner.errors import InvalidArgument, PlanFileError, PlanInfeasible, UnknownDevice
-from planner.plan_sim import simulate_plan
+from cost_models.errors import InvalidArgument, PlanFileError, PlanInfeasible, UnknownDevice
+from planner.simulation import simulate_plan
 from planner.schedules.actions import StageMap, parse_programs
 from planner.schedules.validate import validate
 

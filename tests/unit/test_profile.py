@@ -13,7 +13,7 @@ from cost_models import profile
 from examples.models.gpt import gpt
 from examples.models.resnet import resnet50
 from examples.models.wrn import wrn
-from planner.errors import ProfileError
+from cost_models.errors import ProfileError
 
 
 def _whole_model_ms(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], repeats: int = 7) -> float:

@@ -76,7 +76,7 @@ def test_a_device_is_the_receivers_own_and_a_wrong_shape_is_refused() -> None:
 
 def test_describing_a_real_model_leaves_its_buffers_as_they_were() -> None:
     from examples.models.resnet import resnet50
-    from planner.tracing import trace_module
+    from cost_models.graph.tracing import trace_module
 
     model = resnet50(width=4, num_classes=10, device="cpu")
     _, traced = trace_module(model, (torch.randn(1, 3, 64, 64),))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from planner.cli import main
-from planner.errors import InvalidArgument, PlanFileError, RuntimeSetupError
+from cost_models.errors import InvalidArgument, PlanFileError, RuntimeSetupError
 from planner.plan import Plan
 from planner.schedules.actions import Action, ActionKind
 from runtime import checks
@@ -18,8 +18,8 @@ from runtime.launch import RankEnv, parse_args
 from runtime.memory import MemoryTracker
 from runtime.microbatch import split_batch
 from runtime.optim import optimizer_factory
-from runtime.report import RunReport
-from runtime.validate import compare
+from planner.reports.run_report import RunReport
+from planner.reports.compare import compare
 from runtime.values import ValueKind, ValueSpec
 from tests.runtime_plans import GPT, make_plan
 

@@ -18,7 +18,7 @@ from cost_models.halo import (
     layer_needed_regions,
     needed_region,
 )
-from planner.errors import SpatialError
+from cost_models.errors import SpatialError
 from runtime.spatial.layers import interior_region
 from runtime.spatial.tiling import Direction, Slicing, TileGrid, grid_shape
 from runtime.spatial.window import compute_region, window_spec

@@ -11,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from examples.models.gpt import gpt_tiny
 from examples.models.resnet import resnet50
 from planner import LayerGraph, NodeKind, trace
-from planner.errors import InvalidArgument, TraceError
+from cost_models.errors import InvalidArgument, TraceError
 
 
 class Stem(nn.Module):

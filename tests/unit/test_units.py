@@ -1,11 +1,11 @@
-"""planner.units: memory sizes in, human units out."""
+"""cost_models.units: memory sizes in, human units out."""
 
 from __future__ import annotations
 
 import pytest
 
-from planner.errors import InvalidArgument
-from planner.units import format_bytes, format_flops, parse_mem_bytes
+from cost_models.errors import InvalidArgument
+from cost_models.units import format_bytes, format_flops, parse_mem_bytes
 
 
 @pytest.mark.parametrize(("text", "nbytes"), [

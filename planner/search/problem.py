@@ -15,7 +15,7 @@ from cost_models.comm import (allreduce_link, p2p_coefficients, p2p_link,
 from cost_models.devices import DeviceSpec, LinkSpec
 from cost_models.estimation import CostTable
 from cost_models.memory import Precision, model_state_bytes
-from planner.graph import LayerGraph, NodeKind
+from cost_models.graph.ir import LayerGraph, NodeKind
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cost_models.estimation import CostTable
-from planner.graph import LayerGraph, NodeKind
-from planner.units import format_bytes, format_count, format_flops, format_ms
+from cost_models.graph.ir import LayerGraph, NodeKind
+from cost_models.units import format_bytes, format_count, format_flops, format_ms
 
 _HIDDEN_KINDS = (NodeKind.PARAM, NodeKind.OUTPUT)
 

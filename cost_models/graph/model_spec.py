@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from planner.errors import InvalidArgument, ModelSpecError
+from cost_models.errors import InvalidArgument, ModelSpecError
 
 _DTYPES = {"float32": "float32", "float": "float32", "fp32": "float32", "float64": "float64",
            "double": "float64", "float16": "float16", "half": "float16", "bfloat16": "bfloat16",

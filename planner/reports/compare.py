@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from planner.errors import PlanFileError
+from cost_models.errors import PlanFileError
 from planner.plan import Plan
-from planner.units import format_bytes, format_ms
-from runtime.report import RunReport
+from cost_models.units import format_bytes, format_ms
+from planner.reports.run_report import RunReport
 
 
 def compare(plan: Plan, report: RunReport) -> str:

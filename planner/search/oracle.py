@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.objective import Evaluation, evaluate, pace_ms, stage_summary
-from planner.problem import PipelineProblem
+from planner.search.objective import Evaluation, evaluate, pace_ms, stage_summary
+from planner.search.problem import PipelineProblem
 
 _Label = tuple[float, float, float, tuple[int, ...]]  # (sum send ms, bottleneck, max allreduce, cuts)
 

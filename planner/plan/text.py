@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from planner.units import format_bytes, format_ms
+from cost_models.units import format_bytes, format_ms
 
 if TYPE_CHECKING:
-    from planner.plan import Plan
+    from planner.plan.document import Plan
 
 _COLUMNS = ("stage", "ranks", "first node", "last node", "nodes", "params", "fwd", "bwd",
             "activations", "peak mem")

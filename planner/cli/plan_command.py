@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from planner.errors import InvalidArgument
+from cost_models.errors import InvalidArgument
 
 
 @dataclass(frozen=True)
@@ -33,9 +33,9 @@ class PlanRequest:
 def run_plan(request: PlanRequest, search_root: Path | None = None) -> str:
     """Build the model on the meta device, plan it, save the plan if asked; returns the printout."""
     from planner.api import plan
-    from planner.model_spec import (build_model, example_inputs, load_builder, parse_input,
+    from cost_models.graph.model_spec import (build_model, example_inputs, load_builder, parse_input,
                                     parse_model_args)
-    from planner.units import parse_mem_bytes
+    from cost_models.units import parse_mem_bytes
 
     specs = [parse_input(text) for text in request.inputs]
     kwargs = parse_model_args(request.model_args)
@@ -57,17 +57,17 @@ def run_plan(request: PlanRequest, search_root: Path | None = None) -> str:
 
 
 def run_show(path: Path) -> str:
-    from planner.plan import Plan
+    from planner.plan.document import Plan
 
     return str(Plan.load(path))
 
 
 def run_simulate(path: Path, trace_path: Path | None, svg_path: Path | None) -> str:
     """Replay the plan's programs; write a Chrome trace (Perfetto) and an SVG timeline."""
-    from planner.plan import Plan
-    from planner.plan_sim import simulate_plan
+    from planner.plan.document import Plan
+    from planner.simulation import simulate_plan
     from planner.schedules.timeline import chrome_trace, svg
-    from planner.units import format_bytes, format_ms
+    from cost_models.units import format_bytes, format_ms
 
     plan = Plan.load(path)
     result = simulate_plan(plan)

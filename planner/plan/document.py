@@ -15,7 +15,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from planner.errors import PlanFileError
+from cost_models.errors import PlanFileError
 
 SCHEMA_VERSION = 1
 
@@ -229,7 +229,7 @@ class Plan:
         return cls.from_dict(data)
 
     def __str__(self) -> str:
-        from planner.plan_report import format_plan
+        from planner.plan.text import format_plan
 
         return format_plan(self)
 

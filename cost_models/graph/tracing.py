@@ -9,10 +9,10 @@ import torch.fx
 from torch import nn
 
 from cost_models.fake_measure import NodeMeasurement, dtype_name, measure_graph
-from planner import node_info
-from planner.capture import Capture, LeafSpec, capture
-from planner.errors import InvalidArgument, TraceError
-from planner.graph import LayerGraph, LayerNode, NodeKind, NodeWork, ParamInfo, TensorMeta
+from cost_models.graph import node_info
+from cost_models.graph.capture import Capture, LeafSpec, capture
+from cost_models.errors import InvalidArgument, TraceError
+from cost_models.graph.ir import LayerGraph, LayerNode, NodeKind, NodeWork, ParamInfo, TensorMeta
 
 
 def trace(model: nn.Module, example_inputs: torch.Tensor | Sequence[torch.Tensor], *,

@@ -11,7 +11,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from planner.errors import TraceError
+from cost_models.errors import TraceError
 
 LeafSpec = type | str
 """A leaf module: a class, a class name (``"MyBlock"``) or a qualified submodule name (``"encoder.3"``)."""

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from planner.errors import InvalidArgument
-from planner.model_spec import build_model, example_inputs, load_builder, parse_input, parse_model_args
+from cost_models.errors import InvalidArgument
+from cost_models.graph.model_spec import build_model, example_inputs, load_builder, parse_input, parse_model_args
 
 _TORCH_DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "fp16": torch.float16,
                  "bf16": torch.bfloat16}
@@ -38,8 +38,8 @@ def run_profile(request: ProfileRequest, search_root: Path | None = None) -> str
     from cost_models import estimate, get_device
     from cost_models.profiling import profile_with_graph
     from cost_models.memory import get_precision, optimizer_state_count
-    from planner.cost_report import format_cost_table
-    from planner.tracing import trace_module
+    from planner.reports.cost_report import format_cost_table
+    from cost_models.graph.tracing import trace_module
 
     specs = [parse_input(text) for text in request.inputs]
     kwargs = parse_model_args(request.model_args)

@@ -10,7 +10,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
-from planner.graph import Geometry, TensorMeta
+from cost_models.graph.ir import Geometry, TensorMeta
 
 # Module types whose output at each pixel depends only on the same pixel (any tile computes it
 # exactly), and those whose window needs a halo; batch norm is exact when statistics are synced.

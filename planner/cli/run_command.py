@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from planner.errors import InvalidArgument
+from cost_models.errors import InvalidArgument
 
 
 def torchrun_command(plan_path: Path, nproc: int, steps: int, runtime_args: Sequence[str]) -> list[str]:
@@ -22,7 +22,7 @@ def torchrun_command(plan_path: Path, nproc: int, steps: int, runtime_args: Sequ
 
 def run_torchrun(plan_path: Path, nproc: int | None, steps: int, runtime_args: Sequence[str]) -> int:
     """Start torchrun (one process per GPU of the plan unless ``nproc`` says otherwise); its exit code."""
-    from planner.plan import Plan
+    from planner.plan.document import Plan
 
     plan = Plan.load(plan_path)
     count = plan.cluster.gpus if nproc is None else nproc
@@ -32,8 +32,8 @@ def run_torchrun(plan_path: Path, nproc: int | None, steps: int, runtime_args: S
 
 
 def run_validate(plan_path: Path, report_path: Path) -> str:
-    from planner.plan import Plan
-    from runtime.report import RunReport
-    from runtime.validate import compare
+    from planner.plan.document import Plan
+    from planner.reports.run_report import RunReport
+    from planner.reports.compare import compare
 
     return compare(Plan.load(plan_path), RunReport.load(report_path))

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.problem import PipelineProblem
+from planner.search.problem import PipelineProblem
 
 
 @dataclass(frozen=True)

@@ -13,15 +13,15 @@ from typing import Sequence
 from cost_models.devices import DeviceSpec
 from cost_models.estimation import CostTable, estimate
 from cost_models.memory import Precision
-from planner.errors import InvalidArgument, PlanInfeasible
-from planner.graph import LayerGraph
-from planner.ilp import SolveStatus, solve_partition
-from planner.objective import Evaluation, evaluate
-from planner.oracle import min_peak_partition
-from planner.problem import (Coarsening, PipelineProblem, allreduce_cost, coarsen,
+from cost_models.errors import InvalidArgument, PlanInfeasible
+from cost_models.graph.ir import LayerGraph
+from planner.search.ilp import SolveStatus, solve_partition
+from planner.search.objective import Evaluation, evaluate
+from planner.search.oracle import min_peak_partition
+from planner.search.problem import (Coarsening, PipelineProblem, allreduce_cost, coarsen,
                              pipeline_links)
 from planner.schedules.generate import in_flight
-from planner.units import format_bytes
+from cost_models.units import format_bytes
 
 
 @dataclass(frozen=True)

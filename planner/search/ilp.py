@@ -4,7 +4,7 @@ done[i, s] = 1 when unit i runs on stage s or an earlier one. Stages are contigu
 topological order because done never increases along the units (and never decreases along
 the stages); unit i runs on stage s when x[i, s] = done[i, s] - done[i, s-1] = 1, and
 cut[p, s] = done[p, s] - done[p + 1, s] is 1 exactly when stage s ends after unit p. The objective is
-the step time of planner.objective, linearised with bottleneck variables. This is the only module
+the step time of planner.search.objective, linearised with bottleneck variables. This is the only module
 that imports pulp.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 
 import pulp
 
-from planner.problem import PipelineProblem
+from planner.search.problem import PipelineProblem
 
 
 class SolveStatus(str, Enum):

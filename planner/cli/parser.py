@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from planner.errors import InvalidArgument, TesseraError
+from cost_models.errors import InvalidArgument, TesseraError
 
 EXIT_USAGE = 2
 
@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_commands():
-    import planner.run_command as commands
+    import planner.cli.run_command as commands
 
     return commands
 
@@ -72,7 +72,7 @@ def _add_run(parser: argparse.ArgumentParser) -> None:
 
 
 def _commands():
-    import planner.plan_command as commands
+    import planner.cli.plan_command as commands
 
     return commands
 
@@ -95,7 +95,7 @@ def _add_plan(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_plan(args: argparse.Namespace) -> None:
-    from planner.plan_command import PlanRequest, run_plan
+    from planner.cli.plan_command import PlanRequest, run_plan
 
     request = PlanRequest(
         model=args.model, model_args=tuple(args.model_arg), inputs=tuple(args.input),
@@ -140,7 +140,7 @@ def _add_profile(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_profile(args: argparse.Namespace) -> None:
-    from planner.profile_command import ProfileRequest, run_profile
+    from planner.cli.profile_command import ProfileRequest, run_profile
 
     if args.batch_size < 1:
         raise InvalidArgument(f"--batch-size must be >= 1, got {args.batch_size}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from planner.errors import InvalidArgument
+from cost_models.errors import InvalidArgument
 
 _MEMORY_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?i?b?)?\s*$", re.IGNORECASE)
 
