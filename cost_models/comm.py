@@ -16,6 +16,7 @@ __all__ = [
     "host_transfer_ms",
     "nvme_transfer_ms",
     "p2p_link",
+    "same_node",
     "p2p_ms",
     "ring_allreduce_ms",
     "p2p_coefficients",
@@ -76,11 +77,17 @@ def ring_allreduce_ms(nbytes: int, participants: int, link: LinkSpec) -> float:
     return _ring_ms(float(count), n, link)
 
 
-def allreduce_link(device: DeviceSpec, participants: int, gpus_per_node: int) -> LinkSpec:
-    """The bottleneck link of a flat ring: intra_node if the group fits in one node, else inter_node."""
-    n = require_count(participants, "participants", minimum=1)
+def same_node(rank_a: int, rank_b: int, gpus_per_node: int) -> bool:
+    """Whether two ranks share a node, ranks being numbered node by node (as torchrun does)."""
     per_node = require_count(gpus_per_node, "gpus_per_node", minimum=1)
-    return device.intra_node if n <= per_node else device.inter_node
+    return rank_a // per_node == rank_b // per_node
+
+
+def allreduce_link(device: DeviceSpec, ranks: Sequence[int], gpus_per_node: int) -> LinkSpec:
+    """The bottleneck link of a flat ring over ``ranks``: intra_node if they share one node, else inter_node."""
+    if not ranks:
+        raise InvalidArgument("an all-reduce needs at least one rank")
+    return device.intra_node if all(same_node(ranks[0], rank, gpus_per_node) for rank in ranks) else device.inter_node
 
 
 def hierarchical_allreduce_ms(nbytes: int, participants: int, gpus_per_node: int, device: DeviceSpec) -> float:

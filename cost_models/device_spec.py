@@ -11,8 +11,9 @@ from typing import Any
 
 from cost_models.errors import InvalidArgument
 
-PRECISIONS: tuple[str, ...] = ("fp64", "fp32", "tf32", "fp16", "bf16")
-"""Precisions accepted by `DeviceSpec.peak_flops`, in the order of the `*_tflops` fields."""
+MATH_FORMATS: tuple[str, ...] = ("fp64", "fp32", "tf32", "fp16", "bf16")
+"""Number formats a device has a peak FLOP/s for (`DeviceSpec.peak_flops`), in the order of the
+`*_tflops` fields. Training precisions (cost_models.memory.Precision) pick one of them."""
 
 BYTES_PER_GB = 1e9  # bandwidths use decimal GB (1e9 bytes), as datasheets and PCI-SIG do
 
@@ -154,14 +155,14 @@ class DeviceSpec:
                 )
 
     def supported_precisions(self) -> tuple[str, ...]:
-        """The precisions with a non-zero peak on this device, in `PRECISIONS` order."""
-        return tuple(p for p in PRECISIONS if getattr(self, f"{p}_tflops") > 0.0)
+        """The precisions with a non-zero peak on this device, in `MATH_FORMATS` order."""
+        return tuple(p for p in MATH_FORMATS if getattr(self, f"{p}_tflops") > 0.0)
 
     def peak_flops(self, precision: str) -> float:
-        """Dense peak FLOP/s in `precision` (one of PRECISIONS)."""
+        """Dense peak FLOP/s in `precision` (one of MATH_FORMATS)."""
         key = precision.lower() if isinstance(precision, str) else precision
-        if key not in PRECISIONS:
-            raise InvalidArgument(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
+        if key not in MATH_FORMATS:
+            raise InvalidArgument(f"unknown precision {precision!r}; use one of {', '.join(MATH_FORMATS)}")
         tflops: float = getattr(self, f"{key}_tflops")
         if tflops <= 0.0:
             raise InvalidArgument(

@@ -10,13 +10,11 @@ from pathlib import Path
 from types import MappingProxyType
 
 from cost_models.cpu_device import CPU_NAME, measure_cpu_device
-from cost_models.device_spec import (DEVICE_KEYS, LINK_FIELDS, LINK_KEYS, PRECISIONS, DeviceSpec,
-                                     LinkSpec)
-from cost_models.presets import (A100_40GB, A100_80GB, H100_80GB, H200_141GB, PRESETS, V100_16GB,
-                                 V100_32GB)
+from cost_models.device_spec import DEVICE_KEYS, LINK_FIELDS, LINK_KEYS, MATH_FORMATS, DeviceSpec, LinkSpec
 from cost_models.errors import InvalidArgument, UnknownDevice
+from cost_models.presets import A100_40GB, A100_80GB, H100_80GB, H200_141GB, PRESETS, V100_16GB, V100_32GB
 
-__all__ = ["A100_40GB", "A100_80GB", "DEVICES", "H100_80GB", "H200_141GB", "PRECISIONS", "PRESETS",
+__all__ = ["A100_40GB", "A100_80GB", "DEVICES", "H100_80GB", "H200_141GB", "MATH_FORMATS", "PRESETS",
            "V100_16GB", "V100_32GB", "DeviceCatalog", "DeviceSpec", "LinkSpec", "get_device",
            "load_device", "measure_cpu_device", "save_device"]
 

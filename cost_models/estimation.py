@@ -10,11 +10,18 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from cost_models.devices import DeviceSpec, get_device
-from cost_models.memory import (Precision, activation_bytes, get_precision, model_state_bytes,
-                                optimizer_state_count, rescale_bytes)
-from cost_models.roofline import NodeTraffic, node_times_ms
 from cost_models.errors import InvalidArgument
 from cost_models.graph.ir import LayerGraph, LayerNode, NodeKind
+from cost_models.memory import (
+    Optimizer,
+    Precision,
+    activation_bytes,
+    get_optimizer,
+    get_precision,
+    model_state_bytes,
+    rescale_bytes,
+)
+from cost_models.roofline import NodeTraffic, node_times_ms
 
 _COMPUTE_KINDS = (NodeKind.MODULE, NodeKind.FUNCTION, NodeKind.METHOD)
 
@@ -90,8 +97,8 @@ class CostTable(Mapping[str, NodeCost]):
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
-def estimate(graph: LayerGraph, device: str | DeviceSpec = "V100-16GB", optimizer: str = "adam",
-             precision: str = "fp32", *, batch_size: int | None = None) -> CostTable:
+def estimate(graph: LayerGraph, device: str | DeviceSpec = "V100-16GB", optimizer: str | Optimizer = "adam",
+             precision: str | Precision = "fp32", *, batch_size: int | None = None) -> CostTable:
     """Cost every node of ``graph``: FLOPs from tracing, time by roofline on ``device``.
 
     ``batch_size`` rescales everything that grows with the batch (FLOPs, activations, outputs)
@@ -105,19 +112,19 @@ def estimate(graph: LayerGraph, device: str | DeviceSpec = "V100-16GB", optimize
     """
     spec = get_device(device)
     mode = get_precision(precision)
-    optimizer_state_count(optimizer)  # validates the name before any work
-    if mode.name not in spec.supported_precisions():
-        raise InvalidArgument(f"device {spec.name!r} cannot train in {mode.name}; it supports "
+    state = get_optimizer(optimizer)  # validates the names before any work
+    if mode.value not in spec.supported_precisions():
+        raise InvalidArgument(f"device {spec.name!r} cannot train in {mode.value}; it supports "
                               f"{', '.join(spec.supported_precisions())}")
     if batch_size is not None and batch_size < 1:
         raise InvalidArgument(f"batch_size must be >= 1, got {batch_size}")
     scale = 1.0 if batch_size is None else batch_size / graph.batch_size
-    costs = tuple(_node_cost(graph, node, spec, mode, optimizer, scale) for node in graph)
-    return CostTable(costs, graph.fingerprint, spec.name, optimizer.lower(), mode.name, "roofline")
+    costs = tuple(_node_cost(graph, node, spec, mode, state, scale) for node in graph)
+    return CostTable(costs, graph.fingerprint, spec.name, state.value, mode.value, "roofline")
 
 
 def _node_cost(graph: LayerGraph, node: LayerNode, device: DeviceSpec, precision: Precision,
-               optimizer: str, scale: float) -> NodeCost:
+               optimizer: Optimizer, scale: float) -> NodeCost:
     state = model_state_bytes(graph.owned_param_numel[node.name], precision, optimizer)
     output_bytes = _output_bytes(node, precision, scale)
     fwd_flops, bwd_flops = round(node.work.fwd_flops * scale), round(node.work.bwd_flops * scale)

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 from cost_models.errors import InvalidArgument
 
 _FLOAT_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
 
 
-@dataclass(frozen=True)
-class Precision:
+class Precision(str, Enum):
     """How training stores numbers: the compute dtype and whether fp32 master weights exist.
 
     ``fp16``/``bf16`` mean mixed precision: 2-byte weights, gradients and activations, plus
@@ -18,38 +18,67 @@ class Precision:
     parameter with Adam).
     """
 
-    name: str
-    itemsize: int
-    master_weights: bool
-    state_itemsize: int
+    FP64 = "fp64"
+    FP32 = "fp32"
+    FP16 = "fp16"
+    BF16 = "bf16"
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes of one weight, gradient or activation element."""
+        return {"fp64": 8, "fp32": 4}.get(self.value, 2)
+
+    @property
+    def master_weights(self) -> bool:
+        """Mixed precision keeps an fp32 master copy of the weights."""
+        return self.value in ("fp16", "bf16")
+
+    @property
+    def state_itemsize(self) -> int:
+        """Bytes of one optimizer-state (and master-weight) element."""
+        return 8 if self is Precision.FP64 else 4
+
+    @property
+    def dtype(self) -> str:
+        """The torch dtype name of weights and activations (``getattr(torch, p.dtype)``)."""
+        return {"fp64": "float64", "fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[self.value]
 
 
-PRECISIONS = {
-    "fp64": Precision("fp64", 8, False, 8),
-    "fp32": Precision("fp32", 4, False, 4),
-    "fp16": Precision("fp16", 2, True, 4),
-    "bf16": Precision("bf16", 2, True, 4),
-}
+class Optimizer(str, Enum):
+    """The optimizers tessera costs and the runtime builds; the value is how plans and the CLI name it."""
 
-OPTIMIZER_STATES = {"sgd": 0, "momentum": 1, "sgd-momentum": 1, "adam": 2, "adamw": 2}
-"""Optimizer state tensors kept per parameter tensor."""
+    SGD = "sgd"
+    MOMENTUM = "momentum"  # SGD with momentum 0.9
+    ADAM = "adam"
+    ADAMW = "adamw"
+
+    @classmethod
+    def _missing_(cls, value: object) -> "Optimizer | None":
+        return cls.MOMENTUM if value == "sgd-momentum" else None
+
+    @property
+    def state_count(self) -> int:
+        """Optimizer state tensors kept per parameter tensor."""
+        return {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}[self.value]
 
 
-def get_precision(name: str) -> Precision:
+def get_precision(name: "str | Precision") -> Precision:
+    """The precision named ``name`` (case-insensitive), or InvalidArgument listing the choices."""
     try:
-        return PRECISIONS[name.lower()]
-    except (KeyError, AttributeError):
+        return Precision(name.lower() if isinstance(name, str) else name)
+    except (ValueError, AttributeError):
         raise InvalidArgument(f"unknown precision {name!r}; choose one of "
-                              f"{', '.join(PRECISIONS)} (fp16/bf16 mean mixed precision with fp32 "
-                              f"master weights)") from None
+                              f"{', '.join(p.value for p in Precision)} (fp16/bf16 mean mixed precision "
+                              f"with fp32 master weights)") from None
 
 
-def optimizer_state_count(optimizer: str) -> int:
+def get_optimizer(name: "str | Optimizer") -> Optimizer:
+    """The optimizer named ``name`` (case-insensitive), or InvalidArgument listing the choices."""
     try:
-        return OPTIMIZER_STATES[optimizer.lower()]
-    except (KeyError, AttributeError):
-        raise InvalidArgument(f"unknown optimizer {optimizer!r}; choose one of "
-                              f"{', '.join(OPTIMIZER_STATES)}") from None
+        return Optimizer(name.lower() if isinstance(name, str) else name)
+    except (ValueError, AttributeError):
+        raise InvalidArgument(f"unknown optimizer {name!r}; choose one of "
+                              f"{', '.join(o.value for o in Optimizer)}") from None
 
 
 @dataclass(frozen=True)
@@ -65,9 +94,9 @@ class ModelStateBytes:
         return self.param_bytes + self.grad_bytes + self.optimizer_bytes
 
 
-def model_state_bytes(numel: int, precision: Precision, optimizer: str) -> ModelStateBytes:
+def model_state_bytes(numel: int, precision: Precision, optimizer: Optimizer) -> ModelStateBytes:
     """Weights and gradients in the training dtype; fp32 master copy and optimizer states."""
-    states = optimizer_state_count(optimizer)
+    states = optimizer.state_count
     master = precision.state_itemsize if precision.master_weights else 0
     return ModelStateBytes(numel * precision.itemsize, numel * precision.itemsize,
                            numel * (master + states * precision.state_itemsize))

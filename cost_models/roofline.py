@@ -30,7 +30,7 @@ class NodeTraffic:
 
 def roofline_ms(flops: int, traffic_bytes: int, device: DeviceSpec, precision: Precision) -> float:
     """max(compute, memory) time in milliseconds plus one kernel launch."""
-    compute_s = flops / (device.peak_flops(precision.name) * device.matmul_efficiency)
+    compute_s = flops / (device.peak_flops(precision.value) * device.matmul_efficiency)
     memory_s = traffic_bytes / (device.mem_bandwidth_bytes_per_s() * device.memory_efficiency)
     return max(compute_s, memory_s) * 1e3 + device.kernel_overhead_us * 1e-3
 

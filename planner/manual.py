@@ -8,22 +8,25 @@ import torch
 from torch import nn
 
 from cost_models.devices import DeviceSpec
-from planner.api import build_plan, model_ref, validate_space
 from cost_models.errors import InvalidArgument
 from cost_models.graph.ir import LayerGraph
+from cost_models.graph.tracing import normalise_inputs, trace
+from cost_models.memory import Optimizer, Precision
+from planner.api import model_ref, validate_space
+from planner.assemble import build_plan
+from planner.plan import Plan, ScheduleKind
+from planner.search.evaluate import evaluate
 from planner.search.ilp import SolveStatus
-from planner.search.objective import evaluate
-from planner.plan import Plan
 from planner.search.problem import group_units
 from planner.search.search import Candidate, Config, Search, SearchResult
-from cost_models.graph.tracing import normalise_inputs, trace
 
 
 def plan_with_split(model: nn.Module, *, example_inputs: torch.Tensor | Sequence[torch.Tensor],
                     stage_starts: Sequence[str], batch_size: int, micro_batch_size: int,
-                    data_parallel: int = 1, schedule: str = "1f1b", device: str | DeviceSpec = "V100-16GB",
-                    mem: str | int = "1TB", gpus_per_node: int | None = None, optimizer: str = "adam",
-                    precision: str = "fp32", builder: str | None = None,
+                    data_parallel: int = 1, schedule: str | ScheduleKind = "1f1b",
+                    device: str | DeviceSpec = "V100-16GB", mem: str | int = "1TB",
+                    gpus_per_node: int | None = None, optimizer: str | Optimizer = "adam",
+                    precision: str | Precision = "fp32", builder: str | None = None,
                     builder_kwargs: Mapping[str, Any] | None = None,
                     graph: LayerGraph | None = None) -> Plan:
     """A plan whose stage s + 1 begins at node ``stage_starts[s]`` (stage 0 at the first node).
@@ -45,15 +48,15 @@ def plan_with_split(model: nn.Module, *, example_inputs: torch.Tensor | Sequence
     space, spec = validate_space(num_stages * data_parallel, mem, batch_size, device, gpus_per_node,
                                  optimizer, precision, (schedule,), (micro_batch_size,), 0.0)
     config = Config(num_stages, data_parallel, micro_batch_size,
-                    batch_size // (data_parallel * micro_batch_size), schedule)
+                    batch_size // (data_parallel * micro_batch_size), space.schedules[0])
     search = Search(graph, spec, space)
     table, _ = search.costs(micro_batch_size)
     coarse = group_units(graph, table, space.precision, space.optimizer, _starts(graph, stage_starts))
-    problem, _, _ = search.problem(config, coarse)
+    setup = search.setup(config, coarse)
     cuts = tuple(range(num_stages - 1))
-    evaluation = evaluate(problem, cuts)
-    candidate = Candidate(config, problem, coarse, table, cuts, evaluation, evaluation.step_ms,
-                          SolveStatus.OPTIMAL, "manual split", 0.0, "")
+    evaluation = evaluate(setup.problem.costs, cuts)
+    candidate = Candidate(setup, cuts, evaluation, evaluation.step_ms, SolveStatus.OPTIMAL, "manual split", 0.0,
+                          "")
     result = SearchResult(candidate, None, 1, 1, 0.0)
     return build_plan(graph, spec, space, result, model_ref(graph, inputs, space, builder, builder_kwargs))
 

@@ -1,30 +1,22 @@
-"""Replay a plan's programs on its own predicted costs (the numbers `tessera simulate` shows)."""
+"""Replay a plan's programs on its own predicted costs (what `plan()` predicts and `tessera simulate` shows)."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
-from planner.plan import Plan, StagePlan, Transfer
-from planner.schedules.actions import StageMap, parse_programs
+from planner.plan import Layout, Plan, StagePlan, Transfer
+from planner.schedules.actions import parse_programs
 from planner.schedules.simulate import SimCosts, SimResult, StageCosts, simulate
 
 
-def sim_costs(stages: Sequence[StagePlan], transfers: Sequence[Transfer], data_parallel: int) -> SimCosts:
-    """Stage compute, memory and all-reduce from the predictions; transfers per stage pair."""
-    costs = tuple(StageCosts(s.predicted.fwd_ms, s.predicted.bwd_ms,
-                             s.predicted.activation_bytes // max(1, s.predicted.in_flight),
-                             s.predicted.static_bytes,
-                             s.predicted.allreduce_ms if data_parallel > 1 else 0.0)
-                  for s in stages)
+def sim_costs(layout: Layout, parts: Sequence[StagePlan], transfers: Sequence[Transfer]) -> SimCosts:
+    """Each stage costs what its part is predicted to; transfers per stage pair."""
+    stages = tuple(parts[layout.part(stage)].predicted for stage in range(layout.num_stages))
+    costs = tuple(StageCosts(p.fwd_ms, p.bwd_ms, p.activation_bytes, p.static_bytes, p.allreduce_ms)
+                  for p in stages)
     return SimCosts(costs, {(t.src_stage, t.dst_stage): t.ms for t in transfers})
 
 
-def pipeline_programs(plan: Plan) -> tuple[tuple[str, ...], ...]:
-    """The programs of the first replica, one per stage (rank = stage * data_parallel + replica)."""
-    return tuple(plan.programs[stage.ranks[0]] for stage in plan.stages)
-
-
 def simulate_plan(plan: Plan) -> SimResult:
-    programs = parse_programs(pipeline_programs(plan))
-    return simulate(programs, StageMap.identity(plan.num_stages),
-                    sim_costs(plan.stages, plan.transfers, plan.data_parallel))
+    """The plan's per-rank programs replayed on its predicted costs."""
+    return simulate(parse_programs(plan.programs), plan.layout, sim_costs(plan.layout, plan.stages, plan.transfers))

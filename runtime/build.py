@@ -18,21 +18,9 @@ import torch.fx
 from torch import nn
 from torch.fx.passes.split_module import split_module
 
-from cost_models.graph.capture import LeafSpec
 from cost_models.errors import RuntimeSetupError
+from cost_models.graph.capture import LeafSpec
 from planner.plan import Plan
-
-_DTYPES = {"fp64": torch.float64, "fp32": torch.float32}
-
-
-def precision_dtype(precision: str) -> torch.dtype:
-    """The parameter dtype of a plan's precision (the runtime trains in one dtype)."""
-    try:
-        return _DTYPES[precision]
-    except KeyError:
-        raise RuntimeSetupError(f"the plan's precision is {precision!r} but the runtime trains in "
-                                f"{' or '.join(_DTYPES)} only (no mixed precision yet); re-plan "
-                                f"with --precision fp32") from None
 
 
 @contextlib.contextmanager
@@ -53,7 +41,7 @@ def rebuild_model(plan: Plan, search_root: Path | None = None) -> nn.Module:
         raise RuntimeSetupError("the plan records no model builder (it was planned from a Python "
                                 "object); run it from your script with runtime.Executor(plan, model, ...)")
     builder = load_builder(plan.model.builder, search_root)
-    with default_dtype(precision_dtype(plan.model.precision)):
+    with default_dtype(getattr(torch, plan.model.precision.dtype)):
         return build_model(builder, dict(plan.model.builder_kwargs), "meta")
 
 
@@ -73,12 +61,12 @@ def trace_checked(model: nn.Module, plan: Plan,
         raise RuntimeSetupError(
             f"the rebuilt model's graph fingerprint {graph.fingerprint[:16]}... differs from the "
             f"plan's {plan.model.fingerprint[:16]}... (builder {plan.model.builder!r}, arguments "
-            f"{dict(plan.model.builder_kwargs)}, precision {plan.model.precision}, inputs "
+            f"{dict(plan.model.builder_kwargs)}, precision {plan.model.precision.value}, inputs "
             f"{[m.shape for m in plan.model.example_inputs]}): the model changed since planning, or "
             f"it is built with other arguments or leaf modules. Re-plan it with `tessera plan`")
     known = {node.name for node in traced.graph.nodes}
-    stage_of = plan.stage_of()
-    missing = sorted(known - set(stage_of))
+    part_of = plan.part_of()
+    missing = sorted(known - set(part_of))
     if missing:
         raise RuntimeSetupError(f"nodes {missing[:5]} of the model are in no stage of the plan; "
                                 f"re-create the plan with `tessera plan`")
@@ -87,11 +75,11 @@ def trace_checked(model: nn.Module, plan: Plan,
 
 def split_stages(traced: torch.fx.GraphModule, model: nn.Module,
                  plan: Plan) -> dict[int, torch.fx.GraphModule]:
-    """One GraphModule per stage from ``split_module`` (sharing the model's leaf modules)."""
-    stage_of = plan.stage_of()
-    split = split_module(traced, model, lambda node: stage_of[node.name],
+    """One GraphModule per part from ``split_module`` (sharing the model's leaf modules)."""
+    part_of = plan.part_of()
+    split = split_module(traced, model, lambda node: part_of[node.name],
                          keep_original_node_name=True, tuple_return=True)
-    modules = {stage: getattr(split, f"submod_{stage}", None) for stage in range(plan.num_stages)}
+    modules = {part: getattr(split, f"submod_{part}", None) for part in range(plan.num_parts)}
     empty = sorted(stage for stage, module in modules.items() if module is None)
     if empty:
         raise RuntimeSetupError(f"stages {empty} of the plan contain no computation (only inputs "

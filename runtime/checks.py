@@ -1,52 +1,85 @@
-"""Set-up checks made before any work: world size, plan layout, and the actions this runtime runs."""
+"""Set-up checks made before any work: world size, the plan's layout and programs, what this runtime runs.
+
+``check_plan`` accepts every plan whose layout and programs are consistent (spatial tiles and
+ranks holding several stages included: the validator replays every rank's program, so a corrupt
+plan is refused instead of hanging). ``check_executable`` then refuses, with the reason, what
+this runtime does not execute yet.
+"""
 
 from __future__ import annotations
 
 from cost_models.errors import RuntimeSetupError
+from cost_models.memory import Precision
 from planner.plan import SCHEMA_VERSION, Plan
-from planner.schedules import Action, ActionKind, Program, parse_programs
+from planner.schedules import Action, ActionKind, Program, ScheduleError, parse_programs, validate
 
 SUPPORTED = frozenset({ActionKind.F, ActionKind.B, ActionKind.SEND_F, ActionKind.RECV_F,
                        ActionKind.SEND_B, ActionKind.RECV_B, ActionKind.ALLREDUCE,
                        ActionKind.OPTIMIZER_STEP})
+TRAINED_PRECISIONS = frozenset({Precision.FP64, Precision.FP32})
 
 
 def check_world_size(plan: Plan, world_size: int) -> None:
-    if world_size != plan.cluster.gpus:
+    if world_size != plan.layout.world_size:
         raise RuntimeSetupError(
-            f"the plan is for {plan.cluster.gpus} processes ({plan.num_stages} stages x "
+            f"the plan is for {plan.layout.world_size} processes ({plan.num_stages} stages x "
             f"{plan.data_parallel} data-parallel replicas) but {world_size} were launched; run "
-            f"`torchrun --nproc-per-node {plan.cluster.gpus} -m runtime PLAN` (or `tessera run "
+            f"`torchrun --nproc-per-node {plan.layout.world_size} -m runtime PLAN` (or `tessera run "
             f"PLAN`), or re-plan for {world_size} GPUs")
 
 
-def check_layout(plan: Plan) -> None:
-    """Schema version, one program per rank, every rank used, and the batch arithmetic."""
+def check_plan(plan: Plan) -> None:
+    """Schema, sizes that must agree, the batch arithmetic, and every rank's program against the layout."""
     if plan.schema_version != SCHEMA_VERSION:
         raise RuntimeSetupError(f"plan schema_version is {plan.schema_version} but this runtime runs "
                                 f"version {SCHEMA_VERSION}; re-create the plan with `tessera plan`")
-    if len(plan.programs) != plan.cluster.gpus:
-        raise RuntimeSetupError(f"the plan has {len(plan.programs)} rank programs for "
-                                f"{plan.cluster.gpus} GPUs; re-create it with `tessera plan`")
-    ranks = {rank for stage in plan.stages for rank in stage.ranks}
-    if ranks != set(range(plan.cluster.gpus)) or any(
-            len(stage.ranks) != plan.data_parallel for stage in plan.stages):
-        raise RuntimeSetupError(f"the plan's stages hold ranks {[list(s.ranks) for s in plan.stages]}; "
-                                f"every rank 0..{plan.cluster.gpus - 1} must run a stage and every "
-                                f"stage needs {plan.data_parallel} replicas")
+    layout = plan.layout
+    sizes = {"cluster GPUs": plan.cluster.gpus, "layout ranks": layout.world_size,
+             "rank programs": len(plan.programs)}
+    if len(set(sizes.values())) != 1:
+        raise RuntimeSetupError(f"the plan's sizes disagree ({sizes}); re-create it with `tessera plan`")
+    if len(plan.stages) != layout.num_parts or len(plan.schedule.in_flight) != layout.num_stages:
+        raise RuntimeSetupError(f"the plan has {len(plan.stages)} parts and {len(plan.schedule.in_flight)} "
+                                f"in-flight counts but its layout has {layout.num_parts} parts and "
+                                f"{layout.num_stages} stages; re-create it with `tessera plan`")
     total = plan.training.micro_batch_size * plan.training.num_microbatches * plan.data_parallel
     if total != plan.training.global_batch_size:
         raise RuntimeSetupError(f"micro-batch size {plan.training.micro_batch_size} x "
                                 f"{plan.training.num_microbatches} micro-batches x {plan.data_parallel} "
                                 f"replicas = {total}, not the global batch {plan.training.global_batch_size}")
+    programs = _parse(plan)
+    try:
+        validate(programs, layout, edges={(t.src_stage, t.dst_stage) for t in plan.transfers})
+    except ScheduleError as error:
+        raise RuntimeSetupError(f"the plan's programs cannot run: {error.reason}; re-create it with "
+                                f"`tessera plan`") from None
+
+
+def check_executable(plan: Plan) -> None:
+    """Refuse what this runtime does not execute yet (each names the planner option that avoids it)."""
+    layout = plan.layout
+    tiled = sorted({slot for slots in layout.slot_ranks for slot, ranks in enumerate(slots) if len(ranks) > 1})
+    if tiled:
+        raise RuntimeSetupError(f"slots {tiled} of the plan are split into spatial tiles, which this runtime "
+                                f"does not execute yet; re-plan without spatial parallelism")
+    copies = [part for part in range(layout.num_parts) if len(layout.stages_of_part(part)) > 1]
+    if layout.stage_part != tuple(range(layout.num_stages)) or copies:
+        raise RuntimeSetupError(f"the plan runs parts {copies or list(layout.stage_part)} as several model "
+                                f"copies (stage to part map {list(layout.stage_part)}), which this runtime "
+                                f"does not execute yet; re-plan with another schedule")
+    offloaded = [stage.index for stage in plan.stages if not stage.offload.is_default]
+    if offloaded:
+        raise RuntimeSetupError(f"stages {offloaded} offload activations, parameters or optimizer state, "
+                                f"which this runtime does not execute yet; re-plan without offload")
+    if plan.model.precision not in TRAINED_PRECISIONS:
+        raise RuntimeSetupError(f"the plan's precision is {plan.model.precision.value!r} but the runtime trains "
+                                f"in {' or '.join(sorted(p.value for p in TRAINED_PRECISIONS))} only (no mixed "
+                                f"precision yet); re-plan with --precision fp32")
 
 
 def rank_program(plan: Plan, rank: int) -> Program:
     """This rank's parsed program; rejects actions the runtime cannot run yet."""
-    try:
-        program = parse_programs([plan.programs[rank]])[0]
-    except ValueError as error:
-        raise RuntimeSetupError(f"rank {rank}'s program in the plan is malformed: {error}") from None
+    program = _parse(plan)[rank]
     unsupported = sorted({action.kind.value for action in program if action.kind not in SUPPORTED})
     if unsupported:
         raise RuntimeSetupError(f"rank {rank}'s program uses {unsupported}, which this runtime does "
@@ -55,13 +88,15 @@ def rank_program(plan: Plan, rank: int) -> Program:
 
 
 def my_stages(plan: Plan, rank: int) -> tuple[tuple[int, ...], int]:
-    """The stages ``rank`` runs and its replica index (its position in those stages' rank lists)."""
-    stages = tuple(stage.index for stage in plan.stages if rank in stage.ranks)
-    replicas = {plan.stages[stage].ranks.index(rank) for stage in stages}
-    if len(replicas) != 1:
-        raise RuntimeSetupError(f"rank {rank} runs stages {list(stages)} in replicas {sorted(replicas)}; "
-                                f"a rank must belong to exactly one pipeline replica")
-    return stages, replicas.pop()
+    """The stages ``rank`` runs and its data-parallel replica."""
+    return plan.layout.stages_of_rank(rank), plan.layout.place(rank).replica
+
+
+def _parse(plan: Plan) -> tuple[Program, ...]:
+    try:
+        return parse_programs(plan.programs)
+    except ValueError as error:
+        raise RuntimeSetupError(f"the plan's programs are malformed: {error}") from None
 
 
 def segments(program: Program) -> list[Action | tuple[Action, ...]]:

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cost_models.graph.capture import LeafSpec
 from cost_models.errors import RuntimeSetupError
+from cost_models.graph.capture import LeafSpec
 from planner.plan import Plan
 from planner.schedules import Action, ActionKind
 from runtime.comm import P2P, Message, wait_for
@@ -239,7 +239,7 @@ class Executor:
 
     def _message(self, action: Action, state: StepState) -> Message:
         assert action.peer is not None and action.microbatch is not None
-        peer_rank = self.plan.stages[action.peer].ranks[self.replica]
+        peer_rank = self.plan.layout.ranks_of(action.peer, self.replica)[0]
         micro = state.micro(action.stage, action.microbatch)
         kind = action.kind
         if kind is ActionKind.SEND_F:
@@ -272,7 +272,7 @@ class Executor:
     def _allreduce(self, action: Action, state: StepState) -> None:
         stage = self.stages[action.stage]
         params = [p for name, p in stage.params.items() if name not in self.groups.tied_names]
-        self.sync.all_reduce(params, self.groups.data_parallel[action.stage], str(action))
+        self.sync.all_reduce(params, self.groups.data_parallel[self.plan.layout.part(action.stage)], str(action))
 
     def _optimizer_step(self, action: Action, state: StepState) -> None:
         if not state.tied_synced:

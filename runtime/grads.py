@@ -3,12 +3,13 @@
 Process groups are created once, collectively and in the same order on every rank (torch
 requires it), and returned to the caller: nothing is kept in module globals.
 
-* Data parallel: one group per stage over its replica ranks; a stage's gradients (tied ones
+* Data parallel: one group per part over every rank holding a copy of it (the plan's layout);
+  a part's gradients (tied ones
   excepted) are flattened into buckets of at most ``bucket_bytes`` and summed, two buckets in
   flight at most (a lone contiguous gradient is reduced in place, without a copy). The loss was
   already divided by (micro-batches x replicas), so the sum is the mean over the global batch.
-* Tied parameters (e.g. GPT's embedding reused as the LM head on the last stage): one group
-  per set of stages holding a copy, over all their replicas; the copies' gradients are summed
+* Tied parameters (e.g. GPT's embedding reused as the LM head on the last part): one group
+  per set of parts holding a copy, over all their ranks; the copies' gradients are summed
   so every copy takes the same step a single-process model would.
 """
 
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from planner.plan import Plan
+from planner.plan import Layout
 from runtime.comm import wait_for
 from runtime.streams import AnyStream, current_stream, new_stream, use_stream
 
@@ -33,7 +34,7 @@ BUCKET_BYTES = 25 * 2**20
 class TiedGroup:
     """Parameters held by the same set of stages, and the group over all ranks holding a copy."""
 
-    stages: tuple[int, ...]
+    stages: tuple[int, ...]  # the parts holding a copy
     names: tuple[str, ...]  # canonical parameter names, sorted
     ranks: tuple[int, ...]
     group: dist.ProcessGroup | None  # None on ranks outside it
@@ -43,7 +44,7 @@ class TiedGroup:
 class Groups:
     """Every process group this rank takes part in, created at set-up."""
 
-    data_parallel: Mapping[int, dist.ProcessGroup]  # stage -> its replicas' group (my stages only)
+    data_parallel: Mapping[int, dist.ProcessGroup]  # part -> the group of its copies (my parts only)
     tied: tuple[TiedGroup, ...]  # every tied set (group None where this rank holds no copy)
 
     @property
@@ -51,19 +52,23 @@ class Groups:
         return frozenset(name for group in self.tied for name in group.names)
 
 
-def create_groups(plan: Plan, rank: int, stage_params: Mapping[int, set[str]],
+def create_groups(layout: Layout, rank: int, stage_params: Mapping[int, set[str]],
                   timeout_s: float) -> Groups:
-    """Create the data-parallel and tied-parameter groups (collective: every rank must call it)."""
+    """Create the data-parallel and tied-parameter groups (collective: every rank must call it).
+
+    ``stage_params`` maps each part to the canonical names of the parameters it uses.
+    """
     timeout = datetime.timedelta(seconds=timeout_s)
     data_parallel = {}
-    if plan.data_parallel > 1:
-        for stage in plan.stages:
-            group = dist.new_group(list(stage.ranks), timeout=timeout)
-            if rank in stage.ranks:
-                data_parallel[stage.index] = group
+    for part in range(layout.num_parts):
+        ranks = layout.part_ranks(part)
+        if len(ranks) > 1:
+            group = dist.new_group(list(ranks), timeout=timeout)
+            if rank in ranks:
+                data_parallel[part] = group
     tied = []
     for stages, names in sorted(tied_sets(stage_params).items()):
-        ranks = tuple(sorted(r for s in stages for r in plan.stages[s].ranks))
+        ranks = tuple(sorted(r for part in stages for r in layout.part_ranks(part)))
         group = dist.new_group(list(ranks), timeout=timeout) if len(ranks) > 1 else None
         tied.append(TiedGroup(stages, names, ranks, group if rank in ranks else None))
     return Groups(data_parallel, tuple(tied))

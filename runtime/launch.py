@@ -117,7 +117,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         env = RankEnv.from_environ()
         plan = Plan.load(options.plan)
-        checks.check_layout(plan)
+        checks.check_plan(plan)
+        checks.check_executable(plan)
         checks.check_world_size(plan, env.world_size)
         device = init_group(env, device_choice, options.timeout_s)
         report = train.run(plan, options, device)

@@ -18,8 +18,8 @@ import torch.distributed as dist
 import torch.fx
 from torch import nn
 
-from cost_models.graph.capture import LeafSpec
 from cost_models.errors import RuntimeSetupError
+from cost_models.graph.capture import LeafSpec
 from planner.plan import Plan
 from planner.schedules import Action
 from runtime import build, checks
@@ -47,7 +47,8 @@ def set_up(plan: Plan, model: nn.Module, optimizer_factory: OptimizerFactory, *,
            device: torch.device, timeout_s: float, leaf_modules: Sequence[LeafSpec]) -> RankSetup:
     """Check the plan against the job and the model, then build this rank's stages (collective)."""
     rank = dist.get_rank()
-    checks.check_layout(plan)
+    checks.check_plan(plan)
+    checks.check_executable(plan)
     checks.check_world_size(plan, dist.get_world_size())
     segments = checks.segments(checks.rank_program(plan, rank))
     stage_ids, replica = checks.my_stages(plan, rank)
@@ -55,12 +56,12 @@ def set_up(plan: Plan, model: nn.Module, optimizer_factory: OptimizerFactory, *,
     modules = build.split_stages(traced, model, plan)
     inputs = [(meta.shape, getattr(torch, meta.dtype)) for meta in plan.model.example_inputs]
     specs = value_specs(traced, inputs, plan.training.micro_batch_size)
-    flow = dataflow(traced, modules, plan.stage_of(), specs)
+    flow = dataflow(traced, modules, plan.part_of(), specs)
     check_edges(flow, {(t.src_stage, t.dst_stage) for t in plan.transfers})
     stage_params = stage_param_names(model, modules, flow)
     materialise(model, modules, flow, stage_ids, seed, device)
     stages = local_stages(model, modules, flow, stage_ids, optimizer_factory)
-    groups = create_groups(plan, rank, stage_params, timeout_s)
+    groups = create_groups(plan.layout, rank, stage_params, timeout_s)
     check_same_plan(plan)
     return RankSetup(segments, stage_ids, replica, traced, flow, stages, groups)
 

@@ -16,8 +16,8 @@ def make_plan(builder: str, stage_starts: list[str], *, schedule: str, data_para
               optimizer: str = "momentum", microbatches: int = 4, micro_batch_size: int = 2,
               device: str = "V100-16GB") -> str:
     """A float64 plan (as JSON) for one of the test models with the given cut."""
-    from planner.manual import plan_with_split
     from cost_models.graph.model_spec import build_model, load_builder
+    from planner.manual import plan_with_split
 
     kwargs, inputs = _model_args(builder)
     with default_dtype(torch.float64):
@@ -37,29 +37,27 @@ def _model_args(builder: str) -> tuple[dict[str, Any], torch.Tensor]:
 
 
 def looped(plan_json: str, ranks: int) -> str:
-    """The plan's stages looped over fewer ranks (stage s on rank s % ranks), as interleaved
+    """The plan's stages looped over fewer ranks (stage s on slot s % ranks), as interleaved
     schedules place them: each rank runs all forwards of its stages, stage by stage, then all
     backwards in reverse. Lowered and validated by the planner's own passes."""
     import dataclasses
     import json
 
-    from planner.plan import Plan, Prediction
-    from planner.schedules import Action, ActionKind, StageMap, format_programs, lower, validate
+    from planner.plan import Layout, Plan
+    from planner.schedules import Action, ActionKind, format_programs, lower, validate
 
     plan = Plan.from_dict(json.loads(plan_json))
-    stage_map = StageMap(tuple(stage % ranks for stage in range(plan.num_stages)))
+    layout = Layout.replicated(tuple(stage % ranks for stage in range(plan.num_stages)))
     microbatches = range(plan.training.num_microbatches)
     compute = tuple(
-        tuple(Action(s, ActionKind.F, m) for s in stage_map.stages_on(rank) for m in microbatches)
-        + tuple(Action(s, ActionKind.B, m) for s in reversed(stage_map.stages_on(rank)) for m in microbatches)
-        for rank in range(ranks))
+        tuple(Action(s, ActionKind.F, m) for s in layout.stages_on_slot(slot) for m in microbatches)
+        + tuple(Action(s, ActionKind.B, m) for s in reversed(layout.stages_on_slot(slot)) for m in microbatches)
+        for slot in range(ranks))
     edges = {(t.src_stage, t.dst_stage) for t in plan.transfers}
-    programs = lower(compute, stage_map, edges, data_parallel=False)
-    validate(programs, stage_map, edges=edges)
-    stages = tuple(dataclasses.replace(stage, ranks=(stage_map.rank(stage.index),)) for stage in plan.stages)
+    programs = layout.rank_programs(lower(compute, layout, edges))
+    validate(programs, layout, edges=edges)
     looped_plan = dataclasses.replace(
-        plan, cluster=dataclasses.replace(plan.cluster, gpus=ranks), stages=stages,
+        plan, cluster=dataclasses.replace(plan.cluster, gpus=ranks), layout=layout,
         programs=format_programs(programs),
         predicted=dataclasses.replace(plan.predicted, peak_mem_bytes=plan.predicted.peak_mem_bytes[:ranks]))
-    assert isinstance(looped_plan.predicted, Prediction)
     return looped_plan.to_json()

@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Sequence
 
 from cost_models.errors import InvalidArgument, TesseraError
+from cost_models.memory import Optimizer, Precision
+from planner.plan.kinds import ScheduleKind
 
 EXIT_USAGE = 2
 
@@ -83,10 +85,10 @@ def _add_plan(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mem", required=True, help="memory per GPU, e.g. 16GB, 16GiB or bytes")
     parser.add_argument("--device", default="V100-16GB", help="GPU preset or device JSON file")
     parser.add_argument("--gpus-per-node", type=int, default=None, help="default min(GPUS, 8)")
-    parser.add_argument("--optimizer", default="adam", help="sgd, momentum, adam or adamw")
-    parser.add_argument("--precision", default="fp32", help="fp32, fp16 or bf16 (mixed), fp64")
-    parser.add_argument("--schedule", action="append", default=None, choices=["gpipe", "1f1b"],
-                        help="schedules to consider (repeatable; default both)")
+    _add_training_modes(parser)
+    parser.add_argument("--schedule", action="append", default=None, type=str.lower,
+                        choices=[kind.value for kind in ScheduleKind],
+                        help="schedules to consider (repeatable; default every one)")
     parser.add_argument("--micro-batch-size", action="append", type=int, default=None,
                         help="micro-batch sizes to consider (repeatable; default every divisor)")
     parser.add_argument("--time-limit", type=float, default=60.0, help="solver seconds for the search")
@@ -101,7 +103,7 @@ def _run_plan(args: argparse.Namespace) -> None:
         model=args.model, model_args=tuple(args.model_arg), inputs=tuple(args.input),
         batch_size=args.batch_size, gpus=args.gpus, mem=args.mem, device=args.device,
         gpus_per_node=args.gpus_per_node, optimizer=args.optimizer, precision=args.precision,
-        schedules=tuple(args.schedule or ("gpipe", "1f1b")),
+        schedules=tuple(args.schedule or (kind.value for kind in ScheduleKind)),
         micro_batch_sizes=tuple(args.micro_batch_size) if args.micro_batch_size else None,
         time_limit_s=args.time_limit, leaf_modules=tuple(args.leaf), output=args.output)
     print(run_plan(request, search_root=Path.cwd()))
@@ -124,8 +126,7 @@ def _add_profile(parser: argparse.ArgumentParser) -> None:
     _add_model_arguments(parser)
     parser.add_argument("--device", default="cpu",
                         help="'cpu' (measured here), a GPU preset such as V100-16GB, or a device JSON file")
-    parser.add_argument("--optimizer", default="adam", help="sgd, momentum, adam or adamw")
-    parser.add_argument("--precision", default="fp32", help="fp32, fp16 or bf16 (mixed), fp64")
+    _add_training_modes(parser)
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--estimate", action="store_true",
                       help="roofline estimate even on cpu (no real tensors are allocated)")
@@ -137,6 +138,13 @@ def _add_profile(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top", type=int, default=None, help="show only the N slowest layers")
     parser.add_argument("-o", "--output", default=None, help="also write the cost table as JSON")
     parser.set_defaults(handler=_run_profile)
+
+
+def _add_training_modes(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--optimizer", default="adam", type=str.lower, choices=[o.value for o in Optimizer],
+                        help="optimizer whose state is costed (default adam)")
+    parser.add_argument("--precision", default="fp32", type=str.lower, choices=[p.value for p in Precision],
+                        help="fp16/bf16 mean mixed precision with fp32 master weights (default fp32)")
 
 
 def _run_profile(args: argparse.Namespace) -> None:

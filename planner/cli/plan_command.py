@@ -32,10 +32,15 @@ class PlanRequest:
 
 def run_plan(request: PlanRequest, search_root: Path | None = None) -> str:
     """Build the model on the meta device, plan it, save the plan if asked; returns the printout."""
-    from planner.api import plan
-    from cost_models.graph.model_spec import (build_model, example_inputs, load_builder, parse_input,
-                                    parse_model_args)
+    from cost_models.graph.model_spec import (
+        build_model,
+        example_inputs,
+        load_builder,
+        parse_input,
+        parse_model_args,
+    )
     from cost_models.units import parse_mem_bytes
+    from planner.api import plan
 
     specs = [parse_input(text) for text in request.inputs]
     kwargs = parse_model_args(request.model_args)
@@ -64,10 +69,10 @@ def run_show(path: Path) -> str:
 
 def run_simulate(path: Path, trace_path: Path | None, svg_path: Path | None) -> str:
     """Replay the plan's programs; write a Chrome trace (Perfetto) and an SVG timeline."""
-    from planner.plan.document import Plan
-    from planner.simulation import simulate_plan
-    from planner.schedules.timeline import chrome_trace, svg
     from cost_models.units import format_bytes, format_ms
+    from planner.plan.document import Plan
+    from planner.schedules.timeline import chrome_trace, svg
+    from planner.simulation import simulate_plan
 
     plan = Plan.load(path)
     result = simulate_plan(plan)
@@ -75,8 +80,20 @@ def run_simulate(path: Path, trace_path: Path | None, svg_path: Path | None) -> 
     svg_path = svg_path or path.with_suffix(".svg")
     trace_path.write_text(json.dumps(chrome_trace(result)))
     svg_path.write_text(svg(result))
-    peaks = ", ".join(format_bytes(b) for b in result.peak_mem_bytes)
+    peaks = "; ".join(f"ranks {first}-{last}: {format_bytes(nbytes)}" if first != last else
+                      f"rank {first}: {format_bytes(nbytes)}" for first, last, nbytes in _runs(result.peak_mem_bytes))
     return (f"simulated step {format_ms(result.step_ms)} (plan predicted "
             f"{format_ms(plan.predicted.step_ms)}, solver objective {format_ms(plan.solver.objective)}), "
-            f"bubble {result.bubble_fraction:.1%}\npeak memory per stage: {peaks}\n"
+            f"bubble {result.bubble_fraction:.1%}\npeak memory: {peaks}\n"
             f"timeline: {trace_path} (open in https://ui.perfetto.dev) and {svg_path}")
+
+
+def _runs(values: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """(first rank, last rank, value) for each run of equal consecutive values."""
+    runs: list[tuple[int, int, int]] = []
+    for rank, value in enumerate(values):
+        if runs and runs[-1][2] == value and runs[-1][1] == rank - 1:
+            runs[-1] = (runs[-1][0], rank, value)
+        else:
+            runs.append((rank, rank, value))
+    return runs

@@ -8,10 +8,13 @@ from pathlib import Path
 import torch
 
 from cost_models.errors import InvalidArgument
-from cost_models.graph.model_spec import build_model, example_inputs, load_builder, parse_input, parse_model_args
-
-_TORCH_DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "fp16": torch.float16,
-                 "bf16": torch.bfloat16}
+from cost_models.graph.model_spec import (
+    build_model,
+    example_inputs,
+    load_builder,
+    parse_input,
+    parse_model_args,
+)
 
 
 @dataclass(frozen=True)
@@ -36,17 +39,17 @@ class ProfileRequest:
 def run_profile(request: ProfileRequest, search_root: Path | None = None) -> str:
     """Validate everything first, then trace and cost; returns the rendered table."""
     from cost_models import estimate, get_device
-    from cost_models.profiling import profile_with_graph
-    from cost_models.memory import get_precision, optimizer_state_count
-    from planner.reports.cost_report import format_cost_table
     from cost_models.graph.tracing import trace_module
+    from cost_models.memory import get_optimizer, get_precision
+    from cost_models.profiling import profile_with_graph
+    from planner.reports.cost_report import format_cost_table
 
     specs = [parse_input(text) for text in request.inputs]
     kwargs = parse_model_args(request.model_args)
     builder = load_builder(request.model, search_root)
     measure = request.device == "cpu" if request.measure is None else request.measure
     precision = get_precision(request.precision)
-    optimizer_state_count(request.optimizer)
+    get_optimizer(request.optimizer)
     if not measure:
         get_device(request.device)
     if request.repeats < 1:
@@ -55,7 +58,7 @@ def run_profile(request: ProfileRequest, search_root: Path | None = None) -> str
     model = build_model(builder, kwargs, build_device)
     inputs = example_inputs(specs, request.batch_size, build_device)
     if measure:
-        dtype = _TORCH_DTYPES[precision.name]
+        dtype = getattr(torch, precision.dtype)
         model = model.to(dtype)
         inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in inputs)
         graph, table = profile_with_graph(

@@ -1,13 +1,33 @@
-"""The plan file: what a stage computes, where it runs (the layout), and how it was chosen.
+"""The plan file: what each stage computes (``stages``), where it runs (``layout``), and why.
 
 Standard library only, so the runtime and `tessera show` read plans cheaply.
 """
 
-from planner.plan.document import (SCHEMA_VERSION, ClusterSpec, InputMeta, LayerRow, ModelRef,
-                                   OffloadSpec, Plan, Prediction, ScheduleKind, ScheduleSpec,
-                                   SolverReport, StagePlan, StagePrediction, TrainingSpec, Transfer,
-                                   freeze)
+from planner.plan.codec import freeze
+from planner.plan.document import Plan
+from planner.plan.kinds import ScheduleKind
+from planner.plan.layout import Layout, RankPlace
+from planner.plan.parts import (
+                                ActivationPolicy,
+                                ClusterSpec,
+                                InputMeta,
+                                LayerRow,
+                                ModelRef,
+                                OffloadSpec,
+                                ParamTier,
+                                Prediction,
+                                RunnerUp,
+                                ScheduleSpec,
+                                SolverReport,
+                                StagePlan,
+                                StagePrediction,
+                                StateTier,
+                                TrainingSpec,
+                                Transfer,
+)
+from planner.plan.upgrade import SCHEMA_VERSION
 
-__all__ = ["SCHEMA_VERSION", "ClusterSpec", "InputMeta", "LayerRow", "ModelRef", "OffloadSpec", "Plan",
-           "Prediction", "ScheduleKind", "ScheduleSpec", "SolverReport", "StagePlan", "StagePrediction",
-           "TrainingSpec", "Transfer", "freeze"]
+__all__ = ["SCHEMA_VERSION", "ActivationPolicy", "ClusterSpec", "InputMeta", "LayerRow", "Layout", "ModelRef",
+           "OffloadSpec", "ParamTier", "Plan", "Prediction", "RankPlace", "RunnerUp", "ScheduleKind",
+           "ScheduleSpec", "SolverReport", "StagePlan", "StagePrediction", "StateTier", "TrainingSpec",
+           "Transfer", "freeze"]

@@ -1,50 +1,63 @@
-"""What `print(plan)` and `tessera show` display: one row per stage, then the step and the why."""
+"""What `print(plan)` and `tessera show` display: one row per stage, then the step and the why.
+
+It reads the plan's parts, not the Plan itself, so the plan file module can use it without a loop.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from cost_models.units import format_bytes, format_ms
-
-if TYPE_CHECKING:
-    from planner.plan.document import Plan
+from planner.plan.layout import Layout
+from planner.plan.parts import (
+    ClusterSpec,
+    ModelRef,
+    Prediction,
+    ScheduleSpec,
+    SolverReport,
+    StagePlan,
+    TrainingSpec,
+)
 
 _COLUMNS = ("stage", "ranks", "first node", "last node", "nodes", "params", "fwd", "bwd",
             "activations", "peak mem")
 
-def format_plan(plan: "Plan") -> str:
-    budget = plan.cluster.mem_bytes
-    rows = [_COLUMNS] + [_stage_row(plan, stage) for stage in plan.stages]
+
+def format_plan(model: ModelRef, cluster: ClusterSpec, training: TrainingSpec, schedule: ScheduleSpec,
+                layout: Layout, parts: tuple[StagePlan, ...], predicted: Prediction,
+                solver: SolverReport) -> str:
+    rows = [_COLUMNS] + [_stage_row(stage, layout, parts, schedule, predicted, cluster.mem_bytes)
+                         for stage in range(layout.num_stages)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
-    lines = [_title(plan)]
+    lines = [_title(model, cluster, training, schedule, layout)]
     for index, row in enumerate(rows):
         cells = [cell.ljust(w) if i < 4 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))]
         lines.append("  ".join(cells).rstrip())
         if index == 0:
             lines.append("-" * len(lines[-1]))
     lines.append("-" * len(lines[1]))
-    lines.extend(_summary(plan, budget))
+    lines.extend(_summary(predicted, solver, cluster.mem_bytes))
     return "\n".join(lines)
 
-def _title(plan: "Plan") -> str:
-    cluster, training = plan.cluster, plan.training
-    return (f"plan: {plan.num_stages} stages x {plan.data_parallel} data-parallel on "
+
+def _title(model: ModelRef, cluster: ClusterSpec, training: TrainingSpec, schedule: ScheduleSpec,
+           layout: Layout) -> str:
+    return (f"plan: {layout.num_stages} stages x {layout.data_parallel} data-parallel on "
             f"{cluster.gpus} x {cluster.device_name} ({format_bytes(cluster.mem_bytes)} budget each), "
-            f"{plan.schedule.kind.value}, batch {training.global_batch_size} = "
-            f"{plan.data_parallel} x {training.num_microbatches} x {training.micro_batch_size}")
+            f"{schedule.kind.value}, batch {training.global_batch_size} = {layout.data_parallel} x "
+            f"{training.num_microbatches} x {training.micro_batch_size}, {model.precision.value}")
 
-def _stage_row(plan: "Plan", stage) -> tuple[str, ...]:
-    param_bytes = stage.predicted.param_bytes
-    ranks = ",".join(str(r) for r in stage.ranks) if len(stage.ranks) <= 4 else (
-        f"{stage.ranks[0]}..{stage.ranks[-1]}")
-    peak = stage.predicted.peak_mem_bytes
-    share = f" ({peak / plan.cluster.mem_bytes:.0%})"
-    return (str(stage.index), ranks, stage.nodes[0], stage.nodes[-1], str(len(stage.nodes)),
-            format_bytes(param_bytes), format_ms(stage.predicted.fwd_ms), format_ms(stage.predicted.bwd_ms),
-            format_bytes(stage.predicted.activation_bytes), format_bytes(peak) + share)
 
-def _summary(plan: "Plan", budget: int) -> list[str]:
-    predicted, solver = plan.predicted, plan.solver
+def _stage_row(stage: int, layout: Layout, parts: tuple[StagePlan, ...], schedule: ScheduleSpec,
+               predicted: Prediction, budget: int) -> tuple[str, ...]:
+    part = parts[layout.part(stage)]
+    cost = part.predicted
+    peak = predicted.peak_mem_bytes[layout.ranks_of(stage, 0)[0]]
+    return (str(stage), layout.describe_ranks(stage), part.nodes[0], part.nodes[-1], str(len(part.nodes)),
+            format_bytes(cost.param_bytes), format_ms(cost.fwd_ms), format_ms(cost.bwd_ms),
+            format_bytes(schedule.in_flight[stage] * cost.activation_bytes),
+            f"{format_bytes(peak)} ({peak / budget:.0%})")
+
+
+def _summary(predicted: Prediction, solver: SolverReport, budget: int) -> list[str]:
     lines = [
         f"step: {format_ms(predicted.step_ms)}   samples/s: {predicted.samples_per_s:.1f}   "
         f"bubble: {predicted.bubble_fraction:.1%}   peak memory: "

@@ -1,13 +1,13 @@
-"""Schedules as data: generate per-rank programs, lower them, validate, simulate and draw them.
+"""Schedules as data: generate per-slot programs and a layout, lower them, validate, simulate, draw.
 
 Standard library only, so the runtime can import it cheaply.
 
->>> from planner.schedules import GENERATORS, lower, validate, simulate, StageCosts, SimCosts
->>> schedule = GENERATORS["1f1b"](4, 8)
->>> programs = lower(schedule.programs, schedule.stage_map, {(0, 1), (1, 2), (2, 3)}, data_parallel=False)
->>> validate(programs, schedule.stage_map)
+>>> from planner.schedules import generate, lower, validate, simulate, StageCosts, SimCosts
+>>> schedule = generate("1f1b", 4, 8)
+>>> programs = schedule.layout.rank_programs(lower(schedule.programs, schedule.layout, {(0, 1), (1, 2), (2, 3)}))
+>>> validate(programs, schedule.layout)
 >>> stage = StageCosts(fwd_ms=1.0, bwd_ms=2.0, activation_bytes=1, static_bytes=0)
->>> simulate(programs, schedule.stage_map, SimCosts((stage,) * 4, {})).step_ms
+>>> simulate(programs, schedule.layout, SimCosts((stage,) * 4, {})).step_ms
 33.0
 """
 
@@ -18,11 +18,10 @@ from planner.schedules.actions import (
     ActionKind,
     Program,
     Programs,
-    StageMap,
     format_programs,
     parse_programs,
 )
-from planner.schedules.generate import GENERATORS, Schedule, generate, in_flight, max_in_flight
+from planner.schedules.generate import GENERATORS, Schedule, generate, max_in_flight
 from planner.schedules.lower import lower
 from planner.schedules.simulate import SimCosts, SimEvent, SimResult, StageCosts, simulate
 from planner.schedules.timeline import chrome_trace, svg
@@ -40,12 +39,10 @@ __all__ = [
     "SimEvent",
     "SimResult",
     "StageCosts",
-    "StageMap",
     "chrome_trace",
     "format_grid",
     "format_programs",
     "generate",
-    "in_flight",
     "lower",
     "max_in_flight",
     "parse_programs",

@@ -1,12 +1,11 @@
-"""Schedule actions as data: the action kinds, one immutable action, and the stage-to-rank map."""
+"""Schedule actions as data: the action kinds and one immutable action that prints and parses."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
 
 
 class ActionKind(str, Enum):
@@ -151,55 +150,3 @@ def parse_programs(rows: Iterable[Iterable[str]]) -> Programs:
     <ActionKind.B: 'B'>
     """
     return tuple(tuple(Action.parse(text) for text in row) for row in rows)
-
-
-@dataclass(frozen=True)
-class StageMap:
-    """Which rank (within one pipeline replica) runs each stage: ``rank_of_stage[stage] = rank``.
-
-    GPipe and 1F1B put stage s on rank s; interleaved schedules put several stages on one rank.
-
-    >>> StageMap((0, 1, 0, 1)).stages_on(1)
-    (1, 3)
-    """
-
-    rank_of_stage: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "rank_of_stage", tuple(self.rank_of_stage))
-        ranks = set(self.rank_of_stage)
-        if not ranks or ranks != set(range(len(ranks))):
-            raise ValueError(f"stage map {self.rank_of_stage} must use every rank 0..R-1 at least once")
-
-    @classmethod
-    def identity(cls, num_stages: int) -> StageMap:
-        """Stage s on rank s (GPipe, 1F1B)."""
-        if num_stages < 1:
-            raise ValueError(f"num_stages must be >= 1, got {num_stages}")
-        return cls(tuple(range(num_stages)))
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.rank_of_stage)
-
-    @property
-    def num_ranks(self) -> int:
-        return max(self.rank_of_stage) + 1
-
-    def rank(self, stage: int) -> int:
-        if not 0 <= stage < self.num_stages:
-            raise ValueError(f"stage {stage} is out of range; the stage map has {self.num_stages} stages")
-        return self.rank_of_stage[stage]
-
-    def stages_on(self, rank: int) -> tuple[int, ...]:
-        return tuple(stage for stage, owner in enumerate(self.rank_of_stage) if owner == rank)
-
-    def same_rank(self, stage_a: int, stage_b: int) -> bool:
-        return self.rank(stage_a) == self.rank(stage_b)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"rank_of_stage": list(self.rank_of_stage)}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> StageMap:
-        return cls(tuple(data["rank_of_stage"]))

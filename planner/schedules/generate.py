@@ -1,4 +1,4 @@
-"""Schedule generators: per-rank compute programs (F and B only) for each schedule kind."""
+"""Schedule generators: per-slot compute programs (F and B only) and the layout, for each schedule kind."""
 
 from __future__ import annotations
 
@@ -7,28 +7,31 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from planner.schedules.actions import Action, ActionKind, Program, Programs, StageMap
+from planner.plan.kinds import ScheduleKind
+from planner.plan.layout import Layout
+from planner.schedules.actions import Action, ActionKind, Program, Programs
 
 
 @dataclass(frozen=True)
 class Schedule:
-    """A generator's output: compute-only programs per rank and where each stage runs."""
+    """A generator's output: compute-only programs per slot and the layout that places every stage."""
 
-    kind: str
+    kind: ScheduleKind
     num_microbatches: int
-    stage_map: StageMap
-    programs: Programs
+    layout: Layout
+    programs: Programs  # per slot
 
     @property
     def num_stages(self) -> int:
-        return self.stage_map.num_stages
+        return self.layout.num_stages
 
 
 ScheduleGenerator = Callable[..., Schedule]
-"""``generator(num_stages, num_microbatches, **options) -> Schedule``; later kinds add keyword options."""
+"""``generator(num_stages, num_microbatches, *, data_parallel, **options) -> Schedule``; ``num_stages``
+counts the model's parts; later kinds add keyword options."""
 
 
-def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
+def gpipe(num_stages: int, num_microbatches: int, *, data_parallel: int = 1) -> Schedule:
     """GPipe: every stage runs all forwards, then all backwards (in micro-batch order).
 
     >>> [str(a) for a in gpipe(2, 2).programs[1]]
@@ -37,10 +40,10 @@ def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
     _check_sizes(num_stages, num_microbatches)
     programs = tuple(_forwards(stage, range(num_microbatches)) + _backwards(stage, range(num_microbatches))
                      for stage in range(num_stages))
-    return Schedule("gpipe", num_microbatches, StageMap.identity(num_stages), programs)
+    return Schedule(ScheduleKind.GPIPE, num_microbatches, Layout.pipeline(num_stages, data_parallel), programs)
 
 
-def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
+def one_f_one_b(num_stages: int, num_microbatches: int, *, data_parallel: int = 1) -> Schedule:
     """Non-interleaved 1F1B: ``min(M, S - s)`` warm-up forwards, then B/F pairs, then the remaining Bs.
 
     >>> [str(a) for a in one_f_one_b(2, 3).programs[0]]
@@ -48,7 +51,8 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
     """
     _check_sizes(num_stages, num_microbatches)
     programs = tuple(_one_f_one_b_stage(stage, num_stages, num_microbatches) for stage in range(num_stages))
-    return Schedule("1f1b", num_microbatches, StageMap.identity(num_stages), programs)
+    return Schedule(ScheduleKind.ONE_F_ONE_B, num_microbatches, Layout.pipeline(num_stages, data_parallel),
+                    programs)
 
 
 def _one_f_one_b_stage(stage: int, num_stages: int, num_microbatches: int) -> Program:
@@ -75,32 +79,32 @@ def _check_sizes(num_stages: int, num_microbatches: int) -> None:
                          f"got num_stages={num_stages}, num_microbatches={num_microbatches}")
 
 
-GENERATORS: Mapping[str, ScheduleGenerator] = MappingProxyType({
-    "gpipe": gpipe,
-    "1f1b": one_f_one_b,
+GENERATORS: Mapping[ScheduleKind, ScheduleGenerator] = MappingProxyType({
+    ScheduleKind.GPIPE: gpipe,
+    ScheduleKind.ONE_F_ONE_B: one_f_one_b,
 })
-"""Schedule kind (the plan's ``schedule.kind``) → generator. New kinds are new entries here."""
+"""Schedule kind (the plan's ``schedule.kind``) -> generator. A new kind is a new entry here."""
 
 
-def generate(kind: str, num_stages: int, num_microbatches: int, **options: Any) -> Schedule:
+def generate(kind: str | ScheduleKind, num_stages: int, num_microbatches: int, *, data_parallel: int = 1,
+             **options: Any) -> Schedule:
     """Look up the generator for ``kind`` and run it.
 
-    >>> generate("1f1b", 4, 8).stage_map.num_ranks
-    4
+    >>> generate("1f1b", 4, 8, data_parallel=2).layout.world_size
+    8
     """
-    if kind not in GENERATORS:
-        raise ValueError(f"unknown schedule kind {kind!r}; known kinds: {', '.join(sorted(GENERATORS))}")
-    return GENERATORS[kind](num_stages, num_microbatches, **options)
+    return GENERATORS[ScheduleKind.parse(kind)](num_stages, num_microbatches, data_parallel=data_parallel,
+                                                **options)
 
 
-def max_in_flight(programs: Programs, num_stages: int) -> tuple[int, ...]:
+def max_in_flight(schedule: Schedule) -> tuple[int, ...]:
     """Per stage, the most micro-batches between their F and their B at once (running max of F - B).
 
-    >>> max_in_flight(one_f_one_b(3, 8).programs, 3)
+    >>> max_in_flight(one_f_one_b(3, 8))
     (3, 2, 1)
     """
-    held, peak = [0] * num_stages, [0] * num_stages
-    for program in programs:
+    held, peak = [0] * schedule.num_stages, [0] * schedule.num_stages
+    for program in schedule.programs:
         for action in program:
             if action.kind is ActionKind.F:
                 held[action.stage] += 1
@@ -108,13 +112,3 @@ def max_in_flight(programs: Programs, num_stages: int) -> tuple[int, ...]:
             elif action.kind is ActionKind.B:
                 held[action.stage] -= 1
     return tuple(peak)
-
-
-def in_flight(kind: str, num_stages: int, num_microbatches: int, **options: Any) -> tuple[int, ...]:
-    """Per stage, the most micro-batches whose activations it holds at once, read off the program.
-
-    >>> in_flight("gpipe", 4, 6), in_flight("1f1b", 4, 6)
-    ((6, 6, 6, 6), (4, 3, 2, 1))
-    """
-    schedule = generate(kind, num_stages, num_microbatches, **options)
-    return max_in_flight(schedule.programs, schedule.num_stages)

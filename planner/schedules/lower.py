@@ -4,7 +4,9 @@ Ordering rule (why lowered programs cannot deadlock or mismatch):
 
 * Messages between two ranks travel on one FIFO channel per direction (as NCCL and gloo match
   point-to-point operations between a pair of ranks by posting order, not by tag), and sends
-  are asynchronous (``isend``): a rank only ever blocks on a receive.
+  are asynchronous (``isend``): a rank only ever blocks on a receive. Lowering works on slots
+  (one program each); every rank of a slot runs its program, and the channels between the ranks
+  of two slots carry the same sequence as the slots' channel, so the rule holds for every rank.
 * Receives go immediately before the compute that consumes them: ``RECV_F`` before the F that
   needs the activation, ``RECV_B`` before the B that needs the gradient, several of them in
   ascending peer stage.
@@ -12,7 +14,7 @@ Ordering rule (why lowered programs cannot deadlock or mismatch):
   on that channel: a send is emitted right after its F or B once every message the receiver
   takes earlier on the same channel has been emitted. With one stage per rank (GPipe, 1F1B)
   this is "immediately after the compute, by (micro-batch, peer stage)"; with several stages
-  per rank and skip connections it may hold a send back until an earlier-consumed message is
+  per slot and skip connections it may hold a send back until an earlier-consumed message is
   ready — which never delays the receiver, who has to wait for that earlier message anyway.
 * Hence each channel's send order equals its receive order, and a receive waits only on
   computes the compute schedule already orders before it: if the compute schedule is free of
@@ -24,50 +26,51 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
-from planner.schedules.actions import Action, ActionKind, Program, Programs, StageMap, matching_send
+from planner.plan.layout import Layout
+from planner.schedules.actions import Action, ActionKind, Program, Programs, matching_send
 
 Edge = tuple[int, int]
-Channel = tuple[int, int]  # (src rank, dst rank)
+Channel = tuple[int, int]  # (src slot, dst slot)
 
 _COMPUTE_KINDS = (ActionKind.F, ActionKind.B, ActionKind.RECOMPUTE, ActionKind.SWAP_OUT, ActionKind.SWAP_IN)
 
 
-def lower(compute_programs: Programs, stage_map: StageMap, edges: Iterable[Edge], *,
-          data_parallel: bool) -> Programs:
-    """Add communication to compute-only programs; ``edges`` are (src_stage, dst_stage) tensor crossings.
+def lower(compute_programs: Programs, layout: Layout, edges: Iterable[Edge]) -> Programs:
+    """Add communication to compute-only slot programs; ``edges`` are (src_stage, dst_stage) crossings.
+
+    A stage whose part has several copies (data-parallel replicas, tiles, mirror copies) gets an
+    ``ALLREDUCE`` before its ``OPTIMIZER_STEP``. Returns one program per slot.
 
     >>> from planner.schedules.generate import gpipe
     >>> schedule = gpipe(2, 1)
-    >>> [[str(a) for a in p] for p in lower(schedule.programs, schedule.stage_map, {(0, 1)},
-    ...                                      data_parallel=False)]
+    >>> [[str(a) for a in p] for p in lower(schedule.programs, schedule.layout, {(0, 1)})]
     [['0F0', '0SEND_F0>1', '0RECV_B0<1', '0B0', '0OPTIMIZER_STEP'], ['1RECV_F0<0', '1F0', '1B0', '1SEND_B0>0', '1OPTIMIZER_STEP']]
     """
-    _check_inputs(compute_programs, stage_map)
-    cross_edges = _cross_rank_edges(edges, stage_map)
+    _check_inputs(compute_programs, layout)
+    cross_edges = _cross_slot_edges(edges, layout)
     with_receives = tuple(_insert_receives(program, cross_edges) for program in compute_programs)
-    consumption = _consumption_order(with_receives, stage_map)
-    return tuple(_insert_sends(rank, program, stage_map, cross_edges, consumption)
-                 + _epilogue(compute_programs[rank], stage_map.stages_on(rank), data_parallel)
-                 for rank, program in enumerate(with_receives))
+    consumption = _consumption_order(with_receives, layout)
+    return tuple(_insert_sends(slot, program, layout, cross_edges, consumption)
+                 + _epilogue(compute_programs[slot], layout, slot)
+                 for slot, program in enumerate(with_receives))
 
 
-def _check_inputs(compute_programs: Programs, stage_map: StageMap) -> None:
-    if len(compute_programs) != stage_map.num_ranks:
-        raise ValueError(f"got {len(compute_programs)} programs but the stage map "
-                         f"{stage_map.rank_of_stage} has {stage_map.num_ranks} ranks")
-    for rank, program in enumerate(compute_programs):
+def _check_inputs(compute_programs: Programs, layout: Layout) -> None:
+    if len(compute_programs) != layout.num_slots:
+        raise ValueError(f"got {len(compute_programs)} programs but the layout has {layout.num_slots} slots")
+    for slot, program in enumerate(compute_programs):
         for action in program:
             if action.kind not in _COMPUTE_KINDS:
-                raise ValueError(f"lower() takes compute-only programs; rank {rank} already has {action}")
+                raise ValueError(f"lower() takes compute-only programs; slot {slot} already has {action}")
 
 
-def _cross_rank_edges(edges: Iterable[Edge], stage_map: StageMap) -> frozenset[Edge]:
+def _cross_slot_edges(edges: Iterable[Edge], layout: Layout) -> frozenset[Edge]:
     checked = set()
     for src, dst in edges:
-        if not (0 <= src < dst < stage_map.num_stages):
-            raise ValueError(f"edge ({src}, {dst}) must satisfy 0 <= src < dst < {stage_map.num_stages} "
+        if not (0 <= src < dst < layout.num_stages):
+            raise ValueError(f"edge ({src}, {dst}) must satisfy 0 <= src < dst < {layout.num_stages} "
                              f"(stages are numbered in topological order)")
-        if not stage_map.same_rank(src, dst):
+        if layout.slot(src) != layout.slot(dst):
             checked.add((src, dst))
     return frozenset(checked)
 
@@ -96,20 +99,20 @@ def _insert_receives(program: Program, cross_edges: frozenset[Edge]) -> Program:
     return tuple(step for action in program for step in (*_receives_before(action, cross_edges), action))
 
 
-def _consumption_order(programs: Programs, stage_map: StageMap) -> dict[Channel, tuple[Action, ...]]:
-    """Per channel, the sends in the order the receiving rank takes them."""
+def _consumption_order(programs: Programs, layout: Layout) -> dict[Channel, tuple[Action, ...]]:
+    """Per channel, the sends in the order the receiving slot takes them."""
     order: dict[Channel, list[Action]] = {}
-    for rank, program in enumerate(programs):
+    for slot, program in enumerate(programs):
         for action in program:
             if action.kind.is_recv:
                 send = matching_send(action)
-                order.setdefault((stage_map.rank(send.stage), rank), []).append(send)
+                order.setdefault((layout.slot(send.stage), slot), []).append(send)
     return {channel: tuple(sends) for channel, sends in order.items()}
 
 
-def _insert_sends(rank: int, program: Program, stage_map: StageMap, cross_edges: frozenset[Edge],
+def _insert_sends(slot: int, program: Program, layout: Layout, cross_edges: frozenset[Edge],
                   consumption: dict[Channel, tuple[Action, ...]]) -> Program:
-    waiting = {channel: deque(sends) for channel, sends in sorted(consumption.items()) if channel[0] == rank}
+    waiting = {channel: deque(sends) for channel, sends in sorted(consumption.items()) if channel[0] == slot}
     produced: list[Action] = []
     lowered: list[Action] = []
     for action in program:
@@ -123,9 +126,14 @@ def _insert_sends(rank: int, program: Program, stage_map: StageMap, cross_edges:
     return tuple(lowered) + tuple(produced)
 
 
-def _epilogue(compute_program: Program, stages: tuple[int, ...], data_parallel: bool) -> Program:
-    """Per stage on this rank, in the order its last compute finishes: [ALLREDUCE], OPTIMIZER_STEP."""
+def _epilogue(compute_program: Program, layout: Layout, slot: int) -> Program:
+    """Per stage of this slot, in the order its last compute finishes: [ALLREDUCE], OPTIMIZER_STEP."""
     last_step = {action.stage: step for step, action in enumerate(compute_program)}
-    ordered = sorted(stages, key=lambda stage: (last_step.get(stage, len(compute_program)), stage))
-    kinds = (ActionKind.ALLREDUCE, ActionKind.OPTIMIZER_STEP) if data_parallel else (ActionKind.OPTIMIZER_STEP,)
-    return tuple(Action(stage, kind) for stage in ordered for kind in kinds)
+    ordered = sorted(layout.stages_on_slot(slot), key=lambda stage: (last_step.get(stage, len(compute_program)),
+                                                                     stage))
+    return tuple(Action(stage, kind) for stage in ordered for kind in _per_step_kinds(layout, stage))
+
+
+def _per_step_kinds(layout: Layout, stage: int) -> tuple[ActionKind, ...]:
+    copies = len(layout.part_ranks(layout.part(stage)))
+    return (ActionKind.ALLREDUCE, ActionKind.OPTIMIZER_STEP) if copies > 1 else (ActionKind.OPTIMIZER_STEP,)

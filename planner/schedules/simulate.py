@@ -1,13 +1,16 @@
 """Simulator: replays lowered programs on per-stage costs to predict step time, bubble and memory.
 
-Model: each rank runs its actions in order on one compute resource. F, B, OPTIMIZER_STEP take
+Model: programs are per rank of the whole job (the layout says which stages each rank runs and
+between which ranks a message travels). Each rank runs its actions in order on one compute resource. F, B, OPTIMIZER_STEP take
 their stage's time and count as busy; ALLREDUCE takes ``allreduce_ms`` (all replicas reduce at
 once, so it is a local duration) and blocks the rank, but is communication, not busy time. A
 SEND returns at once and starts a transfer on the directed link src rank → dst rank; transfers
 on one link run one after another (FIFO). A RECV blocks until its transfer has arrived.
-SWAP_OUT, SWAP_IN and RECOMPUTE take no time until offload costs exist. Memory per rank is the
-static bytes of its stages plus ``activation_bytes`` for each micro-batch from the start of its F
-to the end of its B. A receive is paired with its send by what it carries (kind, micro-batch,
+A message between stages of different slots travels from every rank of the sender to every rank
+of the receiver (spatial tiles join and split), each at the edge's cost, and the receive waits
+for all of them. SWAP_OUT, SWAP_IN and RECOMPUTE take no time until offload costs exist. Memory
+per rank is the static bytes of its stages plus ``activation_bytes`` for each micro-batch from the
+start of its F to the end of its B. A receive is paired with its send by what it carries (kind, micro-batch,
 stages); that the order on each channel matches is :func:`validate`'s job, so simulate
 validated programs.
 """
@@ -17,7 +20,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from planner.schedules.actions import Action, ActionKind, Programs, StageMap, matching_send
+from planner.plan.layout import Layout
+from planner.schedules.actions import Action, ActionKind, Programs, matching_send
 from planner.schedules.replay import replay, stuck_ranks
 from planner.schedules.validate import ScheduleError
 
@@ -73,23 +77,23 @@ class SimResult:
         return len(self.busy_ms)
 
 
-def simulate(programs: Programs, stage_map: StageMap, costs: SimCosts) -> SimResult:
-    """Replay lowered programs on costs.
+def simulate(programs: Programs, layout: Layout, costs: SimCosts) -> SimResult:
+    """Replay lowered programs (one per rank) on costs.
 
     >>> from planner.schedules.generate import gpipe
     >>> from planner.schedules.lower import lower
     >>> s = gpipe(2, 2)
-    >>> programs = lower(s.programs, s.stage_map, {(0, 1)}, data_parallel=False)
+    >>> programs = s.layout.rank_programs(lower(s.programs, s.layout, {(0, 1)}))
     >>> stage = StageCosts(fwd_ms=1.0, bwd_ms=2.0, activation_bytes=10, static_bytes=100)
-    >>> result = simulate(programs, s.stage_map, SimCosts((stage, stage), {}))
+    >>> result = simulate(programs, s.layout, SimCosts((stage, stage), {}))
     >>> result.step_ms, round(result.bubble_fraction, 3), result.peak_mem_bytes
     (9.0, 0.333, (120, 120))
     """
-    if len(costs.stages) != stage_map.num_stages:
-        raise ValueError(f"costs give {len(costs.stages)} stages but the stage map has {stage_map.num_stages}")
-    if len(programs) != stage_map.num_ranks:
-        raise ValueError(f"got {len(programs)} programs for {stage_map.num_ranks} ranks")
-    state = _Clocks(stage_map, costs)
+    if len(costs.stages) != layout.num_stages:
+        raise ValueError(f"costs give {len(costs.stages)} stages but the layout has {layout.num_stages}")
+    if len(programs) != layout.world_size:
+        raise ValueError(f"got {len(programs)} programs for {layout.world_size} ranks")
+    state = _Clocks(layout, costs)
     positions = replay(programs, state.try_step)
     stuck = stuck_ranks(programs, positions)
     if stuck:
@@ -103,23 +107,23 @@ def simulate(programs: Programs, stage_map: StageMap, costs: SimCosts) -> SimRes
 class _Clocks:
     """Mutable state of one simulation: per-rank clocks, link availability, arrivals, memory."""
 
-    stage_map: StageMap
+    layout: Layout
     costs: SimCosts
     clock_ms: list[float] = field(default_factory=list)
     busy_ms: list[float] = field(default_factory=list)
     memory: list[list[tuple[float, int]]] = field(default_factory=list)
     link_free_ms: dict[tuple[int, int], float] = field(default_factory=dict)
-    arrival_ms: dict[Action, float] = field(default_factory=dict)
+    arrival_ms: dict[tuple[Action, int, int], float] = field(default_factory=dict)  # (send, src, dst rank)
     events: list[SimEvent] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        ranks = range(self.stage_map.num_ranks)
+        ranks = range(self.layout.world_size)
         self.clock_ms = [0.0 for _ in ranks]
         self.busy_ms = [0.0 for _ in ranks]
         self.memory = [[(0.0, self._static_bytes(rank))] for rank in ranks]
 
     def _static_bytes(self, rank: int) -> int:
-        return sum(self.costs.stages[stage].static_bytes for stage in self.stage_map.stages_on(rank))
+        return sum(self.costs.stages[stage].static_bytes for stage in self.layout.stages_of_rank(rank))
 
     def try_step(self, rank: int, step: int, action: Action) -> bool:
         if action.kind.is_recv:
@@ -131,23 +135,25 @@ class _Clocks:
         return True
 
     def _receive(self, rank: int, recv: Action) -> bool:
-        arrival = self.arrival_ms.get(matching_send(recv))
-        if arrival is None:
+        send = matching_send(recv)
+        sources = self.layout.ranks_of(send.stage, self.layout.place(rank).replica)
+        arrivals = [self.arrival_ms.get((send, src, rank)) for src in sources]
+        if any(arrival is None for arrival in arrivals):
             return False
         start = self.clock_ms[rank]
-        self.clock_ms[rank] = max(start, arrival)
+        self.clock_ms[rank] = max(start, *arrivals)
         self._record(rank, recv, start, self.clock_ms[rank], COMM_LANE)
         return True
 
     def _send(self, rank: int, send: Action) -> None:
         assert send.peer is not None
-        link = (rank, self.stage_map.rank(send.peer))
         edge = (send.stage, send.peer) if send.kind is ActionKind.SEND_F else (send.peer, send.stage)
-        start = max(self.clock_ms[rank], self.link_free_ms.get(link, 0.0))
-        end = start + self.costs.transfer_ms.get(edge, 0.0)
-        self.link_free_ms[link] = end
-        self.arrival_ms[send] = end
-        self._record(rank, send, start, end, COMM_LANE)
+        for dst in self.layout.ranks_of(send.peer, self.layout.place(rank).replica):
+            start = max(self.clock_ms[rank], self.link_free_ms.get((rank, dst), 0.0))
+            end = start + self.costs.transfer_ms.get(edge, 0.0)
+            self.link_free_ms[rank, dst] = end
+            self.arrival_ms[send, rank, dst] = end
+            self._record(rank, send, start, end, COMM_LANE)
 
     def _run_locally(self, rank: int, action: Action) -> None:
         start = self.clock_ms[rank]
@@ -176,7 +182,7 @@ class _Clocks:
 
     def result(self) -> SimResult:
         step_ms = max((event.end_ms for event in self.events), default=0.0)
-        capacity = step_ms * self.stage_map.num_ranks
+        capacity = step_ms * self.layout.world_size
         bubble = 1.0 - sum(self.busy_ms) / capacity if capacity > 0 else 0.0
         return SimResult(step_ms=step_ms, bubble_fraction=bubble, busy_ms=tuple(self.busy_ms),
                          peak_mem_bytes=tuple(max(nbytes for _, nbytes in timeline) for timeline in self.memory),

@@ -3,7 +3,10 @@
 Semantics (the same as the runtime's): sends are asynchronous (``isend``) and never block; the
 messages from one rank to another travel on a FIFO channel and are matched with receives by
 order, as NCCL and gloo do; a receive blocks until its channel holds a message, and that message
-must be exactly the one it expects (kind, micro-batch, source and destination stage).
+must be exactly the one it expects (kind, micro-batch, source and destination stage). Programs
+are per rank of the whole job; the layout says which stages each rank runs and which ranks a
+message between two stages travels between (every tile of the sender to every tile of the
+receiver, within one replica).
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from cost_models.errors import TesseraError
-from planner.schedules.actions import Action, ActionKind, Programs, StageMap, matching_recv, matching_send
+from planner.plan.layout import Layout
+from planner.schedules.actions import Action, ActionKind, Programs, matching_recv, matching_send
 from planner.schedules.replay import replay, stuck_ranks
 
 Cell = tuple[int, int]  # (rank, step)
@@ -68,88 +72,94 @@ def _cell(program: tuple[Action, ...], rank: int, step: int, marked: set[Cell]) 
     return f"[{program[step]}]!" if (rank, step) in marked else str(program[step])
 
 
-def validate(programs: Programs, stage_map: StageMap, *, edges: Iterable[tuple[int, int]] | None = None) -> None:
-    """Raise :class:`ScheduleError` unless the programs run to completion.
+def validate(programs: Programs, layout: Layout, *, edges: Iterable[tuple[int, int]] | None = None) -> None:
+    """Raise :class:`ScheduleError` unless the programs (one per rank) run to completion.
 
-    Checks: every action on the rank its stage maps to; one F and one B per (stage, micro-batch);
-    every B after its F; sends after the compute that produced them, receives before the compute
-    that needs them; every send received in order and every receive sent; no deadlock; the
-    all-reduce and optimizer step after all of a stage's backwards. With ``edges`` (as given to
-    ``lower``), also that exactly the communication those edges need is present.
+    Checks: every action on a rank that runs its stage; one F and one B per (stage, micro-batch)
+    on every rank of the stage; every B after its F; sends after the compute that produced them,
+    receives before the compute that needs them; every send received in order and every receive
+    sent; no deadlock; the all-reduce and optimizer step after all of a stage's backwards. With
+    ``edges`` (as given to ``lower``), also that exactly the communication those edges need is present.
 
     >>> from planner.schedules.generate import one_f_one_b
     >>> from planner.schedules.lower import lower
-    >>> s = one_f_one_b(3, 4)
-    >>> validate(lower(s.programs, s.stage_map, {(0, 1), (1, 2)}, data_parallel=True), s.stage_map)
+    >>> s = one_f_one_b(3, 4, data_parallel=2)
+    >>> validate(s.layout.rank_programs(lower(s.programs, s.layout, {(0, 1), (1, 2)})), s.layout)
     """
-    _check_placement(programs, stage_map)
+    _check_placement(programs, layout)
     _check_once_per_stage(programs)
-    num_microbatches = _check_coverage(programs, stage_map)
-    _Replay(programs, stage_map, num_microbatches).run()
+    num_microbatches = _check_coverage(programs, layout)
+    _Replay(programs, layout, num_microbatches).run()
     if edges is not None:
-        _check_edges(programs, stage_map, edges, num_microbatches)
+        _check_edges(programs, layout, edges, num_microbatches)
 
 
-def _check_placement(programs: Programs, stage_map: StageMap) -> None:
-    if len(programs) != stage_map.num_ranks:
-        raise ScheduleError(f"got {len(programs)} programs but the stage map {stage_map.rank_of_stage} "
-                            f"has {stage_map.num_ranks} ranks", programs)
+def _check_placement(programs: Programs, layout: Layout) -> None:
+    if len(programs) != layout.world_size:
+        raise ScheduleError(f"got {len(programs)} programs but the layout has {layout.world_size} ranks",
+                            programs)
     for rank, program in enumerate(programs):
+        mine = layout.stages_of_rank(rank)
         for step, action in enumerate(program):
             stages = (action.stage,) if action.peer is None else (action.stage, action.peer)
-            if any(stage >= stage_map.num_stages for stage in stages):
-                raise ScheduleError(f"{action} names a stage outside 0..{stage_map.num_stages - 1}",
+            if any(stage >= layout.num_stages for stage in stages):
+                raise ScheduleError(f"{action} names a stage outside 0..{layout.num_stages - 1}",
                                     programs, [(rank, step)])
-            if stage_map.rank(action.stage) != rank:
+            if action.stage not in mine:
                 raise ScheduleError(f"{action} is in rank {rank}'s program but stage {action.stage} runs on "
-                                    f"rank {stage_map.rank(action.stage)}", programs, [(rank, step)])
+                                    f"ranks {_ranks_text(layout, action.stage)}", programs, [(rank, step)])
 
 
-def _check_coverage(programs: Programs, stage_map: StageMap) -> int:
-    """Exactly one F and one B per (stage, micro-batch 0..M-1); returns M."""
-    where: dict[tuple[ActionKind, int, int], list[Cell]] = {}
+def _ranks_text(layout: Layout, stage: int) -> str:
+    return ", ".join(str(rank) for replica in range(layout.data_parallel) for rank in layout.ranks_of(stage, replica))
+
+
+def _check_coverage(programs: Programs, layout: Layout) -> int:
+    """Exactly one F and one B per (stage, micro-batch 0..M-1) on every rank of the stage; returns M."""
+    where: dict[tuple[int, ActionKind, int, int], list[Cell]] = {}
     for rank, program in enumerate(programs):
         for step, action in enumerate(program):
             if action.kind in (ActionKind.F, ActionKind.B):
                 assert action.microbatch is not None
-                where.setdefault((action.kind, action.stage, action.microbatch), []).append((rank, step))
-    num_microbatches = 1 + max((microbatch for _, _, microbatch in where), default=-1)
-    for (kind, stage, microbatch), cells in sorted(where.items()):
+                where.setdefault((rank, action.kind, action.stage, action.microbatch), []).append((rank, step))
+    num_microbatches = 1 + max((microbatch for *_, microbatch in where), default=-1)
+    for (rank, kind, stage, microbatch), cells in sorted(where.items()):
         if len(cells) > 1:
             raise ScheduleError(f"duplicated {kind.value}: stage {stage} micro-batch {microbatch} appears "
-                                f"{len(cells)} times", programs, cells)
-    for stage in range(stage_map.num_stages):
-        for microbatch in range(num_microbatches):
-            for kind in (ActionKind.F, ActionKind.B):
-                if (kind, stage, microbatch) not in where:
-                    raise ScheduleError(f"missing {kind.value}: stage {stage} has no {kind.value} for "
-                                        f"micro-batch {microbatch} (micro-batches 0..{num_microbatches - 1} "
-                                        f"are scheduled elsewhere)", programs)
+                                f"{len(cells)} times on rank {rank}", programs, cells)
+    for rank in range(len(programs)):
+        for stage in layout.stages_of_rank(rank):
+            for microbatch in range(num_microbatches):
+                for kind in (ActionKind.F, ActionKind.B):
+                    if (rank, kind, stage, microbatch) not in where:
+                        raise ScheduleError(f"missing {kind.value}: rank {rank} runs stage {stage} but has no "
+                                            f"{kind.value} for micro-batch {microbatch} (micro-batches "
+                                            f"0..{num_microbatches - 1} are scheduled elsewhere)", programs)
     return num_microbatches
 
 
 def _check_once_per_stage(programs: Programs) -> None:
-    """ALLREDUCE and OPTIMIZER_STEP run at most once per stage and step."""
-    where: dict[tuple[ActionKind, int], list[Cell]] = {}
+    """ALLREDUCE and OPTIMIZER_STEP run at most once per stage and step on each rank."""
+    where: dict[tuple[int, ActionKind, int], list[Cell]] = {}
     for rank, program in enumerate(programs):
         for step, action in enumerate(program):
             if action.kind.is_per_stage:
-                where.setdefault((action.kind, action.stage), []).append((rank, step))
-    for (kind, stage), cells in sorted(where.items()):
+                where.setdefault((rank, action.kind, action.stage), []).append((rank, step))
+    for (rank, kind, stage), cells in sorted(where.items()):
         if len(cells) > 1:
-            raise ScheduleError(f"duplicated {kind.value}: stage {stage} runs it {len(cells)} times",
+            raise ScheduleError(f"duplicated {kind.value}: stage {stage} runs it {len(cells)} times on rank {rank}",
                                 programs, cells)
 
 
 @dataclass
 class _Replay:
-    """State of one validation replay: what has run, and the messages in flight per channel."""
+    """State of one validation replay: what has run on each rank, and the messages in flight per channel."""
 
     programs: Programs
-    stage_map: StageMap
+    layout: Layout
     num_microbatches: int
-    done: set[tuple[ActionKind, int, int]] = field(default_factory=set)
-    backwards_done: Counter[int] = field(default_factory=Counter)
+    done: set[tuple[int, ActionKind, int, int]] = field(default_factory=set)  # (rank, kind, stage, micro-batch)
+    backwards_done: Counter[tuple[int, int]] = field(default_factory=Counter)  # (rank, stage)
     channels: dict[tuple[int, int], deque[tuple[Action, Cell]]] = field(default_factory=dict)
 
     def run(self) -> None:
@@ -157,11 +167,11 @@ class _Replay:
         stuck = stuck_ranks(self.programs, positions)
         if stuck:
             self._explain_deadlock(stuck, positions)
-        for queue in self.channels.values():
+        for (src, dst), queue in self.channels.items():
             if queue:
                 send, cell = queue[0]
-                raise ScheduleError(f"send without matching receive: {send} is never received by "
-                                    f"stage {send.peer}", self.programs, [cell])
+                raise ScheduleError(f"send without matching receive: {send} on rank {src} is never received "
+                                    f"by stage {send.peer} on rank {dst}", self.programs, [cell])
 
     def _fail(self, reason: str, *cells: Cell) -> None:
         raise ScheduleError(reason, self.programs, cells)
@@ -170,73 +180,83 @@ class _Replay:
         kind, stage, microbatch = action.kind, action.stage, action.microbatch
         if kind.is_recv:
             return self._receive(rank, step, action)
-        if kind is ActionKind.B and (ActionKind.F, stage, microbatch) not in self.done:
+        if kind is ActionKind.B and (rank, ActionKind.F, stage, microbatch) not in self.done:
             self._fail(f"B before its F: {action} runs before {stage}F{microbatch}", (rank, step))
         if kind.is_send:
             self._send(rank, step, action)
-        if kind.is_per_stage and self.backwards_done[stage] < self.num_microbatches:
+        if kind.is_per_stage and self.backwards_done[rank, stage] < self.num_microbatches:
             self._fail(f"{action} runs before all {self.num_microbatches} backwards of stage {stage} "
-                       f"(only {self.backwards_done[stage]} done)", (rank, step))
+                       f"(only {self.backwards_done[rank, stage]} done)", (rank, step))
         if kind in (ActionKind.F, ActionKind.B):
             assert microbatch is not None
-            self.done.add((kind, stage, microbatch))
-            self.backwards_done[stage] += kind is ActionKind.B
+            self.done.add((rank, kind, stage, microbatch))
+            self.backwards_done[rank, stage] += kind is ActionKind.B
         return True
 
     def _send(self, rank: int, step: int, send: Action) -> None:
         produced_by = ActionKind.F if send.kind is ActionKind.SEND_F else ActionKind.B
-        if (produced_by, send.stage, send.microbatch) not in self.done:
+        if (rank, produced_by, send.stage, send.microbatch) not in self.done:
             self._fail(f"{send} runs before the {produced_by.value} that produces it "
                        f"({send.stage}{produced_by.value}{send.microbatch})", (rank, step))
         assert send.peer is not None
-        channel = (rank, self.stage_map.rank(send.peer))
-        self.channels.setdefault(channel, deque()).append((send, (rank, step)))
+        for dst in self.layout.ranks_of(send.peer, self.layout.place(rank).replica):
+            self.channels.setdefault((rank, dst), deque()).append((send, (rank, step)))
 
     def _receive(self, rank: int, step: int, recv: Action) -> bool:
         consumer = ActionKind.F if recv.kind is ActionKind.RECV_F else ActionKind.B
-        if (consumer, recv.stage, recv.microbatch) in self.done:
+        if (rank, consumer, recv.stage, recv.microbatch) in self.done:
             self._fail(f"{recv} runs after the {consumer.value} that needs it", (rank, step))
         send = matching_send(recv)
-        queue = self.channels.get((self.stage_map.rank(send.stage), rank))
-        if not queue:
+        sources = self.layout.ranks_of(send.stage, self.layout.place(rank).replica)
+        queues = [self.channels.get((src, rank)) for src in sources]
+        if not all(queues):
             return False
-        head, cell = queue[0]
-        if head != send:
-            self._fail(f"out of order: {recv} expects {send} but the next message from rank {cell[0]} "
-                       f"is {head} (meant for {matching_recv(head)}); sends to one rank must follow "
-                       f"the order its receives take them", (rank, step), cell)
-        queue.popleft()
+        for queue in queues:
+            assert queue is not None
+            head, cell = queue[0]
+            if head != send:
+                self._fail(f"out of order: {recv} expects {send} but the next message from rank {cell[0]} "
+                           f"is {head} (meant for {matching_recv(head)}); sends to one rank must follow "
+                           f"the order its receives take them", (rank, step), cell)
+        for queue in queues:
+            assert queue is not None
+            queue.popleft()
         return True
 
     def _explain_deadlock(self, stuck: tuple[int, ...], positions: tuple[int, ...]) -> None:
         cells = [(rank, positions[rank]) for rank in stuck]
         for rank, step in cells:
             send = matching_send(self.programs[rank][step])
-            src_rank = self.stage_map.rank(send.stage)
-            if send not in self.programs[src_rank][positions[src_rank]:]:
-                self._fail(f"receive without matching send: {self.programs[rank][step]} waits for {send}, "
-                           f"which rank {src_rank} never sends", (rank, step))
+            for src in self.layout.ranks_of(send.stage, self.layout.place(rank).replica):
+                if send not in self.programs[src][positions[src]:] and not self.channels.get((src, rank)):
+                    self._fail(f"receive without matching send: {self.programs[rank][step]} on rank {rank} waits "
+                               f"for {send}, which rank {src} never sends", (rank, step))
         waits = ", ".join(f"rank {rank} at {self.programs[rank][step]}" for rank, step in cells)
         self._fail(f"deadlock: every unfinished rank waits on a receive ({waits})", *cells)
 
 
-def _check_edges(programs: Programs, stage_map: StageMap, edges: Iterable[tuple[int, int]],
+def _check_edges(programs: Programs, layout: Layout, edges: Iterable[tuple[int, int]],
                  num_microbatches: int) -> None:
-    expected: Counter[Action] = Counter()
+    """Every rank of an edge's sender and receiver has exactly the sends and receives the edge needs."""
+    expected: Counter[tuple[int, Action]] = Counter()
     for src, dst in edges:
-        if stage_map.same_rank(src, dst):
+        if layout.slot(src) == layout.slot(dst):
             continue
         for microbatch in range(num_microbatches):
             forward = Action(src, ActionKind.SEND_F, microbatch, peer=dst)
             backward = Action(dst, ActionKind.SEND_B, microbatch, peer=src)
-            expected.update((forward, matching_recv(forward), backward, matching_recv(backward)))
-    present = Counter(action for program in programs for action in program if action.kind.is_communication)
+            for action in (forward, matching_recv(forward), backward, matching_recv(backward)):
+                for replica in range(layout.data_parallel):
+                    expected.update((rank, action) for rank in layout.ranks_of(action.stage, replica))
+    present = Counter((rank, action) for rank, program in enumerate(programs) for action in program
+                      if action.kind.is_communication)
     for rank, program in enumerate(programs):
         for step, action in enumerate(program):
-            if action.kind.is_communication and present[action] > expected[action]:
+            if action.kind.is_communication and present[rank, action] > expected[rank, action]:
                 raise ScheduleError(f"{action} is not needed by the edges given (or appears twice)",
                                     programs, [(rank, step)])
-    missing = sorted(str(action) for action in expected if present[action] < expected[action])
+    missing = sorted(f"{action} on rank {rank}" for (rank, action) in expected
+                     if present[rank, action] < expected[rank, action])
     if missing:
         raise ScheduleError(f"communication missing for the edges given: {', '.join(missing[:8])}"
                             f"{' ...' if len(missing) > 8 else ''}", programs)

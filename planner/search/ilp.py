@@ -1,11 +1,12 @@
-"""The partition ILP in pulp: variables, one function per constraint family, solving, status.
+"""The partition ILP in pulp, generated from the cost terms: variables, row families, solving, status.
 
-done[i, s] = 1 when unit i runs on stage s or an earlier one. Stages are contiguous in
+done[i, s] = 1 when unit i runs on part s or an earlier one. Parts are contiguous in
 topological order because done never increases along the units (and never decreases along
-the stages); unit i runs on stage s when x[i, s] = done[i, s] - done[i, s-1] = 1, and
-cut[p, s] = done[p, s] - done[p + 1, s] is 1 exactly when stage s ends after unit p. The objective is
-the step time of planner.search.objective, linearised with bottleneck variables. This is the only module
-that imports pulp.
+the parts); unit i runs on part s when x[i, s] = done[i, s] - done[i, s-1] = 1, and
+end[p, s] = done[p, s] - done[p + 1, s] is 1 exactly when part s ends after unit p. Every term of
+planner/search/terms.py becomes a linear expression over these; a maximum (the bottleneck, the
+slowest all-reduce, a part's largest transient) becomes a variable above each of its members.
+This module writes no cost formula and is the only one that imports pulp.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 import pulp
 
 from planner.search.problem import PipelineProblem
+from planner.search.terms import Aggregate, CostModel, Reduce, Term, fixed_sum
 
 
 class SolveStatus(str, Enum):
@@ -61,8 +63,8 @@ def default_solver(time_limit_s: float | None = None, cutoff_ms: float | None = 
 
 def solve_partition(problem: PipelineProblem, solver: Any | None = None,
                     time_limit_s: float | None = None, cutoff_ms: float | None = None) -> IlpResult:
-    """Build the ILP for ``problem`` and solve it with ``solver`` (default: HiGHS or CBC)."""
-    model = build_model(problem)
+    """Build the ILP for ``problem``'s cost terms and solve it with ``solver`` (default: HiGHS or CBC)."""
+    model = build_model(problem.costs)
     solver = solver or default_solver(time_limit_s, cutoff_ms)
     start = time.perf_counter()
     model.problem.solve(solver)
@@ -70,127 +72,146 @@ def solve_partition(problem: PipelineProblem, solver: Any | None = None,
     status = _status(model.problem)
     if status in (SolveStatus.INFEASIBLE, SolveStatus.NO_SOLUTION):
         return IlpResult(status, None, None, solver.name, wall_s, float("nan"), "")
-    cuts = _cuts(problem, model)
+    cuts = _cuts(problem.costs, model)
     objective = pulp.value(model.problem.objective)
     return IlpResult(status, cuts, float(objective), solver.name, wall_s,
-                     _gap(model.problem), _binding(model, problem))
+                     _gap(model.problem), _binding(model))
 
 
-def build_model(problem: PipelineProblem) -> _Model:
-    num_units, num_stages = len(problem.units), problem.num_stages
+def build_model(costs: CostModel) -> _Model:
+    """The ILP of a cost model: variables, contiguity, then one row family per aggregate and memory row."""
+    num_units, num_parts = costs.num_units, costs.num_parts
     lp = pulp.LpProblem("pipeline_partition", pulp.LpMinimize)
-    done = _prefix_variables(lp, num_units, num_stages)
-    x = {(i, s): done[i, s] - done[i, s - 1] for i in range(num_units) for s in range(num_stages)}
-    cut = {(p, s): done[p, s] - done[p + 1, s]
-           for p in range(num_units - 1) for s in range(num_stages - 1)}
-    _contiguity(lp, done, num_units, num_stages)
-    _nonempty(lp, x, num_units, num_stages)
-    compute = {s: pulp.lpSum(x[i, s] * (u.fwd_ms + u.bwd_ms) for i, u in enumerate(problem.units))
-               for s in range(num_stages)}
-    sends = {s: pulp.lpSum(cut[p, s] * problem.links[s].ms(problem.boundary_bytes[p])
-                           for p in range(num_units - 1)) for s in range(num_stages - 1)}
-    bottleneck = _bottleneck(lp, compute, sends, problem.round_trip)
-    shared_on = _shared_on_stage(lp, problem, x)
-    allreduce = _allreduce(lp, problem, x, shared_on)
-    memory = _memory(lp, problem, x, cut, shared_on)
-    total_compute = sum(u.fwd_ms + u.bwd_ms for u in problem.units)
-    lp += (total_compute + 2 * pulp.lpSum(sends.values())
-           + (problem.num_microbatches - 1) * bottleneck + allreduce), "step_ms"
+    done = _prefix_variables(lp, num_units, num_parts)
+    _contiguity(lp, done, num_units, num_parts)
+    variables = _Variables(lp, costs, done)
+    _nonempty(lp, variables.x, num_units, num_parts)
+    objective = pulp.lpSum(_aggregate(lp, variables, aggregate) for aggregate in costs.objective)
+    memory = _memory(lp, variables, costs)
+    lp += objective, "step_ms"
     return _Model(lp, done, memory)
 
 
-def _prefix_variables(lp: pulp.LpProblem, num_units: int, num_stages: int) -> dict:
-    """done[i, s] = 1 when unit i runs on stage s or earlier; done[i, -1] = 0, done[i, S-1] = 1.
+class _Variables:
+    """The decision variables and each term's linear expression over them (scaled as asked).
 
-    Branching on "is unit i finished by stage s" splits the search evenly, which proves
+    x[i, s] = done[i, s] - done[i, s-1]: unit i on part s; end[p, s] = done[p, s] - done[p+1, s]:
+    part s ends after unit p; shared[q, s] >= x[i, s] for every unit i using shared parameter q
+    (held once per part using it); a term's maximum over units is a variable above each of its
+    units' values.
+    """
+
+    def __init__(self, lp: pulp.LpProblem, costs: CostModel, done: dict) -> None:
+        self.lp, self.costs = lp, costs
+        units, parts = range(costs.num_units), range(costs.num_parts)
+        self.x = {(i, s): done[i, s] - done[i, s - 1] for i in units for s in parts}
+        self.end = {(p, s): done[p, s] - done[p + 1, s] for p in range(costs.num_units - 1)
+                    for s in range(costs.num_parts - 1)}
+        self._shared: dict | None = None
+        self._maxima: dict[tuple[int, int, float], Any] = {}
+
+    def expression(self, term: Term, part: int, scale: float = 1.0) -> Any:
+        """``scale x term`` on ``part`` as a pulp expression."""
+        pieces = [pulp.lpSum(scale * c * self.x[i, part] for i, c in enumerate(term.per_unit) if c)]
+        if term.ends_after:
+            pieces.append(pulp.lpSum(scale * c * self.end[p, part] for p, c in enumerate(term.ends_after) if c))
+        if term.starts_after:
+            pieces.append(pulp.lpSum(scale * c * self.end[p, part - 1]
+                                     for p, c in enumerate(term.starts_after) if c))
+        if any(term.per_shared):
+            shared = self.shared()
+            pieces.append(pulp.lpSum(scale * c * shared[q, part] for q, c in enumerate(term.per_shared) if c))
+        if term.unit_max:
+            pieces.append(self._maximum(term, part, scale))
+        return scale * term.constant + pulp.lpSum(pieces)
+
+    def shared(self) -> dict:
+        if self._shared is None:
+            units, shared_params = self.costs.problem.units, self.costs.problem.shared
+            self._shared = {(q, s): self.lp.add_variable(f"shared_{q}_{s}", lowBound=0, upBound=1)
+                            for q in range(len(shared_params)) for s in range(self.costs.num_parts)}
+            for i, unit in enumerate(units):
+                for q in unit.shared:
+                    for s in range(self.costs.num_parts):
+                        self.lp += self._shared[q, s] >= self.x[i, s], f"shared_{q}_{s}_by_{i}"
+        return self._shared
+
+    def _maximum(self, term: Term, part: int, scale: float) -> Any:
+        key = (id(term), part, scale)
+        if key not in self._maxima:
+            taken = {existing.name for existing in self._maxima.values()}
+            name = next(candidate for n in range(len(taken) + 1)
+                        if (candidate := f"{term.max_name}_{part}" + (f"_{n}" if n else "")) not in taken)
+            top = self.lp.add_variable(name, lowBound=0)
+            for i, value in enumerate(term.unit_max):
+                if value:
+                    self.lp += top >= scale * value * self.x[i, part], f"{name}_unit_{i}"
+            self._maxima[key] = top
+        return self._maxima[key]
+
+
+def _prefix_variables(lp: pulp.LpProblem, num_units: int, num_parts: int) -> dict:
+    """done[i, s] = 1 when unit i runs on part s or earlier; done[i, -1] = 0, done[i, P-1] = 1.
+
+    Branching on "is unit i finished by part s" splits the search evenly, which proves
     optimality far faster than branching on single assignments x[i, s].
     """
     done: dict[tuple[int, int], Any] = {}
     for i in range(num_units):
         done[i, -1] = 0
-        done[i, num_stages - 1] = 1
-        for s in range(num_stages - 1):
+        done[i, num_parts - 1] = 1
+        for s in range(num_parts - 1):
             done[i, s] = lp.add_variable(f"done_{i}_{s}", cat="Binary")
     return done
 
 
-def _contiguity(lp: pulp.LpProblem, done: dict, num_units: int, num_stages: int) -> None:
-    """Stages are contiguous runs of units in topological order, numbered in that order.
+def _contiguity(lp: pulp.LpProblem, done: dict, num_units: int, num_parts: int) -> None:
+    """Parts are contiguous runs of units in topological order, numbered in that order.
 
-    done[., s] is a prefix of ones; with every stage non-empty the prefixes grow with s, so
+    done[., s] is a prefix of ones; with every part non-empty the prefixes grow with s, so
     done[i, s] <= done[i, s + 1] holds without stating it.
     """
-    for s in range(num_stages - 1):
+    for s in range(num_parts - 1):
         for i in range(num_units - 1):
             lp += done[i, s] >= done[i + 1, s], f"order_{i}_{s}"
-    if num_stages > 1:
-        lp += done[0, 0] == 1, "first_unit_on_first_stage"
-        lp += done[num_units - 1, num_stages - 2] == 0, "last_unit_on_last_stage"
+    if num_parts > 1:
+        lp += done[0, 0] == 1, "first_unit_on_first_part"
+        lp += done[num_units - 1, num_parts - 2] == 0, "last_unit_on_last_part"
 
 
-def _nonempty(lp: pulp.LpProblem, x: dict, num_units: int, num_stages: int) -> None:
-    for s in range(num_stages):
+def _nonempty(lp: pulp.LpProblem, x: dict, num_units: int, num_parts: int) -> None:
+    for s in range(num_parts):
         lp += pulp.lpSum(x[i, s] for i in range(num_units)) >= 1, f"nonempty_{s}"
 
 
-def _bottleneck(lp: pulp.LpProblem, compute: dict, sends: dict, round_trip: bool) -> pulp.LpVariable:
-    """The slowest resource per micro-batch: a stage's compute, a link, or (1F1B) a round trip."""
-    slowest = lp.add_variable("bottleneck_ms", lowBound=0)
-    for s, expression in compute.items():
-        lp += slowest >= expression, f"bottleneck_compute_{s}"
-    for s, expression in sends.items():
-        lp += slowest >= expression, f"bottleneck_link_{s}"
-        if round_trip:
-            lp += slowest >= compute[s + 1] + 2 * expression, f"bottleneck_round_trip_{s}"
-    return slowest
+def _aggregate(lp: pulp.LpProblem, variables: _Variables, aggregate: Aggregate) -> Any:
+    """weight x (sum of the members, or a variable above every member)."""
+    if not aggregate.members:
+        return 0
+    fixed = fixed_sum(aggregate, variables.costs.num_parts)
+    if fixed is not None:
+        return aggregate.weight * fixed
+    if aggregate.reduce is Reduce.SUM:
+        return aggregate.weight * pulp.lpSum(variables.expression(term, part) for part, term in aggregate.members)
+    expressions = [variables.expression(term, part) for part, term in aggregate.members]
+    top = lp.add_variable(f"{aggregate.name}_ms", lowBound=0)
+    for index, ((part, _), expression) in enumerate(zip(aggregate.members, expressions)):
+        lp += top >= expression, f"{aggregate.name}_{index}_part_{part}"
+    return aggregate.weight * top
 
 
-def _allreduce(lp: pulp.LpProblem, problem: PipelineProblem, x: dict, shared_on: dict) -> pulp.LpVariable:
-    """The longest data-parallel gradient all-reduce of any stage."""
-    longest = lp.add_variable("allreduce_ms", lowBound=0)
-    for s in range(problem.num_stages):
-        grads = (pulp.lpSum(x[i, s] * u.grad_bytes for i, u in enumerate(problem.units))
-                 + pulp.lpSum(shared_on[q, s] * p.grad_bytes for q, p in enumerate(problem.shared)))
-        lp += longest >= problem.allreduce.fixed_ms + problem.allreduce.ms_per_byte * grads, f"allreduce_{s}"
-    return longest
-
-
-def _shared_on_stage(lp: pulp.LpProblem, problem: PipelineProblem, x: dict) -> dict:
-    """w[q, s] >= x[i, s] for every unit i using shared parameter q: held once per stage."""
-    shared_on = {(q, s): lp.add_variable(f"shared_{q}_{s}", lowBound=0, upBound=1)
-                 for q in range(len(problem.shared)) for s in range(problem.num_stages)}
-    for i, unit in enumerate(problem.units):
-        for q in unit.shared:
-            for s in range(problem.num_stages):
-                lp += shared_on[q, s] >= x[i, s], f"shared_{q}_{s}_by_{i}"
-    return shared_on
-
-
-def _memory(lp: pulp.LpProblem, problem: PipelineProblem, x: dict, cut: dict, shared_on: dict) -> dict:
-    """Static state + transient + send buffer + in-flight x (activations + received) <= budget.
+def _memory(lp: pulp.LpProblem, variables: _Variables, costs: CostModel) -> dict[int, pulp.LpConstraint]:
+    """Each slot's memory row <= budget.
 
     Rows are written in units of the budget (coefficients of order 1), not bytes (order 1e10),
     which would leave the solver's tolerances larger than real differences between plans.
     """
-    scale = 1.0 / problem.mem_bytes
+    scale = 1.0 / costs.problem.mem_bytes
     constraints = {}
-    boundary = range(len(problem.units) - 1)
-    for s in range(problem.num_stages):
-        transient = lp.add_variable(f"transient_{s}", lowBound=0)
-        for i, unit in enumerate(problem.units):
-            if unit.transient_bytes:
-                lp += transient >= unit.transient_bytes * scale * x[i, s], f"transient_{s}_{i}"
-        sent = (pulp.lpSum(cut[p, s] * problem.boundary_bytes[p] * scale for p in boundary)
-                if s < problem.num_stages - 1 else 0)
-        received = (pulp.lpSum(cut[p, s - 1] * problem.boundary_bytes[p] * scale for p in boundary)
-                    if s > 0 else 0)
-        static = (pulp.lpSum(x[i, s] * u.state_bytes * scale for i, u in enumerate(problem.units))
-                  + pulp.lpSum(shared_on[q, s] * p.state_bytes * scale for q, p in enumerate(problem.shared))
-                  + transient + sent)
-        activation = pulp.lpSum(x[i, s] * u.activation_bytes * scale
-                                for i, u in enumerate(problem.units)) + received
-        lp += static + problem.in_flight[s] * activation <= 1.0, f"memory_stage_{s}"
-        constraints[s] = lp.get_constraint_by_name(f"memory_stage_{s}")
+    for row in costs.memory:
+        name = f"memory_slot_{row.slot}"
+        lp += pulp.lpSum(variables.expression(term, part, scale) for part, term in row.members) <= 1.0, name
+        constraints[row.slot] = lp.get_constraint_by_name(name)
     return constraints
 
 
@@ -204,11 +225,10 @@ def _status(lp: pulp.LpProblem) -> SolveStatus:
     return SolveStatus.NO_SOLUTION
 
 
-def _cuts(problem: PipelineProblem, model: _Model) -> tuple[int, ...]:
-    """Unit indices where a stage ends: the last unit with done[., s] = 1, for every s < S-1."""
-    num_units = len(problem.units)
-    return tuple(max(i for i in range(num_units) if _is_one(model.done[i, s]))
-                 for s in range(problem.num_stages - 1))
+def _cuts(costs: CostModel, model: _Model) -> tuple[int, ...]:
+    """Unit indices where a part ends: the last unit with done[., s] = 1, for every s < P-1."""
+    return tuple(max(i for i in range(costs.num_units) if _is_one(model.done[i, s]))
+                 for s in range(costs.num_parts - 1))
 
 
 def _is_one(value: Any) -> bool:
@@ -219,7 +239,7 @@ def _gap(lp: pulp.LpProblem) -> float:
     return 0.0 if lp.sol_status == pulp.LpSolutionOptimal else float("nan")
 
 
-def _binding(model: _Model, problem: PipelineProblem) -> str:
-    used = {s: 1.0 + (constraint.value() or 0.0) for s, constraint in model.memory.items()}
-    stage = max(used, key=lambda s: used[s])
-    return f"memory_stage_{stage} ({used[stage]:.0%} of the budget)"
+def _binding(model: _Model) -> str:
+    used = {slot: 1.0 + (constraint.value() or 0.0) for slot, constraint in model.memory.items()}
+    slot = max(used, key=lambda s: used[s])
+    return f"memory of slot {slot} ({used[slot]:.0%} of the budget)"

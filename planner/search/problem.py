@@ -1,21 +1,32 @@
-"""The pure pipeline partition problem: a costed graph coarsened into units and one configuration.
+"""The partition problem: a costed graph coarsened into units, and one configuration's numbers.
 
-A *unit* is a run of consecutive nodes (topological order) that always share a stage; cuts fall
-only between units, at points where few bytes cross. Every number the ILP, the exact DP and the
-evaluator use comes from here, per micro-batch, so all three optimise the same costs.
+A *unit* is a run of consecutive nodes (topological order) that always share a part; cuts fall
+only between units, at points where few bytes cross. Every number the cost terms
+(planner/search/terms.py) are made of comes from here, per micro-batch.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from cost_models.comm import (allreduce_link, p2p_coefficients, p2p_link,
-                              ring_allreduce_coefficients)
-from cost_models.devices import DeviceSpec, LinkSpec
+from cost_models.comm import (
+    allreduce_link,
+    p2p_coefficients,
+    p2p_link,
+    ring_allreduce_coefficients,
+    same_node,
+)
+from cost_models.devices import DeviceSpec
 from cost_models.estimation import CostTable
-from cost_models.memory import Precision, model_state_bytes
 from cost_models.graph.ir import LayerGraph, NodeKind
+from cost_models.memory import Optimizer, Precision, model_state_bytes
+from planner.plan.kinds import ScheduleKind
+from planner.plan.layout import Layout
+
+if TYPE_CHECKING:
+    from planner.search.terms import CostModel
 
 
 @dataclass(frozen=True)
@@ -54,49 +65,37 @@ class LinearCost:
 
 @dataclass(frozen=True)
 class PipelineProblem:
-    """One outer configuration: partition ``units`` into ``num_stages`` contiguous stages."""
+    """One outer configuration: partition ``units`` into the layout's parts, contiguously.
+
+    The costs of a partition are planner/search/terms.py's terms over these numbers.
+    """
 
     units: tuple[Unit, ...]
     boundary_bytes: tuple[int, ...]  # bytes crossing a cut after unit p (len(units) - 1 entries)
     shared: tuple[SharedParam, ...]
-    num_stages: int
+    layout: Layout  # which stages compute which part, on which slot
+    schedule: ScheduleKind
     num_microbatches: int
-    in_flight: tuple[int, ...]  # micro-batches whose activations each stage holds at once
-    links: tuple[LinearCost, ...]  # p2p time across the boundary after stage s
-    allreduce: LinearCost  # gradient all-reduce time per gradient byte of a stage
+    in_flight: tuple[int, ...]  # per stage: micro-batches whose activations it holds at once
+    links: tuple[LinearCost, ...]  # per part but the last: p2p time across the cut after it
+    allreduce: tuple[LinearCost, ...]  # per part: its gradient all-reduce, per gradient byte
     mem_bytes: int
-    round_trip: bool = False  # 1F1B: a stage's next forward waits on its successor's backward
 
     def __post_init__(self) -> None:
         assert len(self.boundary_bytes) == len(self.units) - 1
-        assert len(self.in_flight) == self.num_stages and len(self.links) == self.num_stages - 1
+        assert len(self.in_flight) == self.layout.num_stages
+        assert len(self.links) == self.num_parts - 1 and len(self.allreduce) == self.num_parts
+
+    @property
+    def num_parts(self) -> int:
+        return self.layout.num_parts
 
     @functools.cached_property
-    def prefix_sums(self) -> dict[str, list[float]]:
-        """Running sums of each additive unit field, so any stage is summed in O(1)."""
-        sums: dict[str, list[float]] = {}
-        for name in ("fwd_ms", "bwd_ms", "state_bytes", "grad_bytes", "activation_bytes"):
-            running = [0]
-            for unit in self.units:
-                running.append(running[-1] + getattr(unit, name))
-            sums[name] = running
-        return sums
+    def costs(self) -> "CostModel":
+        """This configuration's cost terms (planner/search/terms.py)."""
+        from planner.search.terms import cost_model
 
-    def max_transient(self, first: int, last: int) -> int:
-        """Largest transient of units first..last (a sparse table answers in O(1))."""
-        level = (last - first + 1).bit_length() - 1
-        table = self._transient_table
-        return max(table[level][first], table[level][last - (1 << level) + 1])
-
-    @functools.cached_property
-    def _transient_table(self) -> list[list[int]]:
-        table = [[unit.transient_bytes for unit in self.units]]
-        width = 1
-        while 2 * width <= len(self.units):
-            previous = table[-1]
-            table.append([max(previous[i], previous[i + width]) for i in range(len(previous) - width)])
-            width *= 2
-        return table
+        return cost_model(self)
 
 
 @dataclass(frozen=True)
@@ -108,25 +107,24 @@ class Coarsening:
     shared: tuple[SharedParam, ...]
 
 
-def link_cost(link: LinkSpec) -> LinearCost:
-    return LinearCost(*p2p_coefficients(link))
+def part_links(device: DeviceSpec, layout: Layout, gpus_per_node: int) -> tuple[LinearCost, ...]:
+    """Per part but the last, the link its activations cross to the next part (in replica 0)."""
+    def link(part: int) -> LinearCost:
+        src = layout.ranks_of(layout.stages_of_part(part)[0], 0)[0]
+        dst = layout.ranks_of(layout.stages_of_part(part + 1)[0], 0)[0]
+        return LinearCost(*p2p_coefficients(p2p_link(device, same_node(src, dst, gpus_per_node))))
+    return tuple(link(part) for part in range(layout.num_parts - 1))
 
 
-def pipeline_links(device: DeviceSpec, num_stages: int, data_parallel: int,
-                   gpus_per_node: int) -> tuple[LinearCost, ...]:
-    """Link between stage s and s + 1, with rank = stage * data_parallel + replica."""
-    def same_node(stage: int) -> bool:
-        return stage * data_parallel // gpus_per_node == (stage + 1) * data_parallel // gpus_per_node
-    return tuple(link_cost(p2p_link(device, same_node(stage))) for stage in range(num_stages - 1))
+def part_allreduces(device: DeviceSpec, layout: Layout, gpus_per_node: int) -> tuple[LinearCost, ...]:
+    """Per part, a ring all-reduce over every rank holding a copy of it (2(n-1) latencies + 2(n-1)/n bytes)."""
+    def cost(part: int) -> LinearCost:
+        ranks = layout.part_ranks(part)
+        return LinearCost(*ring_allreduce_coefficients(len(ranks), allreduce_link(device, ranks, gpus_per_node)))
+    return tuple(cost(part) for part in range(layout.num_parts))
 
 
-def allreduce_cost(device: DeviceSpec, data_parallel: int, gpus_per_node: int) -> LinearCost:
-    """Ring all-reduce over one stage's replicas: 2(D-1) latencies + 2(D-1)/D bytes / bandwidth."""
-    link = allreduce_link(device, data_parallel, gpus_per_node)
-    return LinearCost(*ring_allreduce_coefficients(data_parallel, link))
-
-
-def coarsen(graph: LayerGraph, table: CostTable, precision: Precision, optimizer: str,
+def coarsen(graph: LayerGraph, table: CostTable, precision: Precision, optimizer: Optimizer,
             max_units: int) -> Coarsening:
     """Group nodes into at most ``max_units`` units of similar time, cutting where few bytes cross."""
     crossing = _crossing_bytes(graph, table)
@@ -134,7 +132,7 @@ def coarsen(graph: LayerGraph, table: CostTable, precision: Precision, optimizer
     return group_units(graph, table, precision, optimizer, _choose_cuts(times, crossing, max_units))
 
 
-def group_units(graph: LayerGraph, table: CostTable, precision: Precision, optimizer: str,
+def group_units(graph: LayerGraph, table: CostTable, precision: Precision, optimizer: Optimizer,
                 cuts: list[int]) -> Coarsening:
     """Units that start at node indices ``cuts`` (plus node 0)."""
     order = [node.name for node in graph]
@@ -217,7 +215,7 @@ def _param_users(graph: LayerGraph, groups: list[list[str]]) -> dict[str, set[in
     return users
 
 
-def _param_state(graph: LayerGraph, name: str, precision: Precision, optimizer: str) -> tuple[int, int]:
+def _param_state(graph: LayerGraph, name: str, precision: Precision, optimizer: Optimizer) -> tuple[int, int]:
     info = graph.parameter(name)
     if info.is_buffer:
         return info.nbytes, 0
@@ -236,7 +234,7 @@ def _loss_bytes(graph: LayerGraph, table: CostTable, names: list[str]) -> int:
 
 
 def _unit(graph: LayerGraph, table: CostTable, names: list[str], precision: Precision,
-          optimizer: str, shared_index: dict[str, int]) -> Unit:
+          optimizer: Optimizer, shared_index: dict[str, int]) -> Unit:
     params = {p for name in names if graph.node(name).kind is not NodeKind.PARAM
               for p in graph.node(name).param_names}
     own = [p for p in params if p not in shared_index]

@@ -11,17 +11,18 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from cost_models.devices import DeviceSpec
-from cost_models.estimation import CostTable, estimate
-from cost_models.memory import Precision
 from cost_models.errors import InvalidArgument, PlanInfeasible
+from cost_models.estimation import CostTable, estimate
 from cost_models.graph.ir import LayerGraph
-from planner.search.ilp import SolveStatus, solve_partition
-from planner.search.objective import Evaluation, evaluate
-from planner.search.oracle import min_peak_partition
-from planner.search.problem import (Coarsening, PipelineProblem, allreduce_cost, coarsen,
-                             pipeline_links)
-from planner.schedules.generate import in_flight
+from cost_models.memory import Optimizer, Precision
 from cost_models.units import format_bytes
+from planner.plan.kinds import ScheduleKind
+from planner.schedules.generate import Schedule, generate, max_in_flight
+from planner.search.evaluate import Evaluation, evaluate
+from planner.search.ilp import SolveStatus, solve_partition
+from planner.search.oracle import check_exact, min_peak_partition
+from planner.search.problem import Coarsening, PipelineProblem, coarsen, part_allreduces, part_links
+from planner.search.terms import lower_bound
 
 
 @dataclass(frozen=True)
@@ -32,9 +33,9 @@ class SearchSpace:
     gpus_per_node: int
     mem_bytes: int
     global_batch_size: int
-    optimizer: str
+    optimizer: Optimizer
     precision: Precision
-    schedules: tuple[str, ...]
+    schedules: tuple[ScheduleKind, ...]
     micro_batch_sizes: tuple[int, ...] | None = None  # None: every divisor
     num_stages: tuple[int, ...] | None = None  # None: every divisor of gpus
     max_units: int = 160
@@ -47,19 +48,27 @@ class Config:
     data_parallel: int
     micro_batch_size: int
     num_microbatches: int
-    schedule: str
+    schedule: ScheduleKind
 
     def describe(self) -> str:
         return (f"{self.num_stages} stages x {self.data_parallel} replicas, micro-batch "
-                f"{self.micro_batch_size} x {self.num_microbatches}, {self.schedule}")
+                f"{self.micro_batch_size} x {self.num_microbatches}, {self.schedule.value}")
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One configuration ready to solve: its schedule (programs and layout), problem and costs."""
+
+    config: Config
+    schedule: Schedule
+    problem: PipelineProblem
+    coarsening: Coarsening
+    table: CostTable
 
 
 @dataclass(frozen=True)
 class Candidate:
-    config: Config
-    problem: PipelineProblem
-    coarsening: Coarsening
-    table: CostTable
+    setup: Setup
     cuts: tuple[int, ...]
     evaluation: Evaluation
     objective_ms: float
@@ -113,41 +122,40 @@ def _batch_message(space: SearchSpace) -> str:
 
 
 class Search:
-    """Costs per micro-batch size are computed once and shared by every configuration."""
+    """Costs per micro-batch size, and each configuration's setup, are computed once and shared."""
 
     def __init__(self, graph: LayerGraph, device: DeviceSpec, space: SearchSpace) -> None:
         self.graph = graph
         self.device = device
         self.space = space
         self._tables: dict[int, tuple[CostTable, Coarsening]] = {}
-        self._problems: dict[Config, tuple[PipelineProblem, Coarsening, CostTable]] = {}
+        self._setups: dict[Config, Setup] = {}
 
     def costs(self, micro_batch_size: int) -> tuple[CostTable, Coarsening]:
         if micro_batch_size not in self._tables:
-            table = estimate(self.graph, self.device, self.space.optimizer,
-                             self.space.precision.name, batch_size=micro_batch_size)
+            table = estimate(self.graph, self.device, self.space.optimizer, self.space.precision,
+                             batch_size=micro_batch_size)
             self._tables[micro_batch_size] = (table, coarsen(
                 self.graph, table, self.space.precision, self.space.optimizer, self.space.max_units))
         return self._tables[micro_batch_size]
 
-    def problem(self, config: Config, coarse: Coarsening | None = None
-                ) -> tuple[PipelineProblem, Coarsening, CostTable]:
-        """The partition problem of ``config`` over ``coarse`` (default: the search's units, cached)."""
-        if coarse is None and config in self._problems:
-            return self._problems[config]
+    def setup(self, config: Config, coarse: Coarsening | None = None) -> Setup:
+        """``config``'s schedule and problem over ``coarse`` (default: the search's units, cached)."""
+        if coarse is None and config in self._setups:
+            return self._setups[config]
         table, default = self.costs(config.micro_batch_size)
-        cache = coarse is None
-        coarse = coarse or default
+        units = coarse or default
+        schedule = generate(config.schedule, config.num_stages, config.num_microbatches,
+                            data_parallel=config.data_parallel)
+        layout, per_node = schedule.layout, self.space.gpus_per_node
         problem = PipelineProblem(
-            coarse.units, coarse.boundary_bytes, coarse.shared, config.num_stages,
-            config.num_microbatches,
-            in_flight(config.schedule, config.num_stages, config.num_microbatches),
-            pipeline_links(self.device, config.num_stages, config.data_parallel, self.space.gpus_per_node),
-            allreduce_cost(self.device, config.data_parallel, self.space.gpus_per_node),
-            self.space.mem_bytes, round_trip=config.schedule == "1f1b")
-        if cache:
-            self._problems[config] = (problem, coarse, table)
-        return problem, coarse, table
+            units.units, units.boundary_bytes, units.shared, layout, config.schedule, config.num_microbatches,
+            max_in_flight(schedule), part_links(self.device, layout, per_node),
+            part_allreduces(self.device, layout, per_node), self.space.mem_bytes)
+        setup = Setup(config, schedule, problem, units, table)
+        if coarse is None:
+            self._setups[config] = setup
+        return setup
 
     def run(self) -> SearchResult:
         start = time.perf_counter()
@@ -176,46 +184,46 @@ class Search:
                             len(solved), time.perf_counter() - start, solver_s)
 
     def fits(self, config: Config) -> bool:
-        """Whether any partition of this configuration fits the budget (exact, by DP)."""
-        problem, _, _ = self.problem(config)
-        return min_peak_partition(problem).evaluation.peak_mem_bytes <= self.space.mem_bytes
+        """Whether any partition of this configuration fits the budget (exact, by DP, where it applies)."""
+        costs = self.setup(config).problem.costs
+        try:
+            check_exact(costs)
+        except ValueError:
+            return True  # several stages share a slot: the ILP decides
+        return min_peak_partition(costs).evaluation.peak_mem_bytes <= self.space.mem_bytes
 
     def solve(self, config: Config, time_limit_s: float,
               cutoff_ms: float | None) -> tuple[Candidate | None, float]:
         """The ILP's best partition of ``config``, or None if none fits or beats ``cutoff_ms``."""
-        problem, coarse, table = self.problem(config)
-        result = solve_partition(problem, time_limit_s=time_limit_s, cutoff_ms=cutoff_ms)
+        setup = self.setup(config)
+        result = solve_partition(setup.problem, time_limit_s=time_limit_s, cutoff_ms=cutoff_ms)
         if result.cuts is None:
             return None, result.wall_s
-        evaluation = evaluate(problem, result.cuts)
-        return Candidate(config, problem, coarse, table, result.cuts, evaluation,
-                         result.objective, result.status, result.solver, result.gap,
-                         result.binding), result.wall_s
+        evaluation = evaluate(setup.problem.costs, result.cuts)
+        return Candidate(setup, result.cuts, evaluation, result.objective, result.status, result.solver,
+                         result.gap, result.binding), result.wall_s
 
     def lower_bound(self, config: Config) -> float:
-        """Step time no partition of this configuration can beat (bottleneck >= average stage)."""
-        _, coarse = self.costs(config.micro_batch_size)
-        compute = [unit.fwd_ms + unit.bwd_ms for unit in coarse.units]
-        total = sum(compute)
-        bottleneck = max(total / config.num_stages, max(compute))
-        return total + (config.num_microbatches - 1) * bottleneck
+        """Step time no partition of this configuration can beat (planner/search/terms.py)."""
+        return lower_bound(self.setup(config).problem.costs)
 
     def infeasible(self, configs: Sequence[Config]) -> PlanInfeasible:
         """The error for a budget nothing fits: the smallest memory the most frugal layout needs."""
         frugal = min(configs, key=lambda c: (-c.num_stages, c.micro_batch_size,
-                                             sum(in_flight(c.schedule, c.num_stages, c.num_microbatches))))
-        problem, coarse, _ = self.problem(frugal)
-        floor = min_peak_partition(problem)
-        stage = max(floor.evaluation.stages, key=lambda s: s.peak_mem_bytes)
-        index = floor.evaluation.stages.index(stage)
-        nodes = [n for unit in coarse.units[stage.first_unit:stage.last_unit + 1] for n in unit.nodes]
-        heaviest = max(coarse.units[stage.first_unit:stage.last_unit + 1], key=lambda u: u.state_bytes)
-        need = stage.peak_mem_bytes
+                                             sum(self.setup(c).problem.in_flight)))
+        setup = self.setup(frugal)
+        floor = min_peak_partition(setup.problem.costs)
+        index = max(range(len(floor.evaluation.parts)), key=lambda p: floor.evaluation.slot_peak_bytes[p])
+        part = floor.evaluation.parts[index]
+        need = floor.evaluation.slot_peak_bytes[index]
+        units = setup.coarsening.units[part.first_unit:part.last_unit + 1]
+        nodes = [n for unit in units for n in unit.nodes]
+        heaviest = max(units, key=lambda u: u.state_bytes)
         message = (
             f"no plan fits {format_bytes(self.space.mem_bytes)} per GPU on {self.space.gpus} x "
             f"{self.device.name}: the most memory-frugal layout ({frugal.describe()}) still needs "
             f"{format_bytes(need)} on stage {index} (nodes {nodes[0]} .. {nodes[-1]}: "
-            f"{format_bytes(stage.static_bytes)} of weights, gradients, optimizer state and buffers, "
-            f"{format_bytes(need - stage.static_bytes)} of activations); its heaviest part starts at "
+            f"{format_bytes(part.static_bytes)} of weights, gradients, optimizer state and buffers, "
+            f"{format_bytes(need - part.static_bytes)} of activations); its heaviest part starts at "
             f"{heaviest.nodes[0]}. Give mem >= {format_bytes(need)}, more GPUs, or a smaller batch.")
         return PlanInfeasible(message, min_mem_bytes=need, binding=f"stage {index} ({nodes[0]})")

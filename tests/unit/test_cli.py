@@ -46,7 +46,9 @@ def test_profile_on_cpu_measures_and_top_limits_rows(capsys, tmp_path) -> None:
     ([RESNET, "--model-arg", "width"], "malformed model argument 'width'"),
     ([RESNET, "--model-arg", "depth_multiplier=2"], "depth_multiplier"),
     ([RESNET, "--batch-size", "0"], "--batch-size must be >= 1"),
-    ([RESNET, "--optimizer", "lamb", "--device", "V100-16GB"], "unknown optimizer 'lamb'"),
+    ([RESNET, "--optimizer", "lamb", "--device", "V100-16GB"],
+     "--optimizer: invalid choice: 'lamb' (choose from 'sgd', 'momentum', 'adam', 'adamw')"),
+    ([RESNET, "--precision", "fp8", "--device", "V100-16GB"], "--precision: invalid choice: 'fp8'"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(capsys, args: list[str], message: str) -> None:
     argv = ["profile", *args]

@@ -71,11 +71,12 @@ def test_ring_allreduce_errors() -> None:
 
 def test_allreduce_link_choice() -> None:
     device = _device()
-    assert allreduce_link(device, 8, gpus_per_node=8) is device.intra_node
-    assert allreduce_link(device, 1, gpus_per_node=8) is device.intra_node
-    assert allreduce_link(device, 16, gpus_per_node=8) is device.inter_node
+    assert allreduce_link(device, range(8), gpus_per_node=8) is device.intra_node
+    assert allreduce_link(device, [5], gpus_per_node=8) is device.intra_node
+    assert allreduce_link(device, range(16), gpus_per_node=8) is device.inter_node
+    assert allreduce_link(device, range(6, 9), gpus_per_node=8) is device.inter_node  # ranks 6, 7 | 8
     with pytest.raises(InvalidArgument, match=r"gpus_per_node.*0"):
-        allreduce_link(device, 4, gpus_per_node=0)
+        allreduce_link(device, range(4), gpus_per_node=0)
 
 
 def test_hierarchical_allreduce_hand_value() -> None:
@@ -88,7 +89,7 @@ def test_hierarchical_allreduce_hand_value() -> None:
     assert hierarchical_allreduce_ms(GB, 4, 8, device) == pytest.approx(ring_allreduce_ms(GB, 4, device.intra_node))
     assert hierarchical_allreduce_ms(GB, 4, 1, device) == pytest.approx(ring_allreduce_ms(GB, 4, LINK))
     # Cheaper than a flat ring bottlenecked on the NIC.
-    assert hierarchical_allreduce_ms(GB, 16, 8, device) < ring_allreduce_ms(GB, 16, allreduce_link(device, 16, 8))
+    assert hierarchical_allreduce_ms(GB, 16, 8, device) < ring_allreduce_ms(GB, 16, allreduce_link(device, range(16), 8))
     assert hierarchical_allreduce_ms(0, 16, 8, device) == 0.0
 
 

@@ -13,7 +13,7 @@ import pytest
 from cost_models import devices
 from cost_models.devices import (
     DEVICES,
-    PRECISIONS,
+    MATH_FORMATS,
     PRESETS,
     DeviceCatalog,
     DeviceSpec,
@@ -99,7 +99,7 @@ def test_peak_flops_and_bandwidth_units() -> None:
     assert a100.peak_flops("bf16") == 312e12
     assert a100.peak_flops("FP32") == 19.5e12
     assert a100.mem_bandwidth_bytes_per_s() == 1555e9
-    assert a100.supported_precisions() == PRECISIONS
+    assert a100.supported_precisions() == MATH_FORMATS
 
 
 def test_v100_has_no_bf16() -> None:

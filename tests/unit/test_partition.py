@@ -4,20 +4,22 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cost_models.devices import get_device
-from cost_models.memory import get_precision
+from cost_models.memory import Optimizer, get_precision
 from examples.models.amoebanet import amoebanet_d
 from examples.models.gpt import gpt_tiny
 from examples.models.resnet import resnet50
 from examples.models.unet import unet_small
 from planner import trace
+from planner.plan import Layout, ScheduleKind
+from planner.search.evaluate import evaluate, term_value, term_values
 from planner.search.ilp import SolveStatus, solve_partition
-from planner.search.objective import evaluate
 from planner.search.oracle import min_peak_partition, optimal_partition
 from planner.search.problem import LinearCost, PipelineProblem, SharedParam, Unit
 from planner.search.search import Config, Search, SearchSpace
@@ -40,16 +42,16 @@ def problems(draw) -> PipelineProblem:
                       for s in range(num_stages))
     links = tuple(LinearCost(draw(st.floats(0, 1)), draw(st.floats(0, 0.01)))
                   for _ in range(num_stages - 1))
+    allreduce = tuple(LinearCost(draw(st.floats(0, 1)), draw(st.floats(0, 0.01))) for _ in range(num_stages))
     return PipelineProblem(units, tuple(draw(nbytes) for _ in range(num_units - 1)), SHARED,
-                           num_stages, microbatches, in_flight, links,
-                           LinearCost(draw(st.floats(0, 1)), draw(st.floats(0, 0.01))),
-                           draw(st.integers(500, 8000)), draw(st.booleans()))
+                           Layout.pipeline(num_stages), draw(st.sampled_from(list(ScheduleKind))),
+                           microbatches, in_flight, links, allreduce, draw(st.integers(500, 8000)))
 
 
 def _brute_force(problem: PipelineProblem) -> float | None:
     best = None
-    for cuts in itertools.combinations(range(len(problem.units) - 1), problem.num_stages - 1):
-        evaluation = evaluate(problem, cuts)
+    for cuts in itertools.combinations(range(len(problem.units) - 1), problem.num_parts - 1):
+        evaluation = evaluate(problem.costs, cuts)
         if evaluation.fits(problem.mem_bytes) and (best is None or evaluation.step_ms < best):
             best = evaluation.step_ms
     return best
@@ -59,7 +61,7 @@ def _brute_force(problem: PipelineProblem) -> float | None:
 @given(problems())
 def test_ilp_equals_exact_dynamic_program(problem: PipelineProblem) -> None:
     result = solve_partition(problem)
-    oracle = optimal_partition(problem)
+    oracle = optimal_partition(problem.costs)
     assert (oracle is None) == (result.status is SolveStatus.INFEASIBLE)
     if oracle is None:
         assert _brute_force(problem) is None
@@ -67,7 +69,7 @@ def test_ilp_equals_exact_dynamic_program(problem: PipelineProblem) -> None:
     assert result.status is SolveStatus.OPTIMAL
     exact = oracle.evaluation.step_ms
     assert result.objective == pytest.approx(exact, rel=1e-6, abs=1e-6)
-    chosen = evaluate(problem, result.cuts)
+    chosen = evaluate(problem.costs, result.cuts)
     assert chosen.step_ms == pytest.approx(result.objective, rel=1e-6, abs=1e-6)
     assert chosen.fits(problem.mem_bytes)
     assert exact == pytest.approx(_brute_force(problem), rel=1e-9, abs=1e-9)
@@ -76,10 +78,30 @@ def test_ilp_equals_exact_dynamic_program(problem: PipelineProblem) -> None:
 @settings(max_examples=100, deadline=None)
 @given(problems())
 def test_min_peak_partition_is_the_memory_floor(problem: PipelineProblem) -> None:
-    floor = min_peak_partition(problem).evaluation.peak_mem_bytes
-    every = [evaluate(problem, cuts).peak_mem_bytes for cuts in
-             itertools.combinations(range(len(problem.units) - 1), problem.num_stages - 1)]
+    floor = min_peak_partition(problem.costs).evaluation.peak_mem_bytes
+    every = [evaluate(problem.costs, cuts).peak_mem_bytes for cuts in
+             itertools.combinations(range(len(problem.units) - 1), problem.num_parts - 1)]
     assert floor == min(every)
+
+
+@settings(max_examples=100, deadline=None)
+@given(problems(), st.data())
+def test_term_values_agree_one_part_and_many(problem: PipelineProblem, data: st.DataObject) -> None:
+    """The scalar and the vectorised evaluation of every term on every range are the same arithmetic."""
+    costs = problem.costs
+    last = data.draw(st.integers(0, len(problem.units) - 1))
+    terms = [(part, term) for part, named in enumerate(costs.parts) for term in named.values()]
+    terms += [(part, term) for row in costs.memory for part, term in row.members]
+    checked = 0
+    for part, term in terms:
+        firsts = np.arange(1 if term.starts_after else 0, last + 1)
+        if term.ends_after and last == len(problem.units) - 1 or len(firsts) == 0:
+            continue
+        many = term_values(costs, term, firsts, last)
+        one = [term_value(costs, term, int(first), last) for first in firsts]
+        assert many == pytest.approx(one, rel=1e-12, abs=1e-9)
+        checked += 1
+    assert checked > 0
 
 
 ZOO = {
@@ -95,14 +117,15 @@ ZOO = {
 def test_ilp_equals_dynamic_program_on_zoo_models(name: str, schedule: str) -> None:
     model, x = ZOO[name]()
     graph = trace(model, x)
+    kind = ScheduleKind(schedule)
     space = SearchSpace(gpus=8, gpus_per_node=4, mem_bytes=16 * 2**30, global_batch_size=32,
-                        optimizer="adam", precision=get_precision("fp32"), schedules=(schedule,),
+                        optimizer=Optimizer.ADAM, precision=get_precision("fp32"), schedules=(kind,),
                         max_units=24)
     search = Search(graph, get_device("V100-16GB"), space)
-    for config in (Config(4, 2, 2, 8, schedule), Config(8, 1, 4, 8, schedule)):
-        problem, _, _ = search.problem(config)
+    for config in (Config(4, 2, 2, 8, kind), Config(8, 1, 4, 8, kind)):
+        problem = search.setup(config).problem
         result = solve_partition(problem)
-        oracle = optimal_partition(problem)
+        oracle = optimal_partition(problem.costs)
         assert result.objective == pytest.approx(oracle.evaluation.step_ms, rel=1e-6)
 
 
@@ -115,13 +138,14 @@ def test_ilp_equals_dynamic_program_when_memory_binds_at_real_scale(schedule: st
 
     graph = trace(gpt(hidden=1024, layers=8, heads=16, seq_len=512),
                   torch.empty(1, 512, dtype=torch.long, device="meta"))
+    kind = ScheduleKind(schedule)
     space = SearchSpace(gpus=8, gpus_per_node=8, mem_bytes=80 * 2**30, global_batch_size=16,
-                        optimizer="adam", precision=get_precision("fp32"), schedules=(schedule,))
+                        optimizer=Optimizer.ADAM, precision=get_precision("fp32"), schedules=(kind,))
     search = Search(graph, get_device("A100-80GB"), space)
-    problem, _, _ = search.problem(Config(8, 1, 2, 8, schedule))
-    floor = min_peak_partition(problem).evaluation.peak_mem_bytes
+    problem = search.setup(Config(8, 1, 2, 8, kind)).problem
+    floor = min_peak_partition(problem.costs).evaluation.peak_mem_bytes
     tight = replace(problem, mem_bytes=int(floor * 1.03))
     result = solve_partition(tight)
-    oracle = optimal_partition(tight)
+    oracle = optimal_partition(tight.costs)
     assert result.objective == pytest.approx(oracle.evaluation.step_ms, rel=1e-9)
-    assert evaluate(tight, result.cuts).fits(tight.mem_bytes)
+    assert evaluate(tight.costs, result.cuts).fits(tight.mem_bytes)

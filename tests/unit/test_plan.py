@@ -8,15 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from cost_models.errors import InvalidArgument, PlanFileError, PlanInfeasible, UnknownDevice
 from examples.models.gpt import gpt_50b, gpt_tiny
 from examples.models.resnet import resnet50
 from examples.models.unet import unet_small
 from planner import Plan, plan, trace
 from planner.cli import main
-from cost_models.errors import InvalidArgument, PlanFileError, PlanInfeasible, UnknownDevice
-from planner.simulation import simulate_plan
-from planner.schedules.actions import StageMap, parse_programs
+from planner.schedules.actions import parse_programs
 from planner.schedules.validate import validate
+from planner.simulation import simulate_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,7 +37,9 @@ def test_plan_covers_every_node_once_in_order(resnet_plan: Plan, resnet_graph) -
     names = [name for stage in resnet_plan.stages for name in stage.nodes]
     assert names == [node.name for node in resnet_graph]
     assert resnet_plan.num_stages * resnet_plan.data_parallel == 8
-    ranks = sorted(rank for stage in resnet_plan.stages for rank in stage.ranks)
+    layout = resnet_plan.layout
+    ranks = sorted(rank for stage in range(layout.num_stages) for replica in range(layout.data_parallel)
+                   for rank in layout.ranks_of(stage, replica))
     assert ranks == list(range(8)) and len(resnet_plan.programs) == 8
     training = resnet_plan.training
     assert training.micro_batch_size * training.num_microbatches * resnet_plan.data_parallel == 64
@@ -46,8 +48,8 @@ def test_plan_covers_every_node_once_in_order(resnet_plan: Plan, resnet_graph) -
 
 
 def test_programs_validate(resnet_plan: Plan) -> None:
-    programs = parse_programs(tuple(resnet_plan.programs[s.ranks[0]] for s in resnet_plan.stages))
-    validate(programs, StageMap.identity(resnet_plan.num_stages))
+    validate(parse_programs(resnet_plan.programs), resnet_plan.layout,
+             edges={(t.src_stage, t.dst_stage) for t in resnet_plan.transfers})
 
 
 def test_simulation_agrees_with_the_solver_objective(resnet_plan: Plan) -> None:
@@ -64,7 +66,7 @@ def test_simulated_memory_never_exceeds_the_budget(mem: str, schedule: str) -> N
                   schedules=(schedule,))
     budget = result.cluster.mem_bytes
     assert max(simulate_plan(result).peak_mem_bytes) <= budget
-    assert all(stage.predicted.peak_mem_bytes <= budget for stage in result.stages)
+    assert max(result.predicted.peak_mem_bytes) <= budget
 
 
 def test_plan_file_round_trip(resnet_plan: Plan, tmp_path: Path) -> None:
@@ -72,7 +74,7 @@ def test_plan_file_round_trip(resnet_plan: Plan, tmp_path: Path) -> None:
     resnet_plan.save(path)
     assert Plan.load(path) == resnet_plan
     data = json.loads(path.read_text())
-    for key in ("schema_version", "model", "cluster", "training", "schedule", "data_parallel",
+    for key in ("schema_version", "model", "cluster", "training", "schedule", "layout",
                 "stages", "layers", "programs", "predicted", "solver"):
         assert key in data
     assert data["model"]["builder"] == "examples/models/resnet.py:resnet50"
@@ -84,6 +86,8 @@ def test_plan_file_round_trip(resnet_plan: Plan, tmp_path: Path) -> None:
     ("{not json", "not valid JSON"),
     ('{"schema_version": 99}', "schema_version is 99"),
     ('{"schema_version": 1, "model": {}}', "malformed"),
+    ('{"schema_version": 2, "model": {}}', "malformed: plan has unknown|malformed: plan lacks"),
+    ('[1, 2]', "must be a JSON object"),
 ])
 def test_corrupt_plan_files_are_clear_errors(tmp_path: Path, content: str, message: str) -> None:
     path = tmp_path / "plan.json"

@@ -21,7 +21,7 @@ def _flow(plan_json: str) -> Dataflow:
     modules = split_stages(traced, model, plan)
     inputs = [(m.shape, getattr(torch, m.dtype)) for m in plan.model.example_inputs]
     specs = value_specs(traced, inputs, plan.training.micro_batch_size)
-    return dataflow(traced, modules, plan.stage_of(), specs)
+    return dataflow(traced, modules, plan.part_of(), specs)
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +75,8 @@ def test_a_device_is_the_receivers_own_and_a_wrong_shape_is_refused() -> None:
 
 
 def test_describing_a_real_model_leaves_its_buffers_as_they_were() -> None:
-    from examples.models.resnet import resnet50
     from cost_models.graph.tracing import trace_module
+    from examples.models.resnet import resnet50
 
     model = resnet50(width=4, num_classes=10, device="cpu")
     _, traced = trace_module(model, (torch.randn(1, 3, 64, 64),))

@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from planner.cli import main
 from cost_models.errors import InvalidArgument, PlanFileError, RuntimeSetupError
+from planner.cli import main
 from planner.plan import Plan
+from planner.reports.compare import compare
+from planner.reports.run_report import RunReport
 from planner.schedules.actions import Action, ActionKind
 from runtime import checks
 from runtime.data import SyntheticData, TensorSpec, synthetic_task
@@ -18,8 +20,6 @@ from runtime.launch import RankEnv, parse_args
 from runtime.memory import MemoryTracker
 from runtime.microbatch import split_batch
 from runtime.optim import optimizer_factory
-from planner.reports.run_report import RunReport
-from planner.reports.compare import compare
 from runtime.values import ValueKind, ValueSpec
 from tests.runtime_plans import GPT, make_plan
 
@@ -52,7 +52,7 @@ def test_set_up_mismatches_name_the_values_and_the_fix(plan: Plan) -> None:
     with pytest.raises(RuntimeSetupError, match=r"for 4 processes .* 3 were launched.*--nproc-per-node 4"):
         checks.check_world_size(plan, 3)
     offload = plan.programs[0] + ("0SWAP_OUT0",)
-    patched = Plan.from_dict({**plan.to_dict(), "programs": [list(offload), *plan.programs[1:]]})
+    patched = Plan.from_dict({**plan.to_dict(), "programs": [list(offload), *map(list, plan.programs[1:])]})
     with pytest.raises(RuntimeSetupError, match="SWAP_OUT"):
         checks.rank_program(patched, 0)
 

@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 from planner.schedules.actions import (
     Action,
     ActionKind,
-    StageMap,
     format_programs,
     matching_recv,
     matching_send,
@@ -100,16 +99,3 @@ def test_matching_send_and_receive_are_inverse() -> None:
 def test_programs_round_trip_as_rows_of_strings() -> None:
     rows = (("0F0", "0SEND_F0>1", "0OPTIMIZER_STEP"), ("1RECV_F0<0", "1F0"))
     assert format_programs(parse_programs(rows)) == rows
-
-
-def test_stage_map() -> None:
-    mirrored = StageMap((0, 1, 1, 0))
-    assert (mirrored.num_stages, mirrored.num_ranks) == (4, 2)
-    assert mirrored.stages_on(0) == (0, 3) and mirrored.rank(2) == 1
-    assert mirrored.same_rank(0, 3) and not mirrored.same_rank(0, 1)
-    assert StageMap.identity(3) == StageMap((0, 1, 2))
-    assert StageMap.from_dict(mirrored.to_dict()) == mirrored
-    with pytest.raises(ValueError, match="every rank"):
-        StageMap((0, 2))
-    with pytest.raises(ValueError, match="out of range"):
-        mirrored.rank(4)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from planner.schedules.actions import StageMap, format_programs
-from planner.schedules.generate import GENERATORS, generate, gpipe, in_flight, max_in_flight, one_f_one_b
+from planner.plan import Layout, ScheduleKind
+from planner.schedules.actions import format_programs
+from planner.schedules.generate import GENERATORS, generate, gpipe, max_in_flight, one_f_one_b
 
 GPIPE_4x6 = (
     "0F0 0F1 0F2 0F3 0F4 0F5 0B0 0B1 0B2 0B3 0B4 0B5",
@@ -41,14 +42,15 @@ def _rows(table: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
 ])
 def test_programs_equal_literal_tables(schedule, table: tuple[str, ...]) -> None:
     assert format_programs(schedule.programs) == _rows(table)
-    assert schedule.stage_map == StageMap.identity(4)
+    assert schedule.layout == Layout.pipeline(4)
 
 
-def test_registry_holds_the_kinds_and_generate_looks_them_up() -> None:
-    assert set(GENERATORS) >= {"gpipe", "1f1b"}
+def test_registry_holds_every_kind_and_generate_looks_them_up() -> None:
+    assert set(GENERATORS) == set(ScheduleKind)  # no kind is advertised without a generator
     assert generate("1f1b", 4, 6) == one_f_one_b(4, 6)
-    assert generate("gpipe", 4, 6).kind == "gpipe"
-    with pytest.raises(ValueError, match="unknown schedule kind 'zigzag'.*1f1b, gpipe"):
+    assert generate("gpipe", 4, 6).kind is ScheduleKind.GPIPE
+    assert generate("gpipe", 2, 3, data_parallel=4).layout == Layout.pipeline(2, 4)
+    with pytest.raises(ValueError, match="unknown schedule kind 'zigzag'.*gpipe, 1f1b"):
         generate("zigzag", 4, 6)
     with pytest.raises(TypeError):
         GENERATORS["new"] = gpipe  # type: ignore[index]
@@ -65,8 +67,8 @@ def test_sizes_must_be_positive(kind: str, num_stages: int, num_microbatches: in
 @pytest.mark.parametrize("num_microbatches", range(1, 13))
 def test_in_flight_matches_the_formula(num_stages: int, num_microbatches: int) -> None:
     stages = range(num_stages)
-    assert in_flight("gpipe", num_stages, num_microbatches) == tuple(num_microbatches for _ in stages)
-    assert in_flight("1f1b", num_stages, num_microbatches) == tuple(
+    assert max_in_flight(gpipe(num_stages, num_microbatches)) == tuple(num_microbatches for _ in stages)
+    assert max_in_flight(one_f_one_b(num_stages, num_microbatches)) == tuple(
         min(num_microbatches, num_stages - stage) for stage in stages)
 
 
@@ -80,4 +82,4 @@ def test_each_stage_runs_every_f_then_b_once(kind: str) -> None:
 
 
 def test_max_in_flight_counts_from_the_program() -> None:
-    assert max_in_flight(one_f_one_b(3, 8).programs, 3) == (3, 2, 1)
+    assert max_in_flight(one_f_one_b(3, 8)) == (3, 2, 1)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from planner.schedules.actions import StageMap, parse_programs
-from planner.schedules.generate import generate, in_flight
+from planner.plan import Layout
+from planner.schedules.actions import parse_programs
+from planner.schedules.generate import generate, max_in_flight
 from planner.schedules.lower import lower
 from planner.schedules.simulate import SimCosts, SimResult, StageCosts, simulate
 from planner.schedules.validate import ScheduleError
@@ -19,10 +20,10 @@ def _chain(num_stages: int) -> dict[tuple[int, int], float]:
 
 def _run(kind: str, stages: tuple[StageCosts, ...], num_microbatches: int, transfer_ms: float = 0.0,
          data_parallel: bool = False) -> SimResult:
-    schedule = generate(kind, len(stages), num_microbatches)
+    schedule = generate(kind, len(stages), num_microbatches, data_parallel=2 if data_parallel else 1)
     edges = {edge: transfer_ms for edge in _chain(len(stages))}
-    programs = lower(schedule.programs, schedule.stage_map, edges, data_parallel=data_parallel)
-    return simulate(programs, schedule.stage_map, SimCosts(stages, edges))
+    programs = schedule.layout.rank_programs(lower(schedule.programs, schedule.layout, edges))
+    return simulate(programs, schedule.layout, SimCosts(stages, edges))
 
 
 def _equal(num_stages: int, fwd_ms: float = 1.5, **extra: float) -> tuple[StageCosts, ...]:
@@ -85,7 +86,7 @@ def test_peak_memory_is_static_plus_in_flight_activations(kind: str, num_stages:
                for stage in range(num_stages)]
     assert result.peak_mem_bytes == tuple(STATIC + held * ACT for held in formula)
     assert result.peak_mem_bytes == tuple(STATIC + held * ACT
-                                          for held in in_flight(kind, num_stages, num_microbatches))
+                                          for held in max_in_flight(generate(kind, num_stages, num_microbatches)))
     for timeline in result.memory_timeline:
         assert timeline[0] == (0.0, STATIC) and timeline[-1][1] == STATIC
         assert [t for t, _ in timeline] == sorted(t for t, _ in timeline)
@@ -95,16 +96,16 @@ def test_allreduce_and_optimizer_step_end_the_step() -> None:
     stages = _equal(3, fwd_ms=1.0, allreduce_ms=4.0, optimizer_ms=0.5)
     result = _run("1f1b", stages, 4, data_parallel=True)
     assert result.step_ms == pytest.approx((4 + 3 - 1) * 3.0 + 4.0 + 0.5)
-    assert result.busy_ms == pytest.approx([4 * 3.0 + 0.5] * 3)  # the all-reduce is not busy compute
+    assert result.busy_ms == pytest.approx([4 * 3.0 + 0.5] * 6)  # the all-reduce is not busy compute
     last = [e for e in result.events if e.rank == 0][-2:]
     assert [(e.action, e.lane, e.end_ms - e.start_ms) for e in last] == [
         ("0ALLREDUCE", "comm", 4.0), ("0OPTIMIZER_STEP", "compute", 0.5)]
 
 
 def test_every_action_is_one_event_on_its_lane() -> None:
-    schedule = generate("1f1b", 3, 4)
-    programs = lower(schedule.programs, schedule.stage_map, _chain(3), data_parallel=True)
-    result = simulate(programs, schedule.stage_map, SimCosts(_equal(3), {}))
+    schedule = generate("1f1b", 3, 4, data_parallel=2)
+    programs = schedule.layout.rank_programs(lower(schedule.programs, schedule.layout, _chain(3)))
+    result = simulate(programs, schedule.layout, SimCosts(_equal(3), {}))
     assert sorted(e.action for e in result.events) == sorted(str(a) for p in programs for a in p)
     for event in result.events:
         compute = event.action[1] in "FB" or "OPTIMIZER" in event.action
@@ -113,12 +114,12 @@ def test_every_action_is_one_event_on_its_lane() -> None:
 
 
 def test_stages_sharing_a_rank_add_their_memory() -> None:
-    stage_map = StageMap((0, 1, 1, 0))
+    layout = Layout.replicated((0, 1, 1, 0))
     rows = ("0F0 0SEND_F0>1 3RECV_F0<2 3F0 3B0 3SEND_B0>2 0RECV_B0<1 0B0",
             "1RECV_F0<0 1F0 2F0 2SEND_F0>3 2RECV_B0<3 2B0 1B0 1SEND_B0>0")
     programs = parse_programs(row.split() for row in rows)
     stages = tuple(StageCosts(1.0, 2.0, 10 * (stage + 1), 100) for stage in range(4))
-    result = simulate(programs, stage_map, SimCosts(stages, {}))
+    result = simulate(programs, layout, SimCosts(stages, {}))
     assert result.peak_mem_bytes == (200 + 10 + 40, 200 + 20 + 30)
     assert result.step_ms == pytest.approx(12.0)
 
@@ -127,10 +128,10 @@ def test_a_deadlocked_program_cannot_be_simulated() -> None:
     programs = parse_programs([["0RECV_B0<1", "0F0", "0SEND_F0>1", "0B0"], ["1RECV_F0<0", "1F0", "1B0",
                                                                            "1SEND_B0>0"]])
     with pytest.raises(ScheduleError, match="ranks wait forever.*run validate"):
-        simulate(programs, StageMap.identity(2), SimCosts(_equal(2), {}))
+        simulate(programs, Layout.pipeline(2), SimCosts(_equal(2), {}))
 
 
 def test_costs_must_cover_every_stage() -> None:
     schedule = generate("gpipe", 3, 2)
-    with pytest.raises(ValueError, match="costs give 2 stages but the stage map has 3"):
-        simulate(schedule.programs, schedule.stage_map, SimCosts(_equal(2), {}))
+    with pytest.raises(ValueError, match="costs give 2 stages but the layout has 3"):
+        simulate(schedule.programs, schedule.layout, SimCosts(_equal(2), {}))

@@ -16,12 +16,12 @@ from planner.schedules.timeline import chrome_trace, svg
 
 @pytest.fixture(name="result")
 def _result() -> SimResult:
-    schedule = generate("1f1b", 3, 5)
+    schedule = generate("1f1b", 3, 5, data_parallel=2)
     edges = {(0, 1): 0.2, (1, 2): 0.2, (0, 2): 0.3}
-    programs = lower(schedule.programs, schedule.stage_map, edges, data_parallel=True)
+    programs = schedule.layout.rank_programs(lower(schedule.programs, schedule.layout, edges))
     stages = tuple(StageCosts(1.0 + stage, 2.0 + stage, 1000, 5000, allreduce_ms=0.5, optimizer_ms=0.25)
                    for stage in range(3))
-    return simulate(programs, schedule.stage_map, SimCosts(stages, edges))
+    return simulate(programs, schedule.layout, SimCosts(stages, edges))
 
 
 def test_chrome_trace_has_one_complete_event_per_action(result: SimResult) -> None:
@@ -30,7 +30,7 @@ def test_chrome_trace_has_one_complete_event_per_action(result: SimResult) -> No
     assert len(complete) == len(result.events)
     assert sorted(event["name"] for event in complete) == sorted(event.action for event in result.events)
     for event in complete:
-        assert isinstance(event["pid"], int) and 0 <= event["pid"] < 3
+        assert isinstance(event["pid"], int) and 0 <= event["pid"] < 6  # 3 stages x 2 replicas
         assert event["tid"] in (0, 1) and event["cat"] in ("compute", "comm")
         assert event["ts"] >= 0 and event["dur"] >= 0 and event["args"]["action"] == event["name"]
         assert event["ts"] + event["dur"] <= result.step_ms * 1000 + 1e-6
@@ -39,15 +39,15 @@ def test_chrome_trace_has_one_complete_event_per_action(result: SimResult) -> No
 
 
 def test_chrome_trace_counters_and_names(result: SimResult) -> None:
-    trace = chrome_trace(result, rank_names=["gpu0", "gpu1", "gpu2"])
+    trace = chrome_trace(result, rank_names=[f"gpu{rank}" for rank in range(6)])
     counters = [event for event in trace["traceEvents"] if event["ph"] == "C"]
     assert len(counters) == sum(len(timeline) for timeline in result.memory_timeline)
     assert max(event["args"]["bytes"] for event in counters if event["pid"] == 0) == result.peak_mem_bytes[0]
     names = {event["args"]["name"] for event in trace["traceEvents"] if event["name"] == "process_name"}
-    assert names == {"gpu0", "gpu1", "gpu2"}
+    assert names == {f"gpu{rank}" for rank in range(6)}
     lanes = {event["args"]["name"] for event in trace["traceEvents"] if event["name"] == "thread_name"}
     assert lanes == {"compute", "comm"}
-    with pytest.raises(ValueError, match="2 rank names for 3 ranks"):
+    with pytest.raises(ValueError, match="2 rank names for 6 ranks"):
         chrome_trace(result, rank_names=["a", "b"])
 
 
@@ -58,7 +58,7 @@ def test_svg_draws_one_box_per_compute_event(result: SimResult) -> None:
     assert root.get("width") == "800"
     boxes = re.findall(r'<rect class="compute (\w+)"', picture)
     assert len(boxes) == sum(event.lane == "compute" for event in result.events)
-    assert boxes.count("F") == boxes.count("B") == 15
+    assert boxes.count("F") == boxes.count("B") == 2 * 15  # two replicas
     assert f"step {result.step_ms:.3f} ms" in picture and f"bubble {result.bubble_fraction:.1%}" in picture
     assert picture.count('class="comm"') == sum(
         "SEND" in event.action or "ALLREDUCE" in event.action for event in result.events)

@@ -6,7 +6,8 @@ import pickle
 
 import pytest
 
-from planner.schedules.actions import Programs, StageMap, parse_programs
+from planner.plan import Layout
+from planner.schedules.actions import Programs, parse_programs
 from planner.schedules.generate import generate
 from planner.schedules.lower import lower
 from planner.schedules.validate import ScheduleError, format_grid, validate
@@ -24,9 +25,9 @@ def _programs(rows: list[list[str]]) -> Programs:
     return parse_programs(rows)
 
 
-def _rejected(rows: list[list[str]], stage_map: StageMap | None = None, **kwargs: object) -> ScheduleError:
+def _rejected(rows: list[list[str]], layout: Layout | None = None, **kwargs: object) -> ScheduleError:
     with pytest.raises(ScheduleError) as error:
-        validate(_programs(rows), stage_map or StageMap.identity(len(rows)), **kwargs)  # type: ignore[arg-type]
+        validate(_programs(rows), layout or Layout.pipeline(len(rows)), **kwargs)  # type: ignore[arg-type]
     assert "rank 0" in str(error.value) and "step" in str(error.value)  # the grid is in the message
     return error.value
 
@@ -39,8 +40,8 @@ def _broken(edit) -> list[list[str]]:
 
 def test_the_unbroken_program_is_what_lower_produces_and_valid() -> None:
     schedule = generate("gpipe", 2, 2)
-    assert lower(schedule.programs, schedule.stage_map, CHAIN_2, data_parallel=False) == _programs(GPIPE_2x2)
-    validate(_programs(GPIPE_2x2), schedule.stage_map, edges=CHAIN_2)
+    assert lower(schedule.programs, schedule.layout, CHAIN_2) == _programs(GPIPE_2x2)
+    validate(_programs(GPIPE_2x2), schedule.layout, edges=CHAIN_2)
 
 
 def test_b_before_its_f() -> None:
@@ -58,8 +59,7 @@ def test_removed_receive_leaves_a_send_unmatched() -> None:
 
 def test_removed_receive_in_the_middle_is_out_of_order() -> None:
     schedule = generate("gpipe", 2, 3)
-    rows = [[str(a) for a in program] for program in lower(schedule.programs, schedule.stage_map, CHAIN_2,
-                                                            data_parallel=False)]
+    rows = [[str(a) for a in program] for program in lower(schedule.programs, schedule.layout, CHAIN_2)]
     rows[1].remove("1RECV_F1<0")
     error = _rejected(rows)
     assert "out of order: 1RECV_F2<0 expects 0SEND_F2>1 but the next message from rank 0 is 0SEND_F1>1" \
@@ -69,7 +69,7 @@ def test_removed_receive_in_the_middle_is_out_of_order() -> None:
 
 def test_removed_send_leaves_a_receive_waiting() -> None:
     error = _rejected(_broken(lambda rows: rows[1].remove("1SEND_B1>0")))
-    assert "receive without matching send: 0RECV_B1<1 waits for 1SEND_B1>0" in error.reason
+    assert "receive without matching send: 0RECV_B1<1 on rank 0 waits for 1SEND_B1>0" in error.reason
     assert "[0RECV_B1<1]!" in str(error)
 
 
@@ -97,13 +97,13 @@ def test_send_before_its_compute() -> None:
 
 def test_duplicated_f() -> None:
     error = _rejected(_broken(lambda rows: rows[0].insert(2, "0F0")))
-    assert error.reason == "duplicated F: stage 0 micro-batch 0 appears 2 times"
+    assert error.reason == "duplicated F: stage 0 micro-batch 0 appears 2 times on rank 0"
     assert "[0F0]!" in str(error) and error.marks == ((0, 0), (0, 2))
 
 
 def test_missing_b() -> None:
     error = _rejected(_broken(lambda rows: rows[0].remove("0B1")))
-    assert "missing B: stage 0 has no B for micro-batch 1" in error.reason
+    assert "missing B: rank 0 runs stage 0 but has no B for micro-batch 1" in error.reason
 
 
 def test_optimizer_step_before_the_last_backward() -> None:
@@ -113,20 +113,20 @@ def test_optimizer_step_before_the_last_backward() -> None:
 
 def test_action_on_the_wrong_rank() -> None:
     error = _rejected(_broken(lambda rows: rows[0].append("1ALLREDUCE")))
-    assert "1ALLREDUCE is in rank 0's program but stage 1 runs on rank 1" in error.reason
+    assert "1ALLREDUCE is in rank 0's program but stage 1 runs on ranks 1" in error.reason
 
 
 def test_communication_the_edges_need_is_checked() -> None:
     three = generate("gpipe", 3, 1)
-    programs = lower(three.programs, three.stage_map, {(0, 1), (1, 2)}, data_parallel=False)
+    programs = lower(three.programs, three.layout, {(0, 1), (1, 2)})
     with pytest.raises(ScheduleError, match=r"communication missing for the edges given: .*0SEND_F0>2"):
-        validate(programs, three.stage_map, edges={(0, 1), (1, 2), (0, 2)})
+        validate(programs, three.layout, edges={(0, 1), (1, 2), (0, 2)})
 
 
 def test_long_grids_show_the_columns_around_the_failure() -> None:
     schedule = generate("1f1b", 4, 16)
-    rows = [[str(a) for a in program] for program in lower(schedule.programs, schedule.stage_map,
-                                                            {(0, 1), (1, 2), (2, 3)}, data_parallel=False)]
+    rows = [[str(a) for a in program] for program in lower(schedule.programs, schedule.layout,
+                                                            {(0, 1), (1, 2), (2, 3)})]
     forward = rows[3].index("3F14")
     rows[3][forward], rows[3][forward + 1] = rows[3][forward + 1], rows[3][forward]
     message = str(_rejected(rows))
@@ -144,7 +144,7 @@ def test_format_grid_marks_cells() -> None:
 
 def test_duplicated_optimizer_step() -> None:
     error = _rejected(_broken(lambda rows: rows[0].append("0OPTIMIZER_STEP")))
-    assert error.reason == "duplicated OPTIMIZER_STEP: stage 0 runs it 2 times"
+    assert error.reason == "duplicated OPTIMIZER_STEP: stage 0 runs it 2 times on rank 0"
     assert error.marks == ((0, 8), (0, 9))
 
 

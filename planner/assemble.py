@@ -1,0 +1,115 @@
+"""Assemble the Plan of a search result: lower the winning schedule, validate and simulate it."""
+
+from __future__ import annotations
+
+from cost_models.devices import DeviceSpec
+from cost_models.graph.ir import LayerGraph, NodeKind
+from cost_models.units import format_ms
+from planner.plan import (
+    ClusterSpec,
+    LayerRow,
+    ModelRef,
+    Plan,
+    Prediction,
+    RunnerUp,
+    ScheduleSpec,
+    SolverReport,
+    StagePlan,
+    StagePrediction,
+    TrainingSpec,
+    Transfer,
+    freeze,
+)
+from planner.schedules.actions import format_programs
+from planner.schedules.lower import lower
+from planner.schedules.simulate import SimResult, simulate
+from planner.schedules.validate import validate
+from planner.search.search import Candidate, SearchResult, SearchSpace
+from planner.simulation import sim_costs
+
+
+def build_plan(graph: LayerGraph, device: DeviceSpec, space: SearchSpace, result: SearchResult,
+               model: ModelRef) -> Plan:
+    """Lower the winner's schedule to per-rank programs, validate and simulate them, and assemble the Plan.
+
+    No plan leaves the planner that the validator rejects.
+    """
+    best = result.best
+    setup = best.setup
+    layout = setup.schedule.layout
+    part_nodes = _part_nodes(best)
+    transfers = _transfers(best, graph, part_nodes)
+    edges = {(t.src_stage, t.dst_stage) for t in transfers}
+    programs = layout.rank_programs(lower(setup.schedule.programs, layout, edges))
+    validate(programs, layout, edges=edges)
+    parts = tuple(_stage_plan(best, index, nodes) for index, nodes in enumerate(part_nodes))
+    simulated = simulate(programs, layout, sim_costs(layout, parts, transfers))
+    return Plan(
+        model=model,
+        cluster=ClusterSpec(space.gpus, space.gpus_per_node, freeze(device.to_dict()), space.mem_bytes),
+        training=TrainingSpec(space.global_batch_size, setup.config.micro_batch_size,
+                              setup.config.num_microbatches, space.optimizer),
+        schedule=ScheduleSpec(setup.config.schedule, setup.problem.in_flight),
+        layout=layout,
+        stages=parts,
+        layers=tuple(LayerRow(c.name, c.fwd_ms, c.bwd_ms, c.param_bytes, c.saved_activation_bytes,
+                              c.output_bytes) for c in setup.table.costs),
+        programs=format_programs(programs),
+        transfers=transfers,
+        predicted=Prediction(simulated.step_ms, space.global_batch_size / simulated.step_ms * 1e3,
+                             simulated.bubble_fraction, simulated.peak_mem_bytes),
+        solver=_report(result, simulated),
+    )
+
+
+def _part_nodes(best: Candidate) -> list[tuple[str, ...]]:
+    units = best.setup.coarsening.units
+    return [tuple(name for unit in units[p.first_unit:p.last_unit + 1] for name in unit.nodes)
+            for p in best.evaluation.parts]
+
+
+def _transfers(best: Candidate, graph: LayerGraph, part_nodes: list[tuple[str, ...]]) -> tuple[Transfer, ...]:
+    """Bytes each stage sends each later stage per micro-batch (skip connections included), per model copy."""
+    part_of = {name: index for index, names in enumerate(part_nodes) for name in names}
+    sent: dict[tuple[int, int], int] = {}
+    for node in graph:
+        if node.kind is NodeKind.PARAM:
+            continue
+        for target in {part_of[user] for user in graph.users[node.name]} - {part_of[node.name]}:
+            edge = (part_of[node.name], target)
+            sent[edge] = sent.get(edge, 0) + best.setup.table[node.name].output_bytes
+    layout, links = best.setup.schedule.layout, best.setup.problem.links
+    return tuple(Transfer(src_stage, dst_stage, nbytes, links[src].ms(nbytes))
+                 for (src, dst), nbytes in sorted(sent.items())
+                 for src_stage, dst_stage in zip(layout.stages_of_part(src), layout.stages_of_part(dst)))
+
+
+def _stage_plan(best: Candidate, index: int, nodes: tuple[str, ...]) -> StagePlan:
+    part = best.evaluation.parts[index]
+    return StagePlan(index, nodes, StagePrediction(
+        part.fwd_ms, part.bwd_ms, sum(best.setup.table[name].param_bytes for name in nodes),
+        part.static_bytes, part.activation_bytes, part.allreduce_ms))
+
+
+def _report(result: SearchResult, simulated: SimResult) -> SolverReport:
+    best, runner_up = result.best, result.runner_up
+    if best.solver == "manual split":
+        return SolverReport(best.solver, best.status.value, best.objective_ms, 0.0, result.wall_s, 1,
+                            f"split given by the user: {best.setup.config.describe()}; not searched",
+                            f"simulated step {format_ms(simulated.step_ms)}")
+    why = f"{best.setup.config.describe()} has the lowest predicted step ({format_ms(best.objective_ms)})"
+    runner = None
+    if runner_up is not None:
+        config = runner_up.setup.config
+        why += (f"; runner-up {config.describe()} at {format_ms(runner_up.objective_ms)} "
+                f"({runner_up.objective_ms / best.objective_ms:.2f}x)")
+        runner = RunnerUp(config.num_stages, config.data_parallel, config.micro_batch_size, config.schedule,
+                          runner_up.objective_ms)
+    why += (f"; {result.configs_solved} of {result.configs_total} configurations solved, the rest "
+            f"could not fit the memory or could not beat it (lower bound)")
+    slowest = max(range(len(best.evaluation.parts)), key=lambda p: best.evaluation.parts[p].compute_ms)
+    binding = (f"{best.binding}; bottleneck stage {slowest} "
+               f"({format_ms(best.evaluation.parts[slowest].compute_ms)} per micro-batch); simulated step "
+               f"{format_ms(simulated.step_ms)}")
+    return SolverReport(best.solver, best.status.value, best.objective_ms, best.gap, result.wall_s,
+                        result.configs_total, why, binding, runner)

@@ -1,0 +1,25 @@
+"""The schedule kinds tessera generates, searches and runs: one enum, the registry's keys."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class ScheduleKind(str, Enum):
+    """A pipeline schedule family; the value is how plans and the command line name it.
+
+    Every member has a generator in planner/schedules/generate.py (a test checks it), so no kind
+    is advertised that cannot be planned and run.
+    """
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+
+    @classmethod
+    def parse(cls, name: "str | ScheduleKind") -> "ScheduleKind":
+        """The kind named ``name``, or ValueError listing the known kinds."""
+        try:
+            return cls(name)
+        except ValueError:
+            raise ValueError(f"unknown schedule kind {name!r}; known kinds: "
+                             f"{', '.join(kind.value for kind in cls)}") from None

@@ -1,0 +1,254 @@
+"""The parts of a plan: frozen dataclasses, each decoding its own JSON fields explicitly.
+
+Standard library only (plus the standard-library-only cost_models.memory for the precision and
+optimizer enums), so reading a plan stays cheap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from types import MappingProxyType
+from typing import Any
+
+from cost_models.memory import Optimizer, Precision
+from planner.plan import codec
+from planner.plan.kinds import ScheduleKind
+
+
+class ActivationPolicy(str, Enum):
+    """What happens to a node's saved activations between its forward and its backward."""
+
+    KEEP = "keep"
+    HOST = "host"  # swapped to host memory, prefetched before the backward
+    RECOMPUTE = "recompute"  # dropped, recomputed in the backward
+
+
+class StateTier(str, Enum):
+    """Where optimizer state lives."""
+
+    GPU = "gpu"
+    HOST = "host"
+    NVME = "nvme"
+
+
+class ParamTier(str, Enum):
+    """Where parameters live between their uses."""
+
+    GPU = "gpu"
+    HOST = "host"
+
+
+@dataclass(frozen=True)
+class InputMeta:
+    shape: tuple[int, ...]
+    dtype: str
+
+    @classmethod
+    def from_dict(cls, data: Any, path: str) -> InputMeta:
+        return codec.fields(cls, data, path, {"shape": codec.tuple_of(codec.integer), "dtype": codec.string})
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """How the runtime rebuilds the model and checks it is the one that was planned."""
+
+    builder: str | None
+    builder_kwargs: Mapping[str, Any]
+    fingerprint: str
+    example_inputs: tuple[InputMeta, ...]
+    precision: Precision
+
+    @classmethod
+    def from_dict(cls, data: Any, path: str) -> ModelRef:
+        return codec.fields(cls, data, path, {
+            "builder": codec.optional(codec.string), "builder_kwargs": codec.json_object,
+            "fingerprint": codec.string, "example_inputs": codec.tuple_of(InputMeta.from_dict),
+            "precision": codec.enum_of(Precision)})
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    gpus: int
+    gpus_per_node: int
+    device: Mapping[str, Any]  # DeviceSpec.to_dict(): name, mem_bytes, links, ...
+    mem_bytes: int  # the per-GPU budget the plan was made for
+
+    @property
+    def device_name(self) -> str:
+        return str(self.device["name"])
+
+    @classmethod
+    def from_dict(cls, data: Any, path: str) -> ClusterSpec:
+        return codec.fields(cls, data, path, {"gpus": codec.integer, "gpus_per_node": codec.integer,
+                                              "device": codec.json_object, "mem_bytes": codec.integer})
+
+
+@dataclass(frozen=True)
+class TrainingSpec:
+    global_batch_size: int
+    micro_batch_size: int
+    num_microbatches: int
+    optimizer: Optimizer
+
+    @classmethod
+    def from_dict(cls, data: Any, path: str) -> TrainingSpec:
+        return codec.fields(cls, data, path, {
+            "global_batch_size": codec.integer, "micro_batch_size": codec.integer,
+            "num_microbatches": codec.integer, "optimizer": codec.enum_of(Optimizer)})
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """The schedule family and, per stage, the most micro-batches whose activations it holds at once."""
+
+    kind: ScheduleKind
+    in_flight: tuple[int, ...]
+
+    @classmethod
+    def from_dict(cls, data: Any, path: str) -> ScheduleSpec:
+        return codec.fields(cls, data, path, {"kind": codec.enum_of(ScheduleKind),
+                                              "in_flight": codec.tuple_of(codec.integer)})
+
+
+@dataclass(frozen=True)
+class OffloadSpec:
+    """Per-node activation policy and where optimizer state and weights live."""
+
+    activations: Mapping[str, ActivationPolicy] = field(default_factory=lambda: MappingProxyType({}))
+    optimizer_state: StateTier = StateTier.GPU
+    params: ParamTier = ParamTier.GPU
+
+    @property
+    def is_default(self) -> bool:
+        """Everything kept on the GPU (what the runtime executes today)."""
+        return (self.optimizer_state is StateTier.GPU and self.params is ParamTier.GPU
+                and all(policy is ActivationPolicy.KEEP for policy in self.activations.values()))
+
+    @classmethod
+    def from_dict(cls, data: Any, path: str) -> OffloadSpec:
+        return codec.fields(cls, data, path, {
+            "activations": codec.mapping_of(codec.enum_of(ActivationPolicy)),
+            "optimizer_state": codec.enum_of(StateTier), "params": codec.enum_of(ParamTier)})
+
+
+@dataclass(frozen=True)
+class StagePrediction:
+    """What one part costs: per micro-batch times, memory held all step, memory per micro-batch in flight."""
+
+    fwd_ms: float
+    bwd_ms: float
+    param_bytes: int
+    static_bytes: int  # held all step: weights, gradients, optimizer state, buffers, transient, send buffer
+    activation_bytes: int  # per micro-batch in flight: saved activations + received inputs
+    allreduce_ms: float = 0.0  # gradient all-reduce over the part's copies (0 without data parallelism)
+
+    @classmethod
+    def from_dict(cls, data: Any, path: str) -> StagePrediction:
+        return codec.fields(cls, data, path, {
+            "fwd_ms": codec.number, "bwd_ms": codec.number, "param_bytes": codec.integer,
+            "static_bytes": codec.integer, "activation_bytes": codec.integer, "allreduce_ms": codec.number})
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One part of the model: what a stage computes (where it runs is the plan's layout)."""
+
+    index: int
+    nodes: tuple[str, ...]
+    predicted: StagePrediction
+    spatial: Mapping[str, Any] | None = None
+    offload: OffloadSpec = field(default_factory=OffloadSpec)
+
+    @classmethod
+    def from_dict(cls, data: Any, path: str) -> StagePlan:
+        return codec.fields(cls, data, path, {
+            "index": codec.integer, "nodes": codec.tuple_of(codec.string),
+            "predicted": StagePrediction.from_dict, "spatial": codec.optional(codec.json_object),
+            "offload": OffloadSpec.from_dict})
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Activations one stage sends another per micro-batch (gradients return the same size)."""
+
+    src_stage: int
+    dst_stage: int
+    nbytes: int
+    ms: float
+
+    @classmethod
+    def from_dict(cls, data: Any, path: str) -> Transfer:
+        return codec.fields(cls, data, path, {"src_stage": codec.integer, "dst_stage": codec.integer,
+                                              "nbytes": codec.integer, "ms": codec.number})
+
+
+@dataclass(frozen=True)
+class LayerRow:
+    """One row of the cost table the solver used (per micro-batch)."""
+
+    name: str
+    fwd_ms: float
+    bwd_ms: float
+    param_bytes: int
+    saved_activation_bytes: int
+    output_bytes: int
+
+    @classmethod
+    def from_dict(cls, data: Any, path: str) -> LayerRow:
+        return codec.fields(cls, data, path, {
+            "name": codec.string, "fwd_ms": codec.number, "bwd_ms": codec.number,
+            "param_bytes": codec.integer, "saved_activation_bytes": codec.integer,
+            "output_bytes": codec.integer})
+
+
+@dataclass(frozen=True)
+class Prediction:
+    step_ms: float
+    samples_per_s: float
+    bubble_fraction: float
+    peak_mem_bytes: tuple[int, ...]  # per rank
+
+    @classmethod
+    def from_dict(cls, data: Any, path: str) -> Prediction:
+        return codec.fields(cls, data, path, {
+            "step_ms": codec.number, "samples_per_s": codec.number, "bubble_fraction": codec.number,
+            "peak_mem_bytes": codec.tuple_of(codec.integer)})
+
+
+@dataclass(frozen=True)
+class RunnerUp:
+    """The second-best configuration the search solved."""
+
+    num_stages: int
+    data_parallel: int
+    micro_batch_size: int
+    schedule: ScheduleKind
+    step_ms: float
+
+    @classmethod
+    def from_dict(cls, data: Any, path: str) -> RunnerUp:
+        return codec.fields(cls, data, path, {
+            "num_stages": codec.integer, "data_parallel": codec.integer, "micro_batch_size": codec.integer,
+            "schedule": codec.enum_of(ScheduleKind), "step_ms": codec.number})
+
+
+@dataclass(frozen=True)
+class SolverReport:
+    name: str
+    status: str
+    objective: float
+    gap: float
+    wall_s: float
+    configs_tried: int
+    why: str
+    binding: str = ""
+    runner_up: RunnerUp | None = None
+
+    @classmethod
+    def from_dict(cls, data: Any, path: str) -> SolverReport:
+        return codec.fields(cls, data, path, {
+            "name": codec.string, "status": codec.string, "objective": codec.number, "gap": codec.number,
+            "wall_s": codec.number, "configs_tried": codec.integer, "why": codec.string,
+            "binding": codec.string, "runner_up": codec.optional(RunnerUp.from_dict)})

@@ -1,0 +1,63 @@
+"""Plan files of earlier schema versions, rewritten into the current one on load.
+
+Schema 1 (tessera before the layout) kept each stage's ranks in the stage and assumed stage s of
+replica r on rank s * data_parallel + r; schema 2 stores the layout, per-part costs (memory held
+all step and per micro-batch in flight) and per-stage in-flight counts. Nothing is lost: a
+schema-1 plan runs exactly as it did.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from cost_models.errors import PlanFileError
+
+SCHEMA_VERSION = 2
+
+
+def upgrade(data: Any) -> Mapping[str, Any]:
+    """``data`` in the current schema (a new dict when it was older); refuses unknown versions."""
+    if not isinstance(data, Mapping):
+        raise ValueError(f"a plan must be a JSON object, got {type(data).__name__}")
+    version = data.get("schema_version")
+    if version == SCHEMA_VERSION:
+        return data
+    if version == 1:
+        try:
+            return _from_v1(data)
+        except (KeyError, TypeError, AttributeError, ZeroDivisionError) as error:
+            raise ValueError(f"schema-1 plan lacks or garbles {error!s} and cannot be upgraded") from None
+    raise PlanFileError(f"plan schema_version is {version!r} but this tessera reads versions 1 and "
+                        f"{SCHEMA_VERSION}; re-create the plan with `tessera plan` (or use the tessera "
+                        f"that wrote it)")
+
+
+def _from_v1(data: Mapping[str, Any]) -> dict[str, Any]:
+    new = {key: value for key, value in data.items() if key != "data_parallel"}
+    stages = data["stages"]
+    replicas = int(data["data_parallel"])
+    new["layout"] = {"stage_part": list(range(len(stages))), "stage_slot": list(range(len(stages))),
+                     "slot_ranks": [[[stage["ranks"][replica]] for stage in stages] for replica in range(replicas)]}
+    new["stages"] = [_stage_from_v1(stage) for stage in stages]
+    new["schedule"] = {"kind": data["schedule"]["kind"],
+                       "in_flight": [stage["predicted"]["in_flight"] for stage in stages]}
+    solver = dict(data["solver"])
+    if solver.get("runner_up") is not None:
+        solver["runner_up"] = {key: solver["runner_up"][key] for key in
+                               ("num_stages", "data_parallel", "micro_batch_size", "schedule", "step_ms")}
+    new["solver"] = solver
+    new["schema_version"] = SCHEMA_VERSION
+    return new
+
+
+def _stage_from_v1(stage: Mapping[str, Any]) -> dict[str, Any]:
+    predicted = stage["predicted"]
+    held = predicted["activation_bytes"]  # in-flight micro-batches x (saved + received)
+    return {"index": stage["index"], "nodes": stage["nodes"], "spatial": stage["spatial"],
+            "offload": stage["offload"],
+            "predicted": {"fwd_ms": predicted["fwd_ms"], "bwd_ms": predicted["bwd_ms"],
+                          "param_bytes": predicted["param_bytes"],
+                          "static_bytes": predicted["peak_mem_bytes"] - held,
+                          "activation_bytes": held // predicted["in_flight"],
+                          "allreduce_ms": predicted["allreduce_ms"]}}

@@ -1,0 +1,125 @@
+"""Evaluate a partition on a CostModel: any term on any part in O(1), alone or for many parts at once.
+
+A term's value (planner/search/terms.py) is computed in two forms of the same arithmetic: one part
+(plain Python, for evaluating partitions and the Pareto DP) and one last unit with many first
+units (numpy, for the memory-floor DP); tests/unit/test_partition.py checks they agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from planner.search.terms import BREAKDOWN, Aggregate, CostModel, MemoryRow, Reduce, Term
+
+
+def term_values(model: CostModel, term: Term, firsts: np.ndarray, last: int) -> np.ndarray:
+    """The term's value for parts holding units ``firsts[k]..last``, for every k (firsts <= last)."""
+    values = np.full(len(firsts), term.constant)
+    if term.per_unit:
+        prefix = np.asarray(term.unit_prefix)
+        values = values + (prefix[last + 1] - prefix[firsts])
+    if term.ends_after:
+        values = values + term.ends_after[last]
+    if term.starts_after:
+        values = values + np.asarray(term.starts_after)[firsts - 1]
+    for coefficient, next_use in zip(term.per_shared, model.shared_next_use):
+        if coefficient:
+            values = values + np.where(np.asarray(next_use)[firsts] <= last, coefficient, 0.0)
+    if term.unit_max:
+        window = np.asarray(term.unit_max[firsts.min():last + 1])
+        suffix_max = np.maximum.accumulate(window[::-1])[::-1]  # max over [first..last] for each first
+        values = values + suffix_max[firsts - firsts.min()]
+    return values
+
+
+def term_value(model: CostModel, term: Term, first: int, last: int) -> float:
+    """The term's value for a part holding units ``first..last``."""
+    value = term.constant
+    if term.per_unit:
+        value += term.unit_prefix[last + 1] - term.unit_prefix[first]
+    if term.ends_after:
+        value += term.ends_after[last]
+    if term.starts_after:
+        value += term.starts_after[first - 1]
+    for coefficient, next_use in zip(term.per_shared, model.shared_next_use):
+        if coefficient and next_use[first] <= last:
+            value += coefficient
+    if term.unit_max:
+        value += term.max_over(first, last)
+    return value
+
+
+@dataclass(frozen=True)
+class PartSummary:
+    """One part's costs (the BREAKDOWN terms) for the units it holds."""
+
+    first_unit: int
+    last_unit: int
+    fwd_ms: float
+    bwd_ms: float
+    send_ms: float  # forward transfer across the cut after this part
+    allreduce_ms: float
+    grad_bytes: int
+    static_bytes: int  # held all step: model state, transient, send buffer
+    activation_bytes: int  # per micro-batch in flight: saved activations + received inputs
+
+    @property
+    def compute_ms(self) -> float:
+        return self.fwd_ms + self.bwd_ms
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """A partition's parts, each slot's peak memory and the step time."""
+
+    cuts: tuple[int, ...]
+    parts: tuple[PartSummary, ...]
+    slot_peak_bytes: tuple[int, ...]
+    step_ms: float
+
+    def fits(self, mem_bytes: int) -> bool:
+        return self.peak_mem_bytes <= mem_bytes
+
+    @property
+    def peak_mem_bytes(self) -> int:
+        return max(self.slot_peak_bytes)
+
+
+def segments(num_units: int, cuts: tuple[int, ...]) -> list[tuple[int, int]]:
+    """Cuts (unit indices after which a part ends) to inclusive (first, last) unit ranges."""
+    starts = (0, *(cut + 1 for cut in cuts))
+    ends = (*cuts, num_units - 1)
+    return list(zip(starts, ends))
+
+
+def evaluate(model: CostModel, cuts: tuple[int, ...]) -> Evaluation:
+    """Evaluate the partition whose part s ends after unit ``cuts[s]``."""
+    if len(cuts) != model.num_parts - 1 or list(cuts) != sorted(set(cuts)) or (
+            cuts and not 0 <= cuts[0] <= cuts[-1] < model.num_units - 1):
+        raise ValueError(f"cuts {cuts} must be {model.num_parts - 1} increasing unit indices "
+                         f"below {model.num_units - 1}")
+    ranges = segments(model.num_units, cuts)
+    parts = tuple(_summary(model, part, first, last) for part, (first, last) in enumerate(ranges))
+    peaks = tuple(round(row_value(model, row, ranges)) for row in model.memory)
+    step = sum(aggregate_value(model, aggregate, ranges) for aggregate in model.objective)
+    return Evaluation(tuple(cuts), parts, peaks, step)
+
+
+def aggregate_value(model: CostModel, aggregate: Aggregate, ranges: list[tuple[int, int]]) -> float:
+    values = [term_value(model, term, *ranges[part]) for part, term in aggregate.members]
+    if not values:
+        return 0.0
+    return aggregate.weight * (sum(values) if aggregate.reduce is Reduce.SUM else max(values))
+
+
+def row_value(model: CostModel, row: MemoryRow, ranges: list[tuple[int, int]]) -> float:
+    return sum(term_value(model, term, *ranges[part]) for part, term in row.members)
+
+
+def _summary(model: CostModel, part: int, first: int, last: int) -> PartSummary:
+    values = {name: term_value(model, model.parts[part][name], first, last) for name in BREAKDOWN}
+    return PartSummary(first, last, values["fwd_ms"], values["bwd_ms"], values["send_ms"],
+                       values["allreduce_ms"], round(values["grad_bytes"]), round(values["static_bytes"]),
+                       round(values["activation_bytes"]))

@@ -1,0 +1,289 @@
+"""Every cost of a partition, written once, as coefficients over the partition's decision variables.
+
+The decision: units 0..U-1 go to parts 0..P-1, contiguously. A **term** is a quantity of one part
+that is linear in the decision variables (plus at most one maximum over the units it holds):
+
+    term(part holding units first..last) = constant
+        + sum of per_unit[i]            for i in first..last        (x[i, part])
+        + ends_after[last]              when the part is not the last (its outgoing cut)
+        + starts_after[first - 1]       when the part is not the first (its incoming cut)
+        + sum of per_shared[q]          for each shared parameter q its units use
+        + max of unit_max[i]            over i in first..last
+
+A term built for the last part has no ``ends_after`` and one for the first part no
+``starts_after``. The step time is a weighted sum of **aggregates** (sums or maxima of terms over
+parts) and every slot's memory is a **row** (a sum of terms) that must fit the budget. From these
+data the ILP's rows (planner/search/ilp.py), the evaluator of a given partition
+(planner/search/evaluate.py) and the exact dynamic programs (planner/search/oracle.py) are
+generated: a new cost (recompute time, host transfer, halo exchange) is a new term here and
+nowhere else. :func:`cost_model` is the only function that writes cost formulas.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from enum import Enum
+
+from planner.plan.kinds import ScheduleKind
+from planner.search.problem import PipelineProblem
+
+
+@dataclass(frozen=True, eq=False)
+class Term:
+    """One part's quantity (see the module docstring); empty tuples mean all-zero coefficients."""
+
+    constant: float = 0.0
+    per_unit: tuple[float, ...] = ()
+    ends_after: tuple[float, ...] = ()
+    starts_after: tuple[float, ...] = ()
+    per_shared: tuple[float, ...] = ()
+    unit_max: tuple[float, ...] = ()
+    max_name: str = "max"  # what the maximum over units is (names its ILP variable)
+
+    def plus(self, other: Term, weight: float = 1.0) -> Term:
+        """``self + weight * other`` (at most one of them may take a maximum over units)."""
+        if self.unit_max and other.unit_max:
+            raise ValueError("a term holds at most one maximum over units; keep the two terms apart")
+        return Term(self.constant + weight * other.constant, _add(self.per_unit, other.per_unit, weight),
+                    _add(self.ends_after, other.ends_after, weight),
+                    _add(self.starts_after, other.starts_after, weight),
+                    _add(self.per_shared, other.per_shared, weight), _add(self.unit_max, other.unit_max, weight),
+                    self.max_name if self.unit_max else other.max_name)
+
+    @property
+    def unit_only(self) -> bool:
+        """A constant plus per-unit coefficients: its sum over a partition's parts is fixed."""
+        return not (self.ends_after or self.starts_after or self.per_shared or self.unit_max)
+
+    @functools.cached_property
+    def unit_prefix(self) -> tuple[float, ...]:
+        """Running sums of ``per_unit`` (prefix[i] = sum of the first i), for O(1) range sums."""
+        running, total = [0.0], 0.0
+        for value in self.per_unit:
+            total += value
+            running.append(total)
+        return tuple(running)
+
+    def max_over(self, first: int, last: int) -> float:
+        """max(unit_max[first..last]) in O(1) (a sparse table built on first use)."""
+        level = (last - first + 1).bit_length() - 1
+        table = self._max_table
+        return max(table[level][first], table[level][last - (1 << level) + 1])
+
+    @functools.cached_property
+    def _max_table(self) -> list[tuple[float, ...]]:
+        table = [tuple(self.unit_max)]
+        width = 1
+        while 2 * width <= len(self.unit_max):
+            previous = table[-1]
+            table.append(tuple(max(previous[i], previous[i + width]) for i in range(len(previous) - width)))
+            width *= 2
+        return table
+
+
+def _add(a: tuple[float, ...], b: tuple[float, ...], weight: float) -> tuple[float, ...]:
+    if not b:
+        return a
+    if not a:
+        return tuple(weight * value for value in b)
+    return tuple(x + weight * y for x, y in zip(a, b, strict=True))
+
+
+class Reduce(str, Enum):
+    SUM = "sum"
+    MAX = "max"
+
+
+@dataclass(frozen=True)
+class Aggregate:
+    """``weight x`` the sum or the maximum of its members' terms, each on its part."""
+
+    name: str
+    reduce: Reduce
+    weight: float
+    members: tuple[tuple[int, Term], ...]  # (part, term)
+
+
+@dataclass(frozen=True)
+class MemoryRow:
+    """What one slot's ranks hold at their peak: the sum of its members' terms, at most the budget.
+
+    A slot holding several stages adds up each stage's own peak (exact for one stage per slot,
+    an upper bound otherwise).
+    """
+
+    slot: int
+    members: tuple[tuple[int, Term], ...]  # (part, term)
+
+
+BREAKDOWN = ("fwd_ms", "bwd_ms", "send_ms", "allreduce_ms", "grad_bytes", "static_bytes", "activation_bytes")
+"""The per-part terms every evaluation reports (planner/search/evaluate.py: PartSummary)."""
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """One configuration's costs as data: per-part terms, the step as aggregates, memory per slot."""
+
+    problem: PipelineProblem
+    parts: tuple[dict[str, Term], ...]  # per part, the BREAKDOWN terms (and any the objective adds)
+    objective: tuple[Aggregate, ...]
+    memory: tuple[MemoryRow, ...]
+    shared_next_use: tuple[tuple[int, ...], ...] = field(repr=False, default=())
+
+    @property
+    def num_units(self) -> int:
+        return len(self.problem.units)
+
+    @property
+    def num_parts(self) -> int:
+        return len(self.parts)
+
+
+def cost_model(problem: PipelineProblem) -> CostModel:
+    """The costs of ``problem``'s configuration, written as terms: the one place formulas live.
+
+    Per micro-batch, for part s: compute F_s + B_s; the forward transfer c_s across its outgoing
+    cut (the gradient returns in the same time); gradient all-reduce a_s over the part's copies.
+    Step (one micro-batch's path through every part and link, then M - 1 more at the pace of the
+    slowest resource, then the slowest all-reduce):
+
+        step = sum_s (F_s + B_s) + 2 sum_s c_s + (M - 1) max(max_s (F_s + B_s), max_s c_s [, 1F1B: max_s r_s])
+               + max_s a_s
+
+    where, under 1F1B, a part cannot start its next forward before its successor returned the
+    backward of an earlier micro-batch: r_s = F_s + B_s + 2 c_{s-1} (its compute plus the round trip
+    from its predecessor). Memory of stage t on part s: its weights, gradients, optimizer state and
+    buffers, its largest transient, one send buffer, and in-flight(t) x (saved activations +
+    received inputs); on the last part the activations include what the loss keeps (added to the
+    unit holding the graph's output in planner/search/problem.py).
+    """
+    shared = _shared_terms(problem)
+    parts = tuple(_part_terms(problem, part, shared) for part in range(problem.num_parts))
+    return CostModel(problem, parts, _objective(problem, parts), _memory_rows(problem, parts),
+                     _next_use(problem))
+
+
+def _shared_terms(problem: PipelineProblem) -> dict[str, Term]:
+    """The terms every part has alike (per-unit sums), built once and shared by all parts."""
+    units, shared = problem.units, problem.shared
+    terms = {
+        "fwd_ms": Term(per_unit=tuple(u.fwd_ms for u in units)),
+        "bwd_ms": Term(per_unit=tuple(u.bwd_ms for u in units)),
+        "grad_bytes": Term(per_unit=tuple(float(u.grad_bytes) for u in units),
+                           per_shared=tuple(float(p.grad_bytes) for p in shared)),
+        "state_bytes": Term(per_unit=tuple(float(u.state_bytes) for u in units),
+                            per_shared=tuple(float(p.state_bytes) for p in shared),
+                            unit_max=tuple(float(u.transient_bytes) for u in units), max_name="transient"),
+        "saved_bytes": Term(per_unit=tuple(float(u.activation_bytes) for u in units)),
+        "sent_bytes": Term(ends_after=tuple(float(b) for b in problem.boundary_bytes)),
+        "received_bytes": Term(starts_after=tuple(float(b) for b in problem.boundary_bytes)),
+    }
+    terms["compute_ms"] = terms["fwd_ms"].plus(terms["bwd_ms"])
+    terms["static_bytes"] = terms["state_bytes"].plus(terms["sent_bytes"])
+    terms["activation_bytes"] = terms["saved_bytes"].plus(terms["received_bytes"])
+    return terms
+
+
+def _part_terms(problem: PipelineProblem, part: int, shared: dict[str, Term]) -> dict[str, Term]:
+    """Part ``part``'s terms: held all step, per micro-batch, its link and all-reduce times."""
+    is_first, is_last = part == 0, part == problem.num_parts - 1
+    boundary = problem.boundary_bytes
+    allreduce = problem.allreduce[part]
+    terms = {name: shared[name] for name in ("fwd_ms", "bwd_ms", "compute_ms", "grad_bytes")}
+    terms["static_bytes"] = shared["state_bytes" if is_last else "static_bytes"]  # + one send buffer
+    terms["activation_bytes"] = shared["saved_bytes" if is_first else "activation_bytes"]  # + received inputs
+    terms["send_ms"] = Term(ends_after=() if is_last else tuple(problem.links[part].ms(b) for b in boundary))
+    terms["allreduce_ms"] = Term(constant=allreduce.fixed_ms).plus(shared["grad_bytes"], allreduce.ms_per_byte)
+    if problem.schedule is ScheduleKind.ONE_F_ONE_B and not is_first:
+        round_trip = tuple(2 * problem.links[part - 1].ms(b) for b in boundary)
+        terms["round_trip_ms"] = shared["compute_ms"].plus(Term(starts_after=round_trip))
+    return terms
+
+
+def _objective(problem: PipelineProblem, parts: tuple[dict[str, Term], ...]) -> tuple[Aggregate, ...]:
+    last = problem.num_parts - 1
+    pace = [(part, terms["compute_ms"]) for part, terms in enumerate(parts)]
+    for part in range(last):
+        pace.append((part, parts[part]["send_ms"]))
+        if "round_trip_ms" in parts[part + 1]:
+            pace.append((part + 1, parts[part + 1]["round_trip_ms"]))
+    return (
+        Aggregate("compute", Reduce.SUM, 1.0, tuple((p, t["compute_ms"]) for p, t in enumerate(parts))),
+        Aggregate("transfers", Reduce.SUM, 2.0, tuple((p, parts[p]["send_ms"]) for p in range(last))),
+        Aggregate("bottleneck", Reduce.MAX, float(problem.num_microbatches - 1), tuple(pace)),
+        Aggregate("allreduce", Reduce.MAX, 1.0, tuple((p, t["allreduce_ms"]) for p, t in enumerate(parts))),
+    )
+
+
+def _memory_rows(problem: PipelineProblem, parts: tuple[dict[str, Term], ...]) -> tuple[MemoryRow, ...]:
+    layout = problem.layout
+    rows = []
+    for slot in range(layout.num_slots):
+        members = []
+        for stage in layout.stages_on_slot(slot):
+            terms = parts[layout.part(stage)]
+            members.append((layout.part(stage),
+                            terms["static_bytes"].plus(terms["activation_bytes"], problem.in_flight[stage])))
+        rows.append(MemoryRow(slot, tuple(members)))
+    return tuple(rows)
+
+
+def _next_use(problem: PipelineProblem) -> tuple[tuple[int, ...], ...]:
+    """Per shared parameter, for every unit f, the first unit at or after f using it (U if none)."""
+    count = len(problem.units)
+    result = []
+    for q in range(len(problem.shared)):
+        following = [count] * (count + 1)
+        for index in range(count - 1, -1, -1):
+            following[index] = index if q in problem.units[index].shared else following[index + 1]
+        result.append(tuple(following))
+    return tuple(result)
+
+
+def fixed_sum(aggregate: Aggregate, num_parts: int) -> float | None:
+    """The (unweighted) value of a sum no partition changes (one unit-only term over every part), else None.
+
+    Such a sum (the total compute) is a constant of the ILP and no label of the DP.
+    """
+    if aggregate.reduce is not Reduce.SUM or sorted(part for part, _ in aggregate.members) != list(range(num_parts)):
+        return None
+    terms = [term for _, term in aggregate.members]
+    first = terms[0]
+    if not all(t.unit_only and t.per_unit == first.per_unit and t.constant == first.constant for t in terms):
+        return None
+    return first.unit_prefix[-1] + num_parts * first.constant
+
+
+def lower_bound(costs: CostModel) -> float:
+    """A step time no partition can beat, from the aggregates alone (every coefficient is >= 0).
+
+    A fixed sum counts in full, other sums at least their constants; a maximum is at least the
+    largest member constant and, over one unit-only term on every part, at least the larger of
+    its average part and its largest unit.
+    """
+    total = 0.0
+    for aggregate in costs.objective:
+        fixed = fixed_sum(aggregate, costs.num_parts)
+        if fixed is not None:
+            total += aggregate.weight * fixed
+        elif aggregate.reduce is Reduce.SUM:
+            total += aggregate.weight * sum(term.constant for _, term in aggregate.members)
+        elif aggregate.members:
+            total += aggregate.weight * max(_max_lower_bound(aggregate, costs.num_parts),
+                                            max(term.constant for _, term in aggregate.members))
+    return total
+
+
+def _max_lower_bound(aggregate: Aggregate, num_parts: int) -> float:
+    """Over unit-only terms with the same per-unit coefficients on every part: the smallest constant
+    plus the larger of the average part and the largest unit."""
+    best = 0.0
+    groups: dict[tuple[float, ...], dict[int, float]] = {}
+    for part, term in aggregate.members:
+        if term.unit_only and term.per_unit:
+            groups.setdefault(term.per_unit, {})[part] = term.constant
+    for per_unit, constants in groups.items():
+        if len(constants) == num_parts:
+            best = max(best, min(constants.values()) + max(sum(per_unit) / num_parts, max(per_unit)))
+    return best
