@@ -10,43 +10,29 @@ from __future__ import annotations
 
 import collections
 import operator
-from copy import deepcopy
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import (DataDependentOutputException,
-                                           DynamicOutputShapeException, FakeTensorMode,
-                                           unset_fake_temporarily)
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
 from cost_models.fake_memo import Recording, node_key, rebuild_output, record
-
-
-@dataclass(frozen=True)
-class OutputMeta:
-    """Shape, dtype, logical size and requires_grad of one tensor output."""
-
-    shape: tuple[int, ...]
-    dtype: str
-    nbytes: int
-    requires_grad: bool
+from cost_models.graph.ir import TensorMeta
+from cost_models.graph.shapes import (VALUE_DEPENDENT, concrete_copy, dtype_name, fake_state,
+                                      named_state, tensor_leaves, tensor_metas)
 
 
 @dataclass(frozen=True)
 class NodeMeasurement:
     """Per-node result of the fake run; saved bytes are attributed to the allocating node."""
 
-    outputs: tuple[OutputMeta, ...]
+    outputs: tuple[TensorMeta, ...]
     fwd_flops: int
     bwd_flops: int
     saved_bytes_by_dtype: tuple[tuple[str, int], ...]
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def storage_key(tensor: torch.Tensor) -> int:
@@ -105,28 +91,13 @@ def measure_graph(module: torch.fx.GraphModule,
                   example_inputs: tuple[torch.Tensor, ...]) -> dict[str, NodeMeasurement]:
     """Measure every node of ``module`` on fake copies of ``example_inputs`` (values unused)."""
     with FakeTensorMode() as fake_mode:
-        state = _fake_state(module)
+        state = fake_state(module)
         ledger = StorageLedger(state.values())
         runner = _FakeRunner(module, state, ledger, fake_mode)
         flops = runner.run(example_inputs)
     return {name: NodeMeasurement(outputs, fwd, bwd,
                                   tuple(sorted(ledger.saved.get(name, {}).items())))
             for name, (outputs, fwd, bwd) in flops.items()}
-
-
-def _named_state(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    return [*module.named_parameters(remove_duplicate=False),
-            *module.named_buffers(remove_duplicate=False)]
-
-
-def _fake_state(module: torch.nn.Module) -> dict[int, torch.Tensor]:
-    """A fake tensor for every parameter and buffer, keyed by the real tensor's id()."""
-    fakes: dict[int, torch.Tensor] = {}
-    for _, tensor in _named_state(module):
-        if id(tensor) not in fakes:
-            fake = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu")
-            fakes[id(tensor)] = fake.requires_grad_(tensor.requires_grad)
-    return fakes
 
 
 class _FakeRunner:
@@ -156,7 +127,7 @@ class _FakeRunner:
                 fwd = bwd = 0
             else:
                 env[node.name], fwd, bwd = self._call(node, env)
-            results[node.name] = (_output_metas(env[node.name]), fwd, bwd)
+            results[node.name] = (tensor_metas(env[node.name]), fwd, bwd)
         return results
 
     def _fake_input(self, value: torch.Tensor, name: str) -> torch.Tensor:
@@ -176,7 +147,7 @@ class _FakeRunner:
     def _call(self, node: torch.fx.Node, env: dict[str, Any]) -> tuple[Any, int, int]:
         try:
             return self._call_fake(node, env)
-        except (DataDependentOutputException, DynamicOutputShapeException):
+        except VALUE_DEPENDENT:
             if node.op != "call_module":
                 raise
             return self._call_concrete(node, env)
@@ -226,7 +197,7 @@ class _FakeRunner:
         device); the branch the zeros take is the one costed.
         """
         with unset_fake_temporarily():
-            submodule = _concrete_copy(self.module.get_submodule(node.target))
+            submodule = concrete_copy(self.module.get_submodule(node.target))
             self.ledger.param_keys.update(storage_key(t) for t in
                                           [*submodule.parameters(), *submodule.buffers()])
             leaves: list[torch.Tensor] = []
@@ -276,7 +247,7 @@ class _FakeRunner:
     def _callable(self, node: torch.fx.Node) -> tuple[Callable[..., Any], list[torch.Tensor]]:
         if node.op == "call_module":
             submodule = self.module.get_submodule(node.target)
-            local = {name: self.state[id(t)] for name, t in _named_state(submodule)}
+            local = {name: self.state[id(t)] for name, t in named_state(submodule)}
             params = [t for t in dict.fromkeys(local.values()) if t.requires_grad]
 
             def call_module(*args: Any, **kwargs: Any) -> Any:
@@ -297,16 +268,6 @@ class _FakeRunner:
         return pack
 
 
-def _concrete_copy(module: torch.nn.Module) -> torch.nn.Module:
-    copy = deepcopy(module)
-    if any(t.device.type == "meta" for t in [*copy.parameters(), *copy.buffers()]):
-        copy = copy.to_empty(device="cpu")
-        with torch.no_grad():
-            for tensor in [*copy.parameters(), *copy.buffers()]:
-                tensor.zero_()
-    return copy.cpu()
-
-
 def _backward_flops(output: Any, inputs: list[torch.Tensor]) -> int:
     targets = [t for t in tensor_leaves(output) if t.requires_grad and t.is_floating_point()]
     if not targets or not inputs:
@@ -317,11 +278,6 @@ def _backward_flops(output: Any, inputs: list[torch.Tensor]) -> int:
     return counter.get_total_flops()
 
 
-def tensor_leaves(value: Any) -> list[torch.Tensor]:
-    """Every tensor inside a (nested) value, in pytree order."""
-    return [leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)]
-
-
 def detach_tree(value: Any) -> Any:
     """``value`` with every tensor detached, keeping its requires_grad flag."""
     def detach(leaf: Any) -> Any:
@@ -329,8 +285,3 @@ def detach_tree(value: Any) -> Any:
             return leaf.detach().requires_grad_(leaf.requires_grad)
         return leaf
     return pytree.tree_map(detach, value)
-
-
-def _output_metas(value: Any) -> tuple[OutputMeta, ...]:
-    return tuple(OutputMeta(tuple(t.shape), dtype_name(t.dtype), t.numel() * t.element_size(),
-                            t.requires_grad) for t in tensor_leaves(value))

@@ -20,7 +20,8 @@ from torch.utils import _pytree as pytree
 
 from cost_models.devices import DeviceSpec, get_device
 from cost_models.estimation import CostTable, estimate
-from cost_models.fake_measure import detach_tree, tensor_leaves
+from cost_models.fake_measure import detach_tree
+from cost_models.graph.shapes import tensor_leaves
 from cost_models.errors import ProfileError
 
 if TYPE_CHECKING:

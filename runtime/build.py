@@ -53,10 +53,10 @@ def meta_inputs(plan: Plan) -> tuple[torch.Tensor, ...]:
 
 def trace_checked(model: nn.Module, plan: Plan,
                   leaf_modules: Sequence[LeafSpec] = ()) -> torch.fx.GraphModule:
-    """Trace as the planner did and check the fingerprint; returns the traced GraphModule."""
-    from cost_models.graph.tracing import trace_module
+    """Capture as the planner did and check the fingerprint (nothing is costed); returns the GraphModule."""
+    from cost_models.graph.tracing import rebuild_graph
 
-    graph, traced = trace_module(model, meta_inputs(plan), leaf_modules)
+    graph, traced = rebuild_graph(model, meta_inputs(plan), leaf_modules)
     if graph.fingerprint != plan.model.fingerprint:
         raise RuntimeSetupError(
             f"the rebuilt model's graph fingerprint {graph.fingerprint[:16]}... differs from the "

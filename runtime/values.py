@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from cost_models.errors import RuntimeSetupError
+from cost_models.graph.shapes import propagate
 
 
 class ValueKind(str, Enum):
@@ -89,26 +89,12 @@ def value_specs(module: torch.fx.GraphModule, inputs: Sequence[tuple[tuple[int, 
     """Run ``module`` on fake inputs of ``microbatch_size`` and describe every node's value.
 
     ``inputs`` are (shape with any batch size, dtype) per placeholder; parameters may be on
-    the meta device or real (they are not modified).
+    the meta device or real (they are not modified: the run reads fake copies).
     """
     device = next((t.device for t in module.parameters()), torch.device("cpu"))
-    recorded: dict[str, Any] = {}
-
-    class Recorder(torch.fx.Interpreter):
-        def run_node(self, node: torch.fx.Node) -> Any:
-            value = super().run_node(node)
-            recorded[node.name] = value
-            return value
-
-    buffers = {name: b.clone() for name, b in module.named_buffers() if b.device.type != "meta"}
-    with FakeTensorMode(allow_non_fake_inputs=True), torch.enable_grad():
-        fakes = [torch.empty((microbatch_size, *shape[1:]), dtype=dtype, device=device)
-                 for shape, dtype in inputs]
-        Recorder(module).run(*fakes)
-    with torch.no_grad():  # real buffers a module updates in Python (num_batches_tracked) stay as they were
-        for name, saved in buffers.items():
-            module.get_buffer(name).copy_(saved)
-    return {name: describe(name, value) for name, value in recorded.items()}
+    shapes = [torch.empty((microbatch_size, *shape[1:]), dtype=dtype, device="meta")
+              for shape, dtype in inputs]
+    return {name: describe(name, value) for name, value in propagate(module, shapes, device).items()}
 
 
 def describe(name: str, value: Any) -> ValueSpec:

@@ -1,18 +1,19 @@
-"""trace(): capture a model, measure it on fake tensors and describe it as a LayerGraph."""
+"""Capture a model as a LayerGraph: trace() measures it on fake tensors, rebuild_graph() does not."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 import torch.fx
 from torch import nn
 
-from cost_models.fake_measure import NodeMeasurement, dtype_name, measure_graph
+from cost_models.fake_measure import measure_graph
 from cost_models.graph import node_info
 from cost_models.graph.capture import Capture, LeafSpec, capture
 from cost_models.errors import InvalidArgument, TraceError
 from cost_models.graph.ir import LayerGraph, LayerNode, NodeKind, NodeWork, ParamInfo, TensorMeta
+from cost_models.graph.shapes import dtype_name, node_outputs, propagate
 
 
 def trace(model: nn.Module, example_inputs: torch.Tensor | Sequence[torch.Tensor], *,
@@ -39,11 +40,39 @@ def trace_module(model: nn.Module, inputs: tuple[torch.Tensor, ...],
     try:
         measured = measure_graph(captured.module, inputs)
     except Exception as error:  # noqa: BLE001 - report which model failed and how to fix it
-        raise TraceError(f"{type(model).__name__} was captured by {captured.tracer} but running it "
-                         f"on fake tensors of shapes {[tuple(x.shape) for x in inputs]} failed: "
-                         f"{type(error).__name__}: {error}. Check that the example inputs match "
-                         f"what forward() expects, or mark the failing submodule as a leaf.") from error
-    return build_graph(captured, measured), captured.module
+        raise _fake_run_failed(model, captured, inputs, error) from error
+    outputs = {name: m.outputs for name, m in measured.items()}
+    work = {name: NodeWork(m.fwd_flops, m.bwd_flops, m.saved_bytes_by_dtype)
+            for name, m in measured.items()}
+    return build_graph(captured, outputs, work), captured.module
+
+
+def rebuild_graph(model: nn.Module, inputs: tuple[torch.Tensor, ...],
+                  leaf_modules: Sequence[LeafSpec] = ()) -> tuple[LayerGraph, torch.fx.GraphModule]:
+    """trace_module() without the costing: the same nodes and fingerprint, every NodeWork zero.
+
+    For checking that a rebuilt model is the planned one: one fake shape-propagation run
+    instead of measuring FLOPs and saved tensors node by node.
+
+    Example::
+
+        graph, traced = rebuild_graph(model, (torch.empty(2, 32, dtype=torch.long, device="meta"),))
+        assert graph.fingerprint == plan.model.fingerprint
+    """
+    captured = capture(model, inputs, leaf_modules)
+    try:
+        values = propagate(captured.module, inputs)
+    except Exception as error:  # noqa: BLE001 - report which model failed and how to fix it
+        raise _fake_run_failed(model, captured, inputs, error) from error
+    return build_graph(captured, node_outputs(captured.module, values)), captured.module
+
+
+def _fake_run_failed(model: nn.Module, captured: Capture, inputs: tuple[torch.Tensor, ...],
+                     error: Exception) -> TraceError:
+    return TraceError(f"{type(model).__name__} was captured by {captured.tracer} but running it "
+                      f"on fake tensors of shapes {[tuple(x.shape) for x in inputs]} failed: "
+                      f"{type(error).__name__}: {error}. Check that the example inputs match "
+                      f"what forward() expects, or mark the failing submodule as a leaf.")
 
 
 def normalise_inputs(example_inputs: torch.Tensor | Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -56,20 +85,24 @@ def normalise_inputs(example_inputs: torch.Tensor | Sequence[torch.Tensor]) -> t
     return inputs
 
 
-def build_graph(captured: Capture, measured: dict[str, NodeMeasurement]) -> LayerGraph:
-    """Turn a captured GraphModule and its fake measurements into the frozen IR."""
+def build_graph(captured: Capture, outputs: Mapping[str, tuple[TensorMeta, ...]],
+                work: Mapping[str, NodeWork] | None = None) -> LayerGraph:
+    """Turn a captured GraphModule, each node's output tensors and (if measured) work into the IR.
+
+    Nodes missing from ``work`` (all of them when it is None) get a zero NodeWork.
+    """
     module = captured.module
     canonical = _canonical_names(module)
-    shapes = {name: (m.outputs[0].shape if m.outputs else ()) for name, m in measured.items()}
-    nodes = tuple(_layer_node(node, module, measured[node.name], canonical, shapes)
+    shapes = {name: (metas[0].shape if metas else ()) for name, metas in outputs.items()}
+    work = work or {}
+    nodes = tuple(_layer_node(node, module, outputs[node.name], work.get(node.name, NodeWork()),
+                              canonical, shapes)
                   for node in module.graph.nodes)
     return LayerGraph(nodes, _param_infos(module, nodes, canonical), captured.tracer)
 
 
-def _layer_node(node: torch.fx.Node, module: torch.fx.GraphModule, measurement: NodeMeasurement,
-                canonical: dict[str, str], shapes: node_info.Shapes) -> LayerNode:
-    outputs = tuple(TensorMeta(m.shape, m.dtype, m.nbytes, m.requires_grad)
-                    for m in measurement.outputs)
+def _layer_node(node: torch.fx.Node, module: torch.fx.GraphModule, outputs: tuple[TensorMeta, ...],
+                work: NodeWork, canonical: dict[str, str], shapes: node_info.Shapes) -> LayerNode:
     window = node_info.geometry(node, module, shapes)
     return LayerNode(
         name=node.name,
@@ -81,7 +114,7 @@ def _layer_node(node: torch.fx.Node, module: torch.fx.GraphModule, measurement: 
         param_names=_params_used(node, module, canonical),
         geometry=window,
         spatially_splittable=node_info.spatially_splittable(node, module, window, outputs),
-        work=NodeWork(measurement.fwd_flops, measurement.bwd_flops, measurement.saved_bytes_by_dtype),
+        work=work,
     )
 
 

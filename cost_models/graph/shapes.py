@@ -1,0 +1,149 @@
+"""Shape propagation: run a captured GraphModule on fake tensors and keep every node's value."""
+
+from __future__ import annotations
+
+import operator
+from copy import deepcopy
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import (DataDependentOutputException,
+                                           DynamicOutputShapeException, FakeTensorMode,
+                                           unset_fake_temporarily)
+from torch.utils import _pytree as pytree
+
+from cost_models.graph.ir import TensorMeta
+
+VALUE_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException)
+"""What fake tensors raise when an op's result depends on values (a leaf then runs on zeros)."""
+
+
+def propagate(module: torch.fx.GraphModule, inputs: Sequence[torch.Tensor],
+              device: torch.device | str = "cpu") -> dict[str, Any]:
+    """Every node's value (fake tensors, Python values) from one fake run of ``module``.
+
+    Only the shapes and dtypes of ``inputs`` are used (meta tensors are fine). Parameters and
+    buffers may be real or on the meta device: the run reads fake copies of them on ``device``,
+    so nothing is allocated and no buffer changes. Autograd is on, so a value's requires_grad
+    says whether a gradient flows back to it. A leaf module whose forward branches on values
+    runs once on real zero-valued CPU tensors.
+
+    Example::
+
+        values = propagate(traced, (torch.empty(8, 3, 224, 224, device="meta"),))
+        values["layer1_0_conv1"].shape
+    """
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, torch.enable_grad():
+        state = fake_state(module, device)
+        fakes = [torch.empty(x.shape, dtype=x.dtype, device=device) for x in inputs]
+        return _FakeInterpreter(module, state, fake_mode, device).values(fakes)
+
+
+def node_outputs(module: torch.fx.GraphModule, values: Mapping[str, Any]
+                 ) -> dict[str, tuple[TensorMeta, ...]]:
+    """The tensors each node produces (the output node only hands on its inputs' values)."""
+    return {node.name: () if node.op == "output" else tensor_metas(values[node.name])
+            for node in module.graph.nodes}
+
+
+def tensor_metas(value: Any) -> tuple[TensorMeta, ...]:
+    """Shape, dtype, logical size and requires_grad of every tensor inside ``value``."""
+    return tuple(TensorMeta(tuple(t.shape), dtype_name(t.dtype), t.numel() * t.element_size(),
+                            t.requires_grad) for t in tensor_leaves(value))
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def tensor_leaves(value: Any) -> list[torch.Tensor]:
+    """Every tensor inside a (nested) value, in pytree order."""
+    return [leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)]
+
+
+def named_state(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer name, tied aliases included."""
+    return [*module.named_parameters(remove_duplicate=False),
+            *module.named_buffers(remove_duplicate=False)]
+
+
+def fake_state(module: torch.nn.Module, device: torch.device | str = "cpu") -> dict[int, torch.Tensor]:
+    """A fake tensor on ``device`` for every parameter and buffer, keyed by the real one's id().
+
+    Call it inside a FakeTensorMode. Tied aliases share one fake.
+    """
+    fakes: dict[int, torch.Tensor] = {}
+    for _, tensor in named_state(module):
+        if id(tensor) not in fakes:
+            fake = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device)
+            fakes[id(tensor)] = fake.requires_grad_(tensor.requires_grad)
+    return fakes
+
+
+def concrete_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A real CPU copy of ``module``; weights on the meta device become zeros."""
+    copy = deepcopy(module)
+    if any(t.device.type == "meta" for t in [*copy.parameters(), *copy.buffers()]):
+        copy = copy.to_empty(device="cpu")
+        with torch.no_grad():
+            for tensor in [*copy.parameters(), *copy.buffers()]:
+                tensor.zero_()
+    return copy.cpu()
+
+
+def zeros_like_value(value: Any) -> Any:
+    """A real zero-valued CPU tensor standing in for a fake one (requires_grad kept, not a leaf)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    real = torch.zeros(value.shape, dtype=value.dtype)
+    return real.requires_grad_(True).clone() if value.requires_grad else real
+
+
+class _FakeInterpreter(torch.fx.Interpreter):
+    """torch.fx.Interpreter whose parameters, buffers and attributes are fakes; records values."""
+
+    def __init__(self, module: torch.fx.GraphModule, state: dict[int, torch.Tensor],
+                 fake_mode: FakeTensorMode, device: torch.device | str) -> None:
+        super().__init__(module, garbage_collect_values=False)
+        self.state = state
+        self.fake_mode = fake_mode
+        self.device = torch.device(device)
+        self.recorded: dict[str, Any] = {}
+
+    def values(self, inputs: Iterable[torch.Tensor]) -> dict[str, Any]:
+        self.run(*inputs)
+        return self.recorded
+
+    def run_node(self, node: torch.fx.Node) -> Any:
+        self.recorded[node.name] = value = super().run_node(node)
+        return value
+
+    def get_attr(self, target: str, args: Any, kwargs: Any) -> Any:  # type: ignore[override]
+        value = operator.attrgetter(target)(self.module)
+        if isinstance(value, torch.Tensor) and id(value) in self.state:
+            return self.state[id(value)]
+        if isinstance(value, torch.Tensor):
+            return self.fake_mode.from_tensor(value)
+        return value
+
+    def call_module(self, target: str, args: Any, kwargs: Any) -> Any:  # type: ignore[override]
+        submodule = self.module.get_submodule(target)
+        local = {name: self.state[id(tensor)] for name, tensor in named_state(submodule)}
+        try:
+            return torch.func.functional_call(submodule, local, tuple(args), dict(kwargs))
+        except VALUE_DEPENDENT:
+            return self._call_concrete(submodule, args, kwargs)
+
+    def _call_concrete(self, submodule: torch.nn.Module, args: Any, kwargs: Any) -> Any:
+        with unset_fake_temporarily():
+            output = concrete_copy(submodule)(*pytree.tree_map(zeros_like_value, tuple(args)),
+                                              **pytree.tree_map(zeros_like_value, dict(kwargs)))
+        return pytree.tree_map(self._to_fake, output)
+
+    def _to_fake(self, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        with unset_fake_temporarily():
+            moved = value.detach().to(self.device)
+        return self.fake_mode.from_tensor(moved).requires_grad_(value.requires_grad)
