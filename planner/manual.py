@@ -54,7 +54,7 @@ def plan_with_split(model: nn.Module, *, example_inputs: torch.Tensor | Sequence
     coarse = group_units(graph, table, space.precision, space.optimizer, _starts(graph, stage_starts))
     setup = search.setup(config, coarse)
     cuts = tuple(range(num_stages - 1))
-    evaluation = evaluate(setup.problem.costs, cuts)
+    evaluation = evaluate(setup.costs, cuts)
     candidate = Candidate(setup, cuts, evaluation, evaluation.step_ms, SolveStatus.OPTIMAL, "manual split", 0.0,
                           "")
     result = SearchResult(candidate, None, 1, 1, 0.0)

@@ -18,7 +18,6 @@ from typing import Any
 
 import pulp
 
-from planner.search.problem import PipelineProblem
 from planner.search.terms import Aggregate, CostModel, Reduce, Term, fixed_sum
 
 
@@ -61,10 +60,11 @@ def default_solver(time_limit_s: float | None = None, cutoff_ms: float | None = 
     return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=0.0, threads=1)
 
 
-def solve_partition(problem: PipelineProblem, solver: Any | None = None,
+def solve_partition(costs: CostModel, solver: Any | None = None,
                     time_limit_s: float | None = None, cutoff_ms: float | None = None) -> IlpResult:
-    """Build the ILP for ``problem``'s cost terms and solve it with ``solver`` (default: HiGHS or CBC)."""
-    model = build_model(problem.costs)
+    """Build the ILP of ``costs`` (a configuration's cost terms) and solve it with ``solver``
+    (default: HiGHS or CBC)."""
+    model = build_model(costs)
     solver = solver or default_solver(time_limit_s, cutoff_ms)
     start = time.perf_counter()
     model.problem.solve(solver)
@@ -72,7 +72,7 @@ def solve_partition(problem: PipelineProblem, solver: Any | None = None,
     status = _status(model.problem)
     if status in (SolveStatus.INFEASIBLE, SolveStatus.NO_SOLUTION):
         return IlpResult(status, None, None, solver.name, wall_s, float("nan"), "")
-    cuts = _cuts(problem.costs, model)
+    cuts = _cuts(costs, model)
     objective = pulp.value(model.problem.objective)
     return IlpResult(status, cuts, float(objective), solver.name, wall_s,
                      _gap(model.problem), _binding(model))

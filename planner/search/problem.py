@@ -7,9 +7,7 @@ only between units, at points where few bytes cross. Every number the cost terms
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from cost_models.comm import (
     allreduce_link,
@@ -24,9 +22,6 @@ from cost_models.graph.ir import LayerGraph, NodeKind
 from cost_models.memory import Optimizer, Precision, model_state_bytes
 from planner.plan.kinds import ScheduleKind
 from planner.plan.layout import Layout
-
-if TYPE_CHECKING:
-    from planner.search.terms import CostModel
 
 
 @dataclass(frozen=True)
@@ -89,13 +84,6 @@ class PipelineProblem:
     @property
     def num_parts(self) -> int:
         return self.layout.num_parts
-
-    @functools.cached_property
-    def costs(self) -> "CostModel":
-        """This configuration's cost terms (planner/search/terms.py)."""
-        from planner.search.terms import cost_model
-
-        return cost_model(self)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from planner.search.evaluate import Evaluation, evaluate
 from planner.search.ilp import SolveStatus, solve_partition
 from planner.search.oracle import check_exact, min_peak_partition
 from planner.search.problem import Coarsening, PipelineProblem, coarsen, part_allreduces, part_links
-from planner.search.terms import lower_bound
+from planner.search.terms import CostModel, cost_model, lower_bound
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,7 @@ class Setup:
     config: Config
     schedule: Schedule
     problem: PipelineProblem
+    costs: CostModel  # the problem's cost terms
     coarsening: Coarsening
     table: CostTable
 
@@ -152,7 +153,7 @@ class Search:
             units.units, units.boundary_bytes, units.shared, layout, config.schedule, config.num_microbatches,
             max_in_flight(schedule), part_links(self.device, layout, per_node),
             part_allreduces(self.device, layout, per_node), self.space.mem_bytes)
-        setup = Setup(config, schedule, problem, units, table)
+        setup = Setup(config, schedule, problem, cost_model(problem), units, table)
         if coarse is None:
             self._setups[config] = setup
         return setup
@@ -185,7 +186,7 @@ class Search:
 
     def fits(self, config: Config) -> bool:
         """Whether any partition of this configuration fits the budget (exact, by DP, where it applies)."""
-        costs = self.setup(config).problem.costs
+        costs = self.setup(config).costs
         try:
             check_exact(costs)
         except ValueError:
@@ -196,23 +197,23 @@ class Search:
               cutoff_ms: float | None) -> tuple[Candidate | None, float]:
         """The ILP's best partition of ``config``, or None if none fits or beats ``cutoff_ms``."""
         setup = self.setup(config)
-        result = solve_partition(setup.problem, time_limit_s=time_limit_s, cutoff_ms=cutoff_ms)
+        result = solve_partition(setup.costs, time_limit_s=time_limit_s, cutoff_ms=cutoff_ms)
         if result.cuts is None:
             return None, result.wall_s
-        evaluation = evaluate(setup.problem.costs, result.cuts)
+        evaluation = evaluate(setup.costs, result.cuts)
         return Candidate(setup, result.cuts, evaluation, result.objective, result.status, result.solver,
                          result.gap, result.binding), result.wall_s
 
     def lower_bound(self, config: Config) -> float:
         """Step time no partition of this configuration can beat (planner/search/terms.py)."""
-        return lower_bound(self.setup(config).problem.costs)
+        return lower_bound(self.setup(config).costs)
 
     def infeasible(self, configs: Sequence[Config]) -> PlanInfeasible:
         """The error for a budget nothing fits: the smallest memory the most frugal layout needs."""
         frugal = min(configs, key=lambda c: (-c.num_stages, c.micro_batch_size,
                                              sum(self.setup(c).problem.in_flight)))
         setup = self.setup(frugal)
-        floor = min_peak_partition(setup.problem.costs)
+        floor = min_peak_partition(setup.costs)
         index = max(range(len(floor.evaluation.parts)), key=lambda p: floor.evaluation.slot_peak_bytes[p])
         part = floor.evaluation.parts[index]
         need = floor.evaluation.slot_peak_bytes[index]

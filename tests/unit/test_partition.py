@@ -23,6 +23,7 @@ from planner.search.ilp import SolveStatus, solve_partition
 from planner.search.oracle import min_peak_partition, optimal_partition
 from planner.search.problem import LinearCost, PipelineProblem, SharedParam, Unit
 from planner.search.search import Config, Search, SearchSpace
+from planner.search.terms import CostModel, cost_model
 
 SHARED = (SharedParam("tied.weight", 700, 100), SharedParam("other", 300, 50))
 
@@ -48,10 +49,11 @@ def problems(draw) -> PipelineProblem:
                            microbatches, in_flight, links, allreduce, draw(st.integers(500, 8000)))
 
 
-def _brute_force(problem: PipelineProblem) -> float | None:
+def _brute_force(costs: CostModel) -> float | None:
     best = None
+    problem = costs.problem
     for cuts in itertools.combinations(range(len(problem.units) - 1), problem.num_parts - 1):
-        evaluation = evaluate(problem.costs, cuts)
+        evaluation = evaluate(costs, cuts)
         if evaluation.fits(problem.mem_bytes) and (best is None or evaluation.step_ms < best):
             best = evaluation.step_ms
     return best
@@ -60,26 +62,28 @@ def _brute_force(problem: PipelineProblem) -> float | None:
 @settings(max_examples=300, deadline=None)
 @given(problems())
 def test_ilp_equals_exact_dynamic_program(problem: PipelineProblem) -> None:
-    result = solve_partition(problem)
-    oracle = optimal_partition(problem.costs)
+    costs = cost_model(problem)
+    result = solve_partition(costs)
+    oracle = optimal_partition(costs)
     assert (oracle is None) == (result.status is SolveStatus.INFEASIBLE)
     if oracle is None:
-        assert _brute_force(problem) is None
+        assert _brute_force(costs) is None
         return
     assert result.status is SolveStatus.OPTIMAL
     exact = oracle.evaluation.step_ms
     assert result.objective == pytest.approx(exact, rel=1e-6, abs=1e-6)
-    chosen = evaluate(problem.costs, result.cuts)
+    chosen = evaluate(costs, result.cuts)
     assert chosen.step_ms == pytest.approx(result.objective, rel=1e-6, abs=1e-6)
     assert chosen.fits(problem.mem_bytes)
-    assert exact == pytest.approx(_brute_force(problem), rel=1e-9, abs=1e-9)
+    assert exact == pytest.approx(_brute_force(costs), rel=1e-9, abs=1e-9)
 
 
 @settings(max_examples=100, deadline=None)
 @given(problems())
 def test_min_peak_partition_is_the_memory_floor(problem: PipelineProblem) -> None:
-    floor = min_peak_partition(problem.costs).evaluation.peak_mem_bytes
-    every = [evaluate(problem.costs, cuts).peak_mem_bytes for cuts in
+    costs = cost_model(problem)
+    floor = min_peak_partition(costs).evaluation.peak_mem_bytes
+    every = [evaluate(costs, cuts).peak_mem_bytes for cuts in
              itertools.combinations(range(len(problem.units) - 1), problem.num_parts - 1)]
     assert floor == min(every)
 
@@ -88,7 +92,7 @@ def test_min_peak_partition_is_the_memory_floor(problem: PipelineProblem) -> Non
 @given(problems(), st.data())
 def test_term_values_agree_one_part_and_many(problem: PipelineProblem, data: st.DataObject) -> None:
     """The scalar and the vectorised evaluation of every term on every range are the same arithmetic."""
-    costs = problem.costs
+    costs = cost_model(problem)
     last = data.draw(st.integers(0, len(problem.units) - 1))
     terms = [(part, term) for part, named in enumerate(costs.parts) for term in named.values()]
     terms += [(part, term) for row in costs.memory for part, term in row.members]
@@ -123,9 +127,9 @@ def test_ilp_equals_dynamic_program_on_zoo_models(name: str, schedule: str) -> N
                         max_units=24)
     search = Search(graph, get_device("V100-16GB"), space)
     for config in (Config(4, 2, 2, 8, kind), Config(8, 1, 4, 8, kind)):
-        problem = search.setup(config).problem
-        result = solve_partition(problem)
-        oracle = optimal_partition(problem.costs)
+        costs = search.setup(config).costs
+        result = solve_partition(costs)
+        oracle = optimal_partition(costs)
         assert result.objective == pytest.approx(oracle.evaluation.step_ms, rel=1e-6)
 
 
@@ -142,10 +146,10 @@ def test_ilp_equals_dynamic_program_when_memory_binds_at_real_scale(schedule: st
     space = SearchSpace(gpus=8, gpus_per_node=8, mem_bytes=80 * 2**30, global_batch_size=16,
                         optimizer=Optimizer.ADAM, precision=get_precision("fp32"), schedules=(kind,))
     search = Search(graph, get_device("A100-80GB"), space)
-    problem = search.setup(Config(8, 1, 2, 8, kind)).problem
-    floor = min_peak_partition(problem.costs).evaluation.peak_mem_bytes
-    tight = replace(problem, mem_bytes=int(floor * 1.03))
+    setup = search.setup(Config(8, 1, 2, 8, kind))
+    floor = min_peak_partition(setup.costs).evaluation.peak_mem_bytes
+    tight = cost_model(replace(setup.problem, mem_bytes=int(floor * 1.03)))
     result = solve_partition(tight)
-    oracle = optimal_partition(tight.costs)
+    oracle = optimal_partition(tight)
     assert result.objective == pytest.approx(oracle.evaluation.step_ms, rel=1e-9)
-    assert evaluate(tight.costs, result.cuts).fits(tight.mem_bytes)
+    assert evaluate(tight, result.cuts).fits(tight.problem.mem_bytes)

@@ -87,4 +87,4 @@ def test_the_runtime_checks_the_plan_without_measuring(monkeypatch: pytest.Monke
     monkeypatch.setattr("cost_models.fake_measure.measure_graph", _refuse_to_measure)
     monkeypatch.setattr("cost_models.graph.tracing.measure_graph", _refuse_to_measure)
     traced = trace_checked(rebuild_model(plan), plan)
-    assert {node.name for node in traced.graph.nodes} == set(plan.stage_of())
+    assert {node.name for node in traced.graph.nodes} == set(plan.part_of())
