@@ -33,7 +33,7 @@ def run_torchrun(plan_path: Path, nproc: int | None, steps: int, runtime_args: S
 
 def run_validate(plan_path: Path, report_path: Path) -> str:
     from planner.plan.document import Plan
-    from planner.reports.run_report import RunReport
     from planner.reports.compare import compare
+    from planner.reports.run_report import RunReport
 
     return compare(Plan.load(plan_path), RunReport.load(report_path))

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from cost_models.errors import PlanFileError
-from planner.plan import Plan
 from cost_models.units import format_bytes, format_ms
+from planner.plan import Plan
 from planner.reports.run_report import RunReport
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.search.terms import BREAKDOWN, Aggregate, CostModel, MemoryRow, Reduce, Term
+from planner.search.terms import BREAKDOWN, Aggregate, CostModel, Drain, MemoryRow, Reduce, Term
 
 
 def term_values(model: CostModel, term: Term, firsts: np.ndarray, last: int) -> np.ndarray:
@@ -103,15 +103,32 @@ def evaluate(model: CostModel, cuts: tuple[int, ...]) -> Evaluation:
     ranges = segments(model.num_units, cuts)
     parts = tuple(_summary(model, part, first, last) for part, (first, last) in enumerate(ranges))
     peaks = tuple(round(row_value(model, row, ranges)) for row in model.memory)
-    step = sum(aggregate_value(model, aggregate, ranges) for aggregate in model.objective)
+    step = sum(piece_value(model, piece, ranges) for piece in model.objective)
     return Evaluation(tuple(cuts), parts, peaks, step)
 
 
-def aggregate_value(model: CostModel, aggregate: Aggregate, ranges: list[tuple[int, int]]) -> float:
-    values = [term_value(model, term, *ranges[part]) for part, term in aggregate.members]
+def piece_value(model: CostModel, piece: Aggregate | Drain, ranges: list[tuple[int, int]]) -> float:
+    """One piece of the objective (weighted) for the parts' unit ranges."""
+    if isinstance(piece, Drain):
+        return piece.weight * _drain(model, piece, ranges)
+    values = [term_value(model, term, *ranges[part]) for part, term in piece.members]
     if not values:
         return 0.0
-    return aggregate.weight * (sum(values) if aggregate.reduce is Reduce.SUM else max(values))
+    return piece.weight * (sum(values) if piece.reduce is Reduce.SUM else max(values))
+
+
+def _drain(model: CostModel, drain: Drain, ranges: list[tuple[int, int]]) -> float:
+    """max over s of (flow summed over parts >= s) + pace_weight x (pace over parts >= s) + tail(s)."""
+    per_part = [[0.0, 0.0, 0.0] for _ in ranges]  # flow, pace, tail
+    for slot, members in ((0, drain.flow), (1, drain.pace), (2, drain.tail)):
+        for part, term in members:
+            value = term_value(model, term, *ranges[part])
+            per_part[part][slot] = max(per_part[part][slot], value) if slot == 1 else per_part[part][slot] + value
+    best, flow, pace = float("-inf"), 0.0, 0.0
+    for part_flow, part_pace, tail in reversed(per_part):
+        flow, pace = flow + part_flow, max(pace, part_pace)
+        best = max(best, flow + drain.pace_weight * pace + tail)
+    return best
 
 
 def row_value(model: CostModel, row: MemoryRow, ranges: list[tuple[int, int]]) -> float:

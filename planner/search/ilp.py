@@ -18,7 +18,7 @@ from typing import Any
 
 import pulp
 
-from planner.search.terms import Aggregate, CostModel, Reduce, Term, fixed_sum
+from planner.search.terms import Aggregate, CostModel, Drain, Reduce, Term, fixed_sum
 
 
 class SolveStatus(str, Enum):
@@ -86,7 +86,8 @@ def build_model(costs: CostModel) -> _Model:
     _contiguity(lp, done, num_units, num_parts)
     variables = _Variables(lp, costs, done)
     _nonempty(lp, variables.x, num_units, num_parts)
-    objective = pulp.lpSum(_aggregate(lp, variables, aggregate) for aggregate in costs.objective)
+    objective = pulp.lpSum(_drain(lp, variables, piece) if isinstance(piece, Drain) else
+                           _aggregate(lp, variables, piece) for piece in costs.objective)
     memory = _memory(lp, variables, costs)
     lp += objective, "step_ms"
     return _Model(lp, done, memory)
@@ -198,6 +199,57 @@ def _aggregate(lp: pulp.LpProblem, variables: _Variables, aggregate: Aggregate) 
     for index, ((part, _), expression) in enumerate(zip(aggregate.members, expressions)):
         lp += top >= expression, f"{aggregate.name}_{index}_part_{part}"
     return aggregate.weight * top
+
+
+def _drain(lp: pulp.LpProblem, variables: _Variables, drain: Drain) -> Any:
+    """weight x R with R >= flow(s..P-1) + pace_weight x pace(s..P-1) + tail(s) for the parts s that
+    can set it: part 0 and every part with a tail (a part without one is dominated by part 0).
+
+    flow_s is a variable above part s's flow terms plus flow_{s+1} (the suffix sum); pace_s one
+    above part s's pace terms and above pace_{s+1} (the suffix maximum).
+    """
+    name, parts = drain.name, range(variables.costs.num_parts)
+    flows, paces, tails = ({part: [t for p, t in members if p == part] for part in parts}
+                           for members in (drain.flow, drain.pace, drain.tail))
+    setters = [part for part in parts if part == 0 or any(not _is_zero(t) for t in tails[part])]
+    if setters == [0]:  # only the whole pipeline's drain counts: a sum and a maximum over every part
+        return drain.weight * (_flow_sum(lp, variables, drain) + pulp.lpSum(
+            variables.expression(t, 0) for t in tails[0]) + _aggregate(
+            lp, variables, Aggregate(name, Reduce.MAX, drain.pace_weight, drain.pace)))
+    flow: dict[int, Any] = {}
+    for part in reversed(parts):
+        flow[part] = lp.add_variable(f"{name}_flow_{part}", lowBound=0)
+        own = pulp.lpSum(variables.expression(t, part) for t in flows[part])
+        lp += flow[part] >= own + flow.get(part + 1, 0), f"{name}_flow_{part}"
+    pace: dict[int, Any] = {}
+    if drain.pace_weight:
+        for part in reversed(parts):
+            pace[part] = lp.add_variable(f"{name}_pace_{part}", lowBound=0)
+            for index, term in enumerate(paces[part]):
+                lp += pace[part] >= variables.expression(term, part), f"{name}_pace_{part}_{index}"
+            if part + 1 in pace:
+                lp += pace[part] >= pace[part + 1], f"{name}_pace_{part}_suffix"
+    top = lp.add_variable(f"{name}_ms", lowBound=0)
+    for part in setters:
+        rate = drain.pace_weight * pace[part] if pace else 0
+        tail = pulp.lpSum(variables.expression(t, part) for t in tails[part])
+        lp += top >= flow[part] + rate + tail, f"{name}_from_part_{part}"
+    return drain.weight * top
+
+
+def _flow_sum(lp: pulp.LpProblem, variables: _Variables, drain: Drain) -> Any:
+    """The drain's flow summed over every part, one family of like terms at a time (so a family no
+    cut changes, the total backward time, is a constant)."""
+    families: dict[int, list[tuple[int, Term]]] = {}
+    for part, term in drain.flow:
+        families.setdefault(id(term.per_unit) if term.unit_only else id(term), []).append((part, term))
+    return pulp.lpSum(_aggregate(lp, variables, Aggregate(drain.name, Reduce.SUM, 1.0, tuple(members)))
+                      for members in families.values())
+
+
+def _is_zero(term: Term) -> bool:
+    return not (term.constant or any(term.per_unit) or any(term.per_shared) or any(term.unit_max)
+                or any(term.ends_after) or any(term.starts_after))
 
 
 def _memory(lp: pulp.LpProblem, variables: _Variables, costs: CostModel) -> dict[int, pulp.LpConstraint]:

@@ -2,9 +2,10 @@
 
 Both need every memory row to depend on one part only, which holds when every slot runs one
 stage (GPipe, 1F1B); :func:`check_exact` says so otherwise. ``optimal_partition`` keeps, for every
-(part, last unit) state, the Pareto set of label vectors (one entry per aggregate the partition
-changes: the running sum, or the running maximum); the step is increasing in each, so the optimum
-is kept exactly. ``min_peak_partition`` minimises the largest memory row.
+(part, first unit) state, the Pareto set of label vectors: per piece of the objective the partition
+changes, its running sum or maximum, and for a drain its suffix flow, suffix pace and best value so
+far. The step is increasing in each, so the optimum is kept exactly. ``min_peak_partition``
+minimises the largest memory row.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from planner.search.evaluate import Evaluation, evaluate, term_value, term_values
-from planner.search.terms import Aggregate, CostModel, Reduce, Term, fixed_sum
+from planner.search.terms import Aggregate, CostModel, Drain, Reduce, Term, fixed_sum
 
-_Label = tuple[tuple[float, ...], tuple[int, ...]]  # (aggregate values so far, cuts so far)
+_Label = tuple[tuple[float, ...], tuple[int, ...]]  # (piece values so far, cuts so far)
 
 
 @dataclass(frozen=True)
@@ -34,49 +35,91 @@ def check_exact(costs: CostModel) -> None:
 
 
 def optimal_partition(costs: CostModel) -> OracleResult | None:
-    """The minimum-step-time feasible partition, or None if no partition fits the memory."""
+    """The minimum-step-time feasible partition, or None if no partition fits the memory.
+
+    Parts are placed from the last to the first (a drain sums and maximises over suffixes); the
+    state is the first unit of the parts placed so far, the label each varying piece's running value.
+    """
     check_exact(costs)
-    varying = [a for a in costs.objective if fixed_sum(a, costs.num_parts) is None and a.members]
-    fixed = sum(a.weight * (fixed_sum(a, costs.num_parts) or 0.0) for a in costs.objective)
-    num_units, num_parts = costs.num_units, costs.num_parts
-    frontier: dict[int, list[_Label]] = {-1: [(tuple(0.0 for _ in varying), ())]}
-    for part in range(num_parts):
-        remaining = num_parts - part - 1
-        members = [[term for member, term in aggregate.members if member == part] for aggregate in varying]
+    pieces = [piece for piece in costs.objective if isinstance(piece, Drain)
+              or (piece.members and fixed_sum(piece, costs.num_parts) is None)]
+    fixed = sum(piece.weight * (fixed_sum(piece, costs.num_parts) or 0.0) for piece in costs.objective
+                if isinstance(piece, Aggregate))
+    start: tuple[float, ...] = tuple(v for piece in pieces for v in _initial(piece))
+    frontier: dict[int, list[_Label]] = {costs.num_units: [(start, ())]}
+    for part in reversed(range(costs.num_parts)):
+        members = [_members_of(piece, part) for piece in pieces]
         rows = [[term for _, term in row.members] for row in costs.memory if row.members[0][0] == part]
         following: dict[int, list[_Label]] = {}
-        for previous_last, labels in frontier.items():
-            for last in range(previous_last + 1, num_units - remaining):
-                contribution = _part_contribution(costs, varying, members, rows, previous_last + 1, last)
+        for next_first, labels in frontier.items():
+            for first in range(part, next_first):  # the parts before this one need a unit each
+                contribution = _part_contribution(costs, members, rows, first, next_first - 1)
                 if contribution is None:
                     continue
+                cut = (first - 1,) if part else ()
                 for values, cuts in labels:
-                    merged = tuple(v + c if a.reduce is Reduce.SUM else max(v, c)
-                                   for a, v, c in zip(varying, values, contribution))
-                    following.setdefault(last, []).append((merged, cuts + ((last,) if remaining else ())))
-        frontier = {last: _pareto(labels) for last, labels in following.items()}
-    labels = frontier.get(num_units - 1, [])
+                    following.setdefault(first, []).append((_fold(pieces, values, contribution), cut + cuts))
+        frontier = {first: _pareto(labels) for first, labels in following.items()}
+    labels = frontier.get(0, [])
     if not labels:
         return None
-    best = min(labels, key=lambda label: fixed + sum(a.weight * v for a, v in zip(varying, label[0])))
+    best = min(labels, key=lambda label: fixed + _objective(pieces, label[0]))
     return OracleResult(best[1], evaluate(costs, best[1]))
 
 
-def _part_contribution(costs: CostModel, varying: list[Aggregate], members: list[list[Term]],
-                       rows: list[list[Term]], first: int, last: int) -> tuple[float, ...] | None:
-    """Each varying aggregate's value over the part's ``members``; None if one of its memory ``rows``
-    does not fit."""
+_Members = tuple[list[Term], ...]  # an aggregate's terms on one part, or a drain's (flow, pace, tail) terms
+
+
+def _members_of(piece: Aggregate | Drain, part: int) -> _Members:
+    groups = (piece.flow, piece.pace, piece.tail) if isinstance(piece, Drain) else (piece.members,)
+    return tuple([term for member, term in group if member == part] for group in groups)
+
+
+def _initial(piece: Aggregate | Drain) -> tuple[float, ...]:
+    return (0.0, 0.0, float("-inf")) if isinstance(piece, Drain) else (0.0,)
+
+
+def _part_contribution(costs: CostModel, members: list[_Members], rows: list[list[Term]], first: int,
+                       last: int) -> list[tuple[float, ...]] | None:
+    """Per piece, its terms' values on a part holding units first..last (sums; the pace a maximum);
+    None if one of the part's memory ``rows`` does not fit."""
     for terms in rows:
         if sum(term_value(costs, term, first, last) for term in terms) > costs.problem.mem_bytes:
             return None
     contribution = []
-    for aggregate, terms in zip(varying, members):
-        values = [term_value(costs, term, first, last) for term in terms]
-        if aggregate.reduce is Reduce.SUM:
-            contribution.append(sum(values))
+    for groups in members:
+        values = [[term_value(costs, term, first, last) for term in group] for group in groups]
+        if len(groups) == 3:  # a drain: flow, pace, tail
+            contribution.append((sum(values[0]), max(values[1], default=0.0), sum(values[2])))
         else:
-            contribution.append(max(values, default=0.0))
-    return tuple(contribution)
+            contribution.append((sum(values[0]), max(values[0], default=0.0)))
+    return contribution
+
+
+def _fold(pieces: list[Aggregate | Drain], values: tuple[float, ...],
+          contribution: list[tuple[float, ...]]) -> tuple[float, ...]:
+    """The label after adding one part (placed before the parts already in ``values``)."""
+    merged: list[float] = []
+    offset = 0
+    for piece, part in zip(pieces, contribution):
+        if isinstance(piece, Drain):
+            flow, pace, best = values[offset:offset + 3]
+            flow, pace = flow + part[0], max(pace, part[1])
+            merged += [flow, pace, max(best, flow + piece.pace_weight * pace + part[2])]
+            offset += 3
+        else:
+            merged.append(values[offset] + part[0] if piece.reduce is Reduce.SUM else max(values[offset], part[1]))
+            offset += 1
+    return tuple(merged)
+
+
+def _objective(pieces: list[Aggregate | Drain], values: tuple[float, ...]) -> float:
+    total, offset = 0.0, 0
+    for piece in pieces:
+        width = 3 if isinstance(piece, Drain) else 1
+        total += piece.weight * values[offset + width - 1]
+        offset += width
+    return total
 
 
 def _pareto(labels: list[_Label]) -> list[_Label]:

@@ -162,7 +162,7 @@ class Search:
         start = time.perf_counter()
         max_stages = len(self.costs(1)[1].units)
         configs = configurations(self.space, max_stages)
-        ranked = sorted(configs, key=self.lower_bound)
+        ranked = sorted(configs, key=lambda config: round(self.lower_bound(config), 9))  # ties: listed order
         solved: list[Candidate] = []
         solver_s = 0.0
         for config in ranked:

@@ -106,6 +106,26 @@ class Aggregate:
 
 
 @dataclass(frozen=True)
+class Drain:
+    """``weight x`` the largest, over parts s, of: the ``flow`` terms summed over parts s..P-1, plus
+    ``pace_weight x`` the largest ``pace`` term over parts s..P-1, plus the ``tail`` terms of part s.
+
+    This is how long the step lasts after part s's last micro-batch enters its backward pass, when
+    part s then does its own ``tail`` (the gradient all-reduce, overlapping the others' drain).
+    """
+
+    name: str
+    weight: float
+    flow: tuple[tuple[int, Term], ...]  # (part, term)
+    pace_weight: float
+    pace: tuple[tuple[int, Term], ...]
+    tail: tuple[tuple[int, Term], ...]
+
+
+Objective = tuple["Aggregate | Drain", ...]
+
+
+@dataclass(frozen=True)
 class MemoryRow:
     """What one slot's ranks hold at their peak: the sum of its members' terms, at most the budget.
 
@@ -127,7 +147,7 @@ class CostModel:
 
     problem: PipelineProblem
     parts: tuple[dict[str, Term], ...]  # per part, the BREAKDOWN terms (and any the objective adds)
-    objective: tuple[Aggregate, ...]
+    objective: Objective
     memory: tuple[MemoryRow, ...]
     shared_next_use: tuple[tuple[int, ...], ...] = field(repr=False, default=())
 
@@ -143,17 +163,24 @@ class CostModel:
 def cost_model(problem: PipelineProblem) -> CostModel:
     """The costs of ``problem``'s configuration, written as terms: the one place formulas live.
 
-    Per micro-batch, for part s: compute F_s + B_s; the forward transfer c_s across its outgoing
-    cut (the gradient returns in the same time); gradient all-reduce a_s over the part's copies.
-    Step (one micro-batch's path through every part and link, then M - 1 more at the pace of the
-    slowest resource, then the slowest all-reduce):
+    Per micro-batch, for part s: forward F_s and backward B_s; the transfer c_s across its outgoing
+    cut (the gradient returns in the same time, on the opposite link); the gradient all-reduce a_s
+    over the part's copies, which starts when the part's last backward ends.
 
-        step = sum_s (F_s + B_s) + 2 sum_s c_s + (M - 1) max(max_s (F_s + B_s), max_s c_s [, 1F1B: max_s r_s])
-               + max_s a_s
+    GPipe is a flow shop of identical micro-batches, forward through parts and links, then backward,
+    so (exactly, as the simulator replays it; tests/unit/test_step_model.py):
 
-    where, under 1F1B, a part cannot start its next forward before its successor returned the
-    backward of an earlier micro-batch: r_s = F_s + B_s + 2 c_{s-1} (its compute plus the round trip
-    from its predecessor). Memory of stage t on part s: its weights, gradients, optimizer state and
+        step = sum_s F_s + sum_s c_s + (M - 1) max(F_s, c_s)
+               + max_s [ sum_{t>=s} (B_t + c_t) + (M - 1) max_{t>=s} (B_t, c_t) + a_s ]
+
+    1F1B alternates forwards and backwards; its closed form (an approximation: the simulator gives
+    the plan's step) takes one micro-batch's path plus M - 1 more at the pace of the slowest
+    resource, where a part cannot start its next forward before its successor returned the
+    backward of an earlier micro-batch (r_s = F_s + B_s + 2 c_{s-1}):
+
+        step = sum_s F_s + sum_s c_s + (M - 1) max(F_s + B_s, c_s, r_s) + max_s [ sum_{t>=s} (B_t + c_t) + a_s ]
+
+    Memory of stage t on part s: its weights, gradients, optimizer state and
     buffers, its largest transient, one send buffer, and in-flight(t) x (saved activations +
     received inputs); on the last part the activations include what the loss keeps (added to the
     unit holding the graph's output in planner/search/problem.py).
@@ -201,18 +228,24 @@ def _part_terms(problem: PipelineProblem, part: int, shared: dict[str, Term]) ->
     return terms
 
 
-def _objective(problem: PipelineProblem, parts: tuple[dict[str, Term], ...]) -> tuple[Aggregate, ...]:
-    last = problem.num_parts - 1
-    pace = [(part, terms["compute_ms"]) for part, terms in enumerate(parts)]
-    for part in range(last):
-        pace.append((part, parts[part]["send_ms"]))
-        if "round_trip_ms" in parts[part + 1]:
-            pace.append((part + 1, parts[part + 1]["round_trip_ms"]))
+def _objective(problem: PipelineProblem, parts: tuple[dict[str, Term], ...]) -> Objective:
+    every = range(problem.num_parts)
+    sends = tuple((p, parts[p]["send_ms"]) for p in range(problem.num_parts - 1))
+    repeats = float(problem.num_microbatches - 1)
+    if problem.schedule is ScheduleKind.GPIPE:
+        pace = tuple((p, parts[p]["fwd_ms"]) for p in every) + sends
+        drain_pace = tuple((p, parts[p]["bwd_ms"]) for p in every) + sends
+    else:  # 1F1B: the slowest of a part's compute, a link, and a round trip through the next part
+        pace = tuple((p, parts[p]["compute_ms"]) for p in every)
+        for p in range(problem.num_parts - 1):
+            pace += ((p, parts[p]["send_ms"]), (p + 1, parts[p + 1]["round_trip_ms"]))
+        drain_pace = ()
     return (
-        Aggregate("compute", Reduce.SUM, 1.0, tuple((p, t["compute_ms"]) for p, t in enumerate(parts))),
-        Aggregate("transfers", Reduce.SUM, 2.0, tuple((p, parts[p]["send_ms"]) for p in range(last))),
-        Aggregate("bottleneck", Reduce.MAX, float(problem.num_microbatches - 1), tuple(pace)),
-        Aggregate("allreduce", Reduce.MAX, 1.0, tuple((p, t["allreduce_ms"]) for p, t in enumerate(parts))),
+        Aggregate("forward", Reduce.SUM, 1.0, tuple((p, parts[p]["fwd_ms"]) for p in every)),
+        Aggregate("forward_transfers", Reduce.SUM, 1.0, sends),
+        Aggregate("bottleneck", Reduce.MAX, repeats, pace),
+        Drain("backward", 1.0, tuple((p, parts[p]["bwd_ms"]) for p in every) + sends, repeats if drain_pace else 0.0,
+              drain_pace, tuple((p, parts[p]["allreduce_ms"]) for p in every)),
     )
 
 
@@ -256,23 +289,41 @@ def fixed_sum(aggregate: Aggregate, num_parts: int) -> float | None:
 
 
 def lower_bound(costs: CostModel) -> float:
-    """A step time no partition can beat, from the aggregates alone (every coefficient is >= 0).
+    """A step time no partition can beat, from the objective alone (every coefficient is >= 0).
 
     A fixed sum counts in full, other sums at least their constants; a maximum is at least the
     largest member constant and, over one unit-only term on every part, at least the larger of
-    its average part and its largest unit.
+    its average part and its largest unit; a drain at least its value from part 0 so bounded.
     """
     total = 0.0
-    for aggregate in costs.objective:
-        fixed = fixed_sum(aggregate, costs.num_parts)
-        if fixed is not None:
-            total += aggregate.weight * fixed
-        elif aggregate.reduce is Reduce.SUM:
-            total += aggregate.weight * sum(term.constant for _, term in aggregate.members)
-        elif aggregate.members:
-            total += aggregate.weight * max(_max_lower_bound(aggregate, costs.num_parts),
-                                            max(term.constant for _, term in aggregate.members))
+    for piece in costs.objective:
+        if isinstance(piece, Drain):
+            flow = Aggregate(piece.name, Reduce.SUM, 1.0, piece.flow)
+            pace = Aggregate(piece.name, Reduce.MAX, 1.0, piece.pace)
+            tail = [term.constant for part, term in piece.tail if part == 0]
+            total += piece.weight * (_sum_lower_bound(flow, costs.num_parts) + max(tail, default=0.0)
+                                     + piece.pace_weight * _aggregate_lower_bound(pace, costs.num_parts))
+        else:
+            total += piece.weight * _aggregate_lower_bound(piece, costs.num_parts)
     return total
+
+
+def _aggregate_lower_bound(aggregate: Aggregate, num_parts: int) -> float:
+    if not aggregate.members:
+        return 0.0
+    if aggregate.reduce is Reduce.SUM:
+        return _sum_lower_bound(aggregate, num_parts)
+    return max(_max_lower_bound(aggregate, num_parts), max(term.constant for _, term in aggregate.members))
+
+
+def _sum_lower_bound(aggregate: Aggregate, num_parts: int) -> float:
+    """Constants, plus every family of one unit-only term summed over all parts (which no cut changes)."""
+    total = sum(term.constant for _, term in aggregate.members)
+    families: dict[tuple[float, ...], set[int]] = {}
+    for part, term in aggregate.members:
+        if term.unit_only and term.per_unit:
+            families.setdefault(term.per_unit, set()).add(part)
+    return total + sum(sum(per_unit) for per_unit, parts in families.items() if len(parts) == num_parts)
 
 
 def _max_lower_bound(aggregate: Aggregate, num_parts: int) -> float:
