@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from runtime.build import default_dtype
 
+ROOT = Path(__file__).resolve().parents[1]
 GPT = "examples/models/gpt.py:gpt_tiny"
 RESNET = "examples/models/resnet.py:resnet50"
 

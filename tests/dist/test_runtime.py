@@ -6,7 +6,8 @@ weights instead of a meta model; ResNet-50 (width 4) cut
 inside a residual block so the block's input crosses to the next stage; the GPT and the ResNet in
 4 stages looped over 2 ranks (stages 0 and 2 on rank 0, so the ResNet's skip is handed over in
 memory), as interleaved schedules place them. 4 ranks:
-the ResNet in 4 stages with a skip from stage 0 to stage 2, and the GPT as 2 stages x 2 replicas.
+the ResNet in 4 stages with a skip from stage 0 to stage 2, and the GPT as 2 stages x 2 replicas,
+also from a plan file of schema 1 (written before the layout existed).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 
 from tests.dist.harness import run_ranks
 from tests.dist.runtime_cases import Case, Outcome, reference, run_cases
-from tests.runtime_plans import GPT, RESNET, looped, make_plan
+from tests.runtime_plans import GPT, RESNET, ROOT, looped, make_plan
 
 pytestmark = pytest.mark.dist
 
@@ -58,7 +59,8 @@ def test_four_rank_pipelines_and_data_parallel_equal_a_single_process() -> None:
     cases = [Case(make_plan(RESNET, SKIP_TO_STAGE_2, schedule="gpipe")),
              Case(make_plan(RESNET, SKIP_TO_STAGE_2, schedule="1f1b")),
              Case(make_plan(GPT, ["blocks_1_ln_1"], schedule="gpipe", data_parallel=2, microbatches=2)),
-             Case(make_plan(GPT, ["blocks_1_ln_1"], schedule="1f1b", data_parallel=2, microbatches=3))]
-    outcomes = run_ranks(run_cases, 4, cases, timeout_s=240)
+             Case(make_plan(GPT, ["blocks_1_ln_1"], schedule="1f1b", data_parallel=2, microbatches=3)),
+             Case((ROOT / "tests" / "data" / "plan_v1_gpt_tiny_2x2.json").read_text())]
+    outcomes = run_ranks(run_cases, 4, cases, timeout_s=300)
     for index, case in enumerate(cases):
         _check(case, [outcomes[rank][index] for rank in range(4)])

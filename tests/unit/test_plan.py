@@ -188,3 +188,50 @@ def test_num_stages_restricts_the_search() -> None:
     assert _tiny(gpus=4, num_stages=(4,)).num_stages == 4
     with pytest.raises(InvalidArgument, match="must divide gpus=4"):
         _tiny(gpus=4, num_stages=(3,))
+
+
+V1_PLAN = ROOT / "tests" / "data" / "plan_v1_gpt_tiny_2x2.json"
+
+
+def test_a_schema_1_plan_file_is_upgraded_on_load() -> None:
+    """A plan written before the layout (ranks inside each stage, one replica per rank block) loads
+    with its placement as a layout and its memory split into held-all-step and per-micro-batch bytes."""
+    raw = json.loads(V1_PLAN.read_text())
+    plan = Plan.load(V1_PLAN)
+    assert raw["schema_version"] == 1 and plan.schema_version == 2
+    assert [[plan.layout.ranks_of(stage, replica)[0] for replica in range(plan.data_parallel)]
+            for stage in range(plan.num_stages)] == [stage["ranks"] for stage in raw["stages"]] == [[0, 1], [2, 3]]
+    assert plan.programs == tuple(tuple(program) for program in raw["programs"])
+    for stage, old in zip(plan.stages, raw["stages"]):
+        predicted = old["predicted"]
+        assert stage.nodes == tuple(old["nodes"])
+        assert stage.predicted.activation_bytes * predicted["in_flight"] == predicted["activation_bytes"]
+        assert stage.predicted.static_bytes + predicted["activation_bytes"] == predicted["peak_mem_bytes"]
+    assert plan.schedule.in_flight == tuple(old["predicted"]["in_flight"] for old in raw["stages"]) == (2, 1)
+    from runtime import checks
+
+    checks.check_plan(plan)  # and it still runs: the runtime accepts it
+    checks.check_executable(plan)
+    assert Plan.from_dict(json.loads(plan.to_json())) == plan
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda d: d.update(extra=1), r"plan has unknown fields \['extra'\]"),
+    (lambda d: d["stages"][0]["predicted"].update(peak=1), r"stages\[0\].predicted has unknown fields \['peak'\]"),
+    (lambda d: d["training"].pop("optimizer"), r"training lacks fields \['optimizer'\]"),
+    (lambda d: d["training"].update(optimizer="lion"), "training.optimizer is 'lion', which this tessera does not "
+                                                        "know; expected one of 'sgd', 'momentum', 'adam', 'adamw'"),
+    (lambda d: d["schedule"].update(kind="zigzag"), "schedule.kind is 'zigzag'"),
+    (lambda d: d["model"].update(precision="fp8"), "model.precision is 'fp8'"),
+    (lambda d: d["stages"][0]["offload"].update(optimizer_state="tape"), r"stages\[0\].offload.optimizer_state"),
+    (lambda d: d["cluster"].update(gpus="4"), "cluster.gpus must be an integer, got str '4'"),
+    (lambda d: d["cluster"].update(gpus=True), "cluster.gpus must be an integer, got bool True"),
+    (lambda d: d["predicted"].update(peak_mem_bytes={"0": 1}), "predicted.peak_mem_bytes must be a list"),
+    (lambda d: d["layout"]["slot_ranks"][0].append([99]), r"layout: stage_slot \[.*\] must use every slot"),
+    (lambda d: d.update(schema_version=3), "schema_version is 3 but this tessera reads versions 1 and 2"),
+])
+def test_plan_decoding_fails_closed_naming_the_field(resnet_plan: Plan, edit, message: str) -> None:
+    data = json.loads(resnet_plan.to_json())
+    edit(data)
+    with pytest.raises(PlanFileError, match=message):
+        Plan.from_dict(data)
