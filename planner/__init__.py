@@ -15,6 +15,7 @@ _EXPORTS = {
     "NodeKind": "cost_models.graph.ir",
     "plan": "planner.api",
     "Plan": "planner.plan",
+    "Layout": "planner.plan",
 }
 
 __all__ = sorted(_EXPORTS)
