@@ -20,7 +20,8 @@ from planner.search.search import Search, SearchSpace
 
 def plan(model: nn.Module, gpus: int, mem: str | int, *, batch_size: int,
          example_inputs: torch.Tensor | Sequence[torch.Tensor], device: str | DeviceSpec = "V100-16GB",
-         gpus_per_node: int | None = None, optimizer: str | Optimizer = "adam", precision: str | Precision = "fp32",
+         gpus_per_node: int | None = None, optimizer: str | Optimizer = "adam",
+         precision: str | Precision = "fp32",
          schedules: Sequence[str | ScheduleKind] = tuple(ScheduleKind),
          micro_batch_sizes: Sequence[int] | None = None,
          num_stages: Sequence[int] | None = None, time_limit_s: float = 60.0, builder: str | None = None,
@@ -57,7 +58,8 @@ def model_ref(graph: LayerGraph, inputs: tuple[torch.Tensor, ...], space: Search
 def validate_space(gpus: int, mem: str | int, batch_size: int, device: str | DeviceSpec,
                    gpus_per_node: int | None, optimizer: str | Optimizer, precision: str | Precision,
                    schedules: Sequence[str | ScheduleKind], micro_batch_sizes: Sequence[int] | None,
-                   time_limit_s: float, num_stages: Sequence[int] | None = None) -> tuple[SearchSpace, DeviceSpec]:
+                   time_limit_s: float,
+                   num_stages: Sequence[int] | None = None) -> tuple[SearchSpace, DeviceSpec]:
     """Validate every argument before any tracing, with messages that name the value and fix."""
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
         raise InvalidArgument(f"gpus must be a whole number >= 1, got {gpus!r}")

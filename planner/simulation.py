@@ -1,4 +1,4 @@
-"""Replay a plan's programs on its own predicted costs (what `plan()` predicts and `tessera simulate` shows)."""
+"""Replay a plan's programs on its own predicted costs (what `plan()` predicts, `tessera simulate` shows)."""
 
 from __future__ import annotations
 
@@ -19,4 +19,5 @@ def sim_costs(layout: Layout, parts: Sequence[StagePlan], transfers: Sequence[Tr
 
 def simulate_plan(plan: Plan) -> SimResult:
     """The plan's per-rank programs replayed on its predicted costs."""
-    return simulate(parse_programs(plan.programs), plan.layout, sim_costs(plan.layout, plan.stages, plan.transfers))
+    costs = sim_costs(plan.layout, plan.stages, plan.transfers)
+    return simulate(parse_programs(plan.programs), plan.layout, costs)

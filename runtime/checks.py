@@ -58,7 +58,8 @@ def check_plan(plan: Plan) -> None:
 def check_executable(plan: Plan) -> None:
     """Refuse what this runtime does not execute yet (each names the planner option that avoids it)."""
     layout = plan.layout
-    tiled = sorted({slot for slots in layout.slot_ranks for slot, ranks in enumerate(slots) if len(ranks) > 1})
+    tiled = sorted({slot for slots in layout.slot_ranks for slot, ranks in enumerate(slots)
+                    if len(ranks) > 1})
     if tiled:
         raise RuntimeSetupError(f"slots {tiled} of the plan are split into spatial tiles, which this runtime "
                                 f"does not execute yet; re-plan without spatial parallelism")
@@ -72,9 +73,10 @@ def check_executable(plan: Plan) -> None:
         raise RuntimeSetupError(f"stages {offloaded} offload activations, parameters or optimizer state, "
                                 f"which this runtime does not execute yet; re-plan without offload")
     if plan.model.precision not in TRAINED_PRECISIONS:
-        raise RuntimeSetupError(f"the plan's precision is {plan.model.precision.value!r} but the runtime trains "
-                                f"in {' or '.join(sorted(p.value for p in TRAINED_PRECISIONS))} only (no mixed "
-                                f"precision yet); re-plan with --precision fp32")
+        trained = " or ".join(sorted(p.value for p in TRAINED_PRECISIONS))
+        raise RuntimeSetupError(f"the plan's precision is {plan.model.precision.value!r} but the runtime "
+                                f"trains in {trained} only (no mixed precision yet); re-plan with "
+                                f"--precision fp32")
 
 
 def rank_program(plan: Plan, rank: int) -> Program:

@@ -272,7 +272,8 @@ class Executor:
     def _allreduce(self, action: Action, state: StepState) -> None:
         stage = self.stages[action.stage]
         params = [p for name, p in stage.params.items() if name not in self.groups.tied_names]
-        self.sync.all_reduce(params, self.groups.data_parallel[self.plan.layout.part(action.stage)], str(action))
+        group = self.groups.data_parallel[self.plan.layout.part(action.stage)]
+        self.sync.all_reduce(params, group, str(action))
 
     def _optimizer_step(self, action: Action, state: StepState) -> None:
         if not state.tied_synced:

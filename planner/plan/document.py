@@ -84,7 +84,8 @@ class Plan:
         try:
             return _decode(upgrade(data))
         except ValueError as error:
-            raise PlanFileError(f"plan data is malformed: {error}; re-create it with `tessera plan`") from None
+            raise PlanFileError(f"plan data is malformed: {error}; re-create it with `tessera plan`"
+                                ) from None
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True) + "\n"
@@ -125,7 +126,8 @@ def _decode(data: Mapping[str, Any]) -> Plan:
         "schema_version": codec.integer, "model": ModelRef.from_dict, "cluster": ClusterSpec.from_dict,
         "training": TrainingSpec.from_dict, "schedule": ScheduleSpec.from_dict, "layout": layout_from_dict,
         "stages": codec.tuple_of(StagePlan.from_dict), "layers": codec.tuple_of(LayerRow.from_dict),
-        "programs": codec.tuple_of(codec.tuple_of(codec.string)), "transfers": codec.tuple_of(Transfer.from_dict),
+        "programs": codec.tuple_of(codec.tuple_of(codec.string)),
+        "transfers": codec.tuple_of(Transfer.from_dict),
         "predicted": Prediction.from_dict, "solver": SolverReport.from_dict})
 
 

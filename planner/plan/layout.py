@@ -121,8 +121,8 @@ class Layout:
     @property
     def is_pipeline(self) -> bool:
         """One stage per slot, stage s computing part s, no spatial tiles (GPipe, 1F1B)."""
-        return (self.stage_part == tuple(range(self.num_stages)) and len(set(self.stage_slot)) == self.num_stages
-                and all(len(ranks) == 1 for slots in self.slot_ranks for ranks in slots))
+        one_each = self.stage_part == tuple(range(self.num_stages)) and len(set(self.stage_slot)) == self.num_stages
+        return one_each and all(len(ranks) == 1 for slots in self.slot_ranks for ranks in slots)
 
     # ------------------------------------------------------------- lookups
     def part(self, stage: int) -> int:
@@ -162,8 +162,8 @@ class Layout:
     def part_ranks(self, part: int) -> tuple[int, ...]:
         """Every rank holding a copy of ``part``'s weights (replicas, mirror copies and tiles), sorted:
         the group that sums its gradients."""
-        return tuple(sorted({rank for stage in self.stages_of_part(part) for replica in range(self.data_parallel)
-                             for rank in self.ranks_of(stage, replica)}))
+        return tuple(sorted({rank for stage in self.stages_of_part(part)
+                             for replica in range(self.data_parallel) for rank in self.ranks_of(stage, replica)}))
 
     def channels(self, src_stage: int, dst_stage: int, replica: int) -> tuple[tuple[int, int], ...]:
         """The (src rank, dst rank) pairs a message from one stage to another travels in one replica:
@@ -182,9 +182,10 @@ class Layout:
         groups = [self.ranks_of(stage, replica) for replica in range(self.data_parallel)]
         texts = [str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}" for ranks in groups]
         flat = [rank for ranks in groups for rank in ranks]
-        if len(texts) > 4 and all(len(ranks) == 1 for ranks in groups) and flat == list(range(flat[0], flat[-1] + 1)):
+        single = all(len(ranks) == 1 for ranks in groups)
+        if len(texts) > 4 and single and flat == list(range(flat[0], flat[-1] + 1)):
             return f"{flat[0]}..{flat[-1]}"
-        return ("," if all(len(ranks) == 1 for ranks in groups) else "|").join(texts)
+        return ("," if single else "|").join(texts)
 
     # ------------------------------------------------------------- internals
     def _stage(self, stage: int) -> int:
@@ -206,8 +207,8 @@ class Layout:
 def _check(layout: Layout) -> None:
     """Every part computed, every slot used, every rank 0..W-1 exactly once, tiles alike in replicas."""
     if not layout.stage_part or len(layout.stage_part) != len(layout.stage_slot):
-        raise ValueError(f"stage_part {list(layout.stage_part)} and stage_slot {list(layout.stage_slot)} must "
-                         f"name a part and a slot for each of at least one stage")
+        raise ValueError(f"stage_part {list(layout.stage_part)} and stage_slot {list(layout.stage_slot)} "
+                         f"must name a part and a slot for each of at least one stage")
     if set(layout.stage_part) != set(range(max(layout.stage_part) + 1)):
         raise ValueError(f"stage_part {list(layout.stage_part)} must compute every part 0..P-1")
     if not layout.slot_ranks or not layout.slot_ranks[0]:

@@ -37,8 +37,9 @@ def _from_v1(data: Mapping[str, Any]) -> dict[str, Any]:
     new = {key: value for key, value in data.items() if key != "data_parallel"}
     stages = data["stages"]
     replicas = int(data["data_parallel"])
+    slot_ranks = [[[stage["ranks"][replica]] for stage in stages] for replica in range(replicas)]
     new["layout"] = {"stage_part": list(range(len(stages))), "stage_slot": list(range(len(stages))),
-                     "slot_ranks": [[[stage["ranks"][replica]] for stage in stages] for replica in range(replicas)]}
+                     "slot_ranks": slot_ranks}
     new["stages"] = [_stage_from_v1(stage) for stage in stages]
     new["schedule"] = {"kind": data["schedule"]["kind"],
                        "in_flight": [stage["predicted"]["in_flight"] for stage in stages]}

@@ -40,7 +40,8 @@ def gpipe(num_stages: int, num_microbatches: int, *, data_parallel: int = 1) -> 
     _check_sizes(num_stages, num_microbatches)
     programs = tuple(_forwards(stage, range(num_microbatches)) + _backwards(stage, range(num_microbatches))
                      for stage in range(num_stages))
-    return Schedule(ScheduleKind.GPIPE, num_microbatches, Layout.pipeline(num_stages, data_parallel), programs)
+    layout = Layout.pipeline(num_stages, data_parallel)
+    return Schedule(ScheduleKind.GPIPE, num_microbatches, layout, programs)
 
 
 def one_f_one_b(num_stages: int, num_microbatches: int, *, data_parallel: int = 1) -> Schedule:

@@ -1,11 +1,12 @@
 """Simulator: replays lowered programs on per-stage costs to predict step time, bubble and memory.
 
 Model: programs are per rank of the whole job (the layout says which stages each rank runs and
-between which ranks a message travels). Each rank runs its actions in order on one compute resource. F, B, OPTIMIZER_STEP take
-their stage's time and count as busy; ALLREDUCE takes ``allreduce_ms`` (all replicas reduce at
-once, so it is a local duration) and blocks the rank, but is communication, not busy time. A
-SEND returns at once and starts a transfer on the directed link src rank → dst rank; transfers
-on one link run one after another (FIFO). A RECV blocks until its transfer has arrived.
+between which ranks a message travels). Each rank runs its actions in order on one compute
+resource. F, B, OPTIMIZER_STEP take their stage's time and count as busy; ALLREDUCE takes
+``allreduce_ms`` (all replicas reduce at once, so it is a local duration) and blocks the rank,
+but is communication, not busy time. A SEND returns at once and starts a transfer on the
+directed link src rank → dst rank; transfers on one link run one after another (FIFO). A RECV
+blocks until its transfer has arrived.
 A message between stages of different slots travels from every rank of the sender to every rank
 of the receiver (spatial tiles join and split), each at the edge's cost, and the receive waits
 for all of them. SWAP_OUT, SWAP_IN and RECOMPUTE take no time until offload costs exist. Memory

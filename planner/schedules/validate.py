@@ -111,7 +111,8 @@ def _check_placement(programs: Programs, layout: Layout) -> None:
 
 
 def _ranks_text(layout: Layout, stage: int) -> str:
-    return ", ".join(str(rank) for replica in range(layout.data_parallel) for rank in layout.ranks_of(stage, replica))
+    return ", ".join(str(rank) for replica in range(layout.data_parallel)
+                     for rank in layout.ranks_of(stage, replica))
 
 
 def _check_coverage(programs: Programs, layout: Layout) -> int:
@@ -147,8 +148,8 @@ def _check_once_per_stage(programs: Programs) -> None:
                 where.setdefault((rank, action.kind, action.stage), []).append((rank, step))
     for (rank, kind, stage), cells in sorted(where.items()):
         if len(cells) > 1:
-            raise ScheduleError(f"duplicated {kind.value}: stage {stage} runs it {len(cells)} times on rank {rank}",
-                                programs, cells)
+            raise ScheduleError(f"duplicated {kind.value}: stage {stage} runs it {len(cells)} times on "
+                                f"rank {rank}", programs, cells)
 
 
 @dataclass
@@ -158,7 +159,7 @@ class _Replay:
     programs: Programs
     layout: Layout
     num_microbatches: int
-    done: set[tuple[int, ActionKind, int, int]] = field(default_factory=set)  # (rank, kind, stage, micro-batch)
+    done: set[tuple[int, ActionKind, int, int]] = field(default_factory=set)  # rank, kind, stage, micro
     backwards_done: Counter[tuple[int, int]] = field(default_factory=Counter)  # (rank, stage)
     channels: dict[tuple[int, int], deque[tuple[Action, Cell]]] = field(default_factory=dict)
 

@@ -123,7 +123,8 @@ def _drain(model: CostModel, drain: Drain, ranges: list[tuple[int, int]]) -> flo
     for slot, members in ((0, drain.flow), (1, drain.pace), (2, drain.tail)):
         for part, term in members:
             value = term_value(model, term, *ranges[part])
-            per_part[part][slot] = max(per_part[part][slot], value) if slot == 1 else per_part[part][slot] + value
+            held = per_part[part][slot]
+            per_part[part][slot] = max(held, value) if slot == 1 else held + value
     best, flow, pace = float("-inf"), 0.0, 0.0
     for part_flow, part_pace, tail in reversed(per_part):
         flow, pace = flow + part_flow, max(pace, part_pace)

@@ -115,7 +115,8 @@ class _Variables:
         """``scale x term`` on ``part`` as a pulp expression."""
         pieces = [pulp.lpSum(scale * c * self.x[i, part] for i, c in enumerate(term.per_unit) if c)]
         if term.ends_after:
-            pieces.append(pulp.lpSum(scale * c * self.end[p, part] for p, c in enumerate(term.ends_after) if c))
+            pieces.append(pulp.lpSum(scale * c * self.end[p, part]
+                                     for p, c in enumerate(term.ends_after) if c))
         if term.starts_after:
             pieces.append(pulp.lpSum(scale * c * self.end[p, part - 1]
                                      for p, c in enumerate(term.starts_after) if c))
@@ -193,7 +194,8 @@ def _aggregate(lp: pulp.LpProblem, variables: _Variables, aggregate: Aggregate) 
     if fixed is not None:
         return aggregate.weight * fixed
     if aggregate.reduce is Reduce.SUM:
-        return aggregate.weight * pulp.lpSum(variables.expression(term, part) for part, term in aggregate.members)
+        return aggregate.weight * pulp.lpSum(variables.expression(term, part)
+                                             for part, term in aggregate.members)
     expressions = [variables.expression(term, part) for part, term in aggregate.members]
     top = lp.add_variable(f"{aggregate.name}_ms", lowBound=0)
     for index, ((part, _), expression) in enumerate(zip(aggregate.members, expressions)):

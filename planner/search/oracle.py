@@ -108,7 +108,8 @@ def _fold(pieces: list[Aggregate | Drain], values: tuple[float, ...],
             merged += [flow, pace, max(best, flow + piece.pace_weight * pace + part[2])]
             offset += 3
         else:
-            merged.append(values[offset] + part[0] if piece.reduce is Reduce.SUM else max(values[offset], part[1]))
+            total = values[offset] + part[0] if piece.reduce is Reduce.SUM else max(values[offset], part[1])
+            merged.append(total)
             offset += 1
     return tuple(merged)
 

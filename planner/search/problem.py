@@ -105,10 +105,11 @@ def part_links(device: DeviceSpec, layout: Layout, gpus_per_node: int) -> tuple[
 
 
 def part_allreduces(device: DeviceSpec, layout: Layout, gpus_per_node: int) -> tuple[LinearCost, ...]:
-    """Per part, a ring all-reduce over every rank holding a copy of it (2(n-1) latencies + 2(n-1)/n bytes)."""
+    """Per part, a ring all-reduce over every rank holding a copy of it."""
     def cost(part: int) -> LinearCost:
         ranks = layout.part_ranks(part)
-        return LinearCost(*ring_allreduce_coefficients(len(ranks), allreduce_link(device, ranks, gpus_per_node)))
+        link = allreduce_link(device, ranks, gpus_per_node)
+        return LinearCost(*ring_allreduce_coefficients(len(ranks), link))
     return tuple(cost(part) for part in range(layout.num_parts))
 
 

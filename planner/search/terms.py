@@ -48,7 +48,8 @@ class Term:
         return Term(self.constant + weight * other.constant, _add(self.per_unit, other.per_unit, weight),
                     _add(self.ends_after, other.ends_after, weight),
                     _add(self.starts_after, other.starts_after, weight),
-                    _add(self.per_shared, other.per_shared, weight), _add(self.unit_max, other.unit_max, weight),
+                    _add(self.per_shared, other.per_shared, weight),
+                    _add(self.unit_max, other.unit_max, weight),
                     self.max_name if self.unit_max else other.max_name)
 
     @property
@@ -178,7 +179,8 @@ def cost_model(problem: PipelineProblem) -> CostModel:
     resource, where a part cannot start its next forward before its successor returned the
     backward of an earlier micro-batch (r_s = F_s + B_s + 2 c_{s-1}):
 
-        step = sum_s F_s + sum_s c_s + (M - 1) max(F_s + B_s, c_s, r_s) + max_s [ sum_{t>=s} (B_t + c_t) + a_s ]
+        step = sum_s F_s + sum_s c_s + (M - 1) max(F_s + B_s, c_s, r_s)
+               + max_s [ sum_{t>=s} (B_t + c_t) + a_s ]
 
     Memory of stage t on part s: its weights, gradients, optimizer state and
     buffers, its largest transient, one send buffer, and in-flight(t) x (saved activations +
@@ -221,7 +223,8 @@ def _part_terms(problem: PipelineProblem, part: int, shared: dict[str, Term]) ->
     terms["static_bytes"] = shared["state_bytes" if is_last else "static_bytes"]  # + one send buffer
     terms["activation_bytes"] = shared["saved_bytes" if is_first else "activation_bytes"]  # + received inputs
     terms["send_ms"] = Term(ends_after=() if is_last else tuple(problem.links[part].ms(b) for b in boundary))
-    terms["allreduce_ms"] = Term(constant=allreduce.fixed_ms).plus(shared["grad_bytes"], allreduce.ms_per_byte)
+    terms["allreduce_ms"] = Term(constant=allreduce.fixed_ms).plus(shared["grad_bytes"],
+                                                                   allreduce.ms_per_byte)
     if problem.schedule is ScheduleKind.ONE_F_ONE_B and not is_first:
         round_trip = tuple(2 * problem.links[part - 1].ms(b) for b in boundary)
         terms["round_trip_ms"] = shared["compute_ms"].plus(Term(starts_after=round_trip))
@@ -244,8 +247,8 @@ def _objective(problem: PipelineProblem, parts: tuple[dict[str, Term], ...]) -> 
         Aggregate("forward", Reduce.SUM, 1.0, tuple((p, parts[p]["fwd_ms"]) for p in every)),
         Aggregate("forward_transfers", Reduce.SUM, 1.0, sends),
         Aggregate("bottleneck", Reduce.MAX, repeats, pace),
-        Drain("backward", 1.0, tuple((p, parts[p]["bwd_ms"]) for p in every) + sends, repeats if drain_pace else 0.0,
-              drain_pace, tuple((p, parts[p]["allreduce_ms"]) for p in every)),
+        Drain("backward", 1.0, tuple((p, parts[p]["bwd_ms"]) for p in every) + sends,
+              repeats if drain_pace else 0.0, drain_pace, tuple((p, parts[p]["allreduce_ms"]) for p in every)),
     )
 
 
@@ -279,7 +282,8 @@ def fixed_sum(aggregate: Aggregate, num_parts: int) -> float | None:
 
     Such a sum (the total compute) is a constant of the ILP and no label of the DP.
     """
-    if aggregate.reduce is not Reduce.SUM or sorted(part for part, _ in aggregate.members) != list(range(num_parts)):
+    every_part = sorted(part for part, _ in aggregate.members) == list(range(num_parts))
+    if aggregate.reduce is not Reduce.SUM or not every_part:
         return None
     terms = [term for _, term in aggregate.members]
     first = terms[0]
