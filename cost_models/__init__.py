@@ -1,6 +1,8 @@
-"""What a node costs: FLOPs, time, memory and communication; device presets; profiling.
+"""The bottom package: the layer-graph IR and its capture (graph/), the error hierarchy, and what a
+node costs (FLOPs, time, memory, communication; device presets; profiling).
 
-Attributes are imported lazily so reading a device preset does not import the whole package.
+It imports neither planner nor runtime. Attributes are imported lazily so reading a device preset
+does not import the whole package.
 """
 
 from __future__ import annotations
