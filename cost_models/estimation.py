@@ -98,9 +98,10 @@ class CostTable(Mapping[str, NodeCost]):
 
 
 def estimate(graph: LayerGraph, device: str | DeviceSpec = "V100-16GB", optimizer: str | Optimizer = "adam",
-             precision: str | Precision = "fp32", *, batch_size: int | None = None) -> CostTable:
+             precision: str | Precision | None = None, *, batch_size: int | None = None) -> CostTable:
     """Cost every node of ``graph``: FLOPs from tracing, time by roofline on ``device``.
 
+    ``precision`` defaults to the model's own (:func:`model_precision`: its weights' dtype).
     ``batch_size`` rescales everything that grows with the batch (FLOPs, activations, outputs)
     from the traced batch (``graph.batch_size``) to that micro-batch size; weights do not scale.
 
@@ -111,7 +112,7 @@ def estimate(graph: LayerGraph, device: str | DeviceSpec = "V100-16GB", optimize
         costs["layer1_0_conv1"].fwd_ms, costs.total("param_bytes")
     """
     spec = get_device(device)
-    mode = get_precision(precision)
+    mode = model_precision(graph) if precision is None else get_precision(precision)
     state = get_optimizer(optimizer)  # validates the names before any work
     if mode.value not in spec.supported_precisions():
         raise InvalidArgument(f"device {spec.name!r} cannot train in {mode.value}; it supports "
@@ -121,6 +122,24 @@ def estimate(graph: LayerGraph, device: str | DeviceSpec = "V100-16GB", optimize
     scale = 1.0 if batch_size is None else batch_size / graph.batch_size
     costs = tuple(_node_cost(graph, node, spec, mode, state, scale) for node in graph)
     return CostTable(costs, graph.fingerprint, spec.name, state.value, mode.value, "roofline")
+
+
+def model_precision(graph: LayerGraph) -> Precision:
+    """The precision a model trains in as built: its floating-point weights' dtype (fp32 or fp64).
+
+    Half-precision weights are refused: say whether they mean mixed precision (fp16/bf16 with fp32
+    master weights). A model without floating-point weights counts as fp32.
+    """
+    dtypes = sorted({info.dtype for info in graph.parameters if not info.is_buffer
+                     and info.dtype in ("float64", "float32", "float16", "bfloat16")})
+    by_dtype = {"float64": Precision.FP64, "float32": Precision.FP32}
+    if len(dtypes) == 1 and dtypes[0] in by_dtype:
+        return by_dtype[dtypes[0]]
+    if not dtypes:
+        return Precision.FP32
+    raise InvalidArgument(f"the model's weights are {', '.join(dtypes)}: give precision= (--precision) "
+                          f"explicitly, e.g. 'bf16' or 'fp16' for mixed precision with fp32 master weights, "
+                          f"or 'fp32'")
 
 
 def _node_cost(graph: LayerGraph, node: LayerNode, device: DeviceSpec, precision: Precision,

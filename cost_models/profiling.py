@@ -40,7 +40,7 @@ class NodeTiming:
 
 
 def profile(model: nn.Module, example_inputs: torch.Tensor | Sequence[torch.Tensor],
-            device: str = "cpu", *, optimizer: str = "adam", precision: str = "fp32",
+            device: str = "cpu", *, optimizer: str = "adam", precision: str | None = None,
             warmup: int = 2, repeats: int = 5, cache_dir: str | Path | None = None,
             refresh: bool = False, leaf_modules: Sequence[type | str] = ()) -> CostTable:
     """Cost table of ``model`` with forward/backward times measured node by node.
@@ -64,7 +64,7 @@ def profile(model: nn.Module, example_inputs: torch.Tensor | Sequence[torch.Tens
 
 
 def profile_with_graph(model: nn.Module, example_inputs: torch.Tensor | Sequence[torch.Tensor],
-                       device: str = "cpu", *, optimizer: str = "adam", precision: str = "fp32",
+                       device: str = "cpu", *, optimizer: str = "adam", precision: str | None = None,
                        warmup: int = 2, repeats: int = 5, cache_dir: str | Path | None = None,
                        refresh: bool = False, leaf_modules: Sequence[type | str] = ()
                        ) -> tuple["LayerGraph", CostTable]:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from cost_models.devices import DeviceSpec, get_device
+from cost_models.estimation import model_precision
 from cost_models.errors import InvalidArgument
 from cost_models.graph.ir import LayerGraph
 from cost_models.graph.tracing import normalise_inputs, trace
@@ -21,7 +23,7 @@ from planner.search.search import Search, SearchSpace
 def plan(model: nn.Module, gpus: int, mem: str | int, *, batch_size: int,
          example_inputs: torch.Tensor | Sequence[torch.Tensor], device: str | DeviceSpec = "V100-16GB",
          gpus_per_node: int | None = None, optimizer: str | Optimizer = "adam",
-         precision: str | Precision = "fp32",
+         precision: str | Precision | None = None,
          schedules: Sequence[str | ScheduleKind] = tuple(ScheduleKind),
          micro_batch_sizes: Sequence[int] | None = None,
          num_stages: Sequence[int] | None = None, time_limit_s: float = 60.0, builder: str | None = None,
@@ -30,7 +32,8 @@ def plan(model: nn.Module, gpus: int, mem: str | int, *, batch_size: int,
     """Choose the fastest pipeline x data-parallel plan of ``model`` that fits ``mem`` per GPU.
 
     ``batch_size`` is the global batch per step; ``example_inputs`` only fix shapes (any batch
-    dimension; meta tensors are fine). Costs are roofline estimates on ``device``.
+    dimension; meta tensors are fine). Costs are roofline estimates on ``device``. ``precision``
+    defaults to the model's own (the dtype of its weights: a float64 model is costed at 8 bytes).
     ``micro_batch_sizes`` and ``num_stages`` restrict the search (default: every divisor).
 
     Example::
@@ -40,9 +43,11 @@ def plan(model: nn.Module, gpus: int, mem: str | int, *, batch_size: int,
         print(p); p.save("plan.json")
     """
     inputs = normalise_inputs(example_inputs)
-    space, spec = validate_space(gpus, mem, batch_size, device, gpus_per_node, optimizer, precision,
-                                 schedules, micro_batch_sizes, time_limit_s, num_stages)
+    mode = None if precision is None else get_precision(precision)
+    space, spec = validate_space(gpus, mem, batch_size, device, gpus_per_node, optimizer,
+                                 mode or Precision.FP32, schedules, micro_batch_sizes, time_limit_s, num_stages)
     graph = graph or trace(model, inputs, leaf_modules=leaf_modules)
+    space = dataclasses.replace(space, precision=mode or model_precision(graph))
     result = Search(graph, spec, space).run()
     return build_plan(graph, spec, space, result,
                       model_ref(graph, inputs, space, builder, builder_kwargs))

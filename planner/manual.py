@@ -9,6 +9,7 @@ from torch import nn
 
 from cost_models.devices import DeviceSpec
 from cost_models.errors import InvalidArgument
+from cost_models.estimation import model_precision
 from cost_models.graph.ir import LayerGraph
 from cost_models.graph.tracing import normalise_inputs, trace
 from cost_models.memory import Optimizer, Precision
@@ -26,7 +27,7 @@ def plan_with_split(model: nn.Module, *, example_inputs: torch.Tensor | Sequence
                     data_parallel: int = 1, schedule: str | ScheduleKind = "1f1b",
                     device: str | DeviceSpec = "V100-16GB", mem: str | int = "1TB",
                     gpus_per_node: int | None = None, optimizer: str | Optimizer = "adam",
-                    precision: str | Precision = "fp32", builder: str | None = None,
+                    precision: str | Precision | None = None, builder: str | None = None,
                     builder_kwargs: Mapping[str, Any] | None = None,
                     graph: LayerGraph | None = None) -> Plan:
     """A plan whose stage s + 1 begins at node ``stage_starts[s]`` (stage 0 at the first node).
@@ -46,7 +47,8 @@ def plan_with_split(model: nn.Module, *, example_inputs: torch.Tensor | Sequence
         raise InvalidArgument(f"batch size {batch_size} is not a multiple of data_parallel "
                               f"{data_parallel} x micro_batch_size {micro_batch_size}")
     space, spec = validate_space(num_stages * data_parallel, mem, batch_size, device, gpus_per_node,
-                                 optimizer, precision, (schedule,), (micro_batch_size,), 0.0)
+                                 optimizer, precision or model_precision(graph), (schedule,),
+                                 (micro_batch_size,), 0.0)
     config = Config(num_stages, data_parallel, micro_batch_size,
                     batch_size // (data_parallel * micro_batch_size), space.schedules[0])
     search = Search(graph, spec, space)

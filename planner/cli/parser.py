@@ -143,8 +143,9 @@ def _add_profile(parser: argparse.ArgumentParser) -> None:
 def _add_training_modes(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--optimizer", default="adam", type=str.lower, choices=[o.value for o in Optimizer],
                         help="optimizer whose state is costed (default adam)")
-    parser.add_argument("--precision", default="fp32", type=str.lower, choices=[p.value for p in Precision],
-                        help="fp16/bf16 mean mixed precision with fp32 master weights (default fp32)")
+    parser.add_argument("--precision", default=None, type=str.lower, choices=[p.value for p in Precision],
+                        help="fp16/bf16 mean mixed precision with fp32 master weights (default: the "
+                             "model's own, the dtype of its weights)")
 
 
 def _run_profile(args: argparse.Namespace) -> None:

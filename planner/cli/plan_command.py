@@ -22,7 +22,7 @@ class PlanRequest:
     device: str = "V100-16GB"
     gpus_per_node: int | None = None
     optimizer: str = "adam"
-    precision: str = "fp32"
+    precision: str | None = None  # None: the model's own (its weights' dtype)
     schedules: tuple[str, ...] = ("gpipe", "1f1b")
     micro_batch_sizes: tuple[int, ...] | None = None
     time_limit_s: float = 60.0

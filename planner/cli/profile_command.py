@@ -27,7 +27,7 @@ class ProfileRequest:
     batch_size: int
     device: str
     optimizer: str = "adam"
-    precision: str = "fp32"
+    precision: str | None = None  # None: the model's own (its weights' dtype)
     measure: bool | None = None
     repeats: int = 5
     cache_dir: Path | None = None
@@ -48,7 +48,7 @@ def run_profile(request: ProfileRequest, search_root: Path | None = None) -> str
     kwargs = parse_model_args(request.model_args)
     builder = load_builder(request.model, search_root)
     measure = request.device == "cpu" if request.measure is None else request.measure
-    precision = get_precision(request.precision)
+    precision = get_precision(request.precision) if request.precision is not None else None
     get_optimizer(request.optimizer)
     if not measure:
         get_device(request.device)
@@ -58,9 +58,10 @@ def run_profile(request: ProfileRequest, search_root: Path | None = None) -> str
     model = build_model(builder, kwargs, build_device)
     inputs = example_inputs(specs, request.batch_size, build_device)
     if measure:
-        dtype = getattr(torch, precision.dtype)
-        model = model.to(dtype)
-        inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in inputs)
+        if precision is not None:
+            dtype = getattr(torch, precision.dtype)
+            model = model.to(dtype)
+            inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in inputs)
         graph, table = profile_with_graph(
             model, inputs, request.device, optimizer=request.optimizer, precision=request.precision,
             repeats=request.repeats, cache_dir=request.cache_dir, leaf_modules=request.leaf_modules)

@@ -235,3 +235,22 @@ def test_plan_decoding_fails_closed_naming_the_field(resnet_plan: Plan, edit, me
     edit(data)
     with pytest.raises(PlanFileError, match=message):
         Plan.from_dict(data)
+
+
+def test_bytes_follow_the_models_dtype_unless_a_precision_is_requested() -> None:
+    """A float64 model was costed as float32 (half its real bytes), so a plan that "fit" did not."""
+    from cost_models.memory import Precision
+    from runtime.build import default_dtype
+
+    with default_dtype(torch.float64):
+        model = gpt_tiny()
+    params = sum(p.numel() for p in model.parameters())
+    tokens = torch.empty(1, 32, dtype=torch.long, device="meta")
+    native = plan(model, gpus=2, mem="1GB", batch_size=8, example_inputs=tokens)
+    assert native.model.precision is Precision.FP64
+    assert sum(stage.predicted.param_bytes for stage in native.stages) == 8 * params
+    asked = plan(model, gpus=2, mem="1GB", batch_size=8, example_inputs=tokens, precision="fp32")
+    assert asked.model.precision is Precision.FP32
+    assert sum(stage.predicted.param_bytes for stage in asked.stages) == 4 * params
+    with pytest.raises(InvalidArgument, match="weights are bfloat16: give precision="):
+        plan(gpt_tiny().to(torch.bfloat16), gpus=2, mem="1GB", batch_size=8, example_inputs=tokens)

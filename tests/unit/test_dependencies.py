@@ -1,0 +1,42 @@
+"""pyproject's lower bounds admit only releases that have every API the code calls."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+LP_PROBLEM_SINCE = {
+    "add_variable": (3, 3, 1),  # pulp 3.3.0 has neither: the ILP failed with AttributeError there
+    "get_constraint_by_name": (3, 3, 1),
+    "solve": (1, 0),
+    "status": (1, 0),
+    "sol_status": (2, 0),
+    "objective": (1, 0),
+}
+"""Every attribute planner/search/ilp.py reads on a pulp.LpProblem, and the release that has it."""
+
+
+def _minimum(package: str) -> tuple[int, ...]:
+    match = re.search(rf'"{package}>=([0-9.]+)"', (ROOT / "pyproject.toml").read_text())
+    assert match, f"pyproject.toml gives no lower bound for {package}"
+    return tuple(int(part) for part in match.group(1).split("."))
+
+
+def _on_problem(value: ast.expr) -> bool:
+    """``lp.x``, ``self.lp.x`` or ``model.problem.x``: the ILP module's names for its pulp.LpProblem."""
+    if isinstance(value, ast.Name):
+        return value.id == "lp"
+    return isinstance(value, ast.Attribute) and (value.attr == "lp" or (
+        value.attr == "problem" and isinstance(value.value, ast.Name) and value.value.id == "model"))
+
+
+def test_pulps_lower_bound_has_every_problem_attribute_the_ilp_reads() -> None:
+    tree = ast.parse((ROOT / "planner" / "search" / "ilp.py").read_text())
+    used = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute) and _on_problem(node.value)}
+    unrecorded = used - set(LP_PROBLEM_SINCE)
+    assert not unrecorded, f"record since which pulp release LpProblem has {sorted(unrecorded)}"
+    needed = max(LP_PROBLEM_SINCE[name] for name in used)
+    assert _minimum("pulp") >= needed, f"pyproject allows pulp {_minimum('pulp')} but the ILP needs {needed}"
