@@ -122,7 +122,8 @@ class _Variables:
                                      for p, c in enumerate(term.starts_after) if c))
         if any(term.per_shared):
             shared = self.shared()
-            pieces.append(pulp.lpSum(scale * c * shared[q, part] for q, c in enumerate(term.per_shared) if c))
+            pieces.append(pulp.lpSum(scale * c * shared[q, part]
+                                     for q, c in enumerate(term.per_shared) if c))
         if term.unit_max:
             pieces.append(self._maximum(term, part, scale))
         return scale * term.constant + pulp.lpSum(pieces)
@@ -141,9 +142,9 @@ class _Variables:
     def _maximum(self, term: Term, part: int, scale: float) -> Any:
         key = (id(term), part, scale)
         if key not in self._maxima:
-            taken = {existing.name for existing in self._maxima.values()}
-            name = next(candidate for n in range(len(taken) + 1)
-                        if (candidate := f"{term.max_name}_{part}" + (f"_{n}" if n else "")) not in taken)
+            name = f"{term.max_name}_{part}"
+            if name in {existing.name for existing in self._maxima.values()}:
+                name += f"_{len(self._maxima)}"
             top = self.lp.add_variable(name, lowBound=0)
             for i, value in enumerate(term.unit_max):
                 if value:
