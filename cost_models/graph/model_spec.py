@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ast
 import hashlib
 import importlib
 import importlib.util
@@ -49,18 +48,54 @@ def parse_input(text: str) -> InputSpec:
 
 
 def parse_model_args(pairs: Sequence[str]) -> dict[str, Any]:
-    """``["depth=50", "name=x"]`` → ``{"depth": 50, "name": "x"}`` (Python literals, else strings)."""
+    """``["depth=50", "use_where=false", "name='x'"]`` → ``{"depth": 50, "use_where": False, "name": "x"}``.
+
+    Each value is read by :func:`parse_model_value`; a malformed pair or value names the accepted forms.
+    """
     kwargs: dict[str, Any] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key.strip().isidentifier():
             raise InvalidArgument(f"malformed model argument {pair!r}: expected key=value, "
                                   f"e.g. --model-arg num_classes=10")
-        try:
-            kwargs[key.strip()] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            kwargs[key.strip()] = value
+        kwargs[key.strip()] = parse_model_value(key.strip(), value.strip())
     return kwargs
+
+
+_MODEL_ARG_FORMS = ("true/false", "none", "an integer (10, -3)", "a float (0.5, 1e-3)",
+                    "a quoted string ('gelu' or \"gelu\")", "a plain word (gelu, resnet_v2)",
+                    "a list of these ([3, 4, 6, 3])")
+_KEYWORDS = {"true": True, "false": False, "none": None, "null": None}
+_INTEGER = re.compile(r"^[+-]?\d+$")
+_FLOAT = re.compile(r"^[+-]?(\d+\.\d*|\.\d+|\d+)([eE][+-]?\d+)?$")
+_WORD = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-/]*$")
+_AMBIGUOUS_WORDS = frozenset({"yes", "no", "on", "off", "y", "n", "t", "f", "nan", "inf", "infinity"})
+
+
+def parse_model_value(key: str, text: str) -> Any:
+    """One builder argument's value: booleans, none, numbers, quoted strings, plain words, lists.
+
+    Anything else (``yes``, ``16GB``, ``1e``, ``0x10``) is ambiguous and an error naming the forms.
+    """
+    if text.lower() in _KEYWORDS:
+        return _KEYWORDS[text.lower()]
+    if _INTEGER.match(text):
+        return int(text)
+    if _FLOAT.match(text):
+        return float(text)
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    if text.startswith(("[", "(")) and text.endswith(("]", ")")):
+        return _parse_list(key, text)
+    if _WORD.match(text) and text.lower() not in _AMBIGUOUS_WORDS:
+        return text
+    raise InvalidArgument(f"model argument {key}={text!r} is ambiguous: write {', '.join(_MODEL_ARG_FORMS)}; "
+                          f"quote a string that looks like something else, e.g. {key}='{text}'")
+
+
+def _parse_list(key: str, text: str) -> list[Any]:
+    inner = text[1:-1].strip()
+    return [parse_model_value(key, item.strip()) for item in inner.split(",")] if inner else []
 
 
 def load_builder(spec: str, search_root: Path | None = None) -> Callable[..., Any]:

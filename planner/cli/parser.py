@@ -113,7 +113,8 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL",
                         help="builder as path/file.py:function or package.module:function")
     parser.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
-                        help="keyword argument for the builder (repeatable), e.g. num_classes=10")
+                        help="keyword argument for the builder (repeatable), e.g. num_classes=10; values are "
+                             "true/false, none, numbers, 'quoted strings', plain words or [lists]")
     parser.add_argument("--input", action="append", required=True, metavar="SHAPE[:DTYPE]",
                         help="one sample's input shape without the batch dimension, e.g. "
                              "3x224x224 or 1024:int64 (repeat for several inputs)")
