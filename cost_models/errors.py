@@ -4,7 +4,16 @@ from __future__ import annotations
 
 
 class TesseraError(Exception):
-    """Base of every error tessera raises on bad input; the message names the value and the fix."""
+    """Base of every error tessera raises on bad input; the message names the value and the fix.
+
+    ``details`` holds longer text a user may want to read (the CLI prints it with ``--verbose``).
+    """
+
+    details: str = ""
+
+
+class TesseraWarning(UserWarning):
+    """Something that does not stop the work but is probably not what the user meant."""
 
 
 class InvalidArgument(TesseraError, ValueError):

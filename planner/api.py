@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from cost_models.devices import DeviceSpec, get_device
-from cost_models.errors import InvalidArgument
+from cost_models.errors import InvalidArgument, TesseraWarning
 from cost_models.graph.ir import LayerGraph
 from cost_models.graph.tracing import normalise_inputs, trace
 from cost_models.memory import Optimizer, Precision, get_optimizer, get_precision
-from cost_models.units import parse_mem_bytes
+from cost_models.units import format_bytes, parse_mem_bytes
 from planner.assemble import build_plan
+from planner.budget import DEFAULT_RESERVE, Reserve, parse_reserve, usable_bytes
 from planner.plan import InputMeta, ModelRef, Plan, ScheduleKind, freeze
 from planner.search.search import Search, SearchSpace
 
@@ -26,12 +28,15 @@ def plan(model: nn.Module, gpus: int, mem: str | int, *, batch_size: int,
          micro_batch_sizes: Sequence[int] | None = None,
          num_stages: Sequence[int] | None = None, time_limit_s: float = 60.0, builder: str | None = None,
          builder_kwargs: Mapping[str, Any] | None = None, leaf_modules: Sequence[type | str] = (),
-         graph: LayerGraph | None = None) -> Plan:
+         graph: LayerGraph | None = None, reserve: str | int | Reserve = DEFAULT_RESERVE) -> Plan:
     """Choose the fastest pipeline x data-parallel plan of ``model`` that fits ``mem`` per GPU.
 
     ``batch_size`` is the global batch per step; ``example_inputs`` only fix shapes (any batch
     dimension; meta tensors are fine). Costs are roofline estimates on ``device``.
     ``micro_batch_sizes`` and ``num_stages`` restrict the search (default: every divisor).
+    ``mem`` is each GPU's memory ("16GB" or bytes); ``reserve`` ("5%" of it by default, or a size)
+    is kept free for the CUDA context and fragmentation, and plans fit what is left. A budget
+    above the device's memory is planned for, with a TesseraWarning.
 
     Example::
 
@@ -41,7 +46,8 @@ def plan(model: nn.Module, gpus: int, mem: str | int, *, batch_size: int,
     """
     inputs = normalise_inputs(example_inputs)
     space, spec = validate_space(gpus, mem, batch_size, device, gpus_per_node, optimizer, precision,
-                                 schedules, micro_batch_sizes, time_limit_s, num_stages)
+                                 schedules, micro_batch_sizes, time_limit_s, num_stages, reserve)
+    _warn_above_device(space, spec)
     graph = graph or trace(model, inputs, leaf_modules=leaf_modules)
     result = Search(graph, spec, space).run()
     return build_plan(graph, spec, space, result,
@@ -58,8 +64,8 @@ def model_ref(graph: LayerGraph, inputs: tuple[torch.Tensor, ...], space: Search
 def validate_space(gpus: int, mem: str | int, batch_size: int, device: str | DeviceSpec,
                    gpus_per_node: int | None, optimizer: str | Optimizer, precision: str | Precision,
                    schedules: Sequence[str | ScheduleKind], micro_batch_sizes: Sequence[int] | None,
-                   time_limit_s: float,
-                   num_stages: Sequence[int] | None = None) -> tuple[SearchSpace, DeviceSpec]:
+                   time_limit_s: float, num_stages: Sequence[int] | None = None,
+                   reserve: str | int | Reserve = DEFAULT_RESERVE) -> tuple[SearchSpace, DeviceSpec]:
     """Validate every argument before any tracing, with messages that name the value and fix."""
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
         raise InvalidArgument(f"gpus must be a whole number >= 1, got {gpus!r}")
@@ -79,8 +85,19 @@ def validate_space(gpus: int, mem: str | int, batch_size: int, device: str | Dev
         raise InvalidArgument(f"num_stages {list(num_stages or [])} must divide gpus={gpus}; "
                               f"choose from {[d for d in range(1, gpus + 1) if gpus % d == 0]}")
     spec = get_device(device)
-    space = SearchSpace(gpus, per_node, parse_mem_bytes(mem), batch_size, get_optimizer(optimizer),
+    mem_bytes, kept = parse_mem_bytes(mem), parse_reserve(reserve)
+    usable = usable_bytes(mem_bytes, kept)
+    space = SearchSpace(gpus, per_node, usable, batch_size, get_optimizer(optimizer),
                         get_precision(precision), tuple(dict.fromkeys(ScheduleKind(s) for s in schedules)),
                         tuple(micro_batch_sizes) if micro_batch_sizes else None,
-                        tuple(num_stages) if num_stages else None, time_limit_s=time_limit_s)
+                        tuple(num_stages) if num_stages else None, time_limit_s=time_limit_s,
+                        reserve=kept, reserve_bytes=mem_bytes - usable)
     return space, spec
+
+
+def _warn_above_device(space: SearchSpace, device: DeviceSpec) -> None:
+    mem_bytes = space.mem_bytes + space.reserve_bytes
+    if mem_bytes > device.mem_bytes:
+        warnings.warn(TesseraWarning(
+            f"the budget {format_bytes(mem_bytes)} per GPU exceeds the {device.name}'s "
+            f"{format_bytes(device.mem_bytes)}; planning for it anyway (is --mem right?)"), stacklevel=3)

@@ -46,7 +46,8 @@ def build_plan(graph: LayerGraph, device: DeviceSpec, space: SearchSpace, result
     simulated = simulate(programs, layout, sim_costs(layout, parts, transfers))
     return Plan(
         model=model,
-        cluster=ClusterSpec(space.gpus, space.gpus_per_node, freeze(device.to_dict()), space.mem_bytes),
+        cluster=ClusterSpec(space.gpus, space.gpus_per_node, freeze(device.to_dict()),
+                            space.mem_bytes + space.reserve_bytes, space.reserve_bytes),
         training=TrainingSpec(space.global_batch_size, setup.config.micro_batch_size,
                               setup.config.num_microbatches, space.optimizer),
         schedule=ScheduleSpec(setup.config.schedule, setup.problem.in_flight),

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
+import warnings
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
-from cost_models.errors import InvalidArgument, TesseraError
+from cost_models.errors import InvalidArgument, TesseraError, TesseraWarning
 from cost_models.memory import Optimizer, Precision
+from planner.budget import DEFAULT_RESERVE
 from planner.plan.kinds import ScheduleKind
 
 EXIT_USAGE = 2
@@ -82,7 +85,13 @@ def _commands():
 def _add_plan(parser: argparse.ArgumentParser) -> None:
     _add_model_arguments(parser)
     parser.add_argument("--gpus", type=int, required=True, help="number of GPUs")
-    parser.add_argument("--mem", required=True, help="memory per GPU, e.g. 16GB, 16GiB or bytes")
+    parser.add_argument("--mem", required=True,
+                        help="memory per GPU with a unit: 16GB, 16GiB, 512MB (GB and GiB both mean "
+                             "2**30 bytes, as GPUs are sold; a bare number is refused)")
+    parser.add_argument("--reserve", default=DEFAULT_RESERVE, metavar="SIZE|PERCENT",
+                        help="memory kept free on every GPU for the CUDA context and allocator "
+                             "fragmentation; plans fit MEM less this (default %(default)s of MEM; "
+                             "e.g. 1GB or 0)")
     parser.add_argument("--device", default="V100-16GB", help="GPU preset or device JSON file")
     parser.add_argument("--gpus-per-node", type=int, default=None, help="default min(GPUS, 8)")
     _add_training_modes(parser)
@@ -101,7 +110,7 @@ def _run_plan(args: argparse.Namespace) -> None:
 
     request = PlanRequest(
         model=args.model, model_args=tuple(args.model_arg), inputs=tuple(args.input),
-        batch_size=args.batch_size, gpus=args.gpus, mem=args.mem, device=args.device,
+        batch_size=args.batch_size, gpus=args.gpus, mem=args.mem, reserve=args.reserve, device=args.device,
         gpus_per_node=args.gpus_per_node, optimizer=args.optimizer, precision=args.precision,
         schedules=tuple(args.schedule or (kind.value for kind in ScheduleKind)),
         micro_batch_sizes=tuple(args.micro_batch_size) if args.micro_batch_size else None,
@@ -166,7 +175,7 @@ def _run_profile(args: argparse.Namespace) -> None:
 def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     """Parse ``argv``; what follows a ``--`` is kept as ``args.passthrough`` (for `tessera run`)."""
     cut = argv.index("--") if "--" in argv else len(argv)
-    args = parser.parse_args(argv[:cut])
+    args = parser.parse_args(_attach_negative_values(argv[:cut]))
     args.passthrough = argv[cut + 1:]
     if args.passthrough and not getattr(args, "takes_passthrough", False):
         raise InvalidArgument(f"arguments after -- ({' '.join(args.passthrough)}) are only for "
@@ -174,12 +183,31 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
     return args
 
 
+def _attach_negative_values(argv: list[str]) -> list[str]:
+    """``--mem -16GB`` → ``--mem=-16GB``: argparse would read "-16GB" as an unknown option and say
+    only "expected one argument"; attached, the value reaches its own check, which names it."""
+    joined: list[str] = []
+    for token in argv:
+        if joined and re.match(r"^-\.?\d", token) and joined[-1].startswith("--") and "=" not in joined[-1]:
+            joined[-1] = f"{joined[-1]}={token}"
+        else:
+            joined.append(token)
+    return joined
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``tessera`` console script; returns the exit code."""
     if str(Path.cwd()) not in sys.path:
         sys.path.insert(0, str(Path.cwd()))  # so "examples.models.resnet:resnet50" imports
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", TesseraWarning)
+        warnings.showwarning = _one_line_warnings(warnings.showwarning)
+        return _run(list(sys.argv[1:] if argv is None else argv))
+
+
+def _run(argv: list[str]) -> int:
     try:
-        args = _parse(build_parser(), list(sys.argv[1:] if argv is None else argv))
+        args = _parse(build_parser(), argv)
         status = args.handler(args)  # `tessera run` returns torchrun's exit status
     except TesseraError as error:
         message = " ".join(str(error).split())
@@ -192,3 +220,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.close()
         return 0
     return status if isinstance(status, int) else 0
+
+
+def _one_line_warnings(show: Callable[..., None]) -> Callable[..., None]:
+    """tessera's own warnings as one stderr line each; any other warning as Python shows it."""
+    def show_warning(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001
+        if issubclass(category, TesseraWarning):
+            print(f"tessera: warning: {' '.join(str(message).split())}", file=sys.stderr)
+        else:
+            show(message, category, filename, lineno, file, line)
+    return show_warning

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cost_models.errors import InvalidArgument
+from planner.budget import DEFAULT_RESERVE
 
 
 @dataclass(frozen=True)
@@ -18,7 +19,8 @@ class PlanRequest:
     inputs: tuple[str, ...]
     batch_size: int
     gpus: int
-    mem: str
+    mem: str  # with a unit: "16GB"
+    reserve: str = DEFAULT_RESERVE
     device: str = "V100-16GB"
     gpus_per_node: int | None = None
     optimizer: str = "adam"
@@ -41,16 +43,18 @@ def run_plan(request: PlanRequest, search_root: Path | None = None) -> str:
     )
     from cost_models.units import parse_mem_bytes
     from planner.api import plan
+    from planner.budget import parse_reserve
 
     specs = [parse_input(text) for text in request.inputs]
     kwargs = parse_model_args(request.model_args)
-    parse_mem_bytes(request.mem)
+    mem_bytes = parse_mem_bytes(request.mem, unit_required=True)
+    reserve = parse_reserve(request.reserve, unit_required=True)
     if request.output is not None and not request.output.parent.resolve().is_dir():
         raise InvalidArgument(f"cannot write the plan to {str(request.output)!r}: folder "
                               f"{str(request.output.parent)!r} does not exist")
     builder = load_builder(request.model, search_root)
     model = build_model(builder, kwargs, "meta")
-    result = plan(model, request.gpus, request.mem, batch_size=request.batch_size,
+    result = plan(model, request.gpus, mem_bytes, reserve=reserve, batch_size=request.batch_size,
                   example_inputs=example_inputs(specs, 1, "meta"), device=request.device,
                   gpus_per_node=request.gpus_per_node, optimizer=request.optimizer,
                   precision=request.precision, schedules=request.schedules,

@@ -74,15 +74,23 @@ class ClusterSpec:
     gpus_per_node: int
     device: Mapping[str, Any]  # DeviceSpec.to_dict(): name, mem_bytes, links, ...
     mem_bytes: int  # the per-GPU budget the plan was made for
+    reserve_bytes: int = 0  # of it kept free (CUDA context, fragmentation); absent in older files
 
     @property
     def device_name(self) -> str:
         return str(self.device["name"])
 
+    @property
+    def usable_mem_bytes(self) -> int:
+        """What the plan's ranks may use: the budget less the reserve."""
+        return self.mem_bytes - self.reserve_bytes
+
     @classmethod
     def from_dict(cls, data: Any, path: str) -> ClusterSpec:
         return codec.fields(cls, data, path, {"gpus": codec.integer, "gpus_per_node": codec.integer,
-                                              "device": codec.json_object, "mem_bytes": codec.integer})
+                                              "device": codec.json_object, "mem_bytes": codec.integer,
+                                              "reserve_bytes": codec.integer},
+                            optional=frozenset({"reserve_bytes"}))
 
 
 @dataclass(frozen=True)

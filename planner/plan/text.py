@@ -24,7 +24,7 @@ _COLUMNS = ("stage", "ranks", "first node", "last node", "nodes", "params", "fwd
 def format_plan(model: ModelRef, cluster: ClusterSpec, training: TrainingSpec, schedule: ScheduleSpec,
                 layout: Layout, parts: tuple[StagePlan, ...], predicted: Prediction,
                 solver: SolverReport) -> str:
-    rows = [_COLUMNS] + [_stage_row(stage, layout, parts, schedule, predicted, cluster.mem_bytes)
+    rows = [_COLUMNS] + [_stage_row(stage, layout, parts, schedule, predicted, cluster.usable_mem_bytes)
                          for stage in range(layout.num_stages)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
     lines = [_title(model, cluster, training, schedule, layout)]
@@ -34,16 +34,23 @@ def format_plan(model: ModelRef, cluster: ClusterSpec, training: TrainingSpec, s
         if index == 0:
             lines.append("-" * len(lines[-1]))
     lines.append("-" * len(lines[1]))
-    lines.extend(_summary(predicted, solver, cluster.mem_bytes))
+    lines.extend(_summary(predicted, solver, cluster.usable_mem_bytes))
     return "\n".join(lines)
 
 
 def _title(model: ModelRef, cluster: ClusterSpec, training: TrainingSpec, schedule: ScheduleSpec,
            layout: Layout) -> str:
     return (f"plan: {layout.num_stages} stages x {layout.data_parallel} data-parallel on "
-            f"{cluster.gpus} x {cluster.device_name} ({format_bytes(cluster.mem_bytes)} budget each), "
+            f"{cluster.gpus} x {cluster.device_name} ({_budget(cluster)}), "
             f"{schedule.kind.value}, batch {training.global_batch_size} = {layout.data_parallel} x "
             f"{training.num_microbatches} x {training.micro_batch_size}, {model.precision.value}")
+
+
+def _budget(cluster: ClusterSpec) -> str:
+    if not cluster.reserve_bytes:
+        return f"{format_bytes(cluster.mem_bytes)} budget each"
+    return (f"{format_bytes(cluster.mem_bytes)} budget each less {format_bytes(cluster.reserve_bytes)} "
+            f"reserved: {format_bytes(cluster.usable_mem_bytes)} usable")
 
 
 def _stage_row(stage: int, layout: Layout, parts: tuple[StagePlan, ...], schedule: ScheduleSpec,
@@ -61,7 +68,7 @@ def _summary(predicted: Prediction, solver: SolverReport, budget: int) -> list[s
     lines = [
         f"step: {format_ms(predicted.step_ms)}   samples/s: {predicted.samples_per_s:.1f}   "
         f"bubble: {predicted.bubble_fraction:.1%}   peak memory: "
-        f"{format_bytes(max(predicted.peak_mem_bytes))} of {format_bytes(budget)}",
+        f"{format_bytes(max(predicted.peak_mem_bytes))} of {format_bytes(budget)} usable",
         f"solver: {solver.name} {solver.status} in {solver.wall_s:.2f} s, "
         f"{solver.configs_tried} configurations considered; objective {format_ms(solver.objective)}",
         f"why: {solver.why}",

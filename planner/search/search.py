@@ -16,6 +16,7 @@ from cost_models.estimation import CostTable, estimate
 from cost_models.graph.ir import LayerGraph
 from cost_models.memory import Optimizer, Precision
 from cost_models.units import format_bytes
+from planner.budget import Reserve
 from planner.plan.kinds import ScheduleKind
 from planner.schedules.generate import Schedule, generate, max_in_flight
 from planner.search.evaluate import Evaluation, evaluate
@@ -31,7 +32,7 @@ class SearchSpace:
 
     gpus: int
     gpus_per_node: int
-    mem_bytes: int
+    mem_bytes: int  # per GPU, what a plan may use (the budget less the reserve)
     global_batch_size: int
     optimizer: Optimizer
     precision: Precision
@@ -40,6 +41,8 @@ class SearchSpace:
     num_stages: tuple[int, ...] | None = None  # None: every divisor of gpus
     max_units: int = 160
     time_limit_s: float = 60.0
+    reserve: Reserve = Reserve()  # kept free on every GPU; mem_bytes is what is left
+    reserve_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -221,11 +224,18 @@ class Search:
         units = setup.coarsening.units[part.first_unit:part.last_unit + 1]
         nodes = [n for unit in units for n in unit.nodes]
         heaviest = max(units, key=lambda u: u.state_bytes)
+        give = self.space.reserve.mem_for(need)
         message = (
-            f"no plan fits {format_bytes(self.space.mem_bytes)} per GPU on {self.space.gpus} x "
+            f"no plan fits {self._budget()} per GPU on {self.space.gpus} x "
             f"{self.device.name}: the most memory-frugal layout ({frugal.describe()}) still needs "
             f"{format_bytes(need)} on stage {index} (nodes {nodes[0]} .. {nodes[-1]}: "
             f"{format_bytes(part.static_bytes)} of weights, gradients, optimizer state and buffers, "
             f"{format_bytes(need - part.static_bytes)} of activations); its heaviest part starts at "
-            f"{heaviest.nodes[0]}. Give mem >= {format_bytes(need)}, more GPUs, or a smaller batch.")
-        return PlanInfeasible(message, min_mem_bytes=need, binding=f"stage {index} ({nodes[0]})")
+            f"{heaviest.nodes[0]}. Give mem >= {format_bytes(give)}, more GPUs, or a smaller batch.")
+        return PlanInfeasible(message, min_mem_bytes=give, binding=f"stage {index} ({nodes[0]})")
+
+    def _budget(self) -> str:
+        usable, reserve = self.space.mem_bytes, self.space.reserve_bytes
+        if not reserve:
+            return format_bytes(usable)
+        return f"{format_bytes(usable)} ({format_bytes(usable + reserve)} less {format_bytes(reserve)} reserved)"

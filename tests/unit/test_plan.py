@@ -106,7 +106,7 @@ def _tiny(**overrides):
 @pytest.mark.parametrize(("overrides", "error", "message"), [
     ({"gpus": 0}, InvalidArgument, "gpus must be"),
     ({"mem": "lots"}, InvalidArgument, "cannot parse memory size 'lots'"),
-    ({"mem": "-4GB"}, InvalidArgument, "cannot parse memory size"),
+    ({"mem": "-4GB"}, InvalidArgument, "memory size .-4GB. must be positive"),
     ({"mem": 0}, InvalidArgument, "must be positive"),
     ({"device": "TPU-v9"}, UnknownDevice, "TPU-v9"),
     ({"batch_size": 8, "micro_batch_sizes": (3,)}, InvalidArgument, "batch size 8 cannot be split"),
@@ -164,6 +164,7 @@ def test_failed_plan_leaves_an_existing_plan_file_untouched(tmp_path: Path, caps
 @pytest.mark.parametrize(("args", "message"), [
     (["--gpus", "0"], "gpus must be"),
     (["--mem", "sixteen"], "cannot parse memory size"),
+    (["--mem", "16"], "has no unit"),
     (["--device", "K80"], "unknown device 'K80'"),
 ])
 def test_cli_plan_errors_exit_2(args: list[str], message: str, capsys) -> None:

@@ -1,0 +1,48 @@
+"""`tessera plan` through the real console script: flags, memory sizes, warnings, errors, help."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["plan", "examples/models/gpt.py:gpt_tiny", "--input", "32:int64", "--batch-size", "8", "--gpus", "2"]
+
+
+def tessera(*args: str, cwd: Path = ROOT, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python -m planner`` runs the same entry point as the ``tessera`` console script."""
+    return subprocess.run([sys.executable, "-m", "planner", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _one_error_line(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("tessera: error: "), result.stderr
+    return result.stderr
+
+
+@pytest.mark.parametrize(("mem", "message"), [
+    ("16", "memory size '16' has no unit; write it with one of B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"),
+    ("-16GB", "memory size '-16GB' must be positive"),
+])
+def test_memory_sizes_need_a_unit_and_a_sign_that_makes_sense(mem: str, message: str) -> None:
+    assert message in _one_error_line(tessera(*TINY, "--mem", mem))
+
+
+def test_a_budget_above_the_device_memory_is_one_warning_line() -> None:
+    result = tessera(*TINY, "--mem", "2TB", "--device", "V100-16GB")
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("tessera: warning:")]
+    assert warnings == ["tessera: warning: the budget 2.0 TiB per GPU exceeds the V100-16GB's 16.0 GiB; "
+                        "planning for it anyway (is --mem right?)"]
+
+
+def test_the_reserve_is_subtracted_and_shown() -> None:
+    result = tessera(*TINY, "--mem", "1GB", "--reserve", "256MB")
+    assert result.returncode == 0, result.stderr
+    assert "1.0 GiB budget each less 256.0 MiB reserved: 768.0 MiB usable" in result.stdout
+    assert "of 768.0 MiB usable" in result.stdout
+    assert "leaves nothing" in _one_error_line(tessera(*TINY, "--mem", "1GB", "--reserve", "2GB"))
