@@ -66,6 +66,11 @@ def format_count(count: float) -> str:
     return format_flops(count)
 
 
+def plural(count: int, noun: str) -> str:
+    """``plural(1, "stage")`` → '1 stage', ``plural(3, "stage")`` → '3 stages'."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
 def format_ms(ms: float) -> str:
     if ms >= 1000:
         return f"{ms / 1000:.2f} s"

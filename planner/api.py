@@ -79,6 +79,10 @@ def validate_space(gpus: int, mem: str | int, batch_size: int, device: str | Dev
     if unknown or not schedules:
         raise InvalidArgument(f"schedules {list(unknown or schedules)} not supported; choose from "
                               f"{', '.join(sorted(known))}")
+    if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) or not (
+            0 < time_limit_s < float("inf")):
+        raise InvalidArgument(f"the time limit must be a number of seconds > 0, got {time_limit_s!r}; "
+                              f"give e.g. --time-limit 60 (plan(time_limit_s=60))")
     if micro_batch_sizes is not None and (not micro_batch_sizes or min(micro_batch_sizes) < 1):
         raise InvalidArgument(f"micro_batch_sizes must be positive, got {list(micro_batch_sizes)}")
     if num_stages is not None and (not num_stages or any(gpus % s for s in num_stages)):

@@ -87,7 +87,7 @@ def run_simulate(path: Path, trace_path: Path | None, svg_path: Path | None) -> 
     peaks = "; ".join(f"ranks {first}-{last}: {format_bytes(nbytes)}" if first != last else
                       f"rank {first}: {format_bytes(nbytes)}" for first, last, nbytes in _runs(result.peak_mem_bytes))
     return (f"simulated step {format_ms(result.step_ms)} (plan predicted "
-            f"{format_ms(plan.predicted.step_ms)}, solver objective {format_ms(plan.solver.objective)}), "
+            f"{format_ms(plan.predicted.step_ms)}, ILP objective {format_ms(plan.solver.objective)}), "
             f"bubble {result.bubble_fraction:.1%}\npeak memory: {peaks}\n"
             f"timeline: {trace_path} (open in https://ui.perfetto.dev) and {svg_path}")
 

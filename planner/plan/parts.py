@@ -227,7 +227,7 @@ class Prediction:
 
 @dataclass(frozen=True)
 class RunnerUp:
-    """The second-best configuration the search solved."""
+    """The second-best configuration the search solved (``step_ms``: its simulated step)."""
 
     num_stages: int
     data_parallel: int
@@ -253,10 +253,17 @@ class SolverReport:
     why: str
     binding: str = ""
     runner_up: RunnerUp | None = None
+    configs_unexamined: int = 0  # could still have won when the time limit ended the search
+
+    @property
+    def proven_optimal(self) -> bool:
+        """The winner's ILP was solved to optimality and no configuration that might beat it went unexamined."""
+        return self.status == "optimal" and not self.configs_unexamined
 
     @classmethod
     def from_dict(cls, data: Any, path: str) -> SolverReport:
         return codec.fields(cls, data, path, {
             "name": codec.string, "status": codec.string, "objective": codec.number, "gap": codec.number,
             "wall_s": codec.number, "configs_tried": codec.integer, "why": codec.string,
-            "binding": codec.string, "runner_up": codec.optional(RunnerUp.from_dict)})
+            "binding": codec.string, "runner_up": codec.optional(RunnerUp.from_dict),
+            "configs_unexamined": codec.integer}, optional=frozenset({"configs_unexamined"}))

@@ -69,8 +69,9 @@ def _summary(predicted: Prediction, solver: SolverReport, budget: int) -> list[s
         f"step: {format_ms(predicted.step_ms)}   samples/s: {predicted.samples_per_s:.1f}   "
         f"bubble: {predicted.bubble_fraction:.1%}   peak memory: "
         f"{format_bytes(max(predicted.peak_mem_bytes))} of {format_bytes(budget)} usable",
-        f"solver: {solver.name} {solver.status} in {solver.wall_s:.2f} s, "
-        f"{solver.configs_tried} configurations considered; objective {format_ms(solver.objective)}",
+        f"solver: {solver.name} {solver.status}{'' if solver.proven_optimal else ' (NOT PROVEN OPTIMAL)'} "
+        f"in {solver.wall_s:.2f} s, {solver.configs_tried} configurations considered; ILP objective "
+        f"{format_ms(solver.objective)} (ranks configurations; the step above is simulated)",
         f"why: {solver.why}",
     ]
     if solver.binding:

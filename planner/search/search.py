@@ -92,6 +92,7 @@ class SearchResult:
     wall_s: float
     solver_s: float = 0.0
     notes: tuple[str, ...] = field(default_factory=tuple)
+    configs_unexamined: int = 0  # could still have won when the time limit ended the search
 
 
 def divisors(n: int) -> list[int]:
@@ -168,13 +169,14 @@ class Search:
         configs = configurations(self.space, max_stages)
         ranked = sorted(configs, key=lambda config: round(self.lower_bound(config), 9))  # ties: listed order
         solved: list[Candidate] = []
-        solver_s = 0.0
-        for config in ranked:
+        solver_s, unexamined = 0.0, 0
+        for index, config in enumerate(ranked):
             best = min((c.objective_ms for c in solved), default=None)
             if best is not None and self.lower_bound(config) >= best:
                 continue
             remaining = self.space.time_limit_s - (time.perf_counter() - start)
             if remaining <= 0 and solved:
+                unexamined = sum(1 for c in ranked[index:] if self.lower_bound(c) < best)
                 break
             if not self.fits(config):
                 continue
@@ -186,7 +188,8 @@ class Search:
             raise self.infeasible(configs)
         solved.sort(key=lambda c: (round(c.objective_ms, 9), c.evaluation.peak_mem_bytes))
         return SearchResult(solved[0], solved[1] if len(solved) > 1 else None, len(configs),
-                            len(solved), time.perf_counter() - start, solver_s)
+                            len(solved), time.perf_counter() - start, solver_s,
+                            configs_unexamined=unexamined)
 
     def fits(self, config: Config) -> bool:
         """Whether any partition of this configuration fits the budget (exact, by DP, where it applies)."""

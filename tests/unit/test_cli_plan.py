@@ -46,3 +46,9 @@ def test_the_reserve_is_subtracted_and_shown() -> None:
     assert "1.0 GiB budget each less 256.0 MiB reserved: 768.0 MiB usable" in result.stdout
     assert "of 768.0 MiB usable" in result.stdout
     assert "leaves nothing" in _one_error_line(tessera(*TINY, "--mem", "1GB", "--reserve", "2GB"))
+
+
+@pytest.mark.parametrize("limit", ["0", "-5"])
+def test_non_positive_time_limits_are_refused(limit: str) -> None:
+    message = _one_error_line(tessera(*TINY, "--mem", "1GB", "--time-limit", limit))
+    assert f"the time limit must be a number of seconds > 0, got {float(limit)!r}" in message

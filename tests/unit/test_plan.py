@@ -236,3 +236,40 @@ def test_plan_decoding_fails_closed_naming_the_field(resnet_plan: Plan, edit, me
     edit(data)
     with pytest.raises(PlanFileError, match=message):
         Plan.from_dict(data)
+
+
+def _lines(text: str, prefix: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith(prefix)]
+
+
+def test_one_step_figure_the_simulated_one_everywhere() -> None:
+    """1F1B's ILP objective is an approximation: only the simulated step is called the step."""
+    from cost_models.units import format_ms
+
+    result = _tiny(gpus=4, batch_size=16, schedules=("1f1b",), num_stages=(4,), micro_batch_sizes=(2,))
+    step, objective = format_ms(result.predicted.step_ms), format_ms(result.solver.objective)
+    assert step != objective
+    text = str(result)
+    assert _lines(text, "step: ")[0].startswith(f"step: {step} ")
+    why = _lines(text, "why: ")[0]
+    assert f"has the lowest step ({step})" in why and objective not in why
+    assert f"ILP objective {objective}" in _lines(text, "solver: ")[0]
+    assert objective not in text.replace(f"ILP objective {objective}", "")
+
+
+def test_a_plan_cut_short_by_the_time_limit_says_it_is_not_proven_optimal(resnet_graph) -> None:
+    result = plan(resnet50(), gpus=8, mem="16GB", batch_size=64, example_inputs=torch.empty(1, 3, 224, 224, device="meta"),
+                  graph=resnet_graph, time_limit_s=0.001)
+    assert not result.solver.proven_optimal and result.solver.configs_unexamined >= 1
+    text = str(result)
+    assert "(NOT PROVEN OPTIMAL)" in _lines(text, "solver: ")[0]
+    assert "NOT PROVEN OPTIMAL: the time limit (0.001 s) ended the search" in _lines(text, "why: ")[0]
+    assert Plan.from_dict(json.loads(result.to_json())) == result
+
+
+def test_schema_2_files_without_the_newer_optional_fields_load(resnet_plan: Plan) -> None:
+    data = json.loads(resnet_plan.to_json())
+    del data["solver"]["configs_unexamined"], data["cluster"]["reserve_bytes"]
+    loaded = Plan.from_dict(data)
+    assert loaded.solver.configs_unexamined == 0 and loaded.cluster.reserve_bytes == 0
+    assert Plan.from_dict(json.loads(loaded.to_json())) == loaded
