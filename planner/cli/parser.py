@@ -83,7 +83,8 @@ def _commands():
 
 
 def _add_plan(parser: argparse.ArgumentParser) -> None:
-    _add_model_arguments(parser)
+    _add_model_arguments(parser, batch_help="global batch per training step: samples over all "
+                                            "data-parallel replicas and micro-batches")
     parser.add_argument("--gpus", type=int, required=True, help="number of GPUs")
     parser.add_argument("--mem", required=True,
                         help="memory per GPU with a unit: 16GB, 16GiB, 512MB (GB and GiB both mean "
@@ -92,15 +93,19 @@ def _add_plan(parser: argparse.ArgumentParser) -> None:
                         help="memory kept free on every GPU for the CUDA context and allocator "
                              "fragmentation; plans fit MEM less this (default %(default)s of MEM; "
                              "e.g. 1GB or 0)")
-    parser.add_argument("--device", default="V100-16GB", help="GPU preset or device JSON file")
-    parser.add_argument("--gpus-per-node", type=int, default=None, help="default min(GPUS, 8)")
+    parser.add_argument("--device", default="V100-16GB",
+                        help="GPU preset or device JSON file (default %(default)s)")
+    parser.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default min(GPUS, 8))")
     _add_training_modes(parser)
     parser.add_argument("--schedule", action="append", default=None, type=str.lower,
                         choices=[kind.value for kind in ScheduleKind],
                         help="schedules to consider (repeatable; default every one)")
     parser.add_argument("--micro-batch-size", action="append", type=int, default=None,
-                        help="micro-batch sizes to consider (repeatable; default every divisor)")
-    parser.add_argument("--time-limit", type=float, default=60.0, help="solver seconds for the search")
+                        help="micro-batch sizes to consider (repeatable; default every divisor of "
+                             "the batch per replica)")
+    parser.add_argument("--time-limit", type=float, default=60.0, metavar="SECONDS",
+                        help="wall-clock limit of the search, > 0 (default %(default)g); a plan it cuts "
+                             "short says NOT PROVEN OPTIMAL")
     parser.add_argument("-o", "--output", type=Path, default=None, help="write the plan here (JSON)")
     parser.set_defaults(handler=_run_plan)
 
@@ -118,7 +123,7 @@ def _run_plan(args: argparse.Namespace) -> None:
     print(run_plan(request, search_root=Path.cwd()))
 
 
-def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+def _add_model_arguments(parser: argparse.ArgumentParser, batch_help: str) -> None:
     parser.add_argument("model", metavar="MODEL",
                         help="builder as path/file.py:function or package.module:function")
     parser.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
@@ -127,25 +132,27 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input", action="append", required=True, metavar="SHAPE[:DTYPE]",
                         help="one sample's input shape without the batch dimension, e.g. "
                              "3x224x224 or 1024:int64 (repeat for several inputs)")
-    parser.add_argument("--batch-size", type=int, required=True, help="samples per micro-batch")
+    parser.add_argument("--batch-size", type=int, required=True, help=batch_help)
     parser.add_argument("--leaf", action="append", default=[], metavar="NAME",
                         help="keep this submodule (qualified name or class name) as one node")
 
 
 def _add_profile(parser: argparse.ArgumentParser) -> None:
-    _add_model_arguments(parser)
+    _add_model_arguments(parser, batch_help="samples in the traced batch: the costs shown are for "
+                                            "one forward and backward of this many samples")
     parser.add_argument("--device", default="cpu",
-                        help="'cpu' (measured here), a GPU preset such as V100-16GB, or a device JSON file")
+                        help="'cpu' (measured here), a GPU preset such as V100-16GB, or a device JSON "
+                             "file (default %(default)s)")
     _add_training_modes(parser)
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--estimate", action="store_true",
                       help="roofline estimate even on cpu (no real tensors are allocated)")
     mode.add_argument("--measure", action="store_true",
                       help="measure on the local device (default for cpu; a GPU preset needs CUDA)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per node (median kept)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per node, median kept (default %(default)s)")
     parser.add_argument("--cache-dir", default=None,
                         help="where measured timings are cached (default ~/.cache/tessera/profiles)")
-    parser.add_argument("--top", type=int, default=None, help="show only the N slowest layers")
+    parser.add_argument("--top", type=int, default=None, help="show only the N slowest layers (default: all)")
     parser.add_argument("-o", "--output", default=None, help="also write the cost table as JSON")
     parser.set_defaults(handler=_run_profile)
 

@@ -52,3 +52,14 @@ def test_the_reserve_is_subtracted_and_shown() -> None:
 def test_non_positive_time_limits_are_refused(limit: str) -> None:
     message = _one_error_line(tessera(*TINY, "--mem", "1GB", "--time-limit", limit))
     assert f"the time limit must be a number of seconds > 0, got {float(limit)!r}" in message
+
+
+def test_help_names_the_global_batch_and_shows_defaults() -> None:
+    plan_help, profile_help = tessera("plan", "--help"), tessera("profile", "--help")
+    assert plan_help.returncode == profile_help.returncode == 0
+    text = " ".join(plan_help.stdout.split())
+    assert "global batch per training step" in text and "samples per micro-batch" not in text
+    for default in ("(default V100-16GB)", "(default 60)", "(default 5% of MEM", "(default min(GPUS, 8))"):
+        assert default in text, default
+    profile_text = " ".join(profile_help.stdout.split())
+    assert "samples in the traced batch" in profile_text and "(default cpu)" in profile_text
