@@ -29,7 +29,14 @@ class ModelSpecError(TesseraError):
 
 
 class TraceError(TesseraError):
-    """Neither torch.fx symbolic tracing nor torch.export could capture the model."""
+    """Neither torch.fx symbolic tracing nor torch.export could capture the model.
+
+    ``details`` is what torch printed and logged while trying (torch.export's partial graph).
+    """
+
+    def __init__(self, message: str, *, details: str = "") -> None:
+        super().__init__(message)
+        self.details = details
 
 
 class ProfileError(TesseraError):

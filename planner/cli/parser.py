@@ -135,6 +135,9 @@ def _add_model_arguments(parser: argparse.ArgumentParser, batch_help: str) -> No
     parser.add_argument("--batch-size", type=int, required=True, help=batch_help)
     parser.add_argument("--leaf", action="append", default=[], metavar="NAME",
                         help="keep this submodule (qualified name or class name) as one node")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="on an error, also print its details (e.g. torch.export's output when "
+                             "the model cannot be traced)")
 
 
 def _add_profile(parser: argparse.ArgumentParser) -> None:
@@ -213,12 +216,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(argv: list[str]) -> int:
+    args = None
     try:
         args = _parse(build_parser(), argv)
         status = args.handler(args)  # `tessera run` returns torchrun's exit status
     except TesseraError as error:
-        message = " ".join(str(error).split())
-        print(f"tessera: error: {message}", file=sys.stderr)
+        _print_error(error, verbose=getattr(args, "verbose", None))
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("tessera: interrupted", file=sys.stderr)
@@ -227,6 +230,16 @@ def _run(argv: list[str]) -> int:
         sys.stderr.close()
         return 0
     return status if isinstance(status, int) else 0
+
+
+def _print_error(error: TesseraError, verbose: bool | None) -> None:
+    """One line; an error's details (torch's output, ...) before it with --verbose, else a hint."""
+    message = " ".join(str(error).split())
+    if error.details and verbose:
+        print(error.details.rstrip(), file=sys.stderr)
+    elif error.details and verbose is False:
+        message += " (--verbose prints the details)"
+    print(f"tessera: error: {message}", file=sys.stderr)
 
 
 def _one_line_warnings(show: Callable[..., None]) -> Callable[..., None]:

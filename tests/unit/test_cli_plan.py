@@ -63,3 +63,35 @@ def test_help_names_the_global_batch_and_shows_defaults() -> None:
         assert default in text, default
     profile_text = " ".join(profile_help.stdout.split())
     assert "samples in the traced batch" in profile_text and "(default cpu)" in profile_text
+
+
+UNTRACEABLE = '''
+import torch
+from torch import nn
+
+
+class Gate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.sum() > 0:  # depends on values: neither torch.fx nor torch.export captures it
+            return self.inner(x)
+        return x
+
+
+def model():
+    return nn.Sequential(Gate(), nn.Linear(8, 2))
+'''
+
+
+def test_an_untraceable_model_is_one_line_and_verbose_shows_torch_output(tmp_path: Path) -> None:
+    (tmp_path / "untraceable.py").write_text(UNTRACEABLE)
+    args = ["plan", "untraceable.py:model", "--input", "8", "--batch-size", "4", "--gpus", "2", "--mem", "1GB"]
+    quiet = tessera(*args, cwd=tmp_path)
+    assert "cannot trace Sequential" in _one_error_line(quiet) and quiet.stdout == ""
+    assert "(--verbose prints the details)" in quiet.stderr
+    verbose = tessera(*args, "--verbose", cwd=tmp_path)
+    assert verbose.returncode == 2 and "def forward" in verbose.stderr
+    assert verbose.stderr.splitlines()[-1].startswith("tessera: error: cannot trace Sequential")
