@@ -17,6 +17,7 @@ from cost_models.units import format_bytes, parse_mem_bytes
 from planner.assemble import build_plan
 from planner.budget import DEFAULT_RESERVE, Reserve, parse_reserve, usable_bytes
 from planner.plan import InputMeta, ModelRef, Plan, ScheduleKind, freeze
+from planner.progress import Phase, Progress, ProgressEvent
 from planner.search.search import Search, SearchSpace
 
 
@@ -28,7 +29,8 @@ def plan(model: nn.Module, gpus: int, mem: str | int, *, batch_size: int,
          micro_batch_sizes: Sequence[int] | None = None,
          num_stages: Sequence[int] | None = None, time_limit_s: float = 60.0, builder: str | None = None,
          builder_kwargs: Mapping[str, Any] | None = None, leaf_modules: Sequence[type | str] = (),
-         graph: LayerGraph | None = None, reserve: str | int | Reserve = DEFAULT_RESERVE) -> Plan:
+         graph: LayerGraph | None = None, reserve: str | int | Reserve = DEFAULT_RESERVE,
+         progress: Progress | None = None) -> Plan:
     """Choose the fastest pipeline x data-parallel plan of ``model`` that fits ``mem`` per GPU.
 
     ``batch_size`` is the global batch per step; ``example_inputs`` only fix shapes (any batch
@@ -36,7 +38,8 @@ def plan(model: nn.Module, gpus: int, mem: str | int, *, batch_size: int,
     ``micro_batch_sizes`` and ``num_stages`` restrict the search (default: every divisor).
     ``mem`` is each GPU's memory ("16GB" or bytes); ``reserve`` ("5%" of it by default, or a size)
     is kept free for the CUDA context and fragmentation, and plans fit what is left. A budget
-    above the device's memory is planned for, with a TesseraWarning.
+    above the device's memory is planned for, with a TesseraWarning. ``progress``, if given,
+    receives a ProgressEvent per phase and per configuration solved (planner/progress.py).
 
     Example::
 
@@ -48,8 +51,12 @@ def plan(model: nn.Module, gpus: int, mem: str | int, *, batch_size: int,
     space, spec = validate_space(gpus, mem, batch_size, device, gpus_per_node, optimizer, precision,
                                  schedules, micro_batch_sizes, time_limit_s, num_stages, reserve)
     _warn_above_device(space, spec)
-    graph = graph or trace(model, inputs, leaf_modules=leaf_modules)
-    result = Search(graph, spec, space).run()
+    report = progress or (lambda event: None)
+    if graph is None:
+        report(ProgressEvent(Phase.TRACING, detail=type(model).__name__))
+        graph = trace(model, inputs, leaf_modules=leaf_modules)
+    result = Search(graph, spec, space, progress).run()
+    report(ProgressEvent(Phase.ASSEMBLING, detail="lowering, validating and simulating the winner"))
     return build_plan(graph, spec, space, result,
                       model_ref(graph, inputs, space, builder, builder_kwargs))
 

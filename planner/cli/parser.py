@@ -107,11 +107,17 @@ def _add_plan(parser: argparse.ArgumentParser) -> None:
                         help="wall-clock limit of the search, > 0 (default %(default)g); a plan it cuts "
                              "short says NOT PROVEN OPTIMAL")
     parser.add_argument("-o", "--output", type=Path, default=None, help="write the plan here (JSON)")
+    shown = parser.add_mutually_exclusive_group()
+    shown.add_argument("--progress", action="store_true",
+                       help="print progress on stderr: phase, configurations searched, best so far "
+                            "(default: when stderr is a terminal)")
+    shown.add_argument("-q", "--quiet", action="store_true", help="print no progress")
     parser.set_defaults(handler=_run_plan)
 
 
 def _run_plan(args: argparse.Namespace) -> None:
     from planner.cli.plan_command import PlanRequest, run_plan
+    from planner.cli.progress_line import ProgressLine
 
     request = PlanRequest(
         model=args.model, model_args=tuple(args.model_arg), inputs=tuple(args.input),
@@ -120,7 +126,9 @@ def _run_plan(args: argparse.Namespace) -> None:
         schedules=tuple(args.schedule or (kind.value for kind in ScheduleKind)),
         micro_batch_sizes=tuple(args.micro_batch_size) if args.micro_batch_size else None,
         time_limit_s=args.time_limit, leaf_modules=tuple(args.leaf), output=args.output)
-    print(run_plan(request, search_root=Path.cwd()))
+    terminal = sys.stderr.isatty()
+    progress = ProgressLine(sys.stderr, terminal) if args.progress or (terminal and not args.quiet) else None
+    print(run_plan(request, search_root=Path.cwd(), progress=progress))
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser, batch_help: str) -> None:

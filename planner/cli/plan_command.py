@@ -8,6 +8,7 @@ from pathlib import Path
 
 from cost_models.errors import InvalidArgument
 from planner.budget import DEFAULT_RESERVE
+from planner.cli.progress_line import ProgressLine
 
 
 @dataclass(frozen=True)
@@ -32,8 +33,17 @@ class PlanRequest:
     output: Path | None = None
 
 
-def run_plan(request: PlanRequest, search_root: Path | None = None) -> str:
+def run_plan(request: PlanRequest, search_root: Path | None = None,
+             progress: ProgressLine | None = None) -> str:
     """Build the model on the meta device, plan it, save the plan if asked; returns the printout."""
+    try:
+        return _plan_and_save(request, search_root, progress)
+    finally:
+        if progress is not None:
+            progress.close()
+
+
+def _plan_and_save(request: PlanRequest, search_root: Path | None, progress: ProgressLine | None) -> str:
     from cost_models.graph.model_spec import (
         build_model,
         example_inputs,
@@ -59,7 +69,8 @@ def run_plan(request: PlanRequest, search_root: Path | None = None) -> str:
                   gpus_per_node=request.gpus_per_node, optimizer=request.optimizer,
                   precision=request.precision, schedules=request.schedules,
                   micro_batch_sizes=request.micro_batch_sizes, time_limit_s=request.time_limit_s,
-                  builder=request.model, builder_kwargs=kwargs, leaf_modules=request.leaf_modules)
+                  builder=request.model, builder_kwargs=kwargs, leaf_modules=request.leaf_modules,
+                  progress=progress)
     if request.output is not None:
         result.save(request.output)
     return str(result) + (f"\nplan written to {request.output}" if request.output else "")

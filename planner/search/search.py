@@ -18,6 +18,7 @@ from cost_models.memory import Optimizer, Precision
 from cost_models.units import format_bytes
 from planner.budget import Reserve
 from planner.plan.kinds import ScheduleKind
+from planner.progress import Phase, Progress, ProgressEvent
 from planner.schedules.generate import Schedule, generate, max_in_flight
 from planner.search.evaluate import Evaluation, evaluate
 from planner.search.ilp import SolveStatus, solve_partition
@@ -130,15 +131,18 @@ def _batch_message(space: SearchSpace) -> str:
 class Search:
     """Costs per micro-batch size, and each configuration's setup, are computed once and shared."""
 
-    def __init__(self, graph: LayerGraph, device: DeviceSpec, space: SearchSpace) -> None:
+    def __init__(self, graph: LayerGraph, device: DeviceSpec, space: SearchSpace,
+                 progress: Progress | None = None) -> None:
         self.graph = graph
         self.device = device
         self.space = space
+        self.progress = progress
         self._tables: dict[int, tuple[CostTable, Coarsening]] = {}
         self._setups: dict[Config, Setup] = {}
 
     def costs(self, micro_batch_size: int) -> tuple[CostTable, Coarsening]:
         if micro_batch_size not in self._tables:
+            self._report(ProgressEvent(Phase.COSTING, detail=f"micro-batch size {micro_batch_size}"))
             table = estimate(self.graph, self.device, self.space.optimizer, self.space.precision,
                              batch_size=micro_batch_size)
             self._tables[micro_batch_size] = (table, coarsen(
@@ -180,16 +184,23 @@ class Search:
                 break
             if not self.fits(config):
                 continue
+            self._report(ProgressEvent(Phase.SEARCHING, index, len(ranked), best, f"solving {config.describe()}"))
             candidate, wall_s = self.solve(config, max(1.0, remaining), best)
             solver_s += wall_s
             if candidate is not None:
                 solved.append(candidate)
+        self._report(ProgressEvent(Phase.SEARCHING, len(ranked), len(ranked),
+                                   min((c.objective_ms for c in solved), default=None), "done"))
         if not solved:
             raise self.infeasible(configs)
         solved.sort(key=lambda c: (round(c.objective_ms, 9), c.evaluation.peak_mem_bytes))
         return SearchResult(solved[0], solved[1] if len(solved) > 1 else None, len(configs),
                             len(solved), time.perf_counter() - start, solver_s,
                             configs_unexamined=unexamined)
+
+    def _report(self, event: ProgressEvent) -> None:
+        if self.progress is not None:
+            self.progress(event)
 
     def fits(self, config: Config) -> bool:
         """Whether any partition of this configuration fits the budget (exact, by DP, where it applies)."""

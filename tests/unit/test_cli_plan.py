@@ -95,3 +95,20 @@ def test_an_untraceable_model_is_one_line_and_verbose_shows_torch_output(tmp_pat
     verbose = tessera(*args, "--verbose", cwd=tmp_path)
     assert verbose.returncode == 2 and "def forward" in verbose.stderr
     assert verbose.stderr.splitlines()[-1].startswith("tessera: error: cannot trace Sequential")
+
+
+def _progress_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("tessera: ") and " error: " not in line
+            and "warning:" not in line]
+
+
+def test_progress_on_request_and_quiet_otherwise() -> None:
+    shown = tessera(*TINY, "--mem", "1GB", "--progress")
+    assert shown.returncode == 0, shown.stderr
+    lines = _progress_lines(shown.stderr)
+    assert lines[0] == "tessera: tracing: GPT" and lines[-1].startswith("tessera: assembling")
+    assert any(line.startswith("tessera: searching 14/14 configurations, best so far") for line in lines)
+    assert "plan:" in shown.stdout
+    for quiet in (tessera(*TINY, "--mem", "1GB"), tessera(*TINY, "--mem", "1GB", "-q")):  # stderr is a pipe
+        assert quiet.returncode == 0 and _progress_lines(quiet.stderr) == []
+    assert "not allowed with argument" in _one_error_line(tessera(*TINY, "--mem", "1GB", "-q", "--progress"))

@@ -273,3 +273,19 @@ def test_schema_2_files_without_the_newer_optional_fields_load(resnet_plan: Plan
     loaded = Plan.from_dict(data)
     assert loaded.solver.configs_unexamined == 0 and loaded.cluster.reserve_bytes == 0
     assert Plan.from_dict(json.loads(loaded.to_json())) == loaded
+
+
+def test_plan_reports_progress_only_to_a_callback(capfd) -> None:
+    from planner.progress import Phase
+
+    events = []
+    _tiny(progress=events.append)
+    phases = [event.phase for event in events]
+    assert phases[0] is Phase.TRACING and phases[-1] is Phase.ASSEMBLING
+    assert Phase.COSTING in phases and Phase.SEARCHING in phases
+    searching = [event for event in events if event.phase is Phase.SEARCHING]
+    assert searching[-1].done == searching[-1].total > 0 and searching[-1].best_ms is not None
+    assert all(0 <= event.done <= event.total for event in searching)
+    capfd.readouterr()
+    _tiny()  # no callback: silent
+    assert capfd.readouterr().err == ""
