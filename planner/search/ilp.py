@@ -11,10 +11,13 @@ This module writes no cost formula and is the only one that imports pulp.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import time
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, Iterator
 
 import pulp
 
@@ -56,6 +59,10 @@ class InterruptibleHiGHS(pulp.HiGHS):
     HiGHS to stop (its user-interrupt callback), waits for the worker, and re-raises.
     """
 
+    def createAndConfigureSolver(self, lp: pulp.LpProblem) -> None:
+        with _silenced_stdout():  # HiGHS prints its banner on stdout when the first model is made
+            super().createAndConfigureSolver(lp)
+
     def callSolver(self, lp: pulp.LpProblem) -> None:
         highs = lp.solverModel
         highs.HandleUserInterrupt = True
@@ -66,6 +73,20 @@ class InterruptibleHiGHS(pulp.HiGHS):
             highs.cancelSolve()
             _wait(highs)
             raise
+
+
+@contextlib.contextmanager
+def _silenced_stdout() -> Iterator[None]:
+    """File descriptor 1 on /dev/null (C++ output bypasses sys.stdout), restored afterwards."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _wait(highs: Any) -> None:
