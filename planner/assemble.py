@@ -26,6 +26,7 @@ from planner.schedules.actions import Program, format_programs
 from planner.schedules.lower import lower
 from planner.schedules.simulate import SimResult, simulate
 from planner.schedules.validate import validate
+from planner.search.configs import gpus_note
 from planner.search.ilp import SolveStatus
 from planner.search.search import Candidate, SearchResult, SearchSpace
 from planner.simulation import sim_costs
@@ -68,8 +69,8 @@ def build_plan(graph: LayerGraph, device: DeviceSpec, space: SearchSpace, result
     runner_up = None if result.runner_up is None else lower_candidate(result.runner_up, graph).simulated
     return Plan(
         model=model,
-        cluster=ClusterSpec(space.gpus, space.gpus_per_node, freeze(device.to_dict()),
-                            space.mem_bytes + space.reserve_bytes, space.reserve_bytes),
+        cluster=ClusterSpec(setup.config.gpus, space.gpus_per_node, freeze(device.to_dict()),
+                            space.mem_bytes + space.reserve_bytes, space.reserve_bytes, space.gpus),
         training=TrainingSpec(space.global_batch_size, setup.config.micro_batch_size,
                               setup.config.num_microbatches, space.optimizer),
         schedule=ScheduleSpec(setup.config.schedule, setup.problem.in_flight),
@@ -129,7 +130,8 @@ def _report(result: SearchResult, space: SearchSpace, simulated: SimResult,
                           step_ms)
     why += (f"; {result.configs_solved} of {result.configs_total} configurations solved, the rest "
             f"could not fit the memory or could not beat it (lower bound)")
-    why += _unproven(best, result, space)
+    note = gpus_note(space, best.setup.config.gpus)
+    why += (f"; {note}" if note else "") + _unproven(best, result, space)
     slowest = max(range(len(best.evaluation.parts)), key=lambda p: best.evaluation.parts[p].compute_ms)
     binding = (f"{best.binding}; bottleneck stage {slowest} "
                f"({format_ms(best.evaluation.parts[slowest].compute_ms)} per micro-batch)")

@@ -103,6 +103,12 @@ def _add_plan(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--micro-batch-size", action="append", type=int, default=None,
                         help="micro-batch sizes to consider (repeatable; default every divisor of "
                              "the batch per replica)")
+    parser.add_argument("--num-stages", action="append", type=int, default=None, metavar="S",
+                        help="pipeline stage counts to consider (repeatable; default every divisor of "
+                             "the GPUs used)")
+    parser.add_argument("--data-parallel", action="append", type=int, default=None, metavar="D",
+                        help="data-parallel degrees to consider (repeatable; default every one the "
+                             "batch allows); with --num-stages, S x D GPUs may be fewer than GPUS")
     parser.add_argument("--time-limit", type=float, default=60.0, metavar="SECONDS",
                         help="wall-clock limit of the search, > 0 (default %(default)g); a plan it cuts "
                              "short says NOT PROVEN OPTIMAL")
@@ -125,6 +131,8 @@ def _run_plan(args: argparse.Namespace) -> None:
         gpus_per_node=args.gpus_per_node, optimizer=args.optimizer, precision=args.precision,
         schedules=tuple(args.schedule or (kind.value for kind in ScheduleKind)),
         micro_batch_sizes=tuple(args.micro_batch_size) if args.micro_batch_size else None,
+        num_stages=tuple(args.num_stages) if args.num_stages else None,
+        data_parallel=tuple(args.data_parallel) if args.data_parallel else None,
         time_limit_s=args.time_limit, leaf_modules=tuple(args.leaf), output=args.output)
     terminal = sys.stderr.isatty()
     progress = ProgressLine(sys.stderr, terminal) if args.progress or (terminal and not args.quiet) else None

@@ -28,6 +28,8 @@ class PlanRequest:
     precision: str = "fp32"
     schedules: tuple[str, ...] = ("gpipe", "1f1b")
     micro_batch_sizes: tuple[int, ...] | None = None
+    num_stages: tuple[int, ...] | None = None
+    data_parallel: tuple[int, ...] | None = None
     time_limit_s: float = 60.0
     leaf_modules: tuple[str, ...] = ()
     output: Path | None = None
@@ -69,6 +71,7 @@ def _plan_and_save(request: PlanRequest, search_root: Path | None, progress: Pro
                   gpus_per_node=request.gpus_per_node, optimizer=request.optimizer,
                   precision=request.precision, schedules=request.schedules,
                   micro_batch_sizes=request.micro_batch_sizes, time_limit_s=request.time_limit_s,
+                  num_stages=request.num_stages, data_parallel=request.data_parallel,
                   builder=request.model, builder_kwargs=kwargs, leaf_modules=request.leaf_modules,
                   progress=progress)
     if request.output is not None:

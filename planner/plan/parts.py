@@ -75,6 +75,7 @@ class ClusterSpec:
     device: Mapping[str, Any]  # DeviceSpec.to_dict(): name, mem_bytes, links, ...
     mem_bytes: int  # the per-GPU budget the plan was made for
     reserve_bytes: int = 0  # of it kept free (CUDA context, fragmentation); absent in older files
+    gpus_available: int | None = None  # GPUs planning was given (``gpus`` is those the plan uses)
 
     @property
     def device_name(self) -> str:
@@ -89,8 +90,9 @@ class ClusterSpec:
     def from_dict(cls, data: Any, path: str) -> ClusterSpec:
         return codec.fields(cls, data, path, {"gpus": codec.integer, "gpus_per_node": codec.integer,
                                               "device": codec.json_object, "mem_bytes": codec.integer,
-                                              "reserve_bytes": codec.integer},
-                            optional=frozenset({"reserve_bytes"}))
+                                              "reserve_bytes": codec.integer,
+                                              "gpus_available": codec.optional(codec.integer)},
+                            optional=frozenset({"reserve_bytes", "gpus_available"}))
 
 
 @dataclass(frozen=True)

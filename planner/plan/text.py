@@ -41,9 +41,14 @@ def format_plan(model: ModelRef, cluster: ClusterSpec, training: TrainingSpec, s
 def _title(model: ModelRef, cluster: ClusterSpec, training: TrainingSpec, schedule: ScheduleSpec,
            layout: Layout) -> str:
     return (f"plan: {layout.num_stages} stages x {layout.data_parallel} data-parallel on "
-            f"{cluster.gpus} x {cluster.device_name} ({_budget(cluster)}), "
+            f"{_gpus(cluster)} x {cluster.device_name} ({_budget(cluster)}), "
             f"{schedule.kind.value}, batch {training.global_batch_size} = {layout.data_parallel} x "
             f"{training.num_microbatches} x {training.micro_batch_size}, {model.precision.value}")
+
+
+def _gpus(cluster: ClusterSpec) -> str:
+    available = cluster.gpus_available
+    return f"{cluster.gpus} of {available}" if available and available != cluster.gpus else str(cluster.gpus)
 
 
 def _budget(cluster: ClusterSpec) -> str:

@@ -11,52 +11,18 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from cost_models.devices import DeviceSpec
-from cost_models.errors import InvalidArgument, PlanInfeasible
+from cost_models.errors import PlanInfeasible
 from cost_models.estimation import CostTable, estimate
 from cost_models.graph.ir import LayerGraph
-from cost_models.memory import Optimizer, Precision
 from cost_models.units import format_bytes
-from planner.budget import Reserve
-from planner.plan.kinds import ScheduleKind
 from planner.progress import Phase, Progress, ProgressEvent
 from planner.schedules.generate import Schedule, generate, max_in_flight
+from planner.search.configs import Config, SearchSpace, configurations
 from planner.search.evaluate import Evaluation, evaluate
 from planner.search.ilp import SolveStatus, solve_partition
 from planner.search.oracle import check_exact, min_peak_partition
 from planner.search.problem import Coarsening, PipelineProblem, coarsen, part_allreduces, part_links
 from planner.search.terms import CostModel, cost_model, lower_bound
-
-
-@dataclass(frozen=True)
-class SearchSpace:
-    """The discrete knobs and fixed inputs of one planning request."""
-
-    gpus: int
-    gpus_per_node: int
-    mem_bytes: int  # per GPU, what a plan may use (the budget less the reserve)
-    global_batch_size: int
-    optimizer: Optimizer
-    precision: Precision
-    schedules: tuple[ScheduleKind, ...]
-    micro_batch_sizes: tuple[int, ...] | None = None  # None: every divisor
-    num_stages: tuple[int, ...] | None = None  # None: every divisor of gpus
-    max_units: int = 160
-    time_limit_s: float = 60.0
-    reserve: Reserve = Reserve()  # kept free on every GPU; mem_bytes is what is left
-    reserve_bytes: int = 0
-
-
-@dataclass(frozen=True)
-class Config:
-    num_stages: int
-    data_parallel: int
-    micro_batch_size: int
-    num_microbatches: int
-    schedule: ScheduleKind
-
-    def describe(self) -> str:
-        return (f"{self.num_stages} stages x {self.data_parallel} replicas, micro-batch "
-                f"{self.micro_batch_size} x {self.num_microbatches}, {self.schedule.value}")
 
 
 @dataclass(frozen=True)
@@ -94,38 +60,6 @@ class SearchResult:
     solver_s: float = 0.0
     notes: tuple[str, ...] = field(default_factory=tuple)
     configs_unexamined: int = 0  # could still have won when the time limit ended the search
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def configurations(space: SearchSpace, max_stages: int) -> list[Config]:
-    """Every (S, D, micro-batch, schedule) with S * D == gpus that divides the batch."""
-    configs = []
-    for stages in divisors(space.gpus):
-        replicas = space.gpus // stages
-        if stages > max_stages or space.global_batch_size % replicas:
-            continue
-        if space.num_stages is not None and stages not in space.num_stages:
-            continue
-        per_replica = space.global_batch_size // replicas
-        sizes = space.micro_batch_sizes or tuple(divisors(per_replica))
-        for micro in (m for m in sizes if per_replica % m == 0):
-            for schedule in space.schedules:
-                configs.append(Config(stages, replicas, micro, per_replica // micro, schedule))
-    if not configs:
-        raise InvalidArgument(_batch_message(space))
-    return configs
-
-
-def _batch_message(space: SearchSpace) -> str:
-    sizes = f" into micro-batches of {list(space.micro_batch_sizes)}" if space.micro_batch_sizes else ""
-    stages = f" with {list(space.num_stages)} stages" if space.num_stages else ""
-    return (f"batch size {space.global_batch_size} cannot be split over any data-parallel degree "
-            f"dividing {space.gpus} GPUs{stages}{sizes}; use a batch size divisible by the "
-            f"data-parallel degree times the micro-batch size (e.g. a multiple of {space.gpus}), "
-            f"and stage counts that divide the GPU count")
 
 
 class Search:
@@ -193,7 +127,7 @@ class Search:
                                    min((c.objective_ms for c in solved), default=None), "done"))
         if not solved:
             raise self.infeasible(configs)
-        solved.sort(key=lambda c: (round(c.objective_ms, 9), c.evaluation.peak_mem_bytes))
+        solved.sort(key=lambda c: (round(c.objective_ms, 9), c.setup.config.gpus, c.evaluation.peak_mem_bytes))
         return SearchResult(solved[0], solved[1] if len(solved) > 1 else None, len(configs),
                             len(solved), time.perf_counter() - start, solver_s,
                             configs_unexamined=unexamined)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -112,3 +114,38 @@ def test_progress_on_request_and_quiet_otherwise() -> None:
     for quiet in (tessera(*TINY, "--mem", "1GB"), tessera(*TINY, "--mem", "1GB", "-q")):  # stderr is a pipe
         assert quiet.returncode == 0 and _progress_lines(quiet.stderr) == []
     assert "not allowed with argument" in _one_error_line(tessera(*TINY, "--mem", "1GB", "-q", "--progress"))
+
+
+SLOW_SOLVE = ["plan", "examples/models/gpt.py:gpt_50b", "--input", "1024:int64", "--batch-size", "8",
+              "--gpus", "32", "--mem", "80GB", "--device", "A100-80GB", "--num-stages", "32",
+              "--micro-batch-size", "4", "--schedule", "1f1b", "--progress"]  # one ILP of about 20 s
+
+
+def test_ctrl_c_inside_a_long_solve_stops_at_once_leaving_the_plan_file(tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    out.write_text("precious")
+    process = subprocess.Popen([sys.executable, "-m", "planner", *SLOW_SOLVE, "-o", str(out)], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in process.stderr:  # wait until the solver runs
+            if ": solving " in line:
+                break
+        time.sleep(2.0)
+        process.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        _, rest = process.communicate(timeout=60)
+        waited_s = time.monotonic() - sent
+    finally:
+        process.kill()
+    assert process.returncode == 130 and rest == "tessera: interrupted\n", rest
+    assert waited_s < 3.0, f"exited {waited_s:.1f} s after SIGINT"
+    assert out.read_text() == "precious"
+
+
+def test_num_stages_and_data_parallel_flags() -> None:
+    args = ["plan", "examples/models/gpt.py:gpt_tiny", "--input", "32:int64", "--batch-size", "8", "--gpus", "4",
+            "--mem", "1GB"]
+    result = tessera(*args, "--num-stages", "2", "--data-parallel", "2")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[0].startswith("plan: 2 stages x 2 data-parallel on 4 x V100-16GB")
+    assert "data_parallel [3] must divide gpus=4" in _one_error_line(tessera(*args, "--data-parallel", "3"))

@@ -289,3 +289,23 @@ def test_plan_reports_progress_only_to_a_callback(capfd) -> None:
     capfd.readouterr()
     _tiny()  # no callback: silent
     assert capfd.readouterr().err == ""
+
+
+def test_a_batch_smaller_than_the_gpus_may_use_fewer_and_says_so(resnet_graph) -> None:
+    result = plan(resnet50(), gpus=16, mem="16GB", batch_size=2, graph=resnet_graph,
+                  example_inputs=torch.empty(1, 3, 224, 224, device="meta"))
+    used = result.cluster.gpus
+    assert used < 16 and result.cluster.gpus_available == 16
+    assert used == result.layout.world_size == len(result.programs) == result.num_stages * result.data_parallel
+    assert f"uses {used} of 16 GPUs: a batch of 2 keeps at most 2 busy at once" in result.solver.why
+    assert f"on {used} of 16 x V100-16GB" in str(result)
+
+
+def test_num_stages_and_data_parallel_pick_the_layout(resnet_graph) -> None:
+    result = plan(resnet50(), gpus=8, mem="16GB", batch_size=64, graph=resnet_graph, num_stages=(2,),
+                  data_parallel=(2,), example_inputs=torch.empty(1, 3, 224, 224, device="meta"))
+    assert (result.num_stages, result.data_parallel, result.cluster.gpus) == (2, 2, 4)
+    assert "uses 4 of 8 GPUs, as the stage count and data-parallel degree asked" in result.solver.why
+    assert _tiny(gpus=4, data_parallel=(4,)).data_parallel == 4
+    with pytest.raises(InvalidArgument, match=r"data_parallel \[3\] must divide gpus=4"):
+        _tiny(gpus=4, data_parallel=(3,))
