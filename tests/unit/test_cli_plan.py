@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -149,3 +150,27 @@ def test_num_stages_and_data_parallel_flags() -> None:
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[0].startswith("plan: 2 stages x 2 data-parallel on 4 x V100-16GB")
     assert "data_parallel [3] must divide gpus=4" in _one_error_line(tessera(*args, "--data-parallel", "3"))
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("cluster.gpus", -1, "plan field cluster.gpus is -1; it must be >= 1"),
+    ("training.micro_batch_size", 0, "plan field training.micro_batch_size is 0; it must be >= 1"),
+    ("training.global_batch_size", 13, "plan field training.global_batch_size is 13, but micro_batch_size"),
+])
+@pytest.mark.parametrize("command", ["show", "simulate"])
+def test_show_and_simulate_refuse_a_plan_breaking_an_invariant(tmp_path: Path, command: str, field: str,
+                                                               value: int, message: str) -> None:
+    data = json.loads((ROOT / "tests" / "data" / "plan_v1_gpt_tiny_2x2.json").read_text())
+    section, name = field.split(".")
+    data[section][name] = value
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    assert message in _one_error_line(tessera(command, str(path), cwd=tmp_path))
+
+
+def test_a_schema_1_plan_with_more_replicas_than_ranks_is_one_line(tmp_path: Path) -> None:
+    data = json.loads((ROOT / "tests" / "data" / "plan_v1_gpt_tiny_2x2.json").read_text())
+    data["data_parallel"] = 3
+    (tmp_path / "plan.json").write_text(json.dumps(data))
+    message = _one_error_line(tessera("show", "plan.json", cwd=tmp_path))
+    assert "data_parallel is 3 but stages[0].ranks lists 2 ranks" in message

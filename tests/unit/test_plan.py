@@ -309,3 +309,39 @@ def test_num_stages_and_data_parallel_pick_the_layout(resnet_graph) -> None:
     assert _tiny(gpus=4, data_parallel=(4,)).data_parallel == 4
     with pytest.raises(InvalidArgument, match=r"data_parallel \[3\] must divide gpus=4"):
         _tiny(gpus=4, data_parallel=(3,))
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda d: d["cluster"].update(gpus=-1), r"cluster.gpus is -1; it must be >= 1"),
+    (lambda d: d["cluster"].update(gpus_per_node=0), r"cluster.gpus_per_node is 0"),
+    (lambda d: d["cluster"].update(mem_bytes=0), r"cluster.mem_bytes is 0"),
+    (lambda d: d["training"].update(micro_batch_size=0), r"training.micro_batch_size is 0; it must be >= 1"),
+    (lambda d: d["training"].update(num_microbatches=0), r"training.num_microbatches is 0"),
+    (lambda d: d["training"].update(global_batch_size=65), r"training.global_batch_size is 65, but micro_batch_size"),
+    (lambda d: d["cluster"].update(gpus=9, gpus_available=16), r"cluster.gpus is 9 but the layout places 8 ranks"),
+    (lambda d: d["programs"].pop(), r"programs has 7 rank programs but the layout places 8 ranks"),
+    (lambda d: d["stages"].pop(), r"stages has \d parts but the layout has \d"),
+    (lambda d: d["schedule"]["in_flight"].append(1), r"schedule.in_flight has \d entries but the layout has"),
+    (lambda d: d["stages"][0].update(index=5), r"stages\[0\].index is 5; it must equal its position 0"),
+    (lambda d: d["stages"][0].update(nodes=[]), r"stages\[0\].nodes is empty"),
+    (lambda d: d["cluster"].update(reserve_bytes=-1), r"cluster.reserve_bytes is -1"),
+    (lambda d: d["cluster"].update(gpus_available=2), r"cluster.gpus_available is 2; it must be at least"),
+    (lambda d: d["transfers"].append({"src_stage": 0, "dst_stage": 99, "nbytes": 1, "ms": 0.1}),
+     r"transfers\[\d+\] goes from stage 0 to 99"),
+])
+def test_plan_invariants_are_checked_on_load_naming_the_field(resnet_plan: Plan, edit, message: str) -> None:
+    data = json.loads(resnet_plan.to_json())
+    edit(data)
+    with pytest.raises(PlanFileError, match=message + ".*re-create the plan with `tessera plan`"):
+        Plan.from_dict(data)
+
+
+def test_the_runtime_check_is_the_plan_file_check(resnet_plan: Plan) -> None:
+    import dataclasses
+
+    from cost_models.errors import RuntimeSetupError
+    from runtime import checks
+
+    broken = dataclasses.replace(resnet_plan, training=dataclasses.replace(resnet_plan.training, micro_batch_size=0))
+    with pytest.raises(RuntimeSetupError, match=r"plan field training.micro_batch_size is 0"):
+        checks.check_plan(broken)
