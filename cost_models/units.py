@@ -66,9 +66,9 @@ def format_count(count: float) -> str:
     return format_flops(count)
 
 
-def plural(count: int, noun: str) -> str:
-    """``plural(1, "stage")`` → '1 stage', ``plural(3, "stage")`` → '3 stages'."""
-    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+def plural(count: int, noun: str, nouns: str | None = None) -> str:
+    """``plural(1, "stage")`` → '1 stage', ``plural(3, "stage")`` → '3 stages' (``nouns`` if not noun + s)."""
+    return f"{count} {noun}" if count == 1 else f"{count} {nouns or noun + 's'}"
 
 
 def format_ms(ms: float) -> str:

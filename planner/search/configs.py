@@ -50,7 +50,7 @@ class Config:
 
     def describe(self) -> str:
         return (f"{plural(self.num_stages, 'stage')} x {plural(self.data_parallel, 'replica')}, "
-                f"{plural(self.num_microbatches, 'micro-batch')} of {self.micro_batch_size}, "
+                f"{plural(self.num_microbatches, 'micro-batch', 'micro-batches')} of {self.micro_batch_size}, "
                 f"{self.schedule.value}")
 
 

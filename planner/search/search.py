@@ -20,6 +20,7 @@ from planner.schedules.generate import Schedule, generate, max_in_flight
 from planner.search.configs import Config, SearchSpace, configurations
 from planner.search.evaluate import Evaluation, evaluate
 from planner.search.ilp import SolveStatus, solve_partition
+from planner.search.infeasible import infeasible_error
 from planner.search.oracle import check_exact, min_peak_partition
 from planner.search.problem import Coarsening, PipelineProblem, coarsen, part_allreduces, part_links
 from planner.search.terms import CostModel, cost_model, lower_bound
@@ -164,23 +165,8 @@ class Search:
         """The error for a budget nothing fits: the smallest memory the most frugal layout needs."""
         frugal = min(configs, key=lambda c: (-c.num_stages, c.micro_batch_size,
                                              sum(self.setup(c).problem.in_flight)))
-        setup = self.setup(frugal)
-        floor = min_peak_partition(setup.costs)
-        index = max(range(len(floor.evaluation.parts)), key=lambda p: floor.evaluation.slot_peak_bytes[p])
-        part = floor.evaluation.parts[index]
-        need = floor.evaluation.slot_peak_bytes[index]
-        units = setup.coarsening.units[part.first_unit:part.last_unit + 1]
-        nodes = [n for unit in units for n in unit.nodes]
-        heaviest = max(units, key=lambda u: u.state_bytes)
-        give = self.space.reserve.mem_for(need)
-        message = (
-            f"no plan fits {self._budget()} per GPU on {self.space.gpus} x "
-            f"{self.device.name}: the most memory-frugal layout ({frugal.describe()}) still needs "
-            f"{format_bytes(need)} on stage {index} (nodes {nodes[0]} .. {nodes[-1]}: "
-            f"{format_bytes(part.static_bytes)} of weights, gradients, optimizer state and buffers, "
-            f"{format_bytes(need - part.static_bytes)} of activations); its heaviest part starts at "
-            f"{heaviest.nodes[0]}. Give mem >= {format_bytes(give)}, more GPUs, or a smaller batch.")
-        return PlanInfeasible(message, min_mem_bytes=give, binding=f"stage {index} ({nodes[0]})")
+        return infeasible_error(self.setup(frugal), self._budget(), self.space.gpus, self.device.name,
+                                self.space.reserve)
 
     def _budget(self) -> str:
         usable, reserve = self.space.mem_bytes, self.space.reserve_bytes

@@ -345,3 +345,36 @@ def test_the_runtime_check_is_the_plan_file_check(resnet_plan: Plan) -> None:
     broken = dataclasses.replace(resnet_plan, training=dataclasses.replace(resnet_plan.training, micro_batch_size=0))
     with pytest.raises(RuntimeSetupError, match=r"plan field training.micro_batch_size is 0"):
         checks.check_plan(broken)
+
+
+def test_infeasible_names_model_state_apart_from_working_memory(resnet_graph) -> None:
+    """Model state is 16 B per parameter (fp32 Adam) plus buffers; the largest transient is not part of it."""
+    from cost_models.units import format_bytes
+
+    model = resnet50()
+    with pytest.raises(PlanInfeasible) as raised:
+        plan(model, gpus=1, mem="300MB", batch_size=1, graph=resnet_graph, reserve=0,
+             example_inputs=torch.empty(1, 3, 224, 224, device="meta"))
+    state = 16 * sum(p.numel() for p in model.parameters()) + sum(b.numel() * b.element_size() for b in model.buffers())
+    message = str(raised.value)
+    assert f"{format_bytes(state)} of model state (weights, gradients, optimizer state, buffers)" in message
+    assert "of working memory (largest transient" in message and "send buffer 0 B" in message
+    assert "more GPUs (more pipeline stages split the model state)" in message
+
+
+def test_the_memory_by_kind_adds_up_to_the_stage_peak() -> None:
+    from cost_models.devices import get_device
+    from planner.api import validate_space
+    from planner.search.infeasible import stage_memory
+    from planner.search.configs import configurations
+    from planner.search.oracle import min_peak_partition
+    from planner.search.search import Search
+
+    space, spec = validate_space(4, "1GB", 8, "V100-16GB", None, "adam", "fp32", ("1f1b",), (1,), 60.0, (4,))
+    search = Search(trace(gpt_tiny(), torch.empty(1, 32, dtype=torch.long, device="meta")), get_device(spec), space)
+    setup = search.setup(configurations(space, max_stages=99)[0])  # 4 stages, 8 micro-batches of 1
+    floor = min_peak_partition(setup.costs).evaluation
+    for stage, summary in enumerate(floor.parts):
+        memory = stage_memory(setup, stage, stage, summary.first_unit, summary.last_unit)
+        assert memory.total_bytes == pytest.approx(floor.slot_peak_bytes[stage], abs=1)
+        assert memory.state_bytes + memory.working_bytes == pytest.approx(summary.static_bytes, abs=1)
