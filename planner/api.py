@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -11,6 +12,7 @@ from torch import nn
 from cost_models.devices import DeviceSpec, get_device
 from cost_models.errors import InvalidArgument, TesseraWarning
 from cost_models.graph.ir import LayerGraph
+from cost_models.graph.model_spec import builder_forms
 from cost_models.graph.tracing import normalise_inputs, trace
 from cost_models.memory import Optimizer, Precision, get_optimizer, get_precision
 from cost_models.units import format_bytes, parse_mem_bytes
@@ -68,9 +70,12 @@ def plan(model: nn.Module, gpus: int, mem: str | int, *, batch_size: int,
 
 def model_ref(graph: LayerGraph, inputs: tuple[torch.Tensor, ...], space: SearchSpace,
               builder: str | None, builder_kwargs: Mapping[str, Any] | None) -> ModelRef:
-    return ModelRef(builder, freeze(dict(builder_kwargs or {})), graph.fingerprint,
+    """A relative model file (``path/file.py:builder``) is stored absolute, and as given (relative to
+    the current directory) for a copy of the project elsewhere."""
+    absolute, relative = builder_forms(builder, Path.cwd()) if builder else (None, None)
+    return ModelRef(absolute, freeze(dict(builder_kwargs or {})), graph.fingerprint,
                     tuple(InputMeta(tuple(x.shape), str(x.dtype).removeprefix("torch."))
-                          for x in inputs), space.precision)
+                          for x in inputs), space.precision, relative)
 
 
 def validate_space(gpus: int, mem: str | int, batch_size: int, device: str | DeviceSpec,

@@ -7,11 +7,12 @@ import importlib
 import importlib.util
 import inspect
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from cost_models.errors import InvalidArgument, ModelSpecError
+from cost_models.errors import InvalidArgument, ModelSpecError, TesseraWarning
 
 _DTYPES = {"float32": "float32", "float": "float32", "fp32": "float32", "float64": "float64",
            "double": "float64", "float16": "float16", "half": "float16", "bfloat16": "bfloat16",
@@ -112,6 +113,41 @@ def load_builder(spec: str, search_root: Path | None = None) -> Callable[..., An
         raise ModelSpecError(f"{location} has no builder function {name!r}; it defines "
                              f"{', '.join(available) or 'no public functions'}")
     return builder
+
+
+def builder_forms(spec: str, search_root: Path) -> tuple[str, str | None]:
+    """``path/file.py:builder`` → (its absolute form, the relative form as given); others → (spec, None).
+
+    A plan stores both: the absolute one resolves from any directory, the relative one from a copy
+    of the project elsewhere (see :func:`resolve_builder`).
+    """
+    location, sep, name = spec.rpartition(":")
+    if not sep or not location.endswith(".py") or Path(location).is_absolute():
+        return spec, None
+    return f"{(search_root / location).resolve()}:{name}", spec
+
+
+def resolve_builder(specs: Sequence[str], search_root: Path | None = None) -> tuple[Callable[..., Any], str]:
+    """The builder of the first spec whose model file exists (module specs always count), and that spec.
+
+    Falling back past a missing file is a TesseraWarning naming the file and the spec used.
+    """
+    missing = [spec for spec in specs if not _file_exists(spec, search_root)]
+    usable = [spec for spec in specs if spec not in missing]
+    if not usable:
+        return load_builder(specs[0], search_root), specs[0]  # raises, naming the first file
+    if missing and missing[0] == specs[0]:
+        warnings.warn(TesseraWarning(f"model file of {specs[0]!r} does not exist; using {usable[0]!r} "
+                                     f"(from {search_root or Path.cwd()})"), stacklevel=2)
+    return load_builder(usable[0], search_root), usable[0]
+
+
+def _file_exists(spec: str, search_root: Path | None) -> bool:
+    location = spec.rpartition(":")[0]
+    if not location.endswith(".py"):
+        return True
+    path = Path(location)
+    return (path if path.is_absolute() or search_root is None else search_root / path).is_file()
 
 
 def build_model(builder: Callable[..., Any], kwargs: Mapping[str, Any], device: str) -> Any:

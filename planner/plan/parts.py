@@ -52,20 +52,32 @@ class InputMeta:
 
 @dataclass(frozen=True)
 class ModelRef:
-    """How the runtime rebuilds the model and checks it is the one that was planned."""
+    """How the runtime rebuilds the model and checks it is the one that was planned.
+
+    ``builder`` names a model file by its absolute path (it resolves from any directory);
+    ``builder_relative`` keeps the path as it was given, relative to where `tessera plan` ran, for a
+    copy of the project elsewhere. ``builder_specs`` tries them in that order.
+    """
 
     builder: str | None
     builder_kwargs: Mapping[str, Any]
     fingerprint: str
     example_inputs: tuple[InputMeta, ...]
     precision: Precision
+    builder_relative: str | None = None  # absent in older files
+
+    @property
+    def builder_specs(self) -> tuple[str, ...]:
+        """The builder specs to try, in order (cost_models.graph.model_spec.resolve_builder)."""
+        return tuple(spec for spec in (self.builder, self.builder_relative) if spec)
 
     @classmethod
     def from_dict(cls, data: Any, path: str) -> ModelRef:
         return codec.fields(cls, data, path, {
             "builder": codec.optional(codec.string), "builder_kwargs": codec.json_object,
             "fingerprint": codec.string, "example_inputs": codec.tuple_of(InputMeta.from_dict),
-            "precision": codec.enum_of(Precision)})
+            "precision": codec.enum_of(Precision), "builder_relative": codec.optional(codec.string)},
+            optional=frozenset({"builder_relative"}))
 
 
 @dataclass(frozen=True)

@@ -174,3 +174,32 @@ def test_a_schema_1_plan_with_more_replicas_than_ranks_is_one_line(tmp_path: Pat
     (tmp_path / "plan.json").write_text(json.dumps(data))
     message = _one_error_line(tessera("show", "plan.json", cwd=tmp_path))
     assert "data_parallel is 3 but stages[0].ranks lists 2 ranks" in message
+
+
+def test_a_plan_names_its_model_file_so_that_it_resolves_from_anywhere(tmp_path: Path) -> None:
+    import dataclasses
+    import warnings
+
+    from cost_models.errors import TesseraWarning
+    from cost_models.graph.model_spec import resolve_builder
+    from planner.plan import Plan
+    from runtime.build import rebuild_model
+
+    out = tmp_path / "plan.json"
+    result = tessera(*TINY, "--mem", "1GB", "-o", str(out))  # run from the project root, relative path
+    assert result.returncode == 0, result.stderr
+    plan = Plan.load(out)
+    assert plan.model.builder == f"{ROOT / 'examples/models/gpt.py'}:gpt_tiny"
+    assert plan.model.builder_relative == "examples/models/gpt.py:gpt_tiny"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    assert type(rebuild_model(plan, elsewhere)).__name__ == "GPT"  # the runtime's own rebuild, another folder
+    moved = dataclasses.replace(plan, model=dataclasses.replace(plan.model, builder="/gone/gpt.py:gpt_tiny"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, used = resolve_builder(moved.model.builder_specs, ROOT)  # a copy of the project: the relative form
+    assert used == "examples/models/gpt.py:gpt_tiny"
+    assert [str(w.message) for w in caught if w.category is TesseraWarning] == [
+        f"model file of '/gone/gpt.py:gpt_tiny' does not exist; using 'examples/models/gpt.py:gpt_tiny' "
+        f"(from {ROOT})"]
+    assert resolve_builder(plan.model.builder_specs, elsewhere)[1] == plan.model.builder

@@ -77,7 +77,8 @@ def test_plan_file_round_trip(resnet_plan: Plan, tmp_path: Path) -> None:
     for key in ("schema_version", "model", "cluster", "training", "schedule", "layout",
                 "stages", "layers", "programs", "predicted", "solver"):
         assert key in data
-    assert data["model"]["builder"] == "examples/models/resnet.py:resnet50"
+    assert data["model"]["builder"] == f"{ROOT / 'examples/models/resnet.py'}:resnet50"  # resolves anywhere
+    assert data["model"]["builder_relative"] == "examples/models/resnet.py:resnet50"  # as given
     assert set(data["solver"]) >= {"name", "status", "objective", "gap", "wall_s", "configs_tried", "why"}
     assert data["stages"][0]["offload"]["optimizer_state"] == "gpu"
 
@@ -143,7 +144,7 @@ def test_cli_plan_show_simulate(tmp_path: Path, capsys) -> None:
                  "8", "--gpus", "2", "--mem", "1GB", "-o", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "stage" in printed and "samples/s" in printed and "why:" in printed
-    assert Plan.load(out).model.builder == "examples/models/gpt.py:gpt_tiny"
+    assert Plan.load(out).model.builder_relative == "examples/models/gpt.py:gpt_tiny"
     assert main(["show", str(out)]) == 0 and "peak mem" in capsys.readouterr().out
     trace_file, svg_file = tmp_path / "t.json", tmp_path / "t.svg"
     assert main(["simulate", str(out), "--trace", str(trace_file), "--svg", str(svg_file)]) == 0
