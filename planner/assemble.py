@@ -42,6 +42,10 @@ class Lowered:
     simulated: SimResult
 
 
+MEMORY_BINDS_AT = 0.9
+"""A plan's memory is called binding when its fullest rank uses at least this share of the usable budget."""
+
+
 def lower_candidate(candidate: Candidate, graph: LayerGraph) -> Lowered:
     """The candidate's per-rank programs (checked by the validator) and their simulated step."""
     setup = candidate.setup
@@ -132,11 +136,21 @@ def _report(result: SearchResult, space: SearchSpace, simulated: SimResult,
             f"could not fit the memory or could not beat it (lower bound)")
     note = gpus_note(space, best.setup.config.gpus)
     why += (f"; {note}" if note else "") + _unproven(best, result, space)
-    slowest = max(range(len(best.evaluation.parts)), key=lambda p: best.evaluation.parts[p].compute_ms)
-    binding = (f"{best.binding}; bottleneck stage {slowest} "
-               f"({format_ms(best.evaluation.parts[slowest].compute_ms)} per micro-batch)")
     return SolverReport(best.solver, best.status.value, best.objective_ms, best.gap, result.wall_s,
-                        result.configs_total, why, binding, runner, result.configs_unexamined)
+                        result.configs_total, why, _binding(best, space, simulated), runner,
+                        result.configs_unexamined)
+
+
+def _binding(best: Candidate, space: SearchSpace, simulated: SimResult) -> str:
+    """The slowest stage, and the fullest rank when its memory is near the usable budget."""
+    parts = best.evaluation.parts
+    slowest = max(range(len(parts)), key=lambda part: parts[part].compute_ms)
+    binding = f"compute of stage {slowest} ({format_ms(parts[slowest].compute_ms)} per micro-batch)"
+    fullest = max(range(len(simulated.peak_mem_bytes)), key=lambda rank: simulated.peak_mem_bytes[rank])
+    share = simulated.peak_mem_bytes[fullest] / space.mem_bytes
+    if share >= MEMORY_BINDS_AT:
+        binding += f"; memory of rank {fullest} ({share:.0%} of the usable budget)"
+    return binding
 
 
 def _unproven(best: Candidate, result: SearchResult, space: SearchSpace) -> str:

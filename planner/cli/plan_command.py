@@ -89,20 +89,22 @@ def run_simulate(path: Path, trace_path: Path | None, svg_path: Path | None) -> 
     """Replay the plan's programs; write a Chrome trace (Perfetto) and an SVG timeline."""
     from cost_models.units import format_bytes, format_ms
     from planner.plan.document import Plan
+    from planner.plan.text import idle_label
     from planner.schedules.timeline import chrome_trace, svg
-    from planner.simulation import simulate_plan
+    from planner.simulation import rank_names, simulate_plan
 
     plan = Plan.load(path)
     result = simulate_plan(plan)
     trace_path = trace_path or path.with_suffix(".trace.json")
     svg_path = svg_path or path.with_suffix(".svg")
-    trace_path.write_text(json.dumps(chrome_trace(result)))
-    svg_path.write_text(svg(result))
+    names = rank_names(plan.layout)
+    trace_path.write_text(json.dumps(chrome_trace(result, rank_names=names)))
+    svg_path.write_text(svg(result, rank_names=names))
     peaks = "; ".join(f"ranks {first}-{last}: {format_bytes(nbytes)}" if first != last else
                       f"rank {first}: {format_bytes(nbytes)}" for first, last, nbytes in _runs(result.peak_mem_bytes))
     return (f"simulated step {format_ms(result.step_ms)} (plan predicted "
             f"{format_ms(plan.predicted.step_ms)}, ILP objective {format_ms(plan.solver.objective)}), "
-            f"bubble {result.bubble_fraction:.1%}\npeak memory: {peaks}\n"
+            f"{idle_label(plan.num_stages)} {result.bubble_fraction:.1%}\npeak memory: {peaks}\n"
             f"timeline: {trace_path} (open in https://ui.perfetto.dev) and {svg_path}")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -379,3 +380,18 @@ def test_the_memory_by_kind_adds_up_to_the_stage_peak() -> None:
         memory = stage_memory(setup, stage, stage, summary.first_unit, summary.last_unit)
         assert memory.total_bytes == pytest.approx(floor.slot_peak_bytes[stage], abs=1)
         assert memory.state_bytes + memory.working_bytes == pytest.approx(summary.static_bytes, abs=1)
+
+
+def test_the_printed_plan_labels_what_it_shows() -> None:
+    one_stage = str(_tiny(mem="1GB"))  # 1 stage x 2 replicas: its idle share is the all-reduce
+    title = one_stage.splitlines()[0]
+    assert title.startswith("plan: 1 stage x 2 data-parallel") and "1 stages" not in one_stage
+    assert "batch 8 = 2 replicas x 1 micro-batch x 4 samples" in title
+    step = _lines(one_stage, "step: ")[0]
+    assert "idle in all-reduce: " in step and "bubble" not in step and "headroom)" in step
+    assert "memory" not in _lines(one_stage, "binding: ")[0]  # 0% of the budget is not binding
+    with pytest.raises(PlanInfeasible) as raised:
+        _tiny(mem=100_000)
+    tight = str(_tiny(mem=raised.value.min_mem_bytes))  # the smallest budget that fits: memory binds
+    assert "2 stages x 1 data-parallel" in tight and "bubble: " in _lines(tight, "step: ")[0]
+    assert re.search(r"; memory of rank \d \((9\d|100)% of the usable budget\)", _lines(tight, "binding: ")[0])
