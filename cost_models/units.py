@@ -67,7 +67,7 @@ def format_count(count: float) -> str:
 
 
 def plural(count: int, noun: str, nouns: str | None = None) -> str:
-    """``plural(1, "stage")`` → '1 stage', ``plural(3, "stage")`` → '3 stages' (``nouns`` if not noun + s)."""
+    """``plural(1, "stage")`` → '1 stage', ``plural(3, "stage")`` → '3 stages' (or ``nouns``)."""
     return f"{count} {noun}" if count == 1 else f"{count} {nouns or noun + 's'}"
 
 

@@ -56,7 +56,8 @@ def lower_candidate(candidate: Candidate, graph: LayerGraph) -> Lowered:
     programs = layout.rank_programs(lower(setup.schedule.programs, layout, edges))
     validate(programs, layout, edges=edges)
     parts = tuple(_stage_plan(candidate, index, nodes) for index, nodes in enumerate(part_nodes))
-    return Lowered(parts, transfers, programs, simulate(programs, layout, sim_costs(layout, parts, transfers)))
+    simulated = simulate(programs, layout, sim_costs(layout, parts, transfers))
+    return Lowered(parts, transfers, programs, simulated)
 
 
 def build_plan(graph: LayerGraph, device: DeviceSpec, space: SearchSpace, result: SearchResult,

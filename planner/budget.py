@@ -57,7 +57,7 @@ def parse_reserve(value: str | int | Reserve, *, unit_required: bool = False) ->
 
 
 def usable_bytes(mem_bytes: int, reserve: Reserve) -> int:
-    """What a plan may use of ``mem_bytes`` once ``reserve`` is kept free; refuses a reserve that eats it all."""
+    """What a plan may use of ``mem_bytes`` once ``reserve`` is kept free; refuses a reserve taking it all."""
     usable = mem_bytes - reserve.bytes_of(mem_bytes)
     if usable <= 0:
         raise InvalidArgument(f"the reserve ({reserve.describe()}) leaves nothing of the "

@@ -95,7 +95,8 @@ def _add_plan(parser: argparse.ArgumentParser) -> None:
                              "e.g. 1GB or 0)")
     parser.add_argument("--device", default="V100-16GB",
                         help="GPU preset or device JSON file (default %(default)s)")
-    parser.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default min(GPUS, 8))")
+    parser.add_argument("--gpus-per-node", type=int, default=None,
+                        help="GPUs per node (default min(GPUS, 8))")
     _add_training_modes(parser)
     parser.add_argument("--schedule", action="append", default=None, type=str.lower,
                         choices=[kind.value for kind in ScheduleKind],
@@ -168,7 +169,8 @@ def _add_profile(parser: argparse.ArgumentParser) -> None:
                       help="roofline estimate even on cpu (no real tensors are allocated)")
     mode.add_argument("--measure", action="store_true",
                       help="measure on the local device (default for cpu; a GPU preset needs CUDA)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per node, median kept (default %(default)s)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed runs per node, median kept (default %(default)s)")
     parser.add_argument("--cache-dir", default=None,
                         help="where measured timings are cached (default ~/.cache/tessera/profiles)")
     parser.add_argument("--top", type=int, default=None, help="show only the N slowest layers (default: all)")

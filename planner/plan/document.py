@@ -83,7 +83,7 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Plan:
-        """Decode (failing closed on a field of the wrong type) and check the invariants (planner/plan/invariants.py)."""
+        """Decode (failing closed on a field of the wrong type), then check planner/plan/invariants.py."""
         try:
             plan = _decode(upgrade(data))
         except ValueError as error:

@@ -29,7 +29,8 @@ def _positive_counts(plan: Plan) -> Iterator[str]:
               "training.global_batch_size": plan.training.global_batch_size,
               "training.micro_batch_size": plan.training.micro_batch_size,
               "training.num_microbatches": plan.training.num_microbatches}
-    counts.update({f"schedule.in_flight[{stage}]": held for stage, held in enumerate(plan.schedule.in_flight)})
+    counts.update({f"schedule.in_flight[{stage}]": held
+                   for stage, held in enumerate(plan.schedule.in_flight)})
     yield from (f"{path} is {value}; it must be >= 1" for path, value in counts.items() if value < 1)
 
 
@@ -57,7 +58,8 @@ def _sizes(plan: Plan) -> Iterator[str]:
     if plan.cluster.gpus != layout.world_size:
         yield f"cluster.gpus is {plan.cluster.gpus} but the layout places {layout.world_size} ranks"
     if len(plan.programs) != layout.world_size:
-        yield f"programs has {len(plan.programs)} rank programs but the layout places {layout.world_size} ranks"
+        yield (f"programs has {len(plan.programs)} rank programs but the layout places "
+               f"{layout.world_size} ranks")
     if len(plan.stages) != layout.num_parts:
         yield f"stages has {len(plan.stages)} parts but the layout has {layout.num_parts}"
     if len(plan.schedule.in_flight) != layout.num_stages:

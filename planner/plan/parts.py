@@ -271,7 +271,7 @@ class SolverReport:
 
     @property
     def proven_optimal(self) -> bool:
-        """The winner's ILP was solved to optimality and no configuration that might beat it went unexamined."""
+        """The winner's ILP was solved to optimality and no configuration that might beat it was left."""
         return self.status == "optimal" and not self.configs_unexamined
 
     @classmethod

@@ -139,7 +139,8 @@ def _box(event: SimEvent, scale: float, left_px: float) -> str:
 
 
 def _axis(step_ms: float, scale: float, y: float, left_px: float) -> list[str]:
-    parts = [f'<line x1="{left_px}" y1="{y:.1f}" x2="{left_px + step_ms * scale:.2f}" y2="{y:.1f}" stroke="black"/>']
+    parts = [f'<line x1="{left_px}" y1="{y:.1f}" x2="{left_px + step_ms * scale:.2f}" y2="{y:.1f}" '
+             f'stroke="black"/>']
     tick = _tick_ms(step_ms)
     count = int(step_ms / tick + 1e-9) + 1 if tick > 0 else 1
     for index in range(count):

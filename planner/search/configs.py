@@ -50,8 +50,8 @@ class Config:
 
     def describe(self) -> str:
         return (f"{plural(self.num_stages, 'stage')} x {plural(self.data_parallel, 'replica')}, "
-                f"{plural(self.num_microbatches, 'micro-batch', 'micro-batches')} of {self.micro_batch_size}, "
-                f"{self.schedule.value}")
+                f"{plural(self.num_microbatches, 'micro-batch', 'micro-batches')} of "
+                f"{self.micro_batch_size}, {self.schedule.value}")
 
 
 def divisors(n: int) -> list[int]:

@@ -74,7 +74,8 @@ def stage_memory(setup: Setup, part: int, stage: int, first: int, last: int) -> 
                        setup.problem.in_flight[stage])
 
 
-def infeasible_error(setup: Setup, budget: str, gpus: int, device_name: str, reserve: Reserve) -> PlanInfeasible:
+def infeasible_error(setup: Setup, budget: str, gpus: int, device_name: str,
+                     reserve: Reserve) -> PlanInfeasible:
     """``setup`` is the most memory-frugal configuration's; its best partition's fullest stage is named."""
     floor = min_peak_partition(setup.costs).evaluation
     stage = max(range(len(floor.parts)), key=lambda index: floor.slot_peak_bytes[index])
@@ -82,7 +83,8 @@ def infeasible_error(setup: Setup, budget: str, gpus: int, device_name: str, res
     summary = floor.parts[part]
     memory = stage_memory(setup, part, stage, summary.first_unit, summary.last_unit)
     need = floor.slot_peak_bytes[stage]
-    nodes = [n for unit in setup.coarsening.units[summary.first_unit:summary.last_unit + 1] for n in unit.nodes]
+    units = setup.coarsening.units[summary.first_unit:summary.last_unit + 1]
+    nodes = [name for unit in units for name in unit.nodes]
     give = reserve.mem_for(need)
     message = (f"no plan fits {budget} per GPU on {gpus} x {device_name}: the most memory-frugal layout "
                f"({setup.config.describe()}) still needs {format_bytes(need)} on stage {stage} (nodes "

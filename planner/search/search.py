@@ -1,7 +1,9 @@
 """The outer search: enumerate (stages, data parallel, micro-batch, schedule), solve each ILP.
 
-Configurations are visited in order of a lower bound on their step time and skipped once the
-bound cannot beat the best plan found, so most of the ILPs of a large search are never built.
+Configurations (planner/search/configs.py) are visited in order of a lower bound on their step
+time and skipped once the bound cannot beat the best plan found, so most of the ILPs of a large
+search are never built. Progress goes to an optional callback; Ctrl-C stops the search anywhere,
+the solver included (planner/search/ilp.py).
 """
 
 from __future__ import annotations
@@ -119,7 +121,8 @@ class Search:
                 break
             if not self.fits(config):
                 continue
-            self._report(ProgressEvent(Phase.SEARCHING, index, len(ranked), best, f"solving {config.describe()}"))
+            self._report(ProgressEvent(Phase.SEARCHING, index, len(ranked), best,
+                                       f"solving {config.describe()}"))
             candidate, wall_s = self.solve(config, max(1.0, remaining), best)
             solver_s += wall_s
             if candidate is not None:
@@ -128,7 +131,8 @@ class Search:
                                    min((c.objective_ms for c in solved), default=None), "done"))
         if not solved:
             raise self.infeasible(configs)
-        solved.sort(key=lambda c: (round(c.objective_ms, 9), c.setup.config.gpus, c.evaluation.peak_mem_bytes))
+        solved.sort(key=lambda c: (round(c.objective_ms, 9), c.setup.config.gpus,  # a tie: fewer GPUs
+                                   c.evaluation.peak_mem_bytes))
         return SearchResult(solved[0], solved[1] if len(solved) > 1 else None, len(configs),
                             len(solved), time.perf_counter() - start, solver_s,
                             configs_unexamined=unexamined)
@@ -172,4 +176,5 @@ class Search:
         usable, reserve = self.space.mem_bytes, self.space.reserve_bytes
         if not reserve:
             return format_bytes(usable)
-        return f"{format_bytes(usable)} ({format_bytes(usable + reserve)} less {format_bytes(reserve)} reserved)"
+        return (f"{format_bytes(usable)} ({format_bytes(usable + reserve)} less {format_bytes(reserve)} "
+                f"reserved)")

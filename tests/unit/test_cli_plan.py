@@ -91,7 +91,8 @@ def model():
 
 def test_an_untraceable_model_is_one_line_and_verbose_shows_torch_output(tmp_path: Path) -> None:
     (tmp_path / "untraceable.py").write_text(UNTRACEABLE)
-    args = ["plan", "untraceable.py:model", "--input", "8", "--batch-size", "4", "--gpus", "2", "--mem", "1GB"]
+    args = ["plan", "untraceable.py:model", "--input", "8", "--batch-size", "4", "--gpus", "2",
+            "--mem", "1GB"]
     quiet = tessera(*args, cwd=tmp_path)
     assert "cannot trace Sequential" in _one_error_line(quiet) and quiet.stdout == ""
     assert "(--verbose prints the details)" in quiet.stderr
@@ -139,13 +140,15 @@ def test_ctrl_c_inside_a_long_solve_stops_at_once_leaving_the_plan_file(tmp_path
     finally:
         process.kill()
     assert process.returncode == 130 and rest == "tessera: interrupted\n", rest
-    assert waited_s < 3.0, f"exited {waited_s:.1f} s after SIGINT"
+    # about 0.5 s to cancel HiGHS and 1 s for Python to unload torch (2 s in all on an idle machine);
+    # without the cancel it waited for the solve, 20-30 s
+    assert waited_s < 6.0, f"exited {waited_s:.1f} s after SIGINT"
     assert out.read_text() == "precious"
 
 
 def test_num_stages_and_data_parallel_flags() -> None:
-    args = ["plan", "examples/models/gpt.py:gpt_tiny", "--input", "32:int64", "--batch-size", "8", "--gpus", "4",
-            "--mem", "1GB"]
+    args = ["plan", "examples/models/gpt.py:gpt_tiny", "--input", "32:int64", "--batch-size", "8",
+            "--gpus", "4", "--mem", "1GB"]
     result = tessera(*args, "--num-stages", "2", "--data-parallel", "2")
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[0].startswith("plan: 2 stages x 2 data-parallel on 4 x V100-16GB")

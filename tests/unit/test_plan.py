@@ -260,8 +260,8 @@ def test_one_step_figure_the_simulated_one_everywhere() -> None:
 
 
 def test_a_plan_cut_short_by_the_time_limit_says_it_is_not_proven_optimal(resnet_graph) -> None:
-    result = plan(resnet50(), gpus=8, mem="16GB", batch_size=64, example_inputs=torch.empty(1, 3, 224, 224, device="meta"),
-                  graph=resnet_graph, time_limit_s=0.001)
+    result = plan(resnet50(), gpus=8, mem="16GB", batch_size=64, graph=resnet_graph, time_limit_s=0.001,
+                  example_inputs=torch.empty(1, 3, 224, 224, device="meta"))
     assert not result.solver.proven_optimal and result.solver.configs_unexamined >= 1
     text = str(result)
     assert "(NOT PROVEN OPTIMAL)" in _lines(text, "solver: ")[0]
@@ -298,7 +298,8 @@ def test_a_batch_smaller_than_the_gpus_may_use_fewer_and_says_so(resnet_graph) -
                   example_inputs=torch.empty(1, 3, 224, 224, device="meta"))
     used = result.cluster.gpus
     assert used < 16 and result.cluster.gpus_available == 16
-    assert used == result.layout.world_size == len(result.programs) == result.num_stages * result.data_parallel
+    assert used == result.layout.world_size == len(result.programs)
+    assert used == result.num_stages * result.data_parallel
     assert f"uses {used} of 16 GPUs: a batch of 2 keeps at most 2 busy at once" in result.solver.why
     assert f"on {used} of 16 x V100-16GB" in str(result)
 
@@ -319,8 +320,10 @@ def test_num_stages_and_data_parallel_pick_the_layout(resnet_graph) -> None:
     (lambda d: d["cluster"].update(mem_bytes=0), r"cluster.mem_bytes is 0"),
     (lambda d: d["training"].update(micro_batch_size=0), r"training.micro_batch_size is 0; it must be >= 1"),
     (lambda d: d["training"].update(num_microbatches=0), r"training.num_microbatches is 0"),
-    (lambda d: d["training"].update(global_batch_size=65), r"training.global_batch_size is 65, but micro_batch_size"),
-    (lambda d: d["cluster"].update(gpus=9, gpus_available=16), r"cluster.gpus is 9 but the layout places 8 ranks"),
+    (lambda d: d["training"].update(global_batch_size=65),
+     r"training.global_batch_size is 65, but micro_batch_size"),
+    (lambda d: d["cluster"].update(gpus=9, gpus_available=16),
+     r"cluster.gpus is 9 but the layout places 8 ranks"),
     (lambda d: d["programs"].pop(), r"programs has 7 rank programs but the layout places 8 ranks"),
     (lambda d: d["stages"].pop(), r"stages has \d parts but the layout has \d"),
     (lambda d: d["schedule"]["in_flight"].append(1), r"schedule.in_flight has \d entries but the layout has"),
@@ -344,7 +347,8 @@ def test_the_runtime_check_is_the_plan_file_check(resnet_plan: Plan) -> None:
     from cost_models.errors import RuntimeSetupError
     from runtime import checks
 
-    broken = dataclasses.replace(resnet_plan, training=dataclasses.replace(resnet_plan.training, micro_batch_size=0))
+    training = dataclasses.replace(resnet_plan.training, micro_batch_size=0)
+    broken = dataclasses.replace(resnet_plan, training=training)
     with pytest.raises(RuntimeSetupError, match=r"plan field training.micro_batch_size is 0"):
         checks.check_plan(broken)
 
@@ -357,7 +361,8 @@ def test_infeasible_names_model_state_apart_from_working_memory(resnet_graph) ->
     with pytest.raises(PlanInfeasible) as raised:
         plan(model, gpus=1, mem="300MB", batch_size=1, graph=resnet_graph, reserve=0,
              example_inputs=torch.empty(1, 3, 224, 224, device="meta"))
-    state = 16 * sum(p.numel() for p in model.parameters()) + sum(b.numel() * b.element_size() for b in model.buffers())
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    state = 16 * sum(p.numel() for p in model.parameters()) + buffers
     message = str(raised.value)
     assert f"{format_bytes(state)} of model state (weights, gradients, optimizer state, buffers)" in message
     assert "of working memory (largest transient" in message and "send buffer 0 B" in message
@@ -373,7 +378,8 @@ def test_the_memory_by_kind_adds_up_to_the_stage_peak() -> None:
     from planner.search.search import Search
 
     space, spec = validate_space(4, "1GB", 8, "V100-16GB", None, "adam", "fp32", ("1f1b",), (1,), 60.0, (4,))
-    search = Search(trace(gpt_tiny(), torch.empty(1, 32, dtype=torch.long, device="meta")), get_device(spec), space)
+    graph = trace(gpt_tiny(), torch.empty(1, 32, dtype=torch.long, device="meta"))
+    search = Search(graph, get_device(spec), space)
     setup = search.setup(configurations(space, max_stages=99)[0])  # 4 stages, 8 micro-batches of 1
     floor = min_peak_partition(setup.costs).evaluation
     for stage, summary in enumerate(floor.parts):
@@ -394,4 +400,5 @@ def test_the_printed_plan_labels_what_it_shows() -> None:
         _tiny(mem=100_000)
     tight = str(_tiny(mem=raised.value.min_mem_bytes))  # the smallest budget that fits: memory binds
     assert "2 stages x 1 data-parallel" in tight and "bubble: " in _lines(tight, "step: ")[0]
-    assert re.search(r"; memory of rank \d \((9\d|100)% of the usable budget\)", _lines(tight, "binding: ")[0])
+    binding = _lines(tight, "binding: ")[0]
+    assert re.search(r"; memory of rank \d \((9\d|100)% of the usable budget\)", binding)

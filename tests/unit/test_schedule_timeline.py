@@ -70,7 +70,8 @@ def test_svg_has_a_legend_and_rows_named_by_rank_and_stage(result: SimResult) ->
     from planner.simulation import rank_names
 
     names = rank_names(generate("1f1b", 3, 5, data_parallel=2).layout)
-    assert names[:3] == ["rank 0: stage 0, replica 0", "rank 1: stage 0, replica 1", "rank 2: stage 1, replica 0"]
+    assert names[:3] == ["rank 0: stage 0, replica 0", "rank 1: stage 0, replica 1",
+                         "rank 2: stage 1, replica 0"]
     picture = svg(result, rank_names=names)
     ElementTree.fromstring(picture)
     assert re.findall(r'<text class="row" [^>]*>([^<]*)</text>', picture) == names
