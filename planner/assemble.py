@@ -133,7 +133,7 @@ def _report(result: SearchResult, space: SearchSpace, simulated: SimResult,
         why += f"; runner-up {config.describe()} at {format_ms(step_ms)} ({step_ms / simulated.step_ms:.2f}x)"
         runner = RunnerUp(config.num_stages, config.data_parallel, config.micro_batch_size, config.schedule,
                           step_ms)
-    why += (f"; {result.configs_solved} of {result.configs_total} configurations solved, the rest "
+    why += (f"; {result.configs_solved} of {plural(result.configs_total, 'configuration')} solved, the rest "
             f"could not fit the memory or could not beat it (lower bound)")
     note = gpus_note(space, best.setup.config.gpus)
     why += (f"; {note}" if note else "") + _unproven(best, result, space)
