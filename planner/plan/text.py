@@ -77,8 +77,8 @@ def _summary(predicted: Prediction, solver: SolverReport, budget: int, num_stage
         f"{idle_label(num_stages)}: {predicted.bubble_fraction:.1%}   peak memory: "
         f"{_peak(max(predicted.peak_mem_bytes), budget)}",
         f"solver: {solver.name} {solver.status}{'' if solver.proven_optimal else ' (NOT PROVEN OPTIMAL)'} "
-        f"in {solver.wall_s:.2f} s, {plural(solver.configs_tried, 'configuration')} considered; ILP objective "
-        f"{format_ms(solver.objective)} (ranks configurations; the step above is simulated)",
+        f"in {solver.wall_s:.2f} s, {plural(solver.configs_tried, 'configuration')} considered; "
+        f"ILP objective {format_ms(solver.objective)} (ranks configurations; the step above is simulated)",
         f"why: {solver.why}",
     ]
     if solver.binding:
