@@ -4,7 +4,16 @@ from __future__ import annotations
 
 
 class TesseraError(Exception):
-    """Base of every error tessera raises on bad input; the message names the value and the fix."""
+    """Base of every error tessera raises on bad input; the message names the value and the fix.
+
+    ``details`` holds longer text a user may want to read (the CLI prints it with ``--verbose``).
+    """
+
+    details: str = ""
+
+
+class TesseraWarning(UserWarning):
+    """Something that does not stop the work but is probably not what the user meant."""
 
 
 class InvalidArgument(TesseraError, ValueError):
@@ -20,7 +29,14 @@ class ModelSpecError(TesseraError):
 
 
 class TraceError(TesseraError):
-    """Neither torch.fx symbolic tracing nor torch.export could capture the model."""
+    """Neither torch.fx symbolic tracing nor torch.export could capture the model.
+
+    ``details`` is what torch printed and logged while trying (torch.export's partial graph).
+    """
+
+    def __init__(self, message: str, *, details: str = "") -> None:
+        super().__init__(message)
+        self.details = details
 
 
 class ProfileError(TesseraError):

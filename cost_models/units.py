@@ -6,31 +6,42 @@ import re
 
 from cost_models.errors import InvalidArgument
 
-_MEMORY_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?i?b?)?\s*$", re.IGNORECASE)
+_MEMORY_PATTERN = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*([kmgtp]?i?b?)?\s*$", re.IGNORECASE)
+MEMORY_UNITS = ("B", "KB", "MB", "GB", "TB", "KiB", "MiB", "GiB", "TiB")
+"""Units a memory size may carry ("KB" and "KiB" both mean 1024 bytes, as GPU memory is sold)."""
 
 
-def parse_mem_bytes(value: str | int | float) -> int:
-    """``"16GB"`` → 16e9, ``"16GiB"`` → 16 * 2**30, a number → bytes. Rejects <= 0.
+def parse_mem_bytes(value: str | int | float, *, unit_required: bool = False) -> int:
+    """``"16GB"`` → 16 * 2**30, ``"16GiB"`` → 16 * 2**30, a number → bytes. Rejects <= 0.
 
     "GB" follows how GPU memory is sold (V100-16GB holds 16 GiB), so "16GB" and "16GiB" both
-    mean 16 * 2**30 bytes; write a plain number for exact decimal bytes.
+    mean 16 * 2**30 bytes; write a plain number (or "B") for exact bytes. With ``unit_required``
+    (the command line) a bare number is an error: "--mem 16" is far more likely a slip than 16 bytes.
     """
     if isinstance(value, bool):
         raise InvalidArgument(f"memory size {value!r} is not a size; give e.g. '16GB' or 17179869184")
     if isinstance(value, (int, float)):
         nbytes = int(value)
     else:
-        match = _MEMORY_PATTERN.match(str(value))
-        if not match:
-            raise InvalidArgument(f"cannot parse memory size {value!r}; write e.g. '16GB', "
-                                  f"'16GiB', '512MB' or a number of bytes")
-        number, unit = float(match.group(1)), (match.group(2) or "").lower()
-        prefix = unit[:1] if unit and unit[0] in "kmgtp" else ""
-        scale = 1024 ** ("kmgtp".index(prefix) + 1) if prefix else 1
-        nbytes = int(number * scale)
+        nbytes = _parse_mem_text(str(value), unit_required)
     if nbytes <= 0:
         raise InvalidArgument(f"memory size {value!r} must be positive; give e.g. '16GB'")
     return nbytes
+
+
+def _parse_mem_text(text: str, unit_required: bool) -> int:
+    match = _MEMORY_PATTERN.match(text)
+    if not match:
+        raise InvalidArgument(f"cannot parse memory size {text!r}; write e.g. '16GB', "
+                              f"'16GiB', '512MB' or a number of bytes")
+    number, unit = float(match.group(1)), (match.group(2) or "").lower()
+    if unit_required and not unit:
+        raise InvalidArgument(f"memory size {text!r} has no unit; write it with one of "
+                              f"{', '.join(MEMORY_UNITS)}, e.g. '{match.group(1)}GB' "
+                              f"('{match.group(1)}B' for bytes)")
+    prefix = unit[:1] if unit and unit[0] in "kmgtp" else ""
+    scale = 1024 ** ("kmgtp".index(prefix) + 1) if prefix else 1
+    return int(number * scale)
 
 
 def format_bytes(nbytes: float) -> str:
@@ -53,6 +64,11 @@ def format_flops(flops: float) -> str:
 def format_count(count: float) -> str:
     """25557032 → '25.56 M'."""
     return format_flops(count)
+
+
+def plural(count: int, noun: str, nouns: str | None = None) -> str:
+    """``plural(1, "stage")`` → '1 stage', ``plural(3, "stage")`` → '3 stages' (or ``nouns``)."""
+    return f"{count} {noun}" if count == 1 else f"{count} {nouns or noun + 's'}"
 
 
 def format_ms(ms: float) -> str:

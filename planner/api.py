@@ -3,21 +3,27 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
+from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from cost_models.devices import DeviceSpec, get_device
+from cost_models.errors import InvalidArgument, TesseraWarning
 from cost_models.estimation import model_precision
-from cost_models.errors import InvalidArgument
 from cost_models.graph.ir import LayerGraph
+from cost_models.graph.model_spec import builder_forms
 from cost_models.graph.tracing import normalise_inputs, trace
 from cost_models.memory import Optimizer, Precision, get_optimizer, get_precision
-from cost_models.units import parse_mem_bytes
+from cost_models.units import format_bytes, parse_mem_bytes
 from planner.assemble import build_plan
+from planner.budget import DEFAULT_RESERVE, Reserve, parse_reserve, usable_bytes
 from planner.plan import InputMeta, ModelRef, Plan, ScheduleKind, freeze
-from planner.search.search import Search, SearchSpace
+from planner.progress import Phase, Progress, ProgressEvent
+from planner.search.configs import SearchSpace, divisors
+from planner.search.search import Search
 
 
 def plan(model: nn.Module, gpus: int, mem: str | int, *, batch_size: int,
@@ -28,13 +34,21 @@ def plan(model: nn.Module, gpus: int, mem: str | int, *, batch_size: int,
          micro_batch_sizes: Sequence[int] | None = None,
          num_stages: Sequence[int] | None = None, time_limit_s: float = 60.0, builder: str | None = None,
          builder_kwargs: Mapping[str, Any] | None = None, leaf_modules: Sequence[type | str] = (),
-         graph: LayerGraph | None = None) -> Plan:
+         graph: LayerGraph | None = None, reserve: str | int | Reserve = DEFAULT_RESERVE,
+         progress: Progress | None = None, data_parallel: Sequence[int] | None = None) -> Plan:
     """Choose the fastest pipeline x data-parallel plan of ``model`` that fits ``mem`` per GPU.
 
     ``batch_size`` is the global batch per step; ``example_inputs`` only fix shapes (any batch
     dimension; meta tensors are fine). Costs are roofline estimates on ``device``. ``precision``
     defaults to the model's own (the dtype of its weights: a float64 model is costed at 8 bytes).
-    ``micro_batch_sizes`` and ``num_stages`` restrict the search (default: every divisor).
+    ``micro_batch_sizes``, ``num_stages`` and ``data_parallel`` restrict the search (default: every
+    divisor). A plan uses all ``gpus`` unless the batch is smaller than ``gpus`` (then at most
+    ``batch_size`` GPUs can work at once, and a plan on fewer GPUs wins when it is as fast) or
+    ``num_stages`` x ``data_parallel`` asks for fewer; ``plan.cluster.gpus`` is the number it uses.
+    ``mem`` is each GPU's memory ("16GB" or bytes); ``reserve`` ("5%" of it by default, or a size)
+    is kept free for the CUDA context and fragmentation, and plans fit what is left. A budget
+    above the device's memory is planned for, with a TesseraWarning. ``progress``, if given,
+    receives a ProgressEvent per phase and per configuration solved (planner/progress.py).
 
     Example::
 
@@ -45,47 +59,80 @@ def plan(model: nn.Module, gpus: int, mem: str | int, *, batch_size: int,
     inputs = normalise_inputs(example_inputs)
     mode = None if precision is None else get_precision(precision)
     space, spec = validate_space(gpus, mem, batch_size, device, gpus_per_node, optimizer,
-                                 mode or Precision.FP32, schedules, micro_batch_sizes, time_limit_s, num_stages)
-    graph = graph or trace(model, inputs, leaf_modules=leaf_modules)
+                                 mode or Precision.FP32, schedules, micro_batch_sizes, time_limit_s, num_stages,
+                                 reserve, data_parallel=data_parallel)
+    _warn_above_device(space, spec)
+    report = progress or (lambda event: None)
+    if graph is None:
+        report(ProgressEvent(Phase.TRACING, detail=type(model).__name__))
+        graph = trace(model, inputs, leaf_modules=leaf_modules)
     space = dataclasses.replace(space, precision=mode or model_precision(graph))
-    result = Search(graph, spec, space).run()
+    result = Search(graph, spec, space, progress).run()
+    report(ProgressEvent(Phase.ASSEMBLING, detail="lowering, validating and simulating the winner"))
     return build_plan(graph, spec, space, result,
                       model_ref(graph, inputs, space, builder, builder_kwargs))
 
 
 def model_ref(graph: LayerGraph, inputs: tuple[torch.Tensor, ...], space: SearchSpace,
               builder: str | None, builder_kwargs: Mapping[str, Any] | None) -> ModelRef:
-    return ModelRef(builder, freeze(dict(builder_kwargs or {})), graph.fingerprint,
+    """A relative model file (``path/file.py:builder``) is stored absolute, and as given (relative to
+    the current directory) for a copy of the project elsewhere."""
+    absolute, relative = builder_forms(builder, Path.cwd()) if builder else (None, None)
+    return ModelRef(absolute, freeze(dict(builder_kwargs or {})), graph.fingerprint,
                     tuple(InputMeta(tuple(x.shape), str(x.dtype).removeprefix("torch."))
-                          for x in inputs), space.precision)
+                          for x in inputs), space.precision, relative)
 
 
 def validate_space(gpus: int, mem: str | int, batch_size: int, device: str | DeviceSpec,
                    gpus_per_node: int | None, optimizer: str | Optimizer, precision: str | Precision,
                    schedules: Sequence[str | ScheduleKind], micro_batch_sizes: Sequence[int] | None,
-                   time_limit_s: float,
-                   num_stages: Sequence[int] | None = None) -> tuple[SearchSpace, DeviceSpec]:
+                   time_limit_s: float, num_stages: Sequence[int] | None = None,
+                   reserve: str | int | Reserve = DEFAULT_RESERVE, *,
+                   data_parallel: Sequence[int] | None = None) -> tuple[SearchSpace, DeviceSpec]:
     """Validate every argument before any tracing, with messages that name the value and fix."""
-    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
-        raise InvalidArgument(f"gpus must be a whole number >= 1, got {gpus!r}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise InvalidArgument(f"batch_size must be a whole number >= 1, got {batch_size!r}")
+    _check_whole("gpus", gpus)
+    _check_whole("batch_size", batch_size)
     per_node = min(gpus, 8) if gpus_per_node is None else gpus_per_node
-    if per_node < 1:
-        raise InvalidArgument(f"gpus_per_node must be >= 1, got {gpus_per_node!r}")
+    _check_whole("gpus_per_node", per_node)
     known = {kind.value for kind in ScheduleKind}
     unknown = [s for s in schedules if s not in known]
     if unknown or not schedules:
         raise InvalidArgument(f"schedules {list(unknown or schedules)} not supported; choose from "
                               f"{', '.join(sorted(known))}")
+    if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) or not (
+            0 < time_limit_s < float("inf")):
+        raise InvalidArgument(f"the time limit must be a number of seconds > 0, got {time_limit_s!r}; "
+                              f"give e.g. --time-limit 60 (plan(time_limit_s=60))")
     if micro_batch_sizes is not None and (not micro_batch_sizes or min(micro_batch_sizes) < 1):
         raise InvalidArgument(f"micro_batch_sizes must be positive, got {list(micro_batch_sizes)}")
-    if num_stages is not None and (not num_stages or any(gpus % s for s in num_stages)):
-        raise InvalidArgument(f"num_stages {list(num_stages or [])} must divide gpus={gpus}; "
-                              f"choose from {[d for d in range(1, gpus + 1) if gpus % d == 0]}")
+    _check_divisors("num_stages", num_stages, gpus)
+    _check_divisors("data_parallel", data_parallel, gpus)
     spec = get_device(device)
-    space = SearchSpace(gpus, per_node, parse_mem_bytes(mem), batch_size, get_optimizer(optimizer),
+    mem_bytes, kept = parse_mem_bytes(mem), parse_reserve(reserve)
+    usable = usable_bytes(mem_bytes, kept)
+    space = SearchSpace(gpus, per_node, usable, batch_size, get_optimizer(optimizer),
                         get_precision(precision), tuple(dict.fromkeys(ScheduleKind(s) for s in schedules)),
                         tuple(micro_batch_sizes) if micro_batch_sizes else None,
-                        tuple(num_stages) if num_stages else None, time_limit_s=time_limit_s)
+                        tuple(num_stages) if num_stages else None, time_limit_s=time_limit_s,
+                        reserve=kept, reserve_bytes=mem_bytes - usable,
+                        data_parallel=tuple(data_parallel) if data_parallel else None)
     return space, spec
+
+
+def _check_whole(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidArgument(f"{name} must be a whole number >= 1, got {value!r}")
+
+
+def _check_divisors(name: str, values: Sequence[int] | None, gpus: int) -> None:
+    if values is not None and (not values or any(v < 1 or gpus % v for v in values)):
+        raise InvalidArgument(f"{name} {list(values or [])} must divide gpus={gpus}; "
+                              f"choose from {divisors(gpus)}")
+
+
+def _warn_above_device(space: SearchSpace, device: DeviceSpec) -> None:
+    mem_bytes = space.mem_bytes + space.reserve_bytes
+    if mem_bytes > device.mem_bytes:
+        warnings.warn(TesseraWarning(
+            f"the budget {format_bytes(mem_bytes)} per GPU exceeds the {device.name}'s "
+            f"{format_bytes(device.mem_bytes)}; planning for it anyway (is --mem right?)"), stacklevel=3)

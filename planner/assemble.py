@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from cost_models.devices import DeviceSpec
 from cost_models.graph.ir import LayerGraph, NodeKind
-from cost_models.units import format_ms
+from cost_models.units import format_ms, plural
 from planner.plan import (
     ClusterSpec,
     LayerRow,
@@ -20,45 +22,72 @@ from planner.plan import (
     Transfer,
     freeze,
 )
-from planner.schedules.actions import format_programs
+from planner.schedules.actions import Program, format_programs
 from planner.schedules.lower import lower
 from planner.schedules.simulate import SimResult, simulate
 from planner.schedules.validate import validate
+from planner.search.configs import gpus_note
+from planner.search.ilp import SolveStatus
 from planner.search.search import Candidate, SearchResult, SearchSpace
 from planner.simulation import sim_costs
+
+
+@dataclass(frozen=True)
+class Lowered:
+    """A candidate lowered to per-rank programs, validated, and replayed by the simulator."""
+
+    parts: tuple[StagePlan, ...]
+    transfers: tuple[Transfer, ...]
+    programs: tuple[Program, ...]
+    simulated: SimResult
+
+
+MEMORY_BINDS_AT = 0.9
+"""A plan's memory is called binding when its fullest rank uses at least this share of the usable budget."""
+
+
+def lower_candidate(candidate: Candidate, graph: LayerGraph) -> Lowered:
+    """The candidate's per-rank programs (checked by the validator) and their simulated step."""
+    setup = candidate.setup
+    layout = setup.schedule.layout
+    part_nodes = _part_nodes(candidate)
+    transfers = _transfers(candidate, graph, part_nodes)
+    edges = {(t.src_stage, t.dst_stage) for t in transfers}
+    programs = layout.rank_programs(lower(setup.schedule.programs, layout, edges))
+    validate(programs, layout, edges=edges)
+    parts = tuple(_stage_plan(candidate, index, nodes) for index, nodes in enumerate(part_nodes))
+    simulated = simulate(programs, layout, sim_costs(layout, parts, transfers))
+    return Lowered(parts, transfers, programs, simulated)
 
 
 def build_plan(graph: LayerGraph, device: DeviceSpec, space: SearchSpace, result: SearchResult,
                model: ModelRef) -> Plan:
     """Lower the winner's schedule to per-rank programs, validate and simulate them, and assemble the Plan.
 
-    No plan leaves the planner that the validator rejects.
+    No plan leaves the planner that the validator rejects. Every step time the plan reports is
+    the simulator's (the runner-up's too); the ILP objective stays in the solver report.
     """
     best = result.best
     setup = best.setup
-    layout = setup.schedule.layout
-    part_nodes = _part_nodes(best)
-    transfers = _transfers(best, graph, part_nodes)
-    edges = {(t.src_stage, t.dst_stage) for t in transfers}
-    programs = layout.rank_programs(lower(setup.schedule.programs, layout, edges))
-    validate(programs, layout, edges=edges)
-    parts = tuple(_stage_plan(best, index, nodes) for index, nodes in enumerate(part_nodes))
-    simulated = simulate(programs, layout, sim_costs(layout, parts, transfers))
+    lowered = lower_candidate(best, graph)
+    simulated = lowered.simulated
+    runner_up = None if result.runner_up is None else lower_candidate(result.runner_up, graph).simulated
     return Plan(
         model=model,
-        cluster=ClusterSpec(space.gpus, space.gpus_per_node, freeze(device.to_dict()), space.mem_bytes),
+        cluster=ClusterSpec(setup.config.gpus, space.gpus_per_node, freeze(device.to_dict()),
+                            space.mem_bytes + space.reserve_bytes, space.reserve_bytes, space.gpus),
         training=TrainingSpec(space.global_batch_size, setup.config.micro_batch_size,
                               setup.config.num_microbatches, space.optimizer),
         schedule=ScheduleSpec(setup.config.schedule, setup.problem.in_flight),
-        layout=layout,
-        stages=parts,
+        layout=setup.schedule.layout,
+        stages=lowered.parts,
         layers=tuple(LayerRow(c.name, c.fwd_ms, c.bwd_ms, c.param_bytes, c.saved_activation_bytes,
                               c.output_bytes) for c in setup.table.costs),
-        programs=format_programs(programs),
-        transfers=transfers,
+        programs=format_programs(lowered.programs),
+        transfers=lowered.transfers,
         predicted=Prediction(simulated.step_ms, space.global_batch_size / simulated.step_ms * 1e3,
                              simulated.bubble_fraction, simulated.peak_mem_bytes),
-        solver=_report(result, simulated),
+        solver=_report(result, space, simulated, runner_up),
     )
 
 
@@ -91,25 +120,48 @@ def _stage_plan(best: Candidate, index: int, nodes: tuple[str, ...]) -> StagePla
         part.static_bytes, part.activation_bytes, part.allreduce_ms))
 
 
-def _report(result: SearchResult, simulated: SimResult) -> SolverReport:
+def _report(result: SearchResult, space: SearchSpace, simulated: SimResult,
+            runner_up_simulated: SimResult | None) -> SolverReport:
     best, runner_up = result.best, result.runner_up
     if best.solver == "manual split":
         return SolverReport(best.solver, best.status.value, best.objective_ms, 0.0, result.wall_s, 1,
-                            f"split given by the user: {best.setup.config.describe()}; not searched",
-                            f"simulated step {format_ms(simulated.step_ms)}")
-    why = f"{best.setup.config.describe()} has the lowest predicted step ({format_ms(best.objective_ms)})"
+                            f"split given by the user: {best.setup.config.describe()}; not searched", "")
+    why = f"{best.setup.config.describe()} has the lowest step ({format_ms(simulated.step_ms)})"
     runner = None
-    if runner_up is not None:
-        config = runner_up.setup.config
-        why += (f"; runner-up {config.describe()} at {format_ms(runner_up.objective_ms)} "
-                f"({runner_up.objective_ms / best.objective_ms:.2f}x)")
+    if runner_up is not None and runner_up_simulated is not None:
+        config, step_ms = runner_up.setup.config, runner_up_simulated.step_ms
+        why += f"; runner-up {config.describe()} at {format_ms(step_ms)} ({step_ms / simulated.step_ms:.2f}x)"
         runner = RunnerUp(config.num_stages, config.data_parallel, config.micro_batch_size, config.schedule,
-                          runner_up.objective_ms)
-    why += (f"; {result.configs_solved} of {result.configs_total} configurations solved, the rest "
+                          step_ms)
+    why += (f"; {result.configs_solved} of {plural(result.configs_total, 'configuration')} solved, the rest "
             f"could not fit the memory or could not beat it (lower bound)")
-    slowest = max(range(len(best.evaluation.parts)), key=lambda p: best.evaluation.parts[p].compute_ms)
-    binding = (f"{best.binding}; bottleneck stage {slowest} "
-               f"({format_ms(best.evaluation.parts[slowest].compute_ms)} per micro-batch); simulated step "
-               f"{format_ms(simulated.step_ms)}")
+    note = gpus_note(space, best.setup.config.gpus)
+    why += (f"; {note}" if note else "") + _unproven(best, result, space)
     return SolverReport(best.solver, best.status.value, best.objective_ms, best.gap, result.wall_s,
-                        result.configs_total, why, binding, runner)
+                        result.configs_total, why, _binding(best, space, simulated), runner,
+                        result.configs_unexamined)
+
+
+def _binding(best: Candidate, space: SearchSpace, simulated: SimResult) -> str:
+    """The slowest stage, and the fullest rank when its memory is near the usable budget."""
+    parts = best.evaluation.parts
+    slowest = max(range(len(parts)), key=lambda part: parts[part].compute_ms)
+    binding = f"compute of stage {slowest} ({format_ms(parts[slowest].compute_ms)} per micro-batch)"
+    fullest = max(range(len(simulated.peak_mem_bytes)), key=lambda rank: simulated.peak_mem_bytes[rank])
+    share = simulated.peak_mem_bytes[fullest] / space.mem_bytes
+    if share >= MEMORY_BINDS_AT:
+        binding += f"; memory of rank {fullest} ({share:.0%} of the usable budget)"
+    return binding
+
+
+def _unproven(best: Candidate, result: SearchResult, space: SearchSpace) -> str:
+    """Why the plan is not proven the best, if it is not ("" when it is)."""
+    reasons = []
+    if best.status is SolveStatus.FEASIBLE:
+        reasons.append(f"the solver stopped at the time limit ({space.time_limit_s:g} s) on the winning "
+                       f"configuration")
+    if result.configs_unexamined:
+        reasons.append(f"the time limit ({space.time_limit_s:g} s) ended the search with "
+                       f"{plural(result.configs_unexamined, 'configuration')} that might have won "
+                       f"unexamined")
+    return f"; NOT PROVEN OPTIMAL: {' and '.join(reasons)}; raise --time-limit" if reasons else ""

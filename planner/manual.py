@@ -48,7 +48,7 @@ def plan_with_split(model: nn.Module, *, example_inputs: torch.Tensor | Sequence
                               f"{data_parallel} x micro_batch_size {micro_batch_size}")
     space, spec = validate_space(num_stages * data_parallel, mem, batch_size, device, gpus_per_node,
                                  optimizer, precision or model_precision(graph), (schedule,),
-                                 (micro_batch_size,), 0.0)
+                                 (micro_batch_size,), time_limit_s=60.0)  # unused: nothing is searched
     config = Config(num_stages, data_parallel, micro_batch_size,
                     batch_size // (data_parallel * micro_batch_size), space.schedules[0])
     search = Search(graph, spec, space)

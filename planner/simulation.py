@@ -21,3 +21,12 @@ def simulate_plan(plan: Plan) -> SimResult:
     """The plan's per-rank programs replayed on its predicted costs."""
     costs = sim_costs(plan.layout, plan.stages, plan.transfers)
     return simulate(parse_programs(plan.programs), plan.layout, costs)
+
+
+def rank_names(layout: Layout) -> list[str]:
+    """A label per rank for timelines: ``rank 3: stage 1, replica 1`` (stages it runs, its replica)."""
+    def name(rank: int) -> str:
+        stages = ", ".join(str(stage) for stage in layout.stages_of_rank(rank))
+        label = f"rank {rank}: stage{'s' if ',' in stages else ''} {stages}"
+        return label + (f", replica {layout.place(rank).replica}" if layout.data_parallel > 1 else "")
+    return [name(rank) for rank in range(layout.world_size)]

@@ -8,9 +8,9 @@ this runtime does not execute yet.
 
 from __future__ import annotations
 
-from cost_models.errors import RuntimeSetupError
+from cost_models.errors import PlanFileError, RuntimeSetupError
 from cost_models.memory import Precision
-from planner.plan import SCHEMA_VERSION, Plan
+from planner.plan import SCHEMA_VERSION, Plan, check_invariants
 from planner.schedules import Action, ActionKind, Program, ScheduleError, parse_programs, validate
 
 SUPPORTED = frozenset({ActionKind.F, ActionKind.B, ActionKind.SEND_F, ActionKind.RECV_F,
@@ -33,23 +33,13 @@ def check_plan(plan: Plan) -> None:
     if plan.schema_version != SCHEMA_VERSION:
         raise RuntimeSetupError(f"plan schema_version is {plan.schema_version} but this runtime runs "
                                 f"version {SCHEMA_VERSION}; re-create the plan with `tessera plan`")
-    layout = plan.layout
-    sizes = {"cluster GPUs": plan.cluster.gpus, "layout ranks": layout.world_size,
-             "rank programs": len(plan.programs)}
-    if len(set(sizes.values())) != 1:
-        raise RuntimeSetupError(f"the plan's sizes disagree ({sizes}); re-create it with `tessera plan`")
-    if len(plan.stages) != layout.num_parts or len(plan.schedule.in_flight) != layout.num_stages:
-        raise RuntimeSetupError(f"the plan has {len(plan.stages)} parts and {len(plan.schedule.in_flight)} "
-                                f"in-flight counts but its layout has {layout.num_parts} parts and "
-                                f"{layout.num_stages} stages; re-create it with `tessera plan`")
-    total = plan.training.micro_batch_size * plan.training.num_microbatches * plan.data_parallel
-    if total != plan.training.global_batch_size:
-        raise RuntimeSetupError(f"micro-batch size {plan.training.micro_batch_size} x "
-                                f"{plan.training.num_microbatches} micro-batches x {plan.data_parallel} "
-                                f"replicas = {total}, not the global batch {plan.training.global_batch_size}")
+    try:
+        check_invariants(plan)  # the plan file's own checks (planner/plan/invariants.py)
+    except PlanFileError as error:
+        raise RuntimeSetupError(str(error)) from None
     programs = _parse(plan)
     try:
-        validate(programs, layout, edges={(t.src_stage, t.dst_stage) for t in plan.transfers})
+        validate(programs, plan.layout, edges={(t.src_stage, t.dst_stage) for t in plan.transfers})
     except ScheduleError as error:
         raise RuntimeSetupError(f"the plan's programs cannot run: {error.reason}; re-create it with "
                                 f"`tessera plan`") from None

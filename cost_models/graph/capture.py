@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -56,15 +58,21 @@ def check_leaf_specs(model: nn.Module, leaf_modules: Sequence[LeafSpec]) -> None
 
 def capture(model: nn.Module, example_inputs: tuple[torch.Tensor, ...],
             leaf_modules: Sequence[LeafSpec] = ()) -> Capture:
-    """Trace ``model`` with torch.fx, falling back to torch.export; raise TraceError if both fail."""
+    """Trace ``model`` with torch.fx, falling back to torch.export; raise TraceError if both fail.
+
+    What torch prints or logs during the fallback (a failed export dumps its partial graph) is
+    kept out of the user's terminal: in ``TraceError.details`` when both fail, dropped otherwise.
+    """
     check_leaf_specs(model, leaf_modules)
     try:
         return Capture(_symbolic_trace(model, leaf_modules), "fx")
     except Exception as fx_error:  # noqa: BLE001 - any tracing failure sends us to the fallback
-        try:
-            return Capture(_export(model, example_inputs), "export")
-        except Exception as export_error:  # noqa: BLE001
-            raise TraceError(_both_failed_message(model, fx_error, export_error)) from export_error
+        with _captured_torch_output() as output:
+            try:
+                return Capture(_export(model, example_inputs), "export")
+            except Exception as export_error:  # noqa: BLE001
+                raise TraceError(_both_failed_message(model, fx_error, export_error),
+                                 details=output.getvalue()) from export_error
 
 
 def _symbolic_trace(model: nn.Module, leaf_modules: Sequence[LeafSpec]) -> torch.fx.GraphModule:
@@ -78,8 +86,7 @@ def _export(model: nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> torch
     device = _model_device(model)
     inputs = tuple(torch.empty_like(x, device=device) if device.type == "meta" else x
                    for x in example_inputs)
-    with _quiet_torch_logs():
-        exported = torch.export.export(model, inputs, strict=False)
+    exported = torch.export.export(model, inputs, strict=False)
     module = exported.module()
     for node in list(module.graph.nodes):
         guard = node.op == "call_module" and node.target == "_guards_fn"
@@ -99,19 +106,25 @@ def _model_device(model: nn.Module) -> torch.device:
 
 
 @contextlib.contextmanager
-def _quiet_torch_logs() -> Iterator[None]:
-    """torch.export logs its own failures at WARNING; ours is the message the user should read."""
-    loggers = [logging.getLogger(name) for name in
-               ("torch.fx.experimental.symbolic_shapes", "torch._export", "torch.export",
-                "torch._dynamo")]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
+def _captured_torch_output() -> Iterator[io.StringIO]:
+    """Everything printed (sys.stdout, sys.stderr) or logged by torch's loggers, into one buffer.
+
+    torch's loggers write through handlers bound to the real stderr when torch was imported, so
+    redirecting sys.stderr alone would not catch them: their streams are swapped for the buffer.
+    """
+    buffer = io.StringIO()
+    terminals = (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
+    handlers = {id(handler): handler for name, logger in logging.root.manager.loggerDict.items()
+                if name.startswith("torch") and isinstance(logger, logging.Logger)
+                for handler in logger.handlers
+                if type(handler) is logging.StreamHandler and handler.stream in terminals}
+    streams = [(handler, handler.setStream(buffer)) for handler in handlers.values()]
     try:
-        yield
+        with contextlib.redirect_stdout(buffer), contextlib.redirect_stderr(buffer):
+            yield buffer
     finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
+        for handler, stream in streams:
+            handler.setStream(stream)
 
 
 def _first_line(error: BaseException) -> str:

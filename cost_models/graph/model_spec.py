@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import ast
 import hashlib
 import importlib
 import importlib.util
 import inspect
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from cost_models.errors import InvalidArgument, ModelSpecError
+from cost_models.errors import InvalidArgument, ModelSpecError, TesseraWarning
 
 _DTYPES = {"float32": "float32", "float": "float32", "fp32": "float32", "float64": "float64",
            "double": "float64", "float16": "float16", "half": "float16", "bfloat16": "bfloat16",
@@ -49,18 +49,54 @@ def parse_input(text: str) -> InputSpec:
 
 
 def parse_model_args(pairs: Sequence[str]) -> dict[str, Any]:
-    """``["depth=50", "name=x"]`` → ``{"depth": 50, "name": "x"}`` (Python literals, else strings)."""
+    """``["depth=50", "use_where=false", "name='x'"]`` → ``{"depth": 50, "use_where": False, "name": "x"}``.
+
+    Each value is read by :func:`parse_model_value`; a malformed pair or value names the accepted forms.
+    """
     kwargs: dict[str, Any] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key.strip().isidentifier():
             raise InvalidArgument(f"malformed model argument {pair!r}: expected key=value, "
                                   f"e.g. --model-arg num_classes=10")
-        try:
-            kwargs[key.strip()] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            kwargs[key.strip()] = value
+        kwargs[key.strip()] = parse_model_value(key.strip(), value.strip())
     return kwargs
+
+
+_MODEL_ARG_FORMS = ("true/false", "none", "an integer (10, -3)", "a float (0.5, 1e-3)",
+                    "a quoted string ('gelu' or \"gelu\")", "a plain word (gelu, resnet_v2)",
+                    "a list of these ([3, 4, 6, 3])")
+_KEYWORDS = {"true": True, "false": False, "none": None, "null": None}
+_INTEGER = re.compile(r"^[+-]?\d+$")
+_FLOAT = re.compile(r"^[+-]?(\d+\.\d*|\.\d+|\d+)([eE][+-]?\d+)?$")
+_WORD = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-/]*$")
+_AMBIGUOUS_WORDS = frozenset({"yes", "no", "on", "off", "y", "n", "t", "f", "nan", "inf", "infinity"})
+
+
+def parse_model_value(key: str, text: str) -> Any:
+    """One builder argument's value: booleans, none, numbers, quoted strings, plain words, lists.
+
+    Anything else (``yes``, ``16GB``, ``1e``, ``0x10``) is ambiguous and an error naming the forms.
+    """
+    if text.lower() in _KEYWORDS:
+        return _KEYWORDS[text.lower()]
+    if _INTEGER.match(text):
+        return int(text)
+    if _FLOAT.match(text):
+        return float(text)
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    if text.startswith(("[", "(")) and text.endswith(("]", ")")):
+        return _parse_list(key, text)
+    if _WORD.match(text) and text.lower() not in _AMBIGUOUS_WORDS:
+        return text
+    raise InvalidArgument(f"model argument {key}={text!r} is ambiguous: write {', '.join(_MODEL_ARG_FORMS)}; "
+                          f"quote a string that looks like something else, e.g. {key}='{text}'")
+
+
+def _parse_list(key: str, text: str) -> list[Any]:
+    inner = text[1:-1].strip()
+    return [parse_model_value(key, item.strip()) for item in inner.split(",")] if inner else []
 
 
 def load_builder(spec: str, search_root: Path | None = None) -> Callable[..., Any]:
@@ -77,6 +113,41 @@ def load_builder(spec: str, search_root: Path | None = None) -> Callable[..., An
         raise ModelSpecError(f"{location} has no builder function {name!r}; it defines "
                              f"{', '.join(available) or 'no public functions'}")
     return builder
+
+
+def builder_forms(spec: str, search_root: Path) -> tuple[str, str | None]:
+    """``path/file.py:builder`` → (its absolute form, the relative form as given); others → (spec, None).
+
+    A plan stores both: the absolute one resolves from any directory, the relative one from a copy
+    of the project elsewhere (see :func:`resolve_builder`).
+    """
+    location, sep, name = spec.rpartition(":")
+    if not sep or not location.endswith(".py") or Path(location).is_absolute():
+        return spec, None
+    return f"{(search_root / location).resolve()}:{name}", spec
+
+
+def resolve_builder(specs: Sequence[str], search_root: Path | None = None) -> tuple[Callable[..., Any], str]:
+    """The builder of the first spec whose model file exists (module specs always count), and that spec.
+
+    Falling back past a missing file is a TesseraWarning naming the file and the spec used.
+    """
+    missing = [spec for spec in specs if not _file_exists(spec, search_root)]
+    usable = [spec for spec in specs if spec not in missing]
+    if not usable:
+        return load_builder(specs[0], search_root), specs[0]  # raises, naming the first file
+    if missing and missing[0] == specs[0]:
+        warnings.warn(TesseraWarning(f"model file of {specs[0]!r} does not exist; using {usable[0]!r} "
+                                     f"(from {search_root or Path.cwd()})"), stacklevel=2)
+    return load_builder(usable[0], search_root), usable[0]
+
+
+def _file_exists(spec: str, search_root: Path | None) -> bool:
+    location = spec.rpartition(":")[0]
+    if not location.endswith(".py"):
+        return True
+    path = Path(location)
+    return (path if path.is_absolute() or search_root is None else search_root / path).is_file()
 
 
 def build_model(builder: Callable[..., Any], kwargs: Mapping[str, Any], device: str) -> Any:

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
+import warnings
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
-from cost_models.errors import InvalidArgument, TesseraError
+from cost_models.errors import InvalidArgument, TesseraError, TesseraWarning
 from cost_models.memory import Optimizer, Precision
+from planner.budget import DEFAULT_RESERVE
 from planner.plan.kinds import ScheduleKind
 
 EXIT_USAGE = 2
@@ -80,62 +83,97 @@ def _commands():
 
 
 def _add_plan(parser: argparse.ArgumentParser) -> None:
-    _add_model_arguments(parser)
+    _add_model_arguments(parser, batch_help="global batch per training step: samples over all "
+                                            "data-parallel replicas and micro-batches")
     parser.add_argument("--gpus", type=int, required=True, help="number of GPUs")
-    parser.add_argument("--mem", required=True, help="memory per GPU, e.g. 16GB, 16GiB or bytes")
-    parser.add_argument("--device", default="V100-16GB", help="GPU preset or device JSON file")
-    parser.add_argument("--gpus-per-node", type=int, default=None, help="default min(GPUS, 8)")
+    parser.add_argument("--mem", required=True,
+                        help="memory per GPU with a unit: 16GB, 16GiB, 512MB (GB and GiB both mean "
+                             "2**30 bytes, as GPUs are sold; a bare number is refused)")
+    parser.add_argument("--reserve", default=DEFAULT_RESERVE, metavar="SIZE|PERCENT",
+                        help="memory kept free on every GPU for the CUDA context and allocator "
+                             "fragmentation; plans fit MEM less this (default %(default)s of MEM; "
+                             "e.g. 1GB or 0)")
+    parser.add_argument("--device", default="V100-16GB",
+                        help="GPU preset or device JSON file (default %(default)s)")
+    parser.add_argument("--gpus-per-node", type=int, default=None,
+                        help="GPUs per node (default min(GPUS, 8))")
     _add_training_modes(parser)
     parser.add_argument("--schedule", action="append", default=None, type=str.lower,
                         choices=[kind.value for kind in ScheduleKind],
                         help="schedules to consider (repeatable; default every one)")
     parser.add_argument("--micro-batch-size", action="append", type=int, default=None,
-                        help="micro-batch sizes to consider (repeatable; default every divisor)")
-    parser.add_argument("--time-limit", type=float, default=60.0, help="solver seconds for the search")
+                        help="micro-batch sizes to consider (repeatable; default every divisor of "
+                             "the batch per replica)")
+    parser.add_argument("--num-stages", action="append", type=int, default=None, metavar="S",
+                        help="pipeline stage counts to consider (repeatable; default every divisor of "
+                             "the GPUs used)")
+    parser.add_argument("--data-parallel", action="append", type=int, default=None, metavar="D",
+                        help="data-parallel degrees to consider (repeatable; default every one the "
+                             "batch allows); with --num-stages, S x D GPUs may be fewer than GPUS")
+    parser.add_argument("--time-limit", type=float, default=60.0, metavar="SECONDS",
+                        help="wall-clock limit of the search, > 0 (default %(default)g); a plan it cuts "
+                             "short says NOT PROVEN OPTIMAL")
     parser.add_argument("-o", "--output", type=Path, default=None, help="write the plan here (JSON)")
+    shown = parser.add_mutually_exclusive_group()
+    shown.add_argument("--progress", action="store_true",
+                       help="print progress on stderr: phase, configurations searched, best so far "
+                            "(default: when stderr is a terminal)")
+    shown.add_argument("-q", "--quiet", action="store_true", help="print no progress")
     parser.set_defaults(handler=_run_plan)
 
 
 def _run_plan(args: argparse.Namespace) -> None:
     from planner.cli.plan_command import PlanRequest, run_plan
+    from planner.cli.progress_line import ProgressLine
 
     request = PlanRequest(
         model=args.model, model_args=tuple(args.model_arg), inputs=tuple(args.input),
-        batch_size=args.batch_size, gpus=args.gpus, mem=args.mem, device=args.device,
+        batch_size=args.batch_size, gpus=args.gpus, mem=args.mem, reserve=args.reserve, device=args.device,
         gpus_per_node=args.gpus_per_node, optimizer=args.optimizer, precision=args.precision,
         schedules=tuple(args.schedule or (kind.value for kind in ScheduleKind)),
         micro_batch_sizes=tuple(args.micro_batch_size) if args.micro_batch_size else None,
+        num_stages=tuple(args.num_stages) if args.num_stages else None,
+        data_parallel=tuple(args.data_parallel) if args.data_parallel else None,
         time_limit_s=args.time_limit, leaf_modules=tuple(args.leaf), output=args.output)
-    print(run_plan(request, search_root=Path.cwd()))
+    terminal = sys.stderr.isatty()
+    progress = ProgressLine(sys.stderr, terminal) if args.progress or (terminal and not args.quiet) else None
+    print(run_plan(request, search_root=Path.cwd(), progress=progress))
 
 
-def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+def _add_model_arguments(parser: argparse.ArgumentParser, batch_help: str) -> None:
     parser.add_argument("model", metavar="MODEL",
                         help="builder as path/file.py:function or package.module:function")
     parser.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
-                        help="keyword argument for the builder (repeatable), e.g. num_classes=10")
+                        help="keyword argument for the builder (repeatable), e.g. num_classes=10; values are "
+                             "true/false, none, numbers, 'quoted strings', plain words or [lists]")
     parser.add_argument("--input", action="append", required=True, metavar="SHAPE[:DTYPE]",
                         help="one sample's input shape without the batch dimension, e.g. "
                              "3x224x224 or 1024:int64 (repeat for several inputs)")
-    parser.add_argument("--batch-size", type=int, required=True, help="samples per micro-batch")
+    parser.add_argument("--batch-size", type=int, required=True, help=batch_help)
     parser.add_argument("--leaf", action="append", default=[], metavar="NAME",
                         help="keep this submodule (qualified name or class name) as one node")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="on an error, also print its details (e.g. torch.export's output when "
+                             "the model cannot be traced)")
 
 
 def _add_profile(parser: argparse.ArgumentParser) -> None:
-    _add_model_arguments(parser)
+    _add_model_arguments(parser, batch_help="samples in the traced batch: the costs shown are for "
+                                            "one forward and backward of this many samples")
     parser.add_argument("--device", default="cpu",
-                        help="'cpu' (measured here), a GPU preset such as V100-16GB, or a device JSON file")
+                        help="'cpu' (measured here), a GPU preset such as V100-16GB, or a device JSON "
+                             "file (default %(default)s)")
     _add_training_modes(parser)
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--estimate", action="store_true",
                       help="roofline estimate even on cpu (no real tensors are allocated)")
     mode.add_argument("--measure", action="store_true",
                       help="measure on the local device (default for cpu; a GPU preset needs CUDA)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per node (median kept)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed runs per node, median kept (default %(default)s)")
     parser.add_argument("--cache-dir", default=None,
                         help="where measured timings are cached (default ~/.cache/tessera/profiles)")
-    parser.add_argument("--top", type=int, default=None, help="show only the N slowest layers")
+    parser.add_argument("--top", type=int, default=None, help="show only the N slowest layers (default: all)")
     parser.add_argument("-o", "--output", default=None, help="also write the cost table as JSON")
     parser.set_defaults(handler=_run_profile)
 
@@ -166,7 +204,7 @@ def _run_profile(args: argparse.Namespace) -> None:
 def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     """Parse ``argv``; what follows a ``--`` is kept as ``args.passthrough`` (for `tessera run`)."""
     cut = argv.index("--") if "--" in argv else len(argv)
-    args = parser.parse_args(argv[:cut])
+    args = parser.parse_args(_attach_negative_values(argv[:cut]))
     args.passthrough = argv[cut + 1:]
     if args.passthrough and not getattr(args, "takes_passthrough", False):
         raise InvalidArgument(f"arguments after -- ({' '.join(args.passthrough)}) are only for "
@@ -174,16 +212,35 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
     return args
 
 
+def _attach_negative_values(argv: list[str]) -> list[str]:
+    """``--mem -16GB`` → ``--mem=-16GB``: argparse would read "-16GB" as an unknown option and say
+    only "expected one argument"; attached, the value reaches its own check, which names it."""
+    joined: list[str] = []
+    for token in argv:
+        if joined and re.match(r"^-\.?\d", token) and joined[-1].startswith("--") and "=" not in joined[-1]:
+            joined[-1] = f"{joined[-1]}={token}"
+        else:
+            joined.append(token)
+    return joined
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``tessera`` console script; returns the exit code."""
     if str(Path.cwd()) not in sys.path:
         sys.path.insert(0, str(Path.cwd()))  # so "examples.models.resnet:resnet50" imports
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", TesseraWarning)
+        warnings.showwarning = _one_line_warnings(warnings.showwarning)
+        return _run(list(sys.argv[1:] if argv is None else argv))
+
+
+def _run(argv: list[str]) -> int:
+    args = None
     try:
-        args = _parse(build_parser(), list(sys.argv[1:] if argv is None else argv))
+        args = _parse(build_parser(), argv)
         status = args.handler(args)  # `tessera run` returns torchrun's exit status
     except TesseraError as error:
-        message = " ".join(str(error).split())
-        print(f"tessera: error: {message}", file=sys.stderr)
+        _print_error(error, verbose=getattr(args, "verbose", None))
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("tessera: interrupted", file=sys.stderr)
@@ -192,3 +249,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.close()
         return 0
     return status if isinstance(status, int) else 0
+
+
+def _print_error(error: TesseraError, verbose: bool | None) -> None:
+    """One line; an error's details (torch's output, ...) before it with --verbose, else a hint."""
+    message = " ".join(str(error).split())
+    if error.details and verbose:
+        print(error.details.rstrip(), file=sys.stderr)
+    elif error.details and verbose is False:
+        message += " (--verbose prints the details)"
+    print(f"tessera: error: {message}", file=sys.stderr)
+
+
+def _one_line_warnings(show: Callable[..., None]) -> Callable[..., None]:
+    """tessera's own warnings as one stderr line each; any other warning as Python shows it."""
+    def show_warning(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001
+        if issubclass(category, TesseraWarning):
+            print(f"tessera: warning: {' '.join(str(message).split())}", file=sys.stderr)
+        else:
+            show(message, category, filename, lineno, file, line)
+    return show_warning

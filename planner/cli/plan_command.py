@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cost_models.errors import InvalidArgument
+from planner.budget import DEFAULT_RESERVE
+from planner.cli.progress_line import ProgressLine
 
 
 @dataclass(frozen=True)
@@ -18,20 +20,32 @@ class PlanRequest:
     inputs: tuple[str, ...]
     batch_size: int
     gpus: int
-    mem: str
+    mem: str  # with a unit: "16GB"
+    reserve: str = DEFAULT_RESERVE
     device: str = "V100-16GB"
     gpus_per_node: int | None = None
     optimizer: str = "adam"
     precision: str | None = None  # None: the model's own (its weights' dtype)
     schedules: tuple[str, ...] = ("gpipe", "1f1b")
     micro_batch_sizes: tuple[int, ...] | None = None
+    num_stages: tuple[int, ...] | None = None
+    data_parallel: tuple[int, ...] | None = None
     time_limit_s: float = 60.0
     leaf_modules: tuple[str, ...] = ()
     output: Path | None = None
 
 
-def run_plan(request: PlanRequest, search_root: Path | None = None) -> str:
+def run_plan(request: PlanRequest, search_root: Path | None = None,
+             progress: ProgressLine | None = None) -> str:
     """Build the model on the meta device, plan it, save the plan if asked; returns the printout."""
+    try:
+        return _plan_and_save(request, search_root, progress)
+    finally:
+        if progress is not None:
+            progress.close()
+
+
+def _plan_and_save(request: PlanRequest, search_root: Path | None, progress: ProgressLine | None) -> str:
     from cost_models.graph.model_spec import (
         build_model,
         example_inputs,
@@ -41,21 +55,25 @@ def run_plan(request: PlanRequest, search_root: Path | None = None) -> str:
     )
     from cost_models.units import parse_mem_bytes
     from planner.api import plan
+    from planner.budget import parse_reserve
 
     specs = [parse_input(text) for text in request.inputs]
     kwargs = parse_model_args(request.model_args)
-    parse_mem_bytes(request.mem)
+    mem_bytes = parse_mem_bytes(request.mem, unit_required=True)
+    reserve = parse_reserve(request.reserve, unit_required=True)
     if request.output is not None and not request.output.parent.resolve().is_dir():
         raise InvalidArgument(f"cannot write the plan to {str(request.output)!r}: folder "
                               f"{str(request.output.parent)!r} does not exist")
     builder = load_builder(request.model, search_root)
     model = build_model(builder, kwargs, "meta")
-    result = plan(model, request.gpus, request.mem, batch_size=request.batch_size,
+    result = plan(model, request.gpus, mem_bytes, reserve=reserve, batch_size=request.batch_size,
                   example_inputs=example_inputs(specs, 1, "meta"), device=request.device,
                   gpus_per_node=request.gpus_per_node, optimizer=request.optimizer,
                   precision=request.precision, schedules=request.schedules,
                   micro_batch_sizes=request.micro_batch_sizes, time_limit_s=request.time_limit_s,
-                  builder=request.model, builder_kwargs=kwargs, leaf_modules=request.leaf_modules)
+                  num_stages=request.num_stages, data_parallel=request.data_parallel,
+                  builder=request.model, builder_kwargs=kwargs, leaf_modules=request.leaf_modules,
+                  progress=progress)
     if request.output is not None:
         result.save(request.output)
     return str(result) + (f"\nplan written to {request.output}" if request.output else "")
@@ -71,20 +89,22 @@ def run_simulate(path: Path, trace_path: Path | None, svg_path: Path | None) -> 
     """Replay the plan's programs; write a Chrome trace (Perfetto) and an SVG timeline."""
     from cost_models.units import format_bytes, format_ms
     from planner.plan.document import Plan
+    from planner.plan.text import idle_label
     from planner.schedules.timeline import chrome_trace, svg
-    from planner.simulation import simulate_plan
+    from planner.simulation import rank_names, simulate_plan
 
     plan = Plan.load(path)
     result = simulate_plan(plan)
     trace_path = trace_path or path.with_suffix(".trace.json")
     svg_path = svg_path or path.with_suffix(".svg")
-    trace_path.write_text(json.dumps(chrome_trace(result)))
-    svg_path.write_text(svg(result))
+    names = rank_names(plan.layout)
+    trace_path.write_text(json.dumps(chrome_trace(result, rank_names=names)))
+    svg_path.write_text(svg(result, rank_names=names))
     peaks = "; ".join(f"ranks {first}-{last}: {format_bytes(nbytes)}" if first != last else
                       f"rank {first}: {format_bytes(nbytes)}" for first, last, nbytes in _runs(result.peak_mem_bytes))
     return (f"simulated step {format_ms(result.step_ms)} (plan predicted "
-            f"{format_ms(plan.predicted.step_ms)}, solver objective {format_ms(plan.solver.objective)}), "
-            f"bubble {result.bubble_fraction:.1%}\npeak memory: {peaks}\n"
+            f"{format_ms(plan.predicted.step_ms)}, ILP objective {format_ms(plan.solver.objective)}), "
+            f"{idle_label(plan.num_stages)} {result.bubble_fraction:.1%}\npeak memory: {peaks}\n"
             f"timeline: {trace_path} (open in https://ui.perfetto.dev) and {svg_path}")
 
 

@@ -5,6 +5,7 @@ Standard library only, so the runtime and `tessera show` read plans cheaply.
 
 from planner.plan.codec import freeze
 from planner.plan.document import Plan
+from planner.plan.invariants import check_invariants
 from planner.plan.kinds import ScheduleKind
 from planner.plan.layout import Layout, RankPlace
 from planner.plan.parts import (
@@ -30,4 +31,4 @@ from planner.plan.upgrade import SCHEMA_VERSION
 __all__ = ["SCHEMA_VERSION", "ActivationPolicy", "ClusterSpec", "InputMeta", "LayerRow", "Layout", "ModelRef",
            "OffloadSpec", "ParamTier", "Plan", "Prediction", "RankPlace", "RunnerUp", "ScheduleKind",
            "ScheduleSpec", "SolverReport", "StagePlan", "StagePrediction", "StateTier", "TrainingSpec",
-           "Transfer", "freeze"]
+           "Transfer", "check_invariants", "freeze"]

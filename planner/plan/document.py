@@ -1,8 +1,9 @@
 """The Plan: one partition decision as frozen data with a versioned, exact JSON file (never pickled).
 
 Schema 2 stores the layout (which ranks run which stage) explicitly; schema-1 files are upgraded
-on load (planner/plan/upgrade.py). Decoding fails closed: an unknown field, a missing one or a
-value of the wrong type is a PlanFileError naming its path.
+on load (planner/plan/upgrade.py). Decoding fails closed: an unknown field, a missing one, a
+value of the wrong type or one breaking an invariant (a count below 1, sizes that disagree) is a
+PlanFileError naming its path.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any, Mapping
 
 from cost_models.errors import PlanFileError
 from planner.plan import codec
+from planner.plan.invariants import check_invariants
 from planner.plan.layout import Layout, layout_from_dict
 from planner.plan.parts import (
     ClusterSpec,
@@ -81,11 +83,14 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Plan:
+        """Decode (failing closed on a field of the wrong type), then check planner/plan/invariants.py."""
         try:
-            return _decode(upgrade(data))
+            plan = _decode(upgrade(data))
         except ValueError as error:
             raise PlanFileError(f"plan data is malformed: {error}; re-create it with `tessera plan`"
                                 ) from None
+        check_invariants(plan)
+        return plan
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True) + "\n"

@@ -52,20 +52,32 @@ class InputMeta:
 
 @dataclass(frozen=True)
 class ModelRef:
-    """How the runtime rebuilds the model and checks it is the one that was planned."""
+    """How the runtime rebuilds the model and checks it is the one that was planned.
+
+    ``builder`` names a model file by its absolute path (it resolves from any directory);
+    ``builder_relative`` keeps the path as it was given, relative to where `tessera plan` ran, for a
+    copy of the project elsewhere. ``builder_specs`` tries them in that order.
+    """
 
     builder: str | None
     builder_kwargs: Mapping[str, Any]
     fingerprint: str
     example_inputs: tuple[InputMeta, ...]
     precision: Precision
+    builder_relative: str | None = None  # absent in older files
+
+    @property
+    def builder_specs(self) -> tuple[str, ...]:
+        """The builder specs to try, in order (cost_models.graph.model_spec.resolve_builder)."""
+        return tuple(spec for spec in (self.builder, self.builder_relative) if spec)
 
     @classmethod
     def from_dict(cls, data: Any, path: str) -> ModelRef:
         return codec.fields(cls, data, path, {
             "builder": codec.optional(codec.string), "builder_kwargs": codec.json_object,
             "fingerprint": codec.string, "example_inputs": codec.tuple_of(InputMeta.from_dict),
-            "precision": codec.enum_of(Precision)})
+            "precision": codec.enum_of(Precision), "builder_relative": codec.optional(codec.string)},
+            optional=frozenset({"builder_relative"}))
 
 
 @dataclass(frozen=True)
@@ -74,15 +86,25 @@ class ClusterSpec:
     gpus_per_node: int
     device: Mapping[str, Any]  # DeviceSpec.to_dict(): name, mem_bytes, links, ...
     mem_bytes: int  # the per-GPU budget the plan was made for
+    reserve_bytes: int = 0  # of it kept free (CUDA context, fragmentation); absent in older files
+    gpus_available: int | None = None  # GPUs planning was given (``gpus`` is those the plan uses)
 
     @property
     def device_name(self) -> str:
         return str(self.device["name"])
 
+    @property
+    def usable_mem_bytes(self) -> int:
+        """What the plan's ranks may use: the budget less the reserve."""
+        return self.mem_bytes - self.reserve_bytes
+
     @classmethod
     def from_dict(cls, data: Any, path: str) -> ClusterSpec:
         return codec.fields(cls, data, path, {"gpus": codec.integer, "gpus_per_node": codec.integer,
-                                              "device": codec.json_object, "mem_bytes": codec.integer})
+                                              "device": codec.json_object, "mem_bytes": codec.integer,
+                                              "reserve_bytes": codec.integer,
+                                              "gpus_available": codec.optional(codec.integer)},
+                            optional=frozenset({"reserve_bytes", "gpus_available"}))
 
 
 @dataclass(frozen=True)
@@ -219,7 +241,7 @@ class Prediction:
 
 @dataclass(frozen=True)
 class RunnerUp:
-    """The second-best configuration the search solved."""
+    """The second-best configuration the search solved (``step_ms``: its simulated step)."""
 
     num_stages: int
     data_parallel: int
@@ -245,10 +267,17 @@ class SolverReport:
     why: str
     binding: str = ""
     runner_up: RunnerUp | None = None
+    configs_unexamined: int = 0  # could still have won when the time limit ended the search
+
+    @property
+    def proven_optimal(self) -> bool:
+        """The winner's ILP was solved to optimality and no configuration that might beat it was left."""
+        return self.status == "optimal" and not self.configs_unexamined
 
     @classmethod
     def from_dict(cls, data: Any, path: str) -> SolverReport:
         return codec.fields(cls, data, path, {
             "name": codec.string, "status": codec.string, "objective": codec.number, "gap": codec.number,
             "wall_s": codec.number, "configs_tried": codec.integer, "why": codec.string,
-            "binding": codec.string, "runner_up": codec.optional(RunnerUp.from_dict)})
+            "binding": codec.string, "runner_up": codec.optional(RunnerUp.from_dict),
+            "configs_unexamined": codec.integer}, optional=frozenset({"configs_unexamined"}))

@@ -5,7 +5,7 @@ It reads the plan's parts, not the Plan itself, so the plan file module can use 
 
 from __future__ import annotations
 
-from cost_models.units import format_bytes, format_ms
+from cost_models.units import format_bytes, format_ms, plural
 from planner.plan.layout import Layout
 from planner.plan.parts import (
     ClusterSpec,
@@ -24,7 +24,7 @@ _COLUMNS = ("stage", "ranks", "first node", "last node", "nodes", "params", "fwd
 def format_plan(model: ModelRef, cluster: ClusterSpec, training: TrainingSpec, schedule: ScheduleSpec,
                 layout: Layout, parts: tuple[StagePlan, ...], predicted: Prediction,
                 solver: SolverReport) -> str:
-    rows = [_COLUMNS] + [_stage_row(stage, layout, parts, schedule, predicted, cluster.mem_bytes)
+    rows = [_COLUMNS] + [_stage_row(stage, layout, parts, schedule, predicted, cluster.usable_mem_bytes)
                          for stage in range(layout.num_stages)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
     lines = [_title(model, cluster, training, schedule, layout)]
@@ -34,16 +34,30 @@ def format_plan(model: ModelRef, cluster: ClusterSpec, training: TrainingSpec, s
         if index == 0:
             lines.append("-" * len(lines[-1]))
     lines.append("-" * len(lines[1]))
-    lines.extend(_summary(predicted, solver, cluster.mem_bytes))
+    lines.extend(_summary(predicted, solver, cluster.usable_mem_bytes, layout.num_stages))
     return "\n".join(lines)
 
 
 def _title(model: ModelRef, cluster: ClusterSpec, training: TrainingSpec, schedule: ScheduleSpec,
            layout: Layout) -> str:
-    return (f"plan: {layout.num_stages} stages x {layout.data_parallel} data-parallel on "
-            f"{cluster.gpus} x {cluster.device_name} ({format_bytes(cluster.mem_bytes)} budget each), "
-            f"{schedule.kind.value}, batch {training.global_batch_size} = {layout.data_parallel} x "
-            f"{training.num_microbatches} x {training.micro_batch_size}, {model.precision.value}")
+    return (f"plan: {plural(layout.num_stages, 'stage')} x {layout.data_parallel} data-parallel on "
+            f"{_gpus(cluster)} x {cluster.device_name} ({_budget(cluster)}), "
+            f"{schedule.kind.value}, batch {training.global_batch_size} = "
+            f"{plural(layout.data_parallel, 'replica')} x "
+            f"{plural(training.num_microbatches, 'micro-batch', 'micro-batches')} x "
+            f"{plural(training.micro_batch_size, 'sample')}, {model.precision.value}")
+
+
+def _gpus(cluster: ClusterSpec) -> str:
+    available = cluster.gpus_available
+    return f"{cluster.gpus} of {available}" if available and available != cluster.gpus else str(cluster.gpus)
+
+
+def _budget(cluster: ClusterSpec) -> str:
+    if not cluster.reserve_bytes:
+        return f"{format_bytes(cluster.mem_bytes)} budget each"
+    return (f"{format_bytes(cluster.mem_bytes)} budget each less {format_bytes(cluster.reserve_bytes)} "
+            f"reserved: {format_bytes(cluster.usable_mem_bytes)} usable")
 
 
 def _stage_row(stage: int, layout: Layout, parts: tuple[StagePlan, ...], schedule: ScheduleSpec,
@@ -57,15 +71,26 @@ def _stage_row(stage: int, layout: Layout, parts: tuple[StagePlan, ...], schedul
             f"{format_bytes(peak)} ({peak / budget:.0%})")
 
 
-def _summary(predicted: Prediction, solver: SolverReport, budget: int) -> list[str]:
+def _summary(predicted: Prediction, solver: SolverReport, budget: int, num_stages: int) -> list[str]:
     lines = [
         f"step: {format_ms(predicted.step_ms)}   samples/s: {predicted.samples_per_s:.1f}   "
-        f"bubble: {predicted.bubble_fraction:.1%}   peak memory: "
-        f"{format_bytes(max(predicted.peak_mem_bytes))} of {format_bytes(budget)}",
-        f"solver: {solver.name} {solver.status} in {solver.wall_s:.2f} s, "
-        f"{solver.configs_tried} configurations considered; objective {format_ms(solver.objective)}",
+        f"{idle_label(num_stages)}: {predicted.bubble_fraction:.1%}   peak memory: "
+        f"{_peak(max(predicted.peak_mem_bytes), budget)}",
+        f"solver: {solver.name} {solver.status}{'' if solver.proven_optimal else ' (NOT PROVEN OPTIMAL)'} "
+        f"in {solver.wall_s:.2f} s, {plural(solver.configs_tried, 'configuration')} considered; "
+        f"ILP objective {format_ms(solver.objective)} (ranks configurations; the step above is simulated)",
         f"why: {solver.why}",
     ]
     if solver.binding:
         lines.append(f"binding: {solver.binding}")
     return lines
+
+
+def idle_label(num_stages: int) -> str:
+    """What the idle share of a step is: a pipeline's bubble, or with one stage the gradient all-reduce."""
+    return "bubble" if num_stages > 1 else "idle in all-reduce"
+
+
+def _peak(peak_bytes: int, budget: int) -> str:
+    return (f"{format_bytes(peak_bytes)} of {format_bytes(budget)} usable ({peak_bytes / budget:.0%}, "
+            f"{format_bytes(budget - peak_bytes)} headroom)")

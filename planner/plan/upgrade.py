@@ -37,6 +37,10 @@ def _from_v1(data: Mapping[str, Any]) -> dict[str, Any]:
     new = {key: value for key, value in data.items() if key != "data_parallel"}
     stages = data["stages"]
     replicas = int(data["data_parallel"])
+    for index, stage in enumerate(stages):
+        if replicas < 1 or len(stage["ranks"]) != replicas:
+            raise ValueError(f"data_parallel is {replicas} but stages[{index}].ranks lists "
+                             f"{len(stage['ranks'])} ranks; it must list one rank per replica")
     slot_ranks = [[[stage["ranks"][replica]] for stage in stages] for replica in range(replicas)]
     new["layout"] = {"stage_part": list(range(len(stages))), "stage_slot": list(range(len(stages))),
                      "slot_ranks": slot_ranks}

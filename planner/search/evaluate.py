@@ -51,6 +51,15 @@ def term_value(model: CostModel, term: Term, first: int, last: int) -> float:
     return value
 
 
+def split_term(term: Term) -> dict[str, Term]:
+    """A term as the sum of its kinds of coefficient, each a term: ``held`` (constant, per unit, per
+    shared parameter), its maximum over units (named by ``term.max_name``), ``outgoing`` and
+    ``incoming`` (its cuts). Their term_values add up to the term's (to say what a total is made of)."""
+    return {"held": Term(constant=term.constant, per_unit=term.per_unit, per_shared=term.per_shared),
+            term.max_name: Term(unit_max=term.unit_max, max_name=term.max_name),
+            "outgoing": Term(ends_after=term.ends_after), "incoming": Term(starts_after=term.starts_after)}
+
+
 @dataclass(frozen=True)
 class PartSummary:
     """One part's costs (the BREAKDOWN terms) for the units it holds."""

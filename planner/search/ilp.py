@@ -11,10 +11,13 @@ This module writes no cost formula and is the only one that imports pulp.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import time
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, Iterator
 
 import pulp
 
@@ -48,15 +51,58 @@ class _Model:
     memory: dict[int, pulp.LpConstraint]
 
 
+class InterruptibleHiGHS(pulp.HiGHS):
+    """pulp's HiGHS solving in a worker thread, so that Ctrl-C stops it at once.
+
+    A KeyboardInterrupt reaches only the main thread, and never while it is inside HiGHS's C++
+    ``run()``; here the main thread waits in short steps instead, and on the interrupt asks
+    HiGHS to stop (its user-interrupt callback), waits for the worker, and re-raises.
+    """
+
+    def createAndConfigureSolver(self, lp: pulp.LpProblem) -> None:
+        with _silenced_stdout():  # HiGHS prints its banner on stdout when the first model is made
+            super().createAndConfigureSolver(lp)
+
+    def callSolver(self, lp: pulp.LpProblem) -> None:
+        highs = lp.solverModel
+        highs.HandleUserInterrupt = True
+        highs.startSolve()
+        try:
+            _wait(highs)
+        except KeyboardInterrupt:
+            highs.cancelSolve()
+            _wait(highs)
+            raise
+
+
+@contextlib.contextmanager
+def _silenced_stdout() -> Iterator[None]:
+    """File descriptor 1 on /dev/null (C++ output bypasses sys.stdout), restored afterwards."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _wait(highs: Any) -> None:
+    while not highs.wait(0.05)[0]:
+        pass
+
+
 def default_solver(time_limit_s: float | None = None, cutoff_ms: float | None = None) -> Any:
-    """HiGHS through its Python API when installed, CBC otherwise; exact (zero relative gap).
+    """HiGHS through its Python API when installed (interruptible), CBC otherwise; exact (zero gap).
 
     ``cutoff_ms`` (HiGHS only) stops the search as soon as it is proven that no plan of this
     configuration beats that step time; the result is then NO_SOLUTION.
     """
     if "HiGHS" in pulp.listSolvers(onlyAvailable=True):
         options = {} if cutoff_ms is None else {"objective_bound": cutoff_ms}
-        return pulp.HiGHS(msg=False, timeLimit=time_limit_s, gapRel=0.0, threads=1, **options)
+        return InterruptibleHiGHS(msg=False, timeLimit=time_limit_s, gapRel=0.0, threads=1, **options)
     return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=0.0, threads=1)
 
 

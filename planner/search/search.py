@@ -1,7 +1,9 @@
 """The outer search: enumerate (stages, data parallel, micro-batch, schedule), solve each ILP.
 
-Configurations are visited in order of a lower bound on their step time and skipped once the
-bound cannot beat the best plan found, so most of the ILPs of a large search are never built.
+Configurations (planner/search/configs.py) are visited in order of a lower bound on their step
+time and skipped once the bound cannot beat the best plan found, so most of the ILPs of a large
+search are never built. Progress goes to an optional callback; Ctrl-C stops the search anywhere,
+the solver included (planner/search/ilp.py).
 """
 
 from __future__ import annotations
@@ -11,48 +13,19 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from cost_models.devices import DeviceSpec
-from cost_models.errors import InvalidArgument, PlanInfeasible
+from cost_models.errors import PlanInfeasible
 from cost_models.estimation import CostTable, estimate
 from cost_models.graph.ir import LayerGraph
-from cost_models.memory import Optimizer, Precision
 from cost_models.units import format_bytes
-from planner.plan.kinds import ScheduleKind
+from planner.progress import Phase, Progress, ProgressEvent
 from planner.schedules.generate import Schedule, generate, max_in_flight
+from planner.search.configs import Config, SearchSpace, configurations
 from planner.search.evaluate import Evaluation, evaluate
 from planner.search.ilp import SolveStatus, solve_partition
+from planner.search.infeasible import infeasible_error
 from planner.search.oracle import check_exact, min_peak_partition
 from planner.search.problem import Coarsening, PipelineProblem, coarsen, part_allreduces, part_links
 from planner.search.terms import CostModel, cost_model, lower_bound
-
-
-@dataclass(frozen=True)
-class SearchSpace:
-    """The discrete knobs and fixed inputs of one planning request."""
-
-    gpus: int
-    gpus_per_node: int
-    mem_bytes: int
-    global_batch_size: int
-    optimizer: Optimizer
-    precision: Precision
-    schedules: tuple[ScheduleKind, ...]
-    micro_batch_sizes: tuple[int, ...] | None = None  # None: every divisor
-    num_stages: tuple[int, ...] | None = None  # None: every divisor of gpus
-    max_units: int = 160
-    time_limit_s: float = 60.0
-
-
-@dataclass(frozen=True)
-class Config:
-    num_stages: int
-    data_parallel: int
-    micro_batch_size: int
-    num_microbatches: int
-    schedule: ScheduleKind
-
-    def describe(self) -> str:
-        return (f"{self.num_stages} stages x {self.data_parallel} replicas, micro-batch "
-                f"{self.micro_batch_size} x {self.num_microbatches}, {self.schedule.value}")
 
 
 @dataclass(frozen=True)
@@ -89,52 +62,24 @@ class SearchResult:
     wall_s: float
     solver_s: float = 0.0
     notes: tuple[str, ...] = field(default_factory=tuple)
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def configurations(space: SearchSpace, max_stages: int) -> list[Config]:
-    """Every (S, D, micro-batch, schedule) with S * D == gpus that divides the batch."""
-    configs = []
-    for stages in divisors(space.gpus):
-        replicas = space.gpus // stages
-        if stages > max_stages or space.global_batch_size % replicas:
-            continue
-        if space.num_stages is not None and stages not in space.num_stages:
-            continue
-        per_replica = space.global_batch_size // replicas
-        sizes = space.micro_batch_sizes or tuple(divisors(per_replica))
-        for micro in (m for m in sizes if per_replica % m == 0):
-            for schedule in space.schedules:
-                configs.append(Config(stages, replicas, micro, per_replica // micro, schedule))
-    if not configs:
-        raise InvalidArgument(_batch_message(space))
-    return configs
-
-
-def _batch_message(space: SearchSpace) -> str:
-    sizes = f" into micro-batches of {list(space.micro_batch_sizes)}" if space.micro_batch_sizes else ""
-    stages = f" with {list(space.num_stages)} stages" if space.num_stages else ""
-    return (f"batch size {space.global_batch_size} cannot be split over any data-parallel degree "
-            f"dividing {space.gpus} GPUs{stages}{sizes}; use a batch size divisible by the "
-            f"data-parallel degree times the micro-batch size (e.g. a multiple of {space.gpus}), "
-            f"and stage counts that divide the GPU count")
+    configs_unexamined: int = 0  # could still have won when the time limit ended the search
 
 
 class Search:
     """Costs per micro-batch size, and each configuration's setup, are computed once and shared."""
 
-    def __init__(self, graph: LayerGraph, device: DeviceSpec, space: SearchSpace) -> None:
+    def __init__(self, graph: LayerGraph, device: DeviceSpec, space: SearchSpace,
+                 progress: Progress | None = None) -> None:
         self.graph = graph
         self.device = device
         self.space = space
+        self.progress = progress
         self._tables: dict[int, tuple[CostTable, Coarsening]] = {}
         self._setups: dict[Config, Setup] = {}
 
     def costs(self, micro_batch_size: int) -> tuple[CostTable, Coarsening]:
         if micro_batch_size not in self._tables:
+            self._report(ProgressEvent(Phase.COSTING, detail=f"micro-batch size {micro_batch_size}"))
             table = estimate(self.graph, self.device, self.space.optimizer, self.space.precision,
                              batch_size=micro_batch_size)
             self._tables[micro_batch_size] = (table, coarsen(
@@ -165,25 +110,36 @@ class Search:
         configs = configurations(self.space, max_stages)
         ranked = sorted(configs, key=lambda config: round(self.lower_bound(config), 9))  # ties: listed order
         solved: list[Candidate] = []
-        solver_s = 0.0
-        for config in ranked:
+        solver_s, unexamined = 0.0, 0
+        for index, config in enumerate(ranked):
             best = min((c.objective_ms for c in solved), default=None)
             if best is not None and self.lower_bound(config) >= best:
                 continue
             remaining = self.space.time_limit_s - (time.perf_counter() - start)
             if remaining <= 0 and solved:
+                unexamined = sum(1 for c in ranked[index:] if self.lower_bound(c) < best)
                 break
             if not self.fits(config):
                 continue
+            self._report(ProgressEvent(Phase.SEARCHING, index, len(ranked), best,
+                                       f"solving {config.describe()}"))
             candidate, wall_s = self.solve(config, max(1.0, remaining), best)
             solver_s += wall_s
             if candidate is not None:
                 solved.append(candidate)
+        self._report(ProgressEvent(Phase.SEARCHING, len(ranked), len(ranked),
+                                   min((c.objective_ms for c in solved), default=None), "done"))
         if not solved:
             raise self.infeasible(configs)
-        solved.sort(key=lambda c: (round(c.objective_ms, 9), c.evaluation.peak_mem_bytes))
+        solved.sort(key=lambda c: (round(c.objective_ms, 9), c.setup.config.gpus,  # a tie: fewer GPUs
+                                   c.evaluation.peak_mem_bytes))
         return SearchResult(solved[0], solved[1] if len(solved) > 1 else None, len(configs),
-                            len(solved), time.perf_counter() - start, solver_s)
+                            len(solved), time.perf_counter() - start, solver_s,
+                            configs_unexamined=unexamined)
+
+    def _report(self, event: ProgressEvent) -> None:
+        if self.progress is not None:
+            self.progress(event)
 
     def fits(self, config: Config) -> bool:
         """Whether any partition of this configuration fits the budget (exact, by DP, where it applies)."""
@@ -213,19 +169,12 @@ class Search:
         """The error for a budget nothing fits: the smallest memory the most frugal layout needs."""
         frugal = min(configs, key=lambda c: (-c.num_stages, c.micro_batch_size,
                                              sum(self.setup(c).problem.in_flight)))
-        setup = self.setup(frugal)
-        floor = min_peak_partition(setup.costs)
-        index = max(range(len(floor.evaluation.parts)), key=lambda p: floor.evaluation.slot_peak_bytes[p])
-        part = floor.evaluation.parts[index]
-        need = floor.evaluation.slot_peak_bytes[index]
-        units = setup.coarsening.units[part.first_unit:part.last_unit + 1]
-        nodes = [n for unit in units for n in unit.nodes]
-        heaviest = max(units, key=lambda u: u.state_bytes)
-        message = (
-            f"no plan fits {format_bytes(self.space.mem_bytes)} per GPU on {self.space.gpus} x "
-            f"{self.device.name}: the most memory-frugal layout ({frugal.describe()}) still needs "
-            f"{format_bytes(need)} on stage {index} (nodes {nodes[0]} .. {nodes[-1]}: "
-            f"{format_bytes(part.static_bytes)} of weights, gradients, optimizer state and buffers, "
-            f"{format_bytes(need - part.static_bytes)} of activations); its heaviest part starts at "
-            f"{heaviest.nodes[0]}. Give mem >= {format_bytes(need)}, more GPUs, or a smaller batch.")
-        return PlanInfeasible(message, min_mem_bytes=need, binding=f"stage {index} ({nodes[0]})")
+        return infeasible_error(self.setup(frugal), self._budget(), self.space.gpus, self.device.name,
+                                self.space.reserve)
+
+    def _budget(self) -> str:
+        usable, reserve = self.space.mem_bytes, self.space.reserve_bytes
+        if not reserve:
+            return format_bytes(usable)
+        return (f"{format_bytes(usable)} ({format_bytes(usable + reserve)} less {format_bytes(reserve)} "
+                f"reserved)")

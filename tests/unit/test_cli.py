@@ -67,3 +67,48 @@ def test_console_script_errors_have_no_traceback() -> None:
                             cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr and result.stderr.count("\n") == 1
+
+
+def _tessera(*args: str, timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
+    """The real console script in a subprocess (``python -m planner`` runs the same entry point)."""
+    return subprocess.run([sys.executable, "-m", "planner", *args], cwd=kwargs.pop("cwd", ROOT),
+                          capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+GPT_UNTIED = ["examples/models/gpt.py:gpt", "--model-arg", "hidden=64", "--model-arg", "layers=1",
+              "--model-arg", "heads=4", "--model-arg", "seq_len=32", "--model-arg", "vocab=512",
+              "--input", "32:int64", "--batch-size", "1", "--device", "V100-16GB"]
+
+
+def test_model_arg_false_reaches_the_builder_as_false() -> None:
+    untied = _tessera("profile", *GPT_UNTIED, "--model-arg", "tie_embeddings=false")
+    tied = _tessera("profile", *GPT_UNTIED, "--model-arg", "tie_embeddings=true")
+    assert untied.returncode == tied.returncode == 0, untied.stderr + tied.stderr
+    assert "lm_head" in untied.stdout and "lm_head" not in tied.stdout
+
+
+def test_ambiguous_model_arg_names_the_accepted_forms() -> None:
+    result = _tessera("profile", *GPT_UNTIED, "--model-arg", "tie_embeddings=yes")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+    assert "tie_embeddings='yes' is ambiguous" in result.stderr and "true/false" in result.stderr
+
+
+@pytest.mark.parametrize(("text", "value"), [
+    ("false", False), ("True", True), ("none", None), ("10", 10), ("-3", -3), ("0.5", 0.5),
+    ("1e-3", 1e-3), ("'false'", "false"), ('"16GB"', "16GB"), ("gelu", "gelu"),
+    ("[3, 4, 6, 3]", [3, 4, 6, 3]), ("[]", []),
+])
+def test_model_arg_values(text: str, value) -> None:
+    from cost_models.graph.model_spec import parse_model_args
+
+    parsed = parse_model_args([f"key={text}"])["key"]
+    assert parsed == value and type(parsed) is type(value)
+
+
+@pytest.mark.parametrize("text", ["yes", "16GB", "1e", "0x10", "1_000", "a b", "[1, yes]"])
+def test_ambiguous_model_arg_values_are_rejected(text: str) -> None:
+    from cost_models.errors import InvalidArgument
+    from cost_models.graph.model_spec import parse_model_args
+
+    with pytest.raises(InvalidArgument, match="ambiguous: write true/false, none"):
+        parse_model_args([f"key={text}"])

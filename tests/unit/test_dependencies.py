@@ -15,6 +15,7 @@ LP_PROBLEM_SINCE = {
     "status": (1, 0),
     "sol_status": (2, 0),
     "objective": (1, 0),
+    "solverModel": (2, 0),  # set by the HiGHS API (3.3.0 has it too): the highspy model, to cancel a solve
 }
 """Every attribute planner/search/ilp.py reads on a pulp.LpProblem, and the release that has it."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -77,7 +78,8 @@ def test_plan_file_round_trip(resnet_plan: Plan, tmp_path: Path) -> None:
     for key in ("schema_version", "model", "cluster", "training", "schedule", "layout",
                 "stages", "layers", "programs", "predicted", "solver"):
         assert key in data
-    assert data["model"]["builder"] == "examples/models/resnet.py:resnet50"
+    assert data["model"]["builder"] == f"{ROOT / 'examples/models/resnet.py'}:resnet50"  # resolves anywhere
+    assert data["model"]["builder_relative"] == "examples/models/resnet.py:resnet50"  # as given
     assert set(data["solver"]) >= {"name", "status", "objective", "gap", "wall_s", "configs_tried", "why"}
     assert data["stages"][0]["offload"]["optimizer_state"] == "gpu"
 
@@ -106,7 +108,7 @@ def _tiny(**overrides):
 @pytest.mark.parametrize(("overrides", "error", "message"), [
     ({"gpus": 0}, InvalidArgument, "gpus must be"),
     ({"mem": "lots"}, InvalidArgument, "cannot parse memory size 'lots'"),
-    ({"mem": "-4GB"}, InvalidArgument, "cannot parse memory size"),
+    ({"mem": "-4GB"}, InvalidArgument, "memory size .-4GB. must be positive"),
     ({"mem": 0}, InvalidArgument, "must be positive"),
     ({"device": "TPU-v9"}, UnknownDevice, "TPU-v9"),
     ({"batch_size": 8, "micro_batch_sizes": (3,)}, InvalidArgument, "batch size 8 cannot be split"),
@@ -143,7 +145,7 @@ def test_cli_plan_show_simulate(tmp_path: Path, capsys) -> None:
                  "8", "--gpus", "2", "--mem", "1GB", "-o", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "stage" in printed and "samples/s" in printed and "why:" in printed
-    assert Plan.load(out).model.builder == "examples/models/gpt.py:gpt_tiny"
+    assert Plan.load(out).model.builder_relative == "examples/models/gpt.py:gpt_tiny"
     assert main(["show", str(out)]) == 0 and "peak mem" in capsys.readouterr().out
     trace_file, svg_file = tmp_path / "t.json", tmp_path / "t.svg"
     assert main(["simulate", str(out), "--trace", str(trace_file), "--svg", str(svg_file)]) == 0
@@ -164,6 +166,7 @@ def test_failed_plan_leaves_an_existing_plan_file_untouched(tmp_path: Path, caps
 @pytest.mark.parametrize(("args", "message"), [
     (["--gpus", "0"], "gpus must be"),
     (["--mem", "sixteen"], "cannot parse memory size"),
+    (["--mem", "16"], "has no unit"),
     (["--device", "K80"], "unknown device 'K80'"),
 ])
 def test_cli_plan_errors_exit_2(args: list[str], message: str, capsys) -> None:
@@ -254,3 +257,167 @@ def test_bytes_follow_the_models_dtype_unless_a_precision_is_requested() -> None
     assert sum(stage.predicted.param_bytes for stage in asked.stages) == 4 * params
     with pytest.raises(InvalidArgument, match="weights are bfloat16: give precision="):
         plan(gpt_tiny().to(torch.bfloat16), gpus=2, mem="1GB", batch_size=8, example_inputs=tokens)
+
+
+def _lines(text: str, prefix: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith(prefix)]
+
+
+def test_one_step_figure_the_simulated_one_everywhere() -> None:
+    """1F1B's ILP objective is an approximation: only the simulated step is called the step."""
+    from cost_models.units import format_ms
+
+    result = _tiny(gpus=4, batch_size=16, schedules=("1f1b",), num_stages=(4,), micro_batch_sizes=(2,))
+    step, objective = format_ms(result.predicted.step_ms), format_ms(result.solver.objective)
+    assert step != objective
+    text = str(result)
+    assert _lines(text, "step: ")[0].startswith(f"step: {step} ")
+    why = _lines(text, "why: ")[0]
+    assert f"has the lowest step ({step})" in why and objective not in why
+    assert f"ILP objective {objective}" in _lines(text, "solver: ")[0]
+    assert objective not in text.replace(f"ILP objective {objective}", "")
+
+
+def test_a_plan_cut_short_by_the_time_limit_says_it_is_not_proven_optimal(resnet_graph) -> None:
+    result = plan(resnet50(), gpus=8, mem="16GB", batch_size=64, graph=resnet_graph, time_limit_s=0.001,
+                  example_inputs=torch.empty(1, 3, 224, 224, device="meta"))
+    assert not result.solver.proven_optimal and result.solver.configs_unexamined >= 1
+    text = str(result)
+    assert "(NOT PROVEN OPTIMAL)" in _lines(text, "solver: ")[0]
+    assert "NOT PROVEN OPTIMAL: the time limit (0.001 s) ended the search" in _lines(text, "why: ")[0]
+    assert Plan.from_dict(json.loads(result.to_json())) == result
+
+
+def test_schema_2_files_without_the_newer_optional_fields_load(resnet_plan: Plan) -> None:
+    data = json.loads(resnet_plan.to_json())
+    del data["solver"]["configs_unexamined"], data["cluster"]["reserve_bytes"]
+    loaded = Plan.from_dict(data)
+    assert loaded.solver.configs_unexamined == 0 and loaded.cluster.reserve_bytes == 0
+    assert Plan.from_dict(json.loads(loaded.to_json())) == loaded
+
+
+def test_plan_reports_progress_only_to_a_callback(capfd) -> None:
+    from planner.progress import Phase
+
+    events = []
+    _tiny(progress=events.append)
+    phases = [event.phase for event in events]
+    assert phases[0] is Phase.TRACING and phases[-1] is Phase.ASSEMBLING
+    assert Phase.COSTING in phases and Phase.SEARCHING in phases
+    searching = [event for event in events if event.phase is Phase.SEARCHING]
+    assert searching[-1].done == searching[-1].total > 0 and searching[-1].best_ms is not None
+    assert all(0 <= event.done <= event.total for event in searching)
+    capfd.readouterr()
+    _tiny()  # no callback: silent
+    assert capfd.readouterr().err == ""
+
+
+def test_a_batch_smaller_than_the_gpus_may_use_fewer_and_says_so(resnet_graph) -> None:
+    result = plan(resnet50(), gpus=16, mem="16GB", batch_size=2, graph=resnet_graph,
+                  example_inputs=torch.empty(1, 3, 224, 224, device="meta"))
+    used = result.cluster.gpus
+    assert used < 16 and result.cluster.gpus_available == 16
+    assert used == result.layout.world_size == len(result.programs)
+    assert used == result.num_stages * result.data_parallel
+    assert f"uses {used} of 16 GPUs: a batch of 2 keeps at most 2 busy at once" in result.solver.why
+    assert f"on {used} of 16 x V100-16GB" in str(result)
+
+
+def test_num_stages_and_data_parallel_pick_the_layout(resnet_graph) -> None:
+    result = plan(resnet50(), gpus=8, mem="16GB", batch_size=64, graph=resnet_graph, num_stages=(2,),
+                  data_parallel=(2,), example_inputs=torch.empty(1, 3, 224, 224, device="meta"))
+    assert (result.num_stages, result.data_parallel, result.cluster.gpus) == (2, 2, 4)
+    assert "uses 4 of 8 GPUs, as the stage count and data-parallel degree asked" in result.solver.why
+    assert _tiny(gpus=4, data_parallel=(4,)).data_parallel == 4
+    with pytest.raises(InvalidArgument, match=r"data_parallel \[3\] must divide gpus=4"):
+        _tiny(gpus=4, data_parallel=(3,))
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda d: d["cluster"].update(gpus=-1), r"cluster.gpus is -1; it must be >= 1"),
+    (lambda d: d["cluster"].update(gpus_per_node=0), r"cluster.gpus_per_node is 0"),
+    (lambda d: d["cluster"].update(mem_bytes=0), r"cluster.mem_bytes is 0"),
+    (lambda d: d["training"].update(micro_batch_size=0), r"training.micro_batch_size is 0; it must be >= 1"),
+    (lambda d: d["training"].update(num_microbatches=0), r"training.num_microbatches is 0"),
+    (lambda d: d["training"].update(global_batch_size=65),
+     r"training.global_batch_size is 65, but micro_batch_size"),
+    (lambda d: d["cluster"].update(gpus=9, gpus_available=16),
+     r"cluster.gpus is 9 but the layout places 8 ranks"),
+    (lambda d: d["programs"].pop(), r"programs has 7 rank programs but the layout places 8 ranks"),
+    (lambda d: d["stages"].pop(), r"stages has \d parts but the layout has \d"),
+    (lambda d: d["schedule"]["in_flight"].append(1), r"schedule.in_flight has \d entries but the layout has"),
+    (lambda d: d["stages"][0].update(index=5), r"stages\[0\].index is 5; it must equal its position 0"),
+    (lambda d: d["stages"][0].update(nodes=[]), r"stages\[0\].nodes is empty"),
+    (lambda d: d["cluster"].update(reserve_bytes=-1), r"cluster.reserve_bytes is -1"),
+    (lambda d: d["cluster"].update(gpus_available=2), r"cluster.gpus_available is 2; it must be at least"),
+    (lambda d: d["transfers"].append({"src_stage": 0, "dst_stage": 99, "nbytes": 1, "ms": 0.1}),
+     r"transfers\[\d+\] goes from stage 0 to 99"),
+])
+def test_plan_invariants_are_checked_on_load_naming_the_field(resnet_plan: Plan, edit, message: str) -> None:
+    data = json.loads(resnet_plan.to_json())
+    edit(data)
+    with pytest.raises(PlanFileError, match=message + ".*re-create the plan with `tessera plan`"):
+        Plan.from_dict(data)
+
+
+def test_the_runtime_check_is_the_plan_file_check(resnet_plan: Plan) -> None:
+    import dataclasses
+
+    from cost_models.errors import RuntimeSetupError
+    from runtime import checks
+
+    training = dataclasses.replace(resnet_plan.training, micro_batch_size=0)
+    broken = dataclasses.replace(resnet_plan, training=training)
+    with pytest.raises(RuntimeSetupError, match=r"plan field training.micro_batch_size is 0"):
+        checks.check_plan(broken)
+
+
+def test_infeasible_names_model_state_apart_from_working_memory(resnet_graph) -> None:
+    """Model state is 16 B per parameter (fp32 Adam) plus buffers; the largest transient is not part of it."""
+    from cost_models.units import format_bytes
+
+    model = resnet50()
+    with pytest.raises(PlanInfeasible) as raised:
+        plan(model, gpus=1, mem="300MB", batch_size=1, graph=resnet_graph, reserve=0,
+             example_inputs=torch.empty(1, 3, 224, 224, device="meta"))
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    state = 16 * sum(p.numel() for p in model.parameters()) + buffers
+    message = str(raised.value)
+    assert f"{format_bytes(state)} of model state (weights, gradients, optimizer state, buffers)" in message
+    assert "of working memory (largest transient" in message and "send buffer 0 B" in message
+    assert "more GPUs (more pipeline stages split the model state)" in message
+
+
+def test_the_memory_by_kind_adds_up_to_the_stage_peak() -> None:
+    from cost_models.devices import get_device
+    from planner.api import validate_space
+    from planner.search.infeasible import stage_memory
+    from planner.search.configs import configurations
+    from planner.search.oracle import min_peak_partition
+    from planner.search.search import Search
+
+    space, spec = validate_space(4, "1GB", 8, "V100-16GB", None, "adam", "fp32", ("1f1b",), (1,), 60.0, (4,))
+    graph = trace(gpt_tiny(), torch.empty(1, 32, dtype=torch.long, device="meta"))
+    search = Search(graph, get_device(spec), space)
+    setup = search.setup(configurations(space, max_stages=99)[0])  # 4 stages, 8 micro-batches of 1
+    floor = min_peak_partition(setup.costs).evaluation
+    for stage, summary in enumerate(floor.parts):
+        memory = stage_memory(setup, stage, stage, summary.first_unit, summary.last_unit)
+        assert memory.total_bytes == pytest.approx(floor.slot_peak_bytes[stage], abs=1)
+        assert memory.state_bytes + memory.working_bytes == pytest.approx(summary.static_bytes, abs=1)
+
+
+def test_the_printed_plan_labels_what_it_shows() -> None:
+    one_stage = str(_tiny(mem="1GB"))  # 1 stage x 2 replicas: its idle share is the all-reduce
+    title = one_stage.splitlines()[0]
+    assert title.startswith("plan: 1 stage x 2 data-parallel") and "1 stages" not in one_stage
+    assert "batch 8 = 2 replicas x 1 micro-batch x 4 samples" in title
+    step = _lines(one_stage, "step: ")[0]
+    assert "idle in all-reduce: " in step and "bubble" not in step and "headroom)" in step
+    assert "memory" not in _lines(one_stage, "binding: ")[0]  # 0% of the budget is not binding
+    with pytest.raises(PlanInfeasible) as raised:
+        _tiny(mem=100_000)
+    tight = str(_tiny(mem=raised.value.min_mem_bytes))  # the smallest budget that fits: memory binds
+    assert "2 stages x 1 data-parallel" in tight and "bubble: " in _lines(tight, "step: ")[0]
+    binding = _lines(tight, "binding: ")[0]
+    assert re.search(r"; memory of rank \d \((9\d|100)% of the usable budget\)", binding)

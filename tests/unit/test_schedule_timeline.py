@@ -63,3 +63,20 @@ def test_svg_draws_one_box_per_compute_event(result: SimResult) -> None:
     assert picture.count('class="comm"') == sum(
         "SEND" in event.action or "ALLREDUCE" in event.action for event in result.events)
     assert ">0 ms</text>" in picture and ">4</text>" in picture  # axis, and micro-batch labels
+
+
+def test_svg_has_a_legend_and_rows_named_by_rank_and_stage(result: SimResult) -> None:
+    from planner.schedules.generate import generate
+    from planner.simulation import rank_names
+
+    names = rank_names(generate("1f1b", 3, 5, data_parallel=2).layout)
+    assert names[:3] == ["rank 0: stage 0, replica 0", "rank 1: stage 0, replica 1",
+                         "rank 2: stage 1, replica 0"]
+    picture = svg(result, rank_names=names)
+    ElementTree.fromstring(picture)
+    assert re.findall(r'<text class="row" [^>]*>([^<]*)</text>', picture) == names
+    legend = picture[picture.index('<g class="legend">'):]
+    for label in ("forward (F)", "backward (B)", "optimizer step", "all-reduce", "transfer"):
+        assert f">{label}</text>" in legend
+    with pytest.raises(ValueError, match="2 rank names for 6 ranks"):
+        svg(result, rank_names=["a", "b"])

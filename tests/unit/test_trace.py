@@ -198,3 +198,14 @@ def test_value_dependent_leaf_on_meta_is_measured_on_zeros() -> None:
     graph = trace(model, torch.empty(4, 8, device="meta"), leaf_modules=[Gate])
     assert graph.node("gate").outputs[0].shape == (4, 8)
     assert graph.node("head").work.fwd_flops == 2 * 4 * 8 * 2
+
+
+def test_an_untraceable_model_prints_nothing_and_keeps_torch_output_as_details(capfd) -> None:
+    """torch.export dumps its partial graph on stderr when it fails; plan() prints nothing of it."""
+    from planner import plan
+
+    with pytest.raises(TraceError) as error:
+        plan(ValueBranch(), gpus=2, mem="1GB", batch_size=4, example_inputs=torch.randn(1, 8))
+    captured = capfd.readouterr()
+    assert captured.out == "" and captured.err == ""
+    assert "def forward" in error.value.details and "x.sum() > 0" in error.value.details

@@ -26,3 +26,20 @@ def test_formatting() -> None:
     assert format_bytes(1536) == "1.5 KiB"
     assert format_bytes(100) == "100 B"
     assert format_flops(3.1e12) == "3.10 T"
+
+
+def test_a_unit_can_be_required() -> None:
+    assert parse_mem_bytes("16B", unit_required=True) == 16
+    assert parse_mem_bytes(16, unit_required=True) == 16  # an int is bytes: only text needs a unit
+    with pytest.raises(InvalidArgument, match="'16' has no unit; write it with one of B, KB"):
+        parse_mem_bytes("16", unit_required=True)
+
+
+@pytest.mark.parametrize(("text", "usable"), [("5%", 2**30 - 53687092), ("256MB", 768 * 2**20), ("0", 2**30)])
+def test_a_reserve_is_a_share_or_a_size_and_mem_for_inverts_it(text: str, usable: int) -> None:
+    from planner.budget import parse_reserve, usable_bytes
+
+    reserve = parse_reserve(text)
+    assert usable_bytes(2**30, reserve) == usable
+    assert reserve.mem_for(usable) == 2**30
+    assert usable_bytes(reserve.mem_for(usable + 1), reserve) >= usable + 1

@@ -1,0 +1,92 @@
+"""What a plan must satisfy beyond its fields' types: counts, the batch arithmetic, sizes that agree.
+
+Checked when a plan file is decoded (Plan.from_dict) and by the runtime before any work
+(runtime/checks.py), so a hand-edited or corrupt plan is refused naming the field, never run.
+Standard library only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from cost_models.errors import PlanFileError
+
+if TYPE_CHECKING:
+    from planner.plan.document import Plan
+
+
+def check_invariants(plan: Plan) -> None:
+    """Raise PlanFileError naming the first field that breaks an invariant, and the fix."""
+    for check in _CHECKS:
+        for problem in check(plan):
+            raise PlanFileError(f"plan field {problem}; re-create the plan with `tessera plan`")
+
+
+def _positive_counts(plan: Plan) -> Iterator[str]:
+    counts = {"cluster.gpus": plan.cluster.gpus, "cluster.gpus_per_node": plan.cluster.gpus_per_node,
+              "cluster.mem_bytes": plan.cluster.mem_bytes,
+              "training.global_batch_size": plan.training.global_batch_size,
+              "training.micro_batch_size": plan.training.micro_batch_size,
+              "training.num_microbatches": plan.training.num_microbatches}
+    counts.update({f"schedule.in_flight[{stage}]": held
+                   for stage, held in enumerate(plan.schedule.in_flight)})
+    yield from (f"{path} is {value}; it must be >= 1" for path, value in counts.items() if value < 1)
+
+
+def _budget(plan: Plan) -> Iterator[str]:
+    cluster = plan.cluster
+    if not 0 <= cluster.reserve_bytes < cluster.mem_bytes:
+        yield (f"cluster.reserve_bytes is {cluster.reserve_bytes}; it must be >= 0 and below "
+               f"cluster.mem_bytes ({cluster.mem_bytes})")
+    if cluster.gpus_available is not None and cluster.gpus_available < cluster.gpus:
+        yield (f"cluster.gpus_available is {cluster.gpus_available}; it must be at least the "
+               f"cluster.gpus the plan uses ({cluster.gpus})")
+
+
+def _batch(plan: Plan) -> Iterator[str]:
+    training = plan.training
+    total = training.micro_batch_size * training.num_microbatches * plan.data_parallel
+    if total != training.global_batch_size:
+        yield (f"training.global_batch_size is {training.global_batch_size}, but micro_batch_size "
+               f"{training.micro_batch_size} x num_microbatches {training.num_microbatches} x the "
+               f"layout's {plan.data_parallel} data-parallel replicas = {total}")
+
+
+def _sizes(plan: Plan) -> Iterator[str]:
+    layout = plan.layout
+    if plan.cluster.gpus != layout.world_size:
+        yield f"cluster.gpus is {plan.cluster.gpus} but the layout places {layout.world_size} ranks"
+    if len(plan.programs) != layout.world_size:
+        yield (f"programs has {len(plan.programs)} rank programs but the layout places "
+               f"{layout.world_size} ranks")
+    if len(plan.stages) != layout.num_parts:
+        yield f"stages has {len(plan.stages)} parts but the layout has {layout.num_parts}"
+    if len(plan.schedule.in_flight) != layout.num_stages:
+        yield (f"schedule.in_flight has {len(plan.schedule.in_flight)} entries but the layout has "
+               f"{layout.num_stages} stages")
+
+
+def _stages(plan: Plan) -> Iterator[str]:
+    seen: dict[str, int] = {}
+    for position, stage in enumerate(plan.stages):
+        if stage.index != position:
+            yield f"stages[{position}].index is {stage.index}; it must equal its position {position}"
+        if not stage.nodes:
+            yield f"stages[{position}].nodes is empty; every part computes at least one node"
+        for name in stage.nodes:
+            if seen.setdefault(name, position) != position:
+                yield f"stages[{position}].nodes repeats node {name!r} of stages[{seen[name]}]"
+
+
+def _transfers(plan: Plan) -> Iterator[str]:
+    stages = plan.layout.num_stages
+    for index, transfer in enumerate(plan.transfers):
+        ends = (transfer.src_stage, transfer.dst_stage)
+        if ends[0] == ends[1] or not all(0 <= stage < stages for stage in ends):
+            yield (f"transfers[{index}] goes from stage {ends[0]} to {ends[1]}; it must join two "
+                   f"different stages of 0..{stages - 1}")
+
+
+_CHECKS: tuple[Callable[[Plan], Iterator[str]], ...] = (_positive_counts, _budget, _batch, _sizes, _stages,
+                                                       _transfers)

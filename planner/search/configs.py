@@ -1,0 +1,111 @@
+"""The search space: a request's knobs, and every configuration (stages x replicas x micro-batching).
+
+A configuration uses S x D GPUs. It normally uses all G it is given; when the global batch B is
+smaller than G, at most B GPUs can work at once (each sample is in one place at a time), so plans
+on fewer GPUs (every divisor of G) are considered too and win when they are at least as fast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cost_models.errors import InvalidArgument
+from cost_models.memory import Optimizer, Precision
+from cost_models.units import plural
+from planner.budget import Reserve
+from planner.plan.kinds import ScheduleKind
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """The discrete knobs and fixed inputs of one planning request."""
+
+    gpus: int  # available; a plan may use fewer when the batch cannot feed them all
+    gpus_per_node: int
+    mem_bytes: int  # per GPU, what a plan may use (the budget less the reserve)
+    global_batch_size: int
+    optimizer: Optimizer
+    precision: Precision
+    schedules: tuple[ScheduleKind, ...]
+    micro_batch_sizes: tuple[int, ...] | None = None  # None: every divisor
+    num_stages: tuple[int, ...] | None = None  # None: every divisor of the GPUs used
+    max_units: int = 160
+    time_limit_s: float = 60.0
+    reserve: Reserve = Reserve()  # kept free on every GPU; mem_bytes is what is left
+    reserve_bytes: int = 0
+    data_parallel: tuple[int, ...] | None = None  # None: every degree the batch allows
+
+
+@dataclass(frozen=True)
+class Config:
+    num_stages: int
+    data_parallel: int
+    micro_batch_size: int
+    num_microbatches: int
+    schedule: ScheduleKind
+
+    @property
+    def gpus(self) -> int:
+        return self.num_stages * self.data_parallel
+
+    def describe(self) -> str:
+        return (f"{plural(self.num_stages, 'stage')} x {plural(self.data_parallel, 'replica')}, "
+                f"{plural(self.num_microbatches, 'micro-batch', 'micro-batches')} of "
+                f"{self.micro_batch_size}, {self.schedule.value}")
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def gpu_counts(space: SearchSpace) -> list[int]:
+    """The GPU counts plans may use, fewest first: all G; every divisor of G when the batch is smaller
+    than G; and S x D when both are fixed (num_stages and data_parallel) and divide G."""
+    counts = set(divisors(space.gpus)) if space.global_batch_size < space.gpus else {space.gpus}
+    if space.num_stages and space.data_parallel:
+        counts |= {s * d for s in space.num_stages for d in space.data_parallel if space.gpus % (s * d) == 0}
+    return sorted(counts)
+
+
+def configurations(space: SearchSpace, max_stages: int) -> list[Config]:
+    """Every (S, D, micro-batch, schedule) on a GPU count of :func:`gpu_counts` that divides the batch."""
+    configs = []
+    for gpus in gpu_counts(space):
+        for stages in divisors(gpus):
+            replicas = gpus // stages
+            if stages > max_stages or space.global_batch_size % replicas:
+                continue
+            if (space.num_stages and stages not in space.num_stages) or (
+                    space.data_parallel and replicas not in space.data_parallel):
+                continue
+            configs.extend(_micro_batchings(space, stages, replicas))
+    if not configs:
+        raise InvalidArgument(_batch_message(space))
+    return configs
+
+
+def _micro_batchings(space: SearchSpace, stages: int, replicas: int) -> list[Config]:
+    per_replica = space.global_batch_size // replicas
+    sizes = space.micro_batch_sizes or tuple(divisors(per_replica))
+    return [Config(stages, replicas, micro, per_replica // micro, schedule)
+            for micro in sizes if per_replica % micro == 0 for schedule in space.schedules]
+
+
+def _batch_message(space: SearchSpace) -> str:
+    sizes = f" into micro-batches of {list(space.micro_batch_sizes)}" if space.micro_batch_sizes else ""
+    stages = f" with {list(space.num_stages)} stages" if space.num_stages else ""
+    replicas = f" and {list(space.data_parallel)} replicas" if space.data_parallel else ""
+    return (f"batch size {space.global_batch_size} cannot be split over any data-parallel degree "
+            f"dividing {space.gpus} GPUs{stages}{replicas}{sizes}; use a batch size divisible by the "
+            f"data-parallel degree times the micro-batch size (e.g. a multiple of {space.gpus}), "
+            f"and stage counts and data-parallel degrees whose product divides the GPU count")
+
+
+def gpus_note(space: SearchSpace, used: int) -> str:
+    """Why a plan uses fewer GPUs than it was given ("" when it uses them all)."""
+    if used == space.gpus:
+        return ""
+    if space.global_batch_size < space.gpus:
+        return (f"uses {used} of {space.gpus} GPUs: a batch of {space.global_batch_size} keeps at most "
+                f"{space.global_batch_size} busy at once, and no plan on more GPUs was faster")
+    return f"uses {used} of {space.gpus} GPUs, as the stage count and data-parallel degree asked"

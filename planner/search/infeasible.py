@@ -1,0 +1,93 @@
+"""The error for a budget no plan fits: the binding stage's memory, by kind, and the fix that helps.
+
+A stage's memory is its model state (weights, gradients, optimizer state, buffers), its working
+memory (the largest transient: one node's output and its gradient; the buffer of what it sends),
+and its activations (saved activations and received inputs, per micro-batch in flight). Each is
+read off the cost terms of planner/search/terms.py with the evaluator: nothing is recomputed here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from cost_models.errors import PlanInfeasible
+from cost_models.units import format_bytes, plural
+from planner.budget import Reserve
+from planner.search.evaluate import split_term, term_value
+from planner.search.oracle import min_peak_partition
+
+if TYPE_CHECKING:
+    from planner.search.search import Setup
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """One stage's peak memory by kind (bytes), on its part's units ``first..last``."""
+
+    state_bytes: float
+    transient_bytes: float
+    transient_node: str
+    send_bytes: float
+    activation_bytes: float  # per micro-batch in flight
+    in_flight: int
+
+    @property
+    def working_bytes(self) -> float:
+        return self.transient_bytes + self.send_bytes
+
+    @property
+    def total_bytes(self) -> float:
+        return self.state_bytes + self.working_bytes + self.in_flight * self.activation_bytes
+
+    def describe(self) -> str:
+        return (f"{format_bytes(self.state_bytes)} of model state (weights, gradients, optimizer state, "
+                f"buffers), {format_bytes(self.working_bytes)} of working memory (largest transient "
+                f"{format_bytes(self.transient_bytes)}: the output of {self.transient_node} and its "
+                f"gradient; send buffer {format_bytes(self.send_bytes)}), "
+                f"{format_bytes(self.in_flight * self.activation_bytes)} of activations "
+                f"({plural(self.in_flight, 'micro-batch', 'micro-batches')} in flight x "
+                f"{format_bytes(self.activation_bytes)})")
+
+    def fix(self) -> str:
+        """What to change, by the kind of memory that dominates."""
+        kinds = {"state": self.state_bytes, "working": self.working_bytes,
+                 "activations": self.in_flight * self.activation_bytes}
+        largest = max(kinds, key=lambda kind: kinds[kind])
+        if largest == "state":
+            return "more GPUs (more pipeline stages split the model state)"
+        if largest == "working":
+            return (f"a smaller micro-batch or input ({self.transient_node}'s output is one tensor that "
+                    f"more GPUs cannot split)")
+        return "a smaller batch or micro-batch (fewer activations in flight), or more GPUs"
+
+
+def stage_memory(setup: Setup, part: int, stage: int, first: int, last: int) -> StageMemory:
+    """``part``'s memory on units ``first..last`` as ``stage`` holds it, by kind, from its cost terms."""
+    costs = setup.costs
+    static = split_term(costs.parts[part]["static_bytes"])
+    value = {name: term_value(costs, term, first, last) for name, term in static.items()}
+    transient_unit = max(range(first, last + 1), key=lambda unit: static["transient"].unit_max[unit])
+    node = max(setup.coarsening.units[transient_unit].nodes, key=lambda name: setup.table[name].output_bytes)
+    return StageMemory(value["held"], value["transient"], node, value["outgoing"],
+                       term_value(costs, costs.parts[part]["activation_bytes"], first, last),
+                       setup.problem.in_flight[stage])
+
+
+def infeasible_error(setup: Setup, budget: str, gpus: int, device_name: str,
+                     reserve: Reserve) -> PlanInfeasible:
+    """``setup`` is the most memory-frugal configuration's; its best partition's fullest stage is named."""
+    floor = min_peak_partition(setup.costs).evaluation
+    stage = max(range(len(floor.parts)), key=lambda index: floor.slot_peak_bytes[index])
+    part = setup.schedule.layout.part(stage)
+    summary = floor.parts[part]
+    memory = stage_memory(setup, part, stage, summary.first_unit, summary.last_unit)
+    need = floor.slot_peak_bytes[stage]
+    units = setup.coarsening.units[summary.first_unit:summary.last_unit + 1]
+    nodes = [name for unit in units for name in unit.nodes]
+    give = reserve.mem_for(need)
+    message = (f"no plan fits {budget} per GPU on {gpus} x {device_name}: the most memory-frugal layout "
+               f"({setup.config.describe()}) still needs {format_bytes(need)} on stage {stage} (nodes "
+               f"{nodes[0]} .. {nodes[-1]}): {memory.describe()}. Give mem >= {format_bytes(give)}, or "
+               f"{memory.fix()}.")
+    return PlanInfeasible(message, min_mem_bytes=give, binding=f"stage {stage} ({nodes[0]})")
