@@ -20,7 +20,7 @@ from runtime.report import RunReport, gather_report
 
 @dataclass(frozen=True)
 class RunOptions:
-    """What `python -m runtime` was asked to do (see runtime/launch.py for the flags)."""
+    """What `python -m runtime` was asked to do (see runtime/command.py for the flags)."""
 
     plan: Path
     steps: int

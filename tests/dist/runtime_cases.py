@@ -59,10 +59,11 @@ def _recording(name: str, lr: float, grads: dict[int, torch.Tensor]) -> Any:
 
 def run_cases(rank: int, world_size: int, cases: list[Case]) -> list[Outcome]:
     """Rank function: train every case with the Executor; report this rank's stages."""
-    return [_run_case(case) for case in cases]
+    return [run_case(case) for case in cases]
 
 
-def _run_case(case: Case) -> Outcome:
+def run_case(case: Case) -> Outcome:
+    """Train one case with the Executor on this rank (joining the group itself under torchrun)."""
     plan = Plan.from_dict(json.loads(case.plan_json))
     grads: dict[int, torch.Tensor] = {}
     model = initialize(rebuild_model(plan), SEED) if case.real_weights else rebuild_model(plan)

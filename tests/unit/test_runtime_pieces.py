@@ -15,8 +15,9 @@ from planner.reports.compare import compare
 from planner.reports.run_report import RunReport
 from planner.schedules.actions import Action, ActionKind
 from runtime import checks
+from runtime.command import parse_args
 from runtime.data import SyntheticData, TensorSpec, synthetic_task
-from runtime.launch import RankEnv, parse_args
+from runtime.launch import RankEnv
 from runtime.memory import MemoryTracker
 from runtime.microbatch import split_batch
 from runtime.optim import optimizer_factory
