@@ -115,15 +115,39 @@ def test_validate_puts_predictions_beside_measurements(plan: Plan, tmp_path: Pat
     assert "rank 3 peak memory" in capsys.readouterr().out
 
 
-def test_tessera_run_wraps_torchrun(plan: Plan, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tessera_run_checks_the_plan_then_starts_torchruns_agent(plan: Plan, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
-    monkeypatch.setattr("subprocess.call", lambda command: calls.append(command) or 0)
+    monkeypatch.setattr("planner.cli.run_command.supervise", lambda command: calls.append(command) or 0)
     plan.save(tmp_path / "plan.json")
     assert main(["run", str(tmp_path / "plan.json"), "--steps", "3", "--", "--seed", "2"]) == 0
     command = calls[0]
-    assert command[1:4] == ["-m", "torch.distributed.run", "--standalone"]
+    assert command[1:4] == ["-m", "runtime.agent", "--standalone"]
     assert command[command.index("--nproc-per-node") + 1] == "4" and command[-2:] == ["--seed", "2"]
     assert main(["show", str(tmp_path / "plan.json"), "--", "--seed", "2"]) == 2
+    assert main(["run", str(tmp_path / "plan.json"), "--nnodes", "2", "--rdzv-endpoint", "10.0.0.1:29400",
+                 "--rdzv-backend", "static", "--node-rank", "1"]) == 0
+    command = calls[1]
+    assert command[command.index("--nproc-per-node") + 1] == "2"
+    assert command[3:13] == ["--nnodes", "2", "--rdzv-backend", "static", "--rdzv-endpoint", "10.0.0.1:29400",
+                             "--node-rank", "1", "--nproc-per-node", "2"]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--nproc", "3"], "but --nproc 3 x 1 node(s) launches 3; run with --nproc 4"),
+    (["--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint"),
+    (["--nnodes", "3", "--rdzv-endpoint", "h:1"], "do not split evenly over --nnodes 3"),
+    (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--node-rank", "1"], "--node-rank is for --rdzv-backend static"),
+    (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--rdzv-backend", "static"], "needs --node-rank"),
+])
+def test_tessera_run_refuses_a_launch_that_cannot_work_before_starting_it(
+        plan: Plan, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        args: list[str], message: str) -> None:
+    monkeypatch.setattr("planner.cli.run_command.supervise", lambda command: pytest.fail("launched"))
+    plan.save(tmp_path / "plan.json")
+    assert main(["run", str(tmp_path / "plan.json"), *args]) == 2
+    error = capsys.readouterr().err
+    assert message in error and error.count("\n") == 1
 
 
 def test_runtime_flags_and_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
