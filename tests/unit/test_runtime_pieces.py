@@ -15,13 +15,14 @@ from planner.reports.compare import compare
 from planner.reports.run_report import RunReport
 from planner.schedules.actions import Action, ActionKind
 from runtime import checks
+from runtime.build import rebuild_model, trace_checked
 from runtime.command import parse_args
-from runtime.data import SyntheticData, TensorSpec, synthetic_task
+from runtime.data import SyntheticData, TensorSpec, input_specs, synthetic_task
 from runtime.launch import RankEnv
 from runtime.memory import MemoryTracker
 from runtime.microbatch import split_batch
 from runtime.optim import optimizer_factory
-from runtime.values import ValueKind, ValueSpec
+from runtime.values import ValueKind, ValueSpec, value_specs
 from tests.runtime_plans import GPT, make_plan
 
 
@@ -68,6 +69,29 @@ def test_the_synthetic_loss_follows_the_output_shape() -> None:
     assert task(4, 1, 8, 8)[0] == "mse" and task(4, 7, 5, 2, 2)[0] == "mse"
     with pytest.raises(RuntimeSetupError, match="one tensor"):
         synthetic_task(ValueSpec("y", ValueKind.INTS, (2,)))
+
+
+def _global_batch(plan_json: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s global batch as the plan's ranks draw it: micro-batch j = replica x M + m."""
+    plan = Plan.from_dict(json.loads(plan_json))
+    traced = trace_checked(rebuild_model(plan), plan)
+    inputs = [(meta.shape, getattr(torch, meta.dtype)) for meta in plan.model.example_inputs]
+    specs = value_specs(traced, inputs, plan.training.micro_batch_size)
+    output = next(node for node in traced.graph.nodes if node.op == "output").all_input_nodes[0].name
+    data = SyntheticData(input_specs(traced, specs), synthetic_task(specs[output]), seed=3)
+    parts = [data.microbatch(step, replica * plan.training.num_microbatches + m)
+             for replica in range(plan.data_parallel) for m in range(plan.training.num_microbatches)]
+    return torch.cat([part.inputs[0] for part in parts]), torch.cat([part.targets for part in parts])
+
+
+def test_the_synthetic_global_batch_is_the_same_under_plans_that_cut_it_differently() -> None:
+    pipeline = make_plan(GPT, ["blocks_1_ln_1"], schedule="gpipe", microbatches=8, micro_batch_size=1)
+    data_parallel = make_plan(GPT, ["blocks_1_ln_1"], schedule="1f1b", data_parallel=2, microbatches=2)
+    for step in (0, 5):
+        (inputs, targets), (other_inputs, other_targets) = (_global_batch(pipeline, step),
+                                                            _global_batch(data_parallel, step))
+        assert inputs.shape == (8, 32) and torch.equal(inputs, other_inputs)
+        assert torch.equal(targets, other_targets)
 
 
 def test_synthetic_micro_batches_depend_only_on_seed_step_and_index() -> None:
