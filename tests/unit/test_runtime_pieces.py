@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from cost_models.errors import InvalidArgument, PlanFileError, RuntimeSetupError
+from cost_models.errors import CheckpointError, InvalidArgument, PlanFileError, RuntimeSetupError
 from planner.cli import main
 from planner.plan import Plan
 from planner.reports.compare import compare
@@ -16,6 +17,7 @@ from planner.reports.run_report import RunReport
 from planner.schedules.actions import Action, ActionKind
 from runtime import checks
 from runtime.build import rebuild_model, trace_checked
+from runtime.checkpoint import Latest, check_resumable, split_digest
 from runtime.command import parse_args
 from runtime.data import SyntheticData, TensorSpec, input_specs, synthetic_task
 from runtime.launch import RankEnv
@@ -183,6 +185,19 @@ def test_runtime_flags_and_the_environment(monkeypatch: pytest.MonkeyPatch) -> N
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(RuntimeSetupError, match="torchrun"):
         RankEnv.from_environ()
+
+
+def test_a_checkpoint_is_resumable_only_by_its_model_and_cut_and_with_steps_left(plan: Plan) -> None:
+    saved = Latest(20, plan.model.fingerprint, split_digest(plan), ("idx", "blocks_1_ln_1"))
+    check_resumable(saved, plan, 21, Path("ck"))
+    check_resumable(dataclasses.replace(saved, split=None), plan, 21, Path("ck"))  # written before splits
+    for changed, steps, message in [({}, 20, "at step 20, so --steps 20 leaves nothing to train"),
+                                    ({}, 5, "pass --steps above 20"),
+                                    ({"fingerprint": "f" * 64}, 21, "of another model"),
+                                    ({"split": "0" * 16}, 21, "cuts the model into 2 stages starting at")]:
+        with pytest.raises(CheckpointError, match=message) as refused:
+            check_resumable(dataclasses.replace(saved, **changed), plan, steps, Path("ck"))
+        assert refused.value.same_on_every_rank  # so rank 0 alone prints it
 
 
 def test_held_bytes_count_saved_activations_until_their_backward() -> None:
