@@ -182,7 +182,8 @@ def stop_job(agent: subprocess.Popen[bytes], timeout_s: float) -> None:
     for rank_pid in ranks:
         _signal_group(rank_pid, signal.SIGKILL)
     _signal_group(agent.pid, signal.SIGKILL)
-    agent.wait()
+    with contextlib.suppress(subprocess.TimeoutExpired):  # a process stuck in the kernel outlives SIGKILL
+        agent.wait(timeout_s)
 
 
 def child_pids(pid: int) -> list[int]:

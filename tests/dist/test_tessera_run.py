@@ -95,7 +95,7 @@ def test_a_signal_to_tessera_run_stops_every_rank_and_says_one_line(
     try:
         job = _started(out, plans["gpt2"], 120)
         assert len(job) == 3, f"expected the agent and 2 ranks, found pids {job}"
-        os.kill(process.pid, signum)
+        os.killpg(process.pid, signum)  # to tessera's process group, as a terminal's Ctrl-C
         assert process.wait(timeout=60) == 128 + signum
         assert said(err.read_text()) == [line]
         assert _job_processes(plans["gpt2"]) == [], "ranks outlived `tessera run`"
