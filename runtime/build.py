@@ -19,10 +19,10 @@ from torch.fx.passes.split_module import split_module
 
 from cost_models.errors import RuntimeSetupError
 from planner.plan import Plan
-from planner.preflight import default_dtype, meta_inputs, rebuild_model, trace_checked
+from planner.preflight import default_dtype, rebuild_model, trace_checked
 
 __all__ = ["attribute", "canonical_names", "check_materialised", "default_dtype", "holder_modules",
-           "meta_inputs", "on_meta", "rebuild_model", "split_stages", "stage_tensors", "trace_checked"]
+           "on_meta", "rebuild_model", "split_stages", "stage_tensors", "trace_checked"]
 
 
 def split_stages(traced: torch.fx.GraphModule, model: nn.Module,

@@ -83,7 +83,7 @@ def latest(directory: Path) -> Latest | None:
 
 
 def check_resumable(saved: Latest, plan: Plan, steps: int, directory: Path) -> None:
-    """Refuse, alike on every rank, a checkpoint of another model or cut, or one with nothing left to train."""
+    """Refuse, alike on every rank, a checkpoint of another model or cut, or with nothing left to train."""
     def refuse(reason: str) -> CheckpointError:
         return CheckpointError(f"cannot resume from {directory}: {reason}", same_on_every_rank=True)
 
@@ -129,7 +129,8 @@ def load_stage_state(executor: Executor, stage: int, saved: dict[str, Any]) -> N
     local = executor.stages[stage]
     tensors = stage_state_tensors(executor.model, local)
     if set(saved["model"]) != set(tensors):
-        extra, missing = sorted(set(saved["model"]) - set(tensors)), sorted(set(tensors) - set(saved["model"]))
+        written, wanted = set(saved["model"]), set(tensors)
+        extra, missing = sorted(written - wanted), sorted(wanted - written)
         raise CheckpointError(f"stage {stage}'s checkpoint was written for another plan: it holds "
                               f"{len(extra)} tensors this stage lacks (first {extra[0] if extra else '-'}) "
                               f"and lacks {len(missing)} it has (first {missing[0] if missing else '-'}); "

@@ -137,7 +137,8 @@ class SyntheticData:
             made_inputs = tuple(torch.stack(column) for column in zip(*drawn))
         made_targets = None
         if targets:
-            made_targets = torch.stack([self.task.target.draw_sample(generator(self.seed, "targets", step, index))
+            target = self.task.target
+            made_targets = torch.stack([target.draw_sample(generator(self.seed, "targets", step, index))
                                         for index in indices])
         return Microbatch(made_inputs, made_targets)
 

@@ -10,6 +10,7 @@ from typing import Sequence
 
 from cost_models.errors import InvalidArgument, TesseraError
 from cost_models.memory import Optimizer, Precision
+from planner.cli.run_command import Rendezvous
 from planner.plan.kinds import ScheduleKind
 
 EXIT_USAGE = 2
@@ -74,11 +75,13 @@ def _add_run(parser: argparse.ArgumentParser) -> None:
                         help="processes on this node (default: the plan's GPUs / --nnodes)")
     parser.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
     nodes = parser.add_argument_group("several nodes", "run `tessera run` on every node with the "
-                                      "same arguments (torchrun's rendezvous joins them)")
+                                      "same arguments, --node-rank aside (torchrun's rendezvous "
+                                      "joins them)")
     nodes.add_argument("--nnodes", type=int, default=1, help="nodes of the job (default 1)")
     nodes.add_argument("--rdzv-endpoint", metavar="HOST:PORT", default=None,
                        help="an address of the first node that every node reaches")
-    nodes.add_argument("--rdzv-backend", choices=["c10d", "static"], default="c10d",
+    nodes.add_argument("--rdzv-backend", choices=[kind.value for kind in Rendezvous], default="c10d",
+                       type=str.lower,
                        help="c10d (default) numbers the nodes itself; static needs --node-rank")
     nodes.add_argument("--rdzv-id", default=None, help="job id shared by the nodes (c10d)")
     nodes.add_argument("--node-rank", type=int, default=None, help="this node's rank (static only)")
@@ -88,7 +91,8 @@ def _add_run(parser: argparse.ArgumentParser) -> None:
 def _run_plan_file(args: argparse.Namespace) -> int:
     from planner.cli.run_command import Nodes, RunRequest, run_plan
 
-    nodes = Nodes(args.nnodes, args.rdzv_endpoint, args.rdzv_backend, args.rdzv_id, args.node_rank)
+    nodes = Nodes(args.nnodes, args.rdzv_endpoint, Rendezvous(args.rdzv_backend), args.rdzv_id,
+                  args.node_rank)
     return run_plan(RunRequest(args.plan_file, args.steps, args.nproc, nodes, tuple(args.passthrough)))
 
 

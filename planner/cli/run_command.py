@@ -19,6 +19,7 @@ import subprocess
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 
 from cost_models.errors import InvalidArgument, RuntimeSetupError
@@ -26,7 +27,13 @@ from planner.plan import Plan
 
 AGENT_SHUTDOWN_S = 15  # the agent's SIGTERM-to-SIGKILL grace for its ranks
 STOP_TIMEOUT_S = 30.0  # how long `tessera run` waits for the agent to stop before killing it
-RDZV_BACKENDS = ("c10d", "static")
+
+
+class Rendezvous(str, Enum):
+    """torchrun's rendezvous backends: c10d numbers the nodes itself, static takes --node-rank."""
+
+    C10D = "c10d"
+    STATIC = "static"
 
 
 @dataclass(frozen=True)
@@ -40,23 +47,20 @@ class Nodes:
 
     count: int = 1
     endpoint: str | None = None
-    backend: str = "c10d"
+    backend: Rendezvous = Rendezvous.C10D
     job_id: str | None = None
     node_rank: int | None = None
 
     def check(self) -> None:
         if self.count < 1:
             raise InvalidArgument(f"--nnodes must be >= 1, got {self.count}")
-        if self.backend not in RDZV_BACKENDS:
-            raise InvalidArgument(f"--rdzv-backend must be one of {', '.join(RDZV_BACKENDS)}, got "
-                                  f"{self.backend!r}")
         if self.count > 1 and not self.endpoint:
             raise InvalidArgument(f"--nnodes {self.count} needs --rdzv-endpoint HOST:PORT, an address "
                                   f"of the first node that every node can reach")
-        if self.backend == "static" and self.count > 1 and self.node_rank is None:
+        if self.backend is Rendezvous.STATIC and self.count > 1 and self.node_rank is None:
             raise InvalidArgument(f"--rdzv-backend static needs --node-rank (0 to {self.count - 1}) "
                                   f"on every node")
-        if self.node_rank is not None and self.backend != "static":
+        if self.node_rank is not None and self.backend is not Rendezvous.STATIC:
             raise InvalidArgument("--node-rank is for --rdzv-backend static; the c10d rendezvous numbers "
                                   "the nodes itself")
         if self.node_rank is not None and not 0 <= self.node_rank < self.count:
@@ -67,7 +71,7 @@ class Nodes:
         """torchrun's rendezvous arguments: ``--standalone`` for one node without an endpoint."""
         if self.count == 1 and self.endpoint is None:
             return ["--standalone"]
-        args = ["--nnodes", str(self.count), "--rdzv-backend", self.backend, "--rdzv-endpoint",
+        args = ["--nnodes", str(self.count), "--rdzv-backend", self.backend.value, "--rdzv-endpoint",
                 str(self.endpoint)]
         args += ["--rdzv-id", self.job_id] if self.job_id else []
         args += ["--node-rank", str(self.node_rank)] if self.node_rank is not None else []

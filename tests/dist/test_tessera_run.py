@@ -137,7 +137,8 @@ def test_a_refusal_only_the_ranks_can_make_is_one_line_and_exit_2(plans: dict[st
 
 
 def test_a_failing_rank_exits_1_without_torchruns_report(plans: dict[str, Path]) -> None:
-    result = tessera("run", str(plans["gpt2"]), "--steps", "2", "--", "--fail-at-step", "1", "--fail-rank", "1")
+    result = tessera("run", str(plans["gpt2"]), "--steps", "2", "--", "--fail-at-step", "1",
+                     "--fail-rank", "1")
     assert result.returncode == 1
     assert said(result.stderr)[0] == "tessera: rank 1 failed:"
     assert result.stderr.count("injected failure on rank 1") == 1
@@ -156,8 +157,8 @@ def checkpoints(plans: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 @pytest.mark.parametrize(("plan", "steps", "message"), [
     ("gpt2", "1", "its newest checkpoint is at step 2, so --steps 1 leaves nothing to train; pass --steps "
                   "above 2"),
-    ("cut_elsewhere", "3", "its checkpoint was written by a plan that cuts the model into 2 stages starting at "
-                           "['idx', 'blocks_1_ln_1'], but this plan's 2 stages start at "
+    ("cut_elsewhere", "3", "its checkpoint was written by a plan that cuts the model into 2 stages "
+                           "starting at ['idx', 'blocks_1_ln_1'], but this plan's 2 stages start at "
                            "['idx', 'blocks_0_attn_qkv']"),
 ])
 def test_resuming_what_cannot_be_resumed_is_one_line_and_exit_2(
@@ -195,7 +196,8 @@ def one_node(plans: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -
     return RunReport.load(report)
 
 
-@pytest.mark.parametrize("rendezvous", [["--rdzv-backend", "c10d"], ["--rdzv-backend", "static", "--node-rank"]])
+@pytest.mark.parametrize("rendezvous", [["--rdzv-backend", "c10d"],
+                                        ["--rdzv-backend", "static", "--node-rank"]])
 def test_two_tessera_runs_on_the_loopback_are_one_job_with_the_losses_of_one_node(
         plans: dict[str, Path], one_node: RunReport, tmp_path: Path, rendezvous: list[str]) -> None:
     endpoint = f"127.0.0.1:{_free_port()}"
@@ -203,8 +205,8 @@ def test_two_tessera_runs_on_the_loopback_are_one_job_with_the_losses_of_one_nod
     for node in range(2):
         flags = [*rendezvous, str(node)] if rendezvous[-1] == "--node-rank" else rendezvous
         nodes.append(subprocess.Popen(
-            [TESSERA, "run", str(plans["gpt2x2"]), "--steps", "2", "--nnodes", "2", "--rdzv-endpoint", endpoint,
-             *flags, "--", "--report", str(tmp_path / "two_nodes.json")],
+            [TESSERA, "run", str(plans["gpt2x2"]), "--steps", "2", "--nnodes", "2", "--rdzv-endpoint",
+             endpoint, *flags, "--", "--report", str(tmp_path / "two_nodes.json")],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV))
     outcomes = [node.communicate(timeout=240) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outcomes

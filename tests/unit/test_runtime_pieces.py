@@ -163,7 +163,8 @@ def test_tessera_run_checks_the_plan_then_starts_torchruns_agent(plan: Plan, tmp
     (["--nproc", "3"], "but --nproc 3 x 1 node(s) launches 3; run with --nproc 4"),
     (["--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint"),
     (["--nnodes", "3", "--rdzv-endpoint", "h:1"], "do not split evenly over --nnodes 3"),
-    (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--node-rank", "1"], "--node-rank is for --rdzv-backend static"),
+    (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--node-rank", "1"],
+     "--node-rank is for --rdzv-backend static"),
     (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--rdzv-backend", "static"], "needs --node-rank"),
 ])
 def test_tessera_run_refuses_a_launch_that_cannot_work_before_starting_it(
