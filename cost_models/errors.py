@@ -81,4 +81,12 @@ class PeerFailure(RankFailure):
 
 
 class CheckpointError(TesseraError):
-    """A checkpoint is missing, incomplete, or belongs to another plan."""
+    """A checkpoint is missing, incomplete, or belongs to another plan.
+
+    ``same_on_every_rank`` is true when every rank reads the same file (``latest.json``) and
+    so meets the same error; a stage file is read by its own ranks only.
+    """
+
+    def __init__(self, message: str, *, same_on_every_rank: bool = False) -> None:
+        super().__init__(message)
+        self.same_on_every_rank = same_on_every_rank

@@ -1,6 +1,6 @@
 """tessera's executor: runs a saved plan under torchrun, or inside a user's script.
 
-Example (inside a torchrun process with torch.distributed initialised)::
+Example (a script started by torchrun; the Executor joins the process group if it is not yet)::
 
     import runtime
     exe = runtime.Executor(plan, model, loss_fn, lambda params: torch.optim.Adam(params))

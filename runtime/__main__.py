@@ -1,5 +1,5 @@
-"""``torchrun --nproc-per-node N -m runtime PLAN --steps K``: see runtime/launch.py."""
+"""``torchrun --nproc-per-node N -m runtime PLAN --steps K``: see runtime/command.py."""
 
-from runtime.launch import main
+from runtime.command import main
 
 raise SystemExit(main())

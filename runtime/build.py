@@ -1,17 +1,16 @@
 """Rebuild the planned model, check it is the one planned, split it into stages, materialise a share.
 
-The model is built on the meta device in the plan's precision, traced exactly as the planner
-traced it (same node names, same fingerprint), split with ``torch.fx.passes.split_module`` by
-the plan's node-to-stage map, and only the modules this rank's stages use get real weights
-(:func:`runtime.initialize`, keyed by module name, so every rank agrees with a
-single-process model initialised with the same seed).
+The model is built on the meta device in the plan's precision and traced exactly as the planner
+traced it, same node names and fingerprint (planner/preflight.py, which `tessera run` also runs
+before launching); it is split with ``torch.fx.passes.split_module`` by the plan's node-to-stage
+map, and only the modules this rank's stages use get real weights (:func:`runtime.initialize`,
+keyed by module name, so every rank agrees with a single-process model initialised with the
+same seed).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Collection, Iterator, Sequence
-from pathlib import Path
+from collections.abc import Collection, Sequence
 
 import torch
 import torch.fx
@@ -19,58 +18,11 @@ from torch import nn
 from torch.fx.passes.split_module import split_module
 
 from cost_models.errors import RuntimeSetupError
-from cost_models.graph.capture import LeafSpec
 from planner.plan import Plan
+from planner.preflight import default_dtype, rebuild_model, trace_checked
 
-
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
-
-
-def rebuild_model(plan: Plan, search_root: Path | None = None) -> nn.Module:
-    """The plan's model from its builder, on the meta device, in the plan's precision."""
-    from cost_models.graph.model_spec import build_model, load_builder
-
-    if not plan.model.builder:
-        raise RuntimeSetupError("the plan records no model builder (it was planned from a Python "
-                                "object); run it from your script with runtime.Executor(plan, model, ...)")
-    builder = load_builder(plan.model.builder, search_root)
-    with default_dtype(getattr(torch, plan.model.precision.dtype)):
-        return build_model(builder, dict(plan.model.builder_kwargs), "meta")
-
-
-def meta_inputs(plan: Plan) -> tuple[torch.Tensor, ...]:
-    """Meta tensors of the plan's example input shapes (the traced batch size)."""
-    return tuple(torch.empty(meta.shape, dtype=getattr(torch, meta.dtype), device="meta")
-                 for meta in plan.model.example_inputs)
-
-
-def trace_checked(model: nn.Module, plan: Plan,
-                  leaf_modules: Sequence[LeafSpec] = ()) -> torch.fx.GraphModule:
-    """Capture as the planner did and check the fingerprint (nothing is costed); returns the GraphModule."""
-    from cost_models.graph.tracing import rebuild_graph
-
-    graph, traced = rebuild_graph(model, meta_inputs(plan), leaf_modules)
-    if graph.fingerprint != plan.model.fingerprint:
-        raise RuntimeSetupError(
-            f"the rebuilt model's graph fingerprint {graph.fingerprint[:16]}... differs from the "
-            f"plan's {plan.model.fingerprint[:16]}... (builder {plan.model.builder!r}, arguments "
-            f"{dict(plan.model.builder_kwargs)}, precision {plan.model.precision.value}, inputs "
-            f"{[m.shape for m in plan.model.example_inputs]}): the model changed since planning, or "
-            f"it is built with other arguments or leaf modules. Re-plan it with `tessera plan`")
-    known = {node.name for node in traced.graph.nodes}
-    part_of = plan.part_of()
-    missing = sorted(known - set(part_of))
-    if missing:
-        raise RuntimeSetupError(f"nodes {missing[:5]} of the model are in no stage of the plan; "
-                                f"re-create the plan with `tessera plan`")
-    return traced
+__all__ = ["attribute", "canonical_names", "check_materialised", "default_dtype", "holder_modules",
+           "on_meta", "rebuild_model", "split_stages", "stage_tensors", "trace_checked"]
 
 
 def split_stages(traced: torch.fx.GraphModule, model: nn.Module,

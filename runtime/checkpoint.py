@@ -4,19 +4,25 @@ Layout::
 
     DIR/step-00000012/stage-0.pt    {"step", "stage", "fingerprint", "model", "optimizer"}
     DIR/step-00000012/stage-1.pt
-    DIR/latest.json                 {"step": 12, "fingerprint": ...}  (written last, by rank 0)
+    DIR/latest.json                 {"step": 12, "fingerprint": ..., "split": ..., "stage_starts": [...]}
+                                    (written last, by rank 0)
 
 Each stage file is written by the stage's first replica (replicas hold identical weights and
 optimizer state). ``latest.json`` moves only after every stage file of that step exists, so a
-kill at any moment leaves the previous complete checkpoint in place. Files hold state dicts
-(``torch.save``; loaded with ``weights_only=True``), never pickled plan objects.
+kill at any moment leaves the previous complete checkpoint in place. It names the model
+(fingerprint) and how the plan cut it into stages (``split``, a digest of the node-to-stage map),
+so resuming with another model or another cut is refused before any stage file is read, by every
+rank alike. Files hold state dicts (``torch.save``; loaded with ``weights_only=True``), never
+pickled plan objects.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,42 +30,81 @@ import torch
 import torch.distributed as dist
 
 from cost_models.errors import CheckpointError
+from planner.plan import Plan
 from runtime.executor import Executor
 from runtime.stages import stage_state_tensors
+
+
+@dataclass(frozen=True)
+class Latest:
+    """What ``latest.json`` says of the newest complete checkpoint."""
+
+    step: int
+    fingerprint: str
+    split: str | None = None  # None in checkpoints written before the split was recorded
+    stage_starts: tuple[str, ...] = ()
+
+
+def split_digest(plan: Plan) -> str:
+    """A digest of the plan's node-to-stage map: equal for plans that cut the model alike."""
+    return hashlib.sha256(json.dumps(sorted(plan.part_of().items())).encode()).hexdigest()[:16]
 
 
 def save(executor: Executor, directory: Path, step: int) -> None:
     """Write this rank's stage files for ``step`` (collective: every rank calls it)."""
     folder = directory / f"step-{step:08d}"
     folder.mkdir(parents=True, exist_ok=True)
+    plan = executor.plan
     if executor.replica == 0:
         for stage in executor.stage_ids:
-            payload = {"step": step, "stage": stage, "fingerprint": executor.plan.model.fingerprint,
+            payload = {"step": step, "stage": stage, "fingerprint": plan.model.fingerprint,
                        **stage_state(executor, stage)}
             _atomic(folder / f"stage-{stage}.pt", lambda handle, p=payload: torch.save(p, handle))
     dist.barrier()
     if executor.rank == 0:
-        latest = {"step": step, "fingerprint": executor.plan.model.fingerprint}
+        latest = {"step": step, "fingerprint": plan.model.fingerprint, "split": split_digest(plan),
+                  "stage_starts": [stage.nodes[0] for stage in plan.stages]}
         _atomic(directory / "latest.json", lambda handle: handle.write(json.dumps(latest).encode()))
     dist.barrier()
 
 
-def latest_step(directory: Path) -> int | None:
-    """The step of the newest complete checkpoint in ``directory``, or None if there is none."""
+def latest(directory: Path) -> Latest | None:
+    """The newest complete checkpoint in ``directory``, or None if there is none (or no directory)."""
     path = directory / "latest.json"
     if not path.exists():
         return None
     try:
-        return int(json.loads(path.read_text())["step"])
-    except (ValueError, KeyError, json.JSONDecodeError) as error:
-        raise CheckpointError(f"{path} is corrupt ({error}); delete it to start over") from error
+        data = json.loads(path.read_text())
+        return Latest(int(data["step"]), str(data["fingerprint"]), data.get("split"),
+                      tuple(data.get("stage_starts", ())))
+    except (ValueError, KeyError, TypeError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{path} is corrupt ({error}); delete it to start over",
+                              same_on_every_rank=True) from error
 
 
-def restore(executor: Executor, directory: Path) -> int:
-    """Load this rank's stages from the newest checkpoint; returns its step (0 if none)."""
-    step = latest_step(directory)
-    if step is None:
-        return 0
+def check_resumable(saved: Latest, plan: Plan, steps: int, directory: Path) -> None:
+    """Refuse, alike on every rank, a checkpoint of another model or cut, or with nothing left to train."""
+    def refuse(reason: str) -> CheckpointError:
+        return CheckpointError(f"cannot resume from {directory}: {reason}", same_on_every_rank=True)
+
+    if saved.fingerprint != plan.model.fingerprint:
+        raise refuse(f"its checkpoint is of another model (graph fingerprint {saved.fingerprint[:16]}..., "
+                     f"this plan's {plan.model.fingerprint[:16]}...); resume with the plan that wrote "
+                     f"it, or use another --checkpoint-dir")
+    if saved.split is not None and saved.split != split_digest(plan):
+        starts = [stage.nodes[0] for stage in plan.stages]
+        raise refuse(f"its checkpoint was written by a plan that cuts the model into "
+                     f"{len(saved.stage_starts)} stages starting at {list(saved.stage_starts)}, but "
+                     f"this plan's {len(starts)} stages start at {starts}; resume with the plan that "
+                     f"wrote it, or use another --checkpoint-dir")
+    if saved.step >= steps:
+        raise refuse(f"its newest checkpoint is at step {saved.step}, so --steps {steps} leaves nothing "
+                     f"to train; pass --steps above {saved.step} to train on from it, or use another "
+                     f"--checkpoint-dir to start over")
+
+
+def restore(executor: Executor, directory: Path, step: int) -> int:
+    """Load this rank's stages from the checkpoint of ``step``; returns the step."""
     for stage in executor.stage_ids:
         path = directory / f"step-{step:08d}" / f"stage-{stage}.pt"
         saved = _load(path, executor.device)
@@ -84,8 +129,12 @@ def load_stage_state(executor: Executor, stage: int, saved: dict[str, Any]) -> N
     local = executor.stages[stage]
     tensors = stage_state_tensors(executor.model, local)
     if set(saved["model"]) != set(tensors):
-        raise CheckpointError(f"stage {stage}'s checkpoint holds {sorted(saved['model'])[:4]}... but "
-                              f"the stage has {sorted(tensors)[:4]}...; it was written for another plan")
+        written, wanted = set(saved["model"]), set(tensors)
+        extra, missing = sorted(written - wanted), sorted(wanted - written)
+        raise CheckpointError(f"stage {stage}'s checkpoint was written for another plan: it holds "
+                              f"{len(extra)} tensors this stage lacks (first {extra[0] if extra else '-'}) "
+                              f"and lacks {len(missing)} it has (first {missing[0] if missing else '-'}); "
+                              f"resume with the plan that wrote it, or use another --checkpoint-dir")
     with torch.no_grad():
         for name, tensor in tensors.items():
             tensor.copy_(saved["model"][name])

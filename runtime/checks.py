@@ -1,17 +1,22 @@
 """Set-up checks made before any work: world size, the plan's layout and programs, what this runtime runs.
 
-``check_plan`` accepts every plan whose layout and programs are consistent (spatial tiles and
-ranks holding several stages included: the validator replays every rank's program, so a corrupt
-plan is refused instead of hanging). ``check_executable`` then refuses, with the reason, what
-this runtime does not execute yet.
+``check_plan`` (planner/preflight.py, which `tessera run` also makes before launching) accepts
+every plan whose layout and programs are consistent (spatial tiles and ranks holding several
+stages included: the validator replays every rank's program, so a corrupt plan is refused instead
+of hanging). ``check_executable`` then refuses, with the reason, what this runtime does not
+execute yet.
 """
 
 from __future__ import annotations
 
-from cost_models.errors import PlanFileError, RuntimeSetupError
+from cost_models.errors import RuntimeSetupError
 from cost_models.memory import Precision
-from planner.plan import SCHEMA_VERSION, Plan, check_invariants
-from planner.schedules import Action, ActionKind, Program, ScheduleError, parse_programs, validate
+from planner.plan import Plan
+from planner.preflight import check_plan, programs
+from planner.schedules import Action, ActionKind, Program
+
+__all__ = ["SUPPORTED", "check_executable", "check_plan", "check_world_size", "my_stages", "rank_program",
+           "segments"]
 
 SUPPORTED = frozenset({ActionKind.F, ActionKind.B, ActionKind.SEND_F, ActionKind.RECV_F,
                        ActionKind.SEND_B, ActionKind.RECV_B, ActionKind.ALLREDUCE,
@@ -26,23 +31,6 @@ def check_world_size(plan: Plan, world_size: int) -> None:
             f"{plan.data_parallel} data-parallel replicas) but {world_size} were launched; run "
             f"`torchrun --nproc-per-node {plan.layout.world_size} -m runtime PLAN` (or `tessera run "
             f"PLAN`), or re-plan for {world_size} GPUs")
-
-
-def check_plan(plan: Plan) -> None:
-    """Schema, sizes that must agree, the batch arithmetic, and every rank's program against the layout."""
-    if plan.schema_version != SCHEMA_VERSION:
-        raise RuntimeSetupError(f"plan schema_version is {plan.schema_version} but this runtime runs "
-                                f"version {SCHEMA_VERSION}; re-create the plan with `tessera plan`")
-    try:
-        check_invariants(plan)  # the plan file's own checks (planner/plan/invariants.py)
-    except PlanFileError as error:
-        raise RuntimeSetupError(str(error)) from None
-    programs = _parse(plan)
-    try:
-        validate(programs, plan.layout, edges={(t.src_stage, t.dst_stage) for t in plan.transfers})
-    except ScheduleError as error:
-        raise RuntimeSetupError(f"the plan's programs cannot run: {error.reason}; re-create it with "
-                                f"`tessera plan`") from None
 
 
 def check_executable(plan: Plan) -> None:
@@ -71,7 +59,7 @@ def check_executable(plan: Plan) -> None:
 
 def rank_program(plan: Plan, rank: int) -> Program:
     """This rank's parsed program; rejects actions the runtime cannot run yet."""
-    program = _parse(plan)[rank]
+    program = programs(plan)[rank]
     unsupported = sorted({action.kind.value for action in program if action.kind not in SUPPORTED})
     if unsupported:
         raise RuntimeSetupError(f"rank {rank}'s program uses {unsupported}, which this runtime does "
@@ -82,13 +70,6 @@ def rank_program(plan: Plan, rank: int) -> Program:
 def my_stages(plan: Plan, rank: int) -> tuple[tuple[int, ...], int]:
     """The stages ``rank`` runs and its data-parallel replica."""
     return plan.layout.stages_of_rank(rank), plan.layout.place(rank).replica
-
-
-def _parse(plan: Plan) -> tuple[Program, ...]:
-    try:
-        return parse_programs(plan.programs)
-    except ValueError as error:
-        raise RuntimeSetupError(f"the plan's programs are malformed: {error}") from None
 
 
 def segments(program: Program) -> list[Action | tuple[Action, ...]]:

@@ -1,4 +1,4 @@
-"""Synthetic training data and loss for `python -m runtime`: deterministic per (seed, step, micro-batch).
+"""Synthetic training data and loss for `python -m runtime`: deterministic per (seed, step, sample).
 
 * Float inputs are standard normal; integer inputs are uniform in ``[0, high)`` where ``high``
   is the smallest ``num_embeddings`` of the embeddings reading that input (2 if none does).
@@ -6,9 +6,13 @@
   ``(N, C)`` (class targets ``(N,)``), ``(N, S, V)`` (token targets ``(N, S)``) and
   ``(N, C, H, W)`` with ``C >= 2`` (per-pixel targets ``(N, H, W)``); mean squared error
   against standard-normal targets of ``y``'s shape otherwise.
-* Micro-batch ``j`` of step ``k`` (``j = replica x micro-batches + m``) draws its inputs and
-  its targets from generators seeded by ``(seed, "inputs"|"targets", k, j)``, so any rank can
-  make exactly the part it needs and a resumed run sees the data an uninterrupted one would.
+* Sample ``i`` of step ``k``'s global batch draws its inputs and its targets from generators
+  seeded by ``(seed, "inputs"|"targets", k, i)``. The data is a function of the global sample
+  index alone: micro-batch ``j`` of size ``b`` (``j = replica x micro-batches + m``, as
+  runtime/microbatch.py cuts a global batch) holds samples ``j b`` to ``j b + b - 1``, so plans
+  that cut the same global batch differently (data-parallel degree, micro-batch size) train on
+  the same samples, any rank can make exactly the part it needs, and a resumed run sees the data
+  an uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -29,16 +33,22 @@ from runtime.values import ValueKind, ValueSpec
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """A tensor of one micro-batch: shape, dtype, and for integers the exclusive upper bound."""
+    """A tensor of one micro-batch (batch dimension first): shape, dtype, and for integers the
+    exclusive upper bound."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     high: int = 2
 
-    def draw(self, rng: torch.Generator) -> torch.Tensor:
+    @property
+    def batch_size(self) -> int:
+        return self.shape[0]
+
+    def draw_sample(self, rng: torch.Generator) -> torch.Tensor:
+        """One sample (the shape without its batch dimension)."""
         if self.dtype.is_floating_point:
-            return torch.randn(self.shape, generator=rng, dtype=self.dtype)
-        return torch.randint(0, self.high, self.shape, generator=rng, dtype=self.dtype)
+            return torch.randn(self.shape[1:], generator=rng, dtype=self.dtype)
+        return torch.randint(0, self.high, self.shape[1:], generator=rng, dtype=self.dtype)
 
 
 @dataclass(frozen=True)
@@ -106,18 +116,32 @@ def _attr_rows(traced: torch.fx.GraphModule, target: str) -> int:
 
 @dataclass(frozen=True)
 class SyntheticData:
-    """Deterministic micro-batches: ``microbatch(step, index)`` is the same in every process."""
+    """Deterministic samples: ``samples(step, first, count)`` is the same in every process and plan."""
 
     inputs: tuple[TensorSpec, ...]
     task: SyntheticTask
     seed: int
 
     def microbatch(self, step: int, index: int, *, inputs: bool = True, targets: bool = True) -> Microbatch:
+        """Micro-batch ``index`` of the global batch of ``step`` (the specs' batch size each)."""
+        size = self.task.target.batch_size
+        return self.samples(step, index * size, size, inputs=inputs, targets=targets)
+
+    def samples(self, step: int, first: int, count: int, *, inputs: bool = True,
+                targets: bool = True) -> Microbatch:
+        """Samples ``first`` to ``first + count - 1`` of the global batch of ``step``, stacked."""
+        indices = range(first, first + count)
         made_inputs = None
         if inputs:
-            rng = generator(self.seed, "inputs", step, index)
-            made_inputs = tuple(spec.draw(rng) for spec in self.inputs)
+            drawn = [self._inputs(step, index) for index in indices]
+            made_inputs = tuple(torch.stack(column) for column in zip(*drawn))
         made_targets = None
         if targets:
-            made_targets = self.task.target.draw(generator(self.seed, "targets", step, index))
+            target = self.task.target
+            made_targets = torch.stack([target.draw_sample(generator(self.seed, "targets", step, index))
+                                        for index in indices])
         return Microbatch(made_inputs, made_targets)
+
+    def _inputs(self, step: int, index: int) -> tuple[torch.Tensor, ...]:
+        rng = generator(self.seed, "inputs", step, index)
+        return tuple(spec.draw_sample(rng) for spec in self.inputs)

@@ -17,13 +17,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cost_models.errors import RuntimeSetupError
 from cost_models.graph.capture import LeafSpec
 from planner.plan import Plan
 from planner.schedules import Action, ActionKind
 from runtime.comm import P2P, Message, wait_for
 from runtime.dataflow import SourceKind
 from runtime.grads import GradientSync
+from runtime.launch import join_group
 from runtime.memory import MemoryTracker
 from runtime.microbatch import Microbatch, Targets, split_batch
 from runtime.seeding import seeded
@@ -37,7 +37,11 @@ _HANDLERS = {ActionKind.F: "_forward", ActionKind.B: "_backward", ActionKind.ALL
 
 
 class Executor:
-    """Runs a plan's program for this rank inside an initialised ``torch.distributed`` job.
+    """Runs a plan's program for this rank inside a ``torch.distributed`` job.
+
+    Under torchrun the Executor joins the process group itself if the script has not (NCCL on
+    CUDA, gloo on CPU, ``timeout_s`` on the rendezvous and every collective; see
+    runtime/launch.py); call ``dist.destroy_process_group()`` when done.
 
     ``model`` is the planned model: on the meta device (each rank then materialises only its
     own stages, initialised by :func:`runtime.initialize` with ``seed``) or with real weights
@@ -46,7 +50,7 @@ class Executor:
     ``optimizer_factory(params)`` makes one optimizer per stage. Peak memory is in
     ``exe.memory.peak_bytes`` (on CPU, of the steps run with ``run(..., profile_memory=True)``).
 
-    Example (inside ``torchrun``, after ``dist.init_process_group``)::
+    Example (a script started with ``torchrun --nproc-per-node N script.py``)::
 
         plan = Plan.load("plan.json")
         exe = Executor(plan, gpt_tiny(device="meta"), loss_fn,
@@ -58,9 +62,9 @@ class Executor:
     def __init__(self, plan: Plan, model: nn.Module, loss_fn: LossFn, optimizer_factory: OptimizerFactory,
                  *, seed: int = 0, device: torch.device | str | None = None, timeout_s: float = 300.0,
                  leaf_modules: Sequence[LeafSpec] = ()) -> None:
-        if not dist.is_initialized():
-            raise RuntimeSetupError("torch.distributed is not initialised: launch with `torchrun -m "
-                                    "runtime PLAN` or call dist.init_process_group first")
+        if not dist.is_initialized():  # under torchrun: join the group its environment describes
+            joined = join_group("auto" if device is None else torch.device(device).type, timeout_s)
+            device = joined if device is None else device
         self.plan, self.model, self.loss_fn, self.seed = plan, model, loss_fn, seed
         self.rank = dist.get_rank()
         self.device = _resolve(device)

@@ -1,47 +1,23 @@
-"""Rank set-up for ``torchrun -m runtime``: the only place that reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*.
+"""Rank set-up under torchrun: the only place that reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*.
 
-Usage::
-
-    torchrun --nproc-per-node N -m runtime PLAN --steps K [--report run.json]
-             [--checkpoint-dir DIR [--checkpoint-every N] [--resume]] [--seed S] [--lr LR]
-             [--timeout-s T] [--device auto|cpu|cuda] [--leaf NAME ...]
-
-Set-up is checked before any training: the world size against the plan, the plan's schema and
-layout, the rebuilt model's fingerprint. NCCL is used on CUDA and gloo on CPU, with a timeout
-on the process group and on every wait. Failure behaviour: an error every rank detects alike
-(a set-up mismatch) is printed once, by rank 0, which exits with status 2 (the other ranks
-wait a grace period for torchrun to stop them, and print it themselves only if it does not);
-any other
-error is printed by the rank that raised it (once), and that rank exits with status 1 at once
-(no group teardown that could hang), so torchrun stops the others; ranks that lose a peer or
-time out print one line and exit 1.
-
-Test hook (hidden from ``--help``): ``--fail-at-step K --fail-rank R`` makes rank R raise
-before step K, to test that a failing rank brings the job down promptly.
+``join_group`` is what both ``python -m runtime`` (runtime/command.py) and an ``Executor`` made
+in a user's torchrun script call when torch.distributed is not initialised yet: it reads this
+process's place from the environment, picks the device and the backend (NCCL on CUDA, gloo on
+CPU) and joins the process group with a timeout.
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
-import gc
 import os
-import sys
-import time
-import traceback
-from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from cost_models.errors import CheckpointError, PeerFailure, RankFailure, RuntimeSetupError, TesseraError
-from runtime.train import RunOptions
+from cost_models.errors import RuntimeSetupError
 
-EXIT_SETUP = 2
-EXIT_FAILED = 1
-SETUP_ERROR_GRACE_S = 20.0
+_REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 @dataclass(frozen=True)
@@ -54,43 +30,20 @@ class RankEnv:
 
     @classmethod
     def from_environ(cls) -> RankEnv:
-        missing = [name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-                   if name not in os.environ]
+        missing = [name for name in _REQUIRED if name not in os.environ]
         if missing:
-            raise RuntimeSetupError(f"environment variables {missing} are not set: start the runtime "
-                                    f"with `torchrun --nproc-per-node N -m runtime PLAN` or "
-                                    f"`tessera run PLAN`")
+            raise RuntimeSetupError(f"torch.distributed is not initialised and the environment variables "
+                                    f"{missing} are not set: start the job with `tessera run PLAN`, "
+                                    f"`torchrun --nproc-per-node N -m runtime PLAN` or `torchrun "
+                                    f"--nproc-per-node N your_script.py`, or call "
+                                    f"torch.distributed.init_process_group first")
         return cls(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
                    int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
 
 
-class _Parser(argparse.ArgumentParser):
-    """Usage errors become set-up errors, so rank 0 alone prints them."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise RuntimeSetupError(f"{message} (see 'python -m runtime --help')")
-
-
-def parse_args(argv: Sequence[str] | None) -> tuple[RunOptions, str]:
-    parser = _Parser(prog="python -m runtime", description="Train a plan's model on "
-                                     "synthetic data, one process per GPU (start it with torchrun).")
-    parser.add_argument("plan", type=Path, help="plan file from `tessera plan -o`")
-    parser.add_argument("--steps", type=int, required=True, help="train until this many steps are done")
-    parser.add_argument("--report", type=Path, default=None, help="write the run report (JSON) here")
-    parser.add_argument("--checkpoint-dir", type=Path, default=None, help="write checkpoints here")
-    parser.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints")
-    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the weights, data and dropout")
-    parser.add_argument("--lr", type=float, default=None, help="learning rate (default per optimizer)")
-    parser.add_argument("--timeout-s", type=float, default=300.0, help="process group and wait timeout")
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--leaf", action="append", default=[], help="leaf module the plan was traced with")
-    parser.add_argument("--fail-at-step", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--fail-rank", type=int, default=0, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    return RunOptions(args.plan, args.steps, args.report, args.checkpoint_dir, args.checkpoint_every,
-                      args.resume, args.seed, args.lr, args.timeout_s, tuple(args.leaf),
-                      args.fail_at_step, args.fail_rank), args.device
+def rank_or_zero() -> int:
+    """This process's rank as torchrun set it, or 0 outside torchrun (for who prints what)."""
+    return int(os.environ.get("RANK", "0"))
 
 
 def init_group(env: RankEnv, device_choice: str, timeout_s: float) -> torch.device:
@@ -107,54 +60,10 @@ def init_group(env: RankEnv, device_choice: str, timeout_s: float) -> torch.devi
     return device
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``python -m runtime``; returns the exit status (failures never return)."""
-    rank = int(os.environ.get("RANK", "0"))
-    try:
-        options, device_choice = parse_args(argv)
-        from planner.plan import Plan
-        from runtime import checks, train
+def join_group(device_choice: str, timeout_s: float) -> torch.device:
+    """Join the process group torchrun's environment describes; returns this rank's device.
 
-        env = RankEnv.from_environ()
-        plan = Plan.load(options.plan)
-        checks.check_plan(plan)
-        checks.check_executable(plan)
-        checks.check_world_size(plan, env.world_size)
-        device = init_group(env, device_choice, options.timeout_s)
-        report = train.run(plan, options, device)
-        if env.rank == 0 and options.report is not None:
-            report.save(options.report)
-            print(f"run report written to {options.report}", flush=True)
-        del report
-        gc.collect()  # free the executor (and the groups and works it references) while gloo is up
-        dist.barrier()  # leave together: a gloo peer closing early can abort the other's teardown
-        dist.destroy_process_group()
-        return 0
-    except PeerFailure as error:
-        _stop(f"tessera: {error}", EXIT_FAILED)  # the message names this rank and what it awaited
-    except TesseraError as error:
-        text = f"tessera: error: {' '.join(str(error).split())}"
-        if rank != 0 and _same_on_every_rank(error):
-            # Rank 0 meets the same error and prints it; torchrun stops this rank once rank 0
-            # exits. Print it here only if that has not happened within the grace period.
-            time.sleep(SETUP_ERROR_GRACE_S)
-        _stop(text, EXIT_SETUP)
-    except SystemExit:  # --help
-        raise
-    except BaseException:  # noqa: BLE001 - any failure must end this rank promptly and visibly
-        _stop(f"tessera: rank {rank} failed:\n{traceback.format_exc()}", EXIT_FAILED)
-    return EXIT_FAILED  # not reached: _stop exits
-
-
-def _same_on_every_rank(error: TesseraError) -> bool:
-    """Plan, model and set-up errors repeat on every rank; checkpoint and rank failures do not."""
-    default = not isinstance(error, (CheckpointError, RankFailure))
-    return bool(getattr(error, "same_on_every_rank", default))
-
-
-def _stop(message: str | None, status: int) -> None:
-    """Print ``message`` and leave now, without tearing down a group whose peers may be gone."""
-    if message:
-        print(message, file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    os._exit(status)
+    ``device_choice`` is ``auto`` (CUDA if available), ``cpu`` or ``cuda``; ``timeout_s``
+    bounds the rendezvous and every collective of the default group.
+    """
+    return init_group(RankEnv.from_environ(), device_choice, timeout_s)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from planner.plan import Plan
 from runtime import checkpoint
@@ -20,7 +22,7 @@ from runtime.report import RunReport, gather_report
 
 @dataclass(frozen=True)
 class RunOptions:
-    """What `python -m runtime` was asked to do (see runtime/launch.py for the flags)."""
+    """What `python -m runtime` was asked to do (see runtime/command.py for the flags)."""
 
     plan: Path
     steps: int
@@ -38,6 +40,7 @@ class RunOptions:
 
 def run(plan: Plan, options: RunOptions, device: torch.device) -> RunReport:
     """Train the plan's model on synthetic data for ``options.steps`` steps (collective)."""
+    start = _resume_step(plan, options)
     model = rebuild_model(plan, Path.cwd())
     executor = Executor(plan, model, _unbound_loss, optimizer_factory(plan.training.optimizer, options.lr),
                         seed=options.seed, device=device, timeout_s=options.timeout_s,
@@ -46,8 +49,9 @@ def run(plan: Plan, options: RunOptions, device: torch.device) -> RunReport:
     data = SyntheticData(input_specs(executor.traced, dict(executor.flow.specs)), synthetic_task(output),
                          options.seed)
     executor.loss_fn = data.task
-    start = checkpoint.restore(executor, options.checkpoint_dir) if (
-        options.resume and options.checkpoint_dir) else 0
+    if start:
+        assert options.checkpoint_dir is not None
+        checkpoint.restore(executor, options.checkpoint_dir, start)
     step_ms, losses = [], []
     for step in range(start, options.steps):
         if options.fail_at_step == step and executor.rank == options.fail_rank:
@@ -66,6 +70,21 @@ def run(plan: Plan, options: RunOptions, device: torch.device) -> RunReport:
     return gather_report(step_ms, losses, executor.memory.peak_bytes, executor.memory.held_bytes,
                          fingerprint=plan.model.fingerprint, device=device,
                          global_batch_size=plan.training.global_batch_size, start_step=start)
+
+
+def _resume_step(plan: Plan, options: RunOptions) -> int:
+    """The step ``--resume`` continues from (checked before any set-up), or 0."""
+    if not options.resume:
+        return 0
+    assert options.checkpoint_dir is not None  # the flags require it (runtime/command.py)
+    saved = checkpoint.latest(options.checkpoint_dir)
+    if saved is None:
+        if dist.get_rank() == 0:
+            print(f"tessera: --resume found no checkpoint in {options.checkpoint_dir} (no latest.json); "
+                  f"starting from step 1", file=sys.stderr, flush=True)
+        return 0
+    checkpoint.check_resumable(saved, plan, options.steps, options.checkpoint_dir)
+    return saved.step
 
 
 def _unbound_loss(output: object, target: object) -> torch.Tensor:

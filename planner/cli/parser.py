@@ -13,6 +13,7 @@ from typing import Callable, Sequence
 from cost_models.errors import InvalidArgument, TesseraError, TesseraWarning
 from cost_models.memory import Optimizer, Precision
 from planner.budget import DEFAULT_RESERVE
+from planner.cli.run_command import Rendezvous
 from planner.plan.kinds import ScheduleKind
 
 EXIT_USAGE = 2
@@ -49,9 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.set_defaults(handler=lambda args: print(
         _commands().run_simulate(args.plan_file, args.trace, args.svg)))
     _add_run(commands.add_parser(
-        "run", help="train a plan on this machine under torchrun (synthetic data)",
-        description="Start `torchrun --standalone --nproc-per-node N -m runtime PLAN --steps K`; "
-                    "arguments after -- go to the runtime (e.g. -- --report run.json --seed 1)."))
+        "run", help="train a plan under torchrun on this machine or several (synthetic data)",
+        description="Check the plan and its model, then start torchrun's agent: `torchrun "
+                    "--standalone --nproc-per-node N -m runtime PLAN --steps K`, or with --nnodes "
+                    "one such command per node joined by a rendezvous. Arguments after -- go to the "
+                    "runtime (e.g. -- --report run.json --seed 1). Ctrl-C or SIGTERM stops every "
+                    "rank; a refused set-up exits 2, a failed rank 1."))
     validate = commands.add_parser(
         "validate", help="print a plan's predictions beside a run report's measurements",
         description="Compare predicted and measured step time and per-rank peak memory.")
@@ -70,10 +74,29 @@ def _run_commands():
 
 def _add_run(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("plan_file", metavar="PLAN", type=Path)
-    parser.add_argument("--nproc", type=int, default=None, help="processes (default: the plan's GPUs)")
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="processes on this node (default: the plan's GPUs / --nnodes)")
     parser.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
-    parser.set_defaults(handler=lambda args: _run_commands().run_torchrun(
-        args.plan_file, args.nproc, args.steps, args.passthrough), takes_passthrough=True)
+    nodes = parser.add_argument_group("several nodes", "run `tessera run` on every node with the "
+                                      "same arguments, --node-rank aside (torchrun's rendezvous "
+                                      "joins them)")
+    nodes.add_argument("--nnodes", type=int, default=1, help="nodes of the job (default 1)")
+    nodes.add_argument("--rdzv-endpoint", metavar="HOST:PORT", default=None,
+                       help="an address of the first node that every node reaches")
+    nodes.add_argument("--rdzv-backend", choices=[kind.value for kind in Rendezvous], default="c10d",
+                       type=str.lower,
+                       help="c10d (default) numbers the nodes itself; static needs --node-rank")
+    nodes.add_argument("--rdzv-id", default=None, help="job id shared by the nodes (c10d)")
+    nodes.add_argument("--node-rank", type=int, default=None, help="this node's rank (static only)")
+    parser.set_defaults(handler=_run_plan_file, takes_passthrough=True)
+
+
+def _run_plan_file(args: argparse.Namespace) -> int:
+    from planner.cli.run_command import Nodes, RunRequest, run_plan
+
+    nodes = Nodes(args.nnodes, args.rdzv_endpoint, Rendezvous(args.rdzv_backend), args.rdzv_id,
+                  args.node_rank)
+    return run_plan(RunRequest(args.plan_file, args.steps, args.nproc, nodes, tuple(args.passthrough)))
 
 
 def _commands():

@@ -59,10 +59,11 @@ def _recording(name: str, lr: float, grads: dict[int, torch.Tensor]) -> Any:
 
 def run_cases(rank: int, world_size: int, cases: list[Case]) -> list[Outcome]:
     """Rank function: train every case with the Executor; report this rank's stages."""
-    return [_run_case(case) for case in cases]
+    return [run_case(case) for case in cases]
 
 
-def _run_case(case: Case) -> Outcome:
+def run_case(case: Case) -> Outcome:
+    """Train one case with the Executor on this rank (joining the group itself under torchrun)."""
     plan = Plan.from_dict(json.loads(case.plan_json))
     grads: dict[int, torch.Tensor] = {}
     model = initialize(rebuild_model(plan), SEED) if case.real_weights else rebuild_model(plan)
@@ -71,12 +72,10 @@ def _run_case(case: Case) -> Outcome:
     data = SyntheticData(input_specs(exe.traced, dict(exe.flow.specs)),
                          synthetic_task(exe.flow.specs[exe.flow.output_names[0]]), SEED)
     exe.loss_fn = data.task
-    total = plan.training.num_microbatches * plan.data_parallel
     losses = []
     for step in range(case.steps):  # the user's API: the whole global batch on every rank
-        parts = [data.microbatch(step, index) for index in range(total)]
-        inputs = [torch.cat(tensors) for tensors in zip(*(part.inputs for part in parts))]
-        losses.append(exe.step(inputs, torch.cat([part.targets for part in parts])))
+        batch = data.samples(step, 0, plan.training.global_batch_size)
+        losses.append(exe.step(batch.inputs, batch.targets))
     params = {name: p for stage in exe.stages.values() for name, p in stage.params.items()}
     dist.barrier()
     return Outcome(losses, {name: grads[id(p)].numpy() for name, p in params.items()},
@@ -99,12 +98,14 @@ def reference(case: Case) -> Outcome:
     grads: dict[int, torch.Tensor] = {}
     optimizer = _recording(plan.training.optimizer, case.lr, grads)(list(model.parameters()))
     total = plan.training.num_microbatches * plan.data_parallel
+    size = plan.training.micro_batch_size
     losses = []
     for step in range(case.steps):
         step_losses = []
+        batch = data.samples(step, 0, plan.training.global_batch_size)  # sample i: seeded by (step, i)
         for index in range(total):
-            micro = data.microbatch(step, index)
-            loss = data.task(model(*micro.inputs), micro.targets)
+            rows = slice(index * size, (index + 1) * size)
+            loss = data.task(model(*(x[rows] for x in batch.inputs)), batch.targets[rows])
             (loss / total).backward()
             step_losses.append(loss.item())
         optimizer.step()

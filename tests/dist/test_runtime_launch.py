@@ -11,9 +11,11 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from planner.reports.run_report import RunReport
+from tests.dist.runtime_cases import Case, reference
 from tests.runtime_plans import GPT, make_plan
 
 pytestmark = pytest.mark.dist
@@ -25,9 +27,9 @@ STEPS, KILLED_AT = 5, 3
 Run = tuple[subprocess.CompletedProcess, float]
 
 
-def torchrun(plan: Path, nproc: int, *args: str, timeout_s: float = 120) -> Run:
+def torchrun(plan: Path, nproc: int, *args: str, timeout_s: float = 120, module: str = "runtime") -> Run:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-               "-m", "runtime", str(plan), *args]
+               "-m", module, str(plan), *args]
     began = time.monotonic()
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, check=False)
     return result, time.monotonic() - began
@@ -95,3 +97,11 @@ def test_a_model_that_changed_since_planning_is_refused_once(plan_file: Path, tm
     assert result.returncode != 0
     assert output.count("fingerprint") == 1, output
     assert "step 1" not in output
+
+
+def test_an_executor_in_a_torchrun_script_joins_the_process_group_itself(plan_file: Path) -> None:
+    result, _ = torchrun(plan_file, 2, "2", module="tests.dist.executor_script")
+    assert result.returncode == 0, result.stdout + result.stderr
+    losses = json.loads(result.stdout.split("losses ", 1)[1])
+    expected = reference(Case(plan_file.read_text(), steps=2)).losses
+    np.testing.assert_allclose(losses, expected, rtol=1e-10, atol=1e-12)

@@ -2,25 +2,29 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from cost_models.errors import InvalidArgument, PlanFileError, RuntimeSetupError
+from cost_models.errors import CheckpointError, InvalidArgument, PlanFileError, RuntimeSetupError
 from planner.cli import main
 from planner.plan import Plan
 from planner.reports.compare import compare
 from planner.reports.run_report import RunReport
 from planner.schedules.actions import Action, ActionKind
 from runtime import checks
-from runtime.data import SyntheticData, TensorSpec, synthetic_task
-from runtime.launch import RankEnv, parse_args
+from runtime.build import rebuild_model, trace_checked
+from runtime.checkpoint import Latest, check_resumable, split_digest
+from runtime.command import parse_args
+from runtime.data import SyntheticData, TensorSpec, input_specs, synthetic_task
+from runtime.launch import RankEnv
 from runtime.memory import MemoryTracker
 from runtime.microbatch import split_batch
 from runtime.optim import optimizer_factory
-from runtime.values import ValueKind, ValueSpec
+from runtime.values import ValueKind, ValueSpec, value_specs
 from tests.runtime_plans import GPT, make_plan
 
 
@@ -69,6 +73,29 @@ def test_the_synthetic_loss_follows_the_output_shape() -> None:
         synthetic_task(ValueSpec("y", ValueKind.INTS, (2,)))
 
 
+def _global_batch(plan_json: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s global batch as the plan's ranks draw it: micro-batch j = replica x M + m."""
+    plan = Plan.from_dict(json.loads(plan_json))
+    traced = trace_checked(rebuild_model(plan), plan)
+    inputs = [(meta.shape, getattr(torch, meta.dtype)) for meta in plan.model.example_inputs]
+    specs = value_specs(traced, inputs, plan.training.micro_batch_size)
+    output = next(node for node in traced.graph.nodes if node.op == "output").all_input_nodes[0].name
+    data = SyntheticData(input_specs(traced, specs), synthetic_task(specs[output]), seed=3)
+    parts = [data.microbatch(step, replica * plan.training.num_microbatches + m)
+             for replica in range(plan.data_parallel) for m in range(plan.training.num_microbatches)]
+    return torch.cat([part.inputs[0] for part in parts]), torch.cat([part.targets for part in parts])
+
+
+def test_the_synthetic_global_batch_is_the_same_under_plans_that_cut_it_differently() -> None:
+    pipeline = make_plan(GPT, ["blocks_1_ln_1"], schedule="gpipe", microbatches=8, micro_batch_size=1)
+    data_parallel = make_plan(GPT, ["blocks_1_ln_1"], schedule="1f1b", data_parallel=2, microbatches=2)
+    for step in (0, 5):
+        (inputs, targets), (other_inputs, other_targets) = (_global_batch(pipeline, step),
+                                                            _global_batch(data_parallel, step))
+        assert inputs.shape == (8, 32) and torch.equal(inputs, other_inputs)
+        assert torch.equal(targets, other_targets)
+
+
 def test_synthetic_micro_batches_depend_only_on_seed_step_and_index() -> None:
     data = SyntheticData((TensorSpec((2, 5), torch.int64, 9),),
                          synthetic_task(ValueSpec("y", ValueKind.TENSOR, (2, 3), torch.float32)), seed=1)
@@ -114,15 +141,40 @@ def test_validate_puts_predictions_beside_measurements(plan: Plan, tmp_path: Pat
     assert "rank 3 peak memory" in capsys.readouterr().out
 
 
-def test_tessera_run_wraps_torchrun(plan: Plan, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tessera_run_checks_the_plan_then_starts_torchruns_agent(plan: Plan, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
-    monkeypatch.setattr("subprocess.call", lambda command: calls.append(command) or 0)
+    monkeypatch.setattr("planner.cli.run_command.supervise", lambda command: calls.append(command) or 0)
     plan.save(tmp_path / "plan.json")
     assert main(["run", str(tmp_path / "plan.json"), "--steps", "3", "--", "--seed", "2"]) == 0
     command = calls[0]
-    assert command[1:4] == ["-m", "torch.distributed.run", "--standalone"]
+    assert command[1:4] == ["-m", "runtime.agent", "--standalone"]
     assert command[command.index("--nproc-per-node") + 1] == "4" and command[-2:] == ["--seed", "2"]
     assert main(["show", str(tmp_path / "plan.json"), "--", "--seed", "2"]) == 2
+    assert main(["run", str(tmp_path / "plan.json"), "--nnodes", "2", "--rdzv-endpoint", "10.0.0.1:29400",
+                 "--rdzv-backend", "static", "--node-rank", "1"]) == 0
+    command = calls[1]
+    assert command[command.index("--nproc-per-node") + 1] == "2"
+    assert command[3:13] == ["--nnodes", "2", "--rdzv-backend", "static", "--rdzv-endpoint", "10.0.0.1:29400",
+                             "--node-rank", "1", "--nproc-per-node", "2"]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--nproc", "3"], "but --nproc 3 x 1 node(s) launches 3; run with --nproc 4"),
+    (["--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint"),
+    (["--nnodes", "3", "--rdzv-endpoint", "h:1"], "do not split evenly over --nnodes 3"),
+    (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--node-rank", "1"],
+     "--node-rank is for --rdzv-backend static"),
+    (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--rdzv-backend", "static"], "needs --node-rank"),
+])
+def test_tessera_run_refuses_a_launch_that_cannot_work_before_starting_it(
+        plan: Plan, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        args: list[str], message: str) -> None:
+    monkeypatch.setattr("planner.cli.run_command.supervise", lambda command: pytest.fail("launched"))
+    plan.save(tmp_path / "plan.json")
+    assert main(["run", str(tmp_path / "plan.json"), *args]) == 2
+    error = capsys.readouterr().err
+    assert message in error and error.count("\n") == 1
 
 
 def test_runtime_flags_and_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -134,6 +186,19 @@ def test_runtime_flags_and_the_environment(monkeypatch: pytest.MonkeyPatch) -> N
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(RuntimeSetupError, match="torchrun"):
         RankEnv.from_environ()
+
+
+def test_a_checkpoint_is_resumable_only_by_its_model_and_cut_and_with_steps_left(plan: Plan) -> None:
+    saved = Latest(20, plan.model.fingerprint, split_digest(plan), ("idx", "blocks_1_ln_1"))
+    check_resumable(saved, plan, 21, Path("ck"))
+    check_resumable(dataclasses.replace(saved, split=None), plan, 21, Path("ck"))  # written before splits
+    for changed, steps, message in [({}, 20, "at step 20, so --steps 20 leaves nothing to train"),
+                                    ({}, 5, "pass --steps above 20"),
+                                    ({"fingerprint": "f" * 64}, 21, "of another model"),
+                                    ({"split": "0" * 16}, 21, "cuts the model into 2 stages starting at")]:
+        with pytest.raises(CheckpointError, match=message) as refused:
+            check_resumable(dataclasses.replace(saved, **changed), plan, steps, Path("ck"))
+        assert refused.value.same_on_every_rank  # so rank 0 alone prints it
 
 
 def test_held_bytes_count_saved_activations_until_their_backward() -> None:

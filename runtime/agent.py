@@ -1,0 +1,57 @@
+"""The torchrun agent of `tessera run`: torch.distributed.run, ending as its first failed rank did.
+
+``python -m runtime.agent TORCHRUN_ARGS`` takes torchrun's own arguments and runs its elastic
+agent, which starts the ranks (each in its own session) and stops them all when one fails or when
+the agent gets SIGTERM/SIGINT (SIGTERM, then SIGKILL after ``--shutdown-timeout``). What differs
+from ``torchrun``: its log lines and its ChildFailedError report are not printed (each rank
+prints its own one line: runtime/command.py), and the exit status is the first failed rank's
+(2 for a refused set-up, 1 for a failure), or 128 + the signal that stopped the agent. A rank
+that dies without a word (killed by a signal, or an exit status of its own) gets one line here.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Sequence
+
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import parse_args, run
+
+EXIT_FAILED = 1
+RUNTIME_STATUSES = frozenset({1, 2, 130})  # the statuses with which runtime/command.py leaves, said
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run torchrun's agent on ``argv`` (torchrun's arguments); returns the job's exit status."""
+    logging.disable(logging.ERROR)  # torchrun's warnings and its multi-line failure report
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        run(args)
+    except ChildFailedError as error:
+        return failure_status(error)
+    except SignalException as error:  # the ranks are stopped already
+        return 128 + int(error.sigval)
+    except Exception as error:  # noqa: BLE001 - rendezvous and start-up errors: one line, not a traceback
+        print(f"tessera: torchrun could not start the job: {type(error).__name__}: "
+              f"{' '.join(str(error).split())}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
+    return 0
+
+
+def failure_status(error: ChildFailedError) -> int:
+    """The first failed rank's exit status; one line for a rank that left without saying why."""
+    rank, failure = error.get_first_failure()
+    if failure.exitcode in RUNTIME_STATUSES:
+        return failure.exitcode
+    if failure.exitcode < 0:
+        how = f"was killed by {failure.signal_name()}"
+    else:
+        how = f"exited with status {failure.exitcode}"
+    print(f"tessera: rank {rank} (pid {failure.pid}) {how}", file=sys.stderr, flush=True)
+    return EXIT_FAILED if failure.exitcode < 0 else failure.exitcode
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
