@@ -52,7 +52,7 @@ def plans(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     data["training"]["global_batch_size"] = 7
     texts["inconsistent"] = json.dumps(data)
     data = json.loads(texts["gpt2"])
-    data["model"]["builder"] = "examples/models/absent.py:gpt_tiny"
+    data["model"]["builder"] = data["model"]["builder_relative"] = "examples/models/absent.py:gpt_tiny"
     texts["no_builder"] = json.dumps(data)
     for name, text in texts.items():
         (folder / f"{name}.json").write_text(text)
@@ -112,7 +112,8 @@ def test_a_signal_to_tessera_run_stops_every_rank_and_says_one_line(
     ("gpt2", ["--nproc", "1"], "the plan is for 2 processes (2 stages x 1 data-parallel replicas) but "
                                "--nproc 1 x 1 node(s) launches 1; run with --nproc 2"),
     ("changed", [], "the rebuilt model's graph fingerprint"),
-    ("inconsistent", [], "micro-batch size 2 x 4 micro-batches x 1 replicas = 8, not the global batch 7"),
+    ("inconsistent", [], "plan field training.global_batch_size is 7, but micro_batch_size 2 x "
+                         "num_microbatches 4 x the layout's 1 data-parallel replicas = 8"),
     ("no_builder", [], "model file 'examples/models/absent.py' does not exist"),
 ])
 def test_what_tessera_run_can_check_is_refused_before_launch_in_one_line(
