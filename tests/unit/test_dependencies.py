@@ -34,6 +34,27 @@ def _on_problem(value: ast.expr) -> bool:
         value.attr == "problem" and isinstance(value.value, ast.Name) and value.value.id == "model"))
 
 
+HIGHS_SINCE = {
+    "startSolve": (1, 8),  # the threaded solve Ctrl-C cancels: highspy 1.7.2 has none of these
+    "wait": (1, 8),
+    "cancelSolve": (1, 8),
+    "HandleUserInterrupt": (1, 8),
+}
+"""Every attribute planner/search/ilp.py uses on highspy's Highs model, and the release that has it."""
+
+
+def test_highspys_lower_bound_has_every_method_the_interruptible_solve_calls() -> None:
+    tree = ast.parse((ROOT / "planner" / "search" / "ilp.py").read_text())
+    used = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name) and node.value.id == "highs"}
+    assert used, "ilp.py no longer names its highspy model `highs`: update this test"
+    unrecorded = used - set(HIGHS_SINCE)
+    assert not unrecorded, f"record since which highspy release Highs has {sorted(unrecorded)}"
+    needed = max(HIGHS_SINCE[name] for name in used)
+    allowed = _minimum("highspy")
+    assert allowed >= needed, f"pyproject allows highspy {allowed} but ilp.py needs {needed}"
+
+
 def test_pulps_lower_bound_has_every_problem_attribute_the_ilp_reads() -> None:
     tree = ast.parse((ROOT / "planner" / "search" / "ilp.py").read_text())
     used = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute) and _on_problem(node.value)}
