@@ -24,6 +24,7 @@ from planner.plan import (
 )
 from planner.schedules.actions import Program, format_programs
 from planner.schedules.lower import lower
+from planner.schedules.swaps import insert_swaps
 from planner.schedules.simulate import SimResult, simulate
 from planner.schedules.validate import validate
 from planner.search.configs import gpus_note
@@ -53,7 +54,9 @@ def lower_candidate(candidate: Candidate, graph: LayerGraph) -> Lowered:
     part_nodes = _part_nodes(candidate)
     transfers = _transfers(candidate, graph, part_nodes)
     edges = {(t.src_stage, t.dst_stage) for t in transfers}
-    programs = layout.rank_programs(lower(setup.schedule.programs, layout, edges))
+    swapping = {stage for stage in range(layout.num_stages)
+                if candidate.evaluation.part_offload(layout.part(stage)).swap}
+    programs = layout.rank_programs(lower(insert_swaps(setup.schedule.programs, swapping), layout, edges))
     validate(programs, layout, edges=edges)
     parts = tuple(_stage_plan(candidate, index, nodes) for index, nodes in enumerate(part_nodes))
     simulated = simulate(programs, layout, sim_costs(layout, parts, transfers))
@@ -117,7 +120,7 @@ def _stage_plan(best: Candidate, index: int, nodes: tuple[str, ...]) -> StagePla
     part = best.evaluation.parts[index]
     return StagePlan(index, nodes, StagePrediction(
         part.fwd_ms, part.bwd_ms, sum(best.setup.table[name].param_bytes for name in nodes),
-        part.static_bytes, part.activation_bytes, part.allreduce_ms))
+        part.static_bytes, part.activation_bytes, part.allreduce_ms), offload=best.evaluation.part_offload(index))
 
 
 def _report(result: SearchResult, space: SearchSpace, simulated: SimResult,

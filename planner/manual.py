@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -15,7 +16,7 @@ from cost_models.graph.tracing import normalise_inputs, trace
 from cost_models.memory import Optimizer, Precision
 from planner.api import model_ref, validate_space
 from planner.assemble import build_plan
-from planner.plan import Plan, ScheduleKind
+from planner.plan import OffloadSpec, Plan, ScheduleKind
 from planner.search.evaluate import evaluate
 from planner.search.ilp import SolveStatus
 from planner.search.problem import group_units
@@ -29,11 +30,14 @@ def plan_with_split(model: nn.Module, *, example_inputs: torch.Tensor | Sequence
                     gpus_per_node: int | None = None, optimizer: str | Optimizer = "adam",
                     precision: str | Precision | None = None, builder: str | None = None,
                     builder_kwargs: Mapping[str, Any] | None = None,
-                    graph: LayerGraph | None = None) -> Plan:
+                    graph: LayerGraph | None = None,
+                    offload: Sequence[OffloadSpec] | None = None) -> Plan:
     """A plan whose stage s + 1 begins at node ``stage_starts[s]`` (stage 0 at the first node).
 
     Costs, programs and predictions are made exactly as for a solved plan, so a manual split
-    can be compared with tessera's and run by the same runtime.
+    can be compared with tessera's and run by the same runtime. ``offload`` (one per stage) forces
+    the stages' memory decisions (checkpoint regions, swapped nodes, ZeRO stage, tiers) instead of
+    keeping everything on the GPU.
 
     Example::
 
@@ -57,6 +61,11 @@ def plan_with_split(model: nn.Module, *, example_inputs: torch.Tensor | Sequence
     setup = search.setup(config, coarse)
     cuts = tuple(range(num_stages - 1))
     evaluation = evaluate(setup.costs, cuts)
+    if offload is not None:
+        if len(offload) != num_stages:
+            raise InvalidArgument(f"offload lists {len(offload)} stage decisions but the split has "
+                                  f"{num_stages} stages; give one OffloadSpec per stage")
+        evaluation = dataclasses.replace(evaluation, offload=tuple(offload))
     candidate = Candidate(setup, evaluation, evaluation.step_ms, SolveStatus.OPTIMAL, "manual split", 0.0, "")
     result = SearchResult(candidate, None, 1, 1, 0.0)
     return build_plan(graph, spec, space, result, model_ref(graph, inputs, space, builder, builder_kwargs))

@@ -9,7 +9,6 @@ from planner.plan.invariants import check_invariants
 from planner.plan.kinds import ScheduleKind
 from planner.plan.layout import Layout, RankPlace
 from planner.plan.parts import (
-                                ActivationPolicy,
                                 ClusterSpec,
                                 InputMeta,
                                 LayerRow,
@@ -28,7 +27,7 @@ from planner.plan.parts import (
 )
 from planner.plan.upgrade import SCHEMA_VERSION
 
-__all__ = ["SCHEMA_VERSION", "ActivationPolicy", "ClusterSpec", "InputMeta", "LayerRow", "Layout", "ModelRef",
+__all__ = ["SCHEMA_VERSION", "ClusterSpec", "InputMeta", "LayerRow", "Layout", "ModelRef",
            "OffloadSpec", "ParamTier", "Plan", "Prediction", "RankPlace", "RunnerUp", "ScheduleKind",
            "ScheduleSpec", "SolverReport", "StagePlan", "StagePrediction", "StateTier", "TrainingSpec",
            "Transfer", "check_invariants", "freeze"]

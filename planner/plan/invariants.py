@@ -88,5 +88,27 @@ def _transfers(plan: Plan) -> Iterator[str]:
                    f"different stages of 0..{stages - 1}")
 
 
+def _offload(plan: Plan) -> Iterator[str]:
+    """Checkpoint regions are runs of consecutive stage nodes, disjoint from each other and from swaps."""
+    for position, stage in enumerate(plan.stages):
+        path, offload = f"stages[{position}].offload", stage.offload
+        order = {name: index for index, name in enumerate(stage.nodes)}
+        if not 0 <= offload.zero_stage <= 3:
+            yield f"{path}.zero_stage is {offload.zero_stage}; it must be 0, 1, 2 or 3"
+        named = [node for region in offload.recompute for node in region] + list(offload.swap)
+        strangers = sorted({node for node in named if node not in order})
+        if strangers:
+            yield f"{path} names nodes {strangers} that stage {position} does not compute"
+            continue
+        twice = sorted({node for node in named if named.count(node) > 1})
+        if twice:
+            yield f"{path} names nodes {twice} more than once (each is kept, recomputed or swapped)"
+        for index, region in enumerate(offload.recompute):
+            places = [order[node] for node in region]
+            if not region or places != list(range(places[0], places[0] + len(region))):
+                yield (f"{path}.recompute[{index}] is not a run of consecutive nodes of the stage "
+                       f"in their order")
+
+
 _CHECKS: tuple[Callable[[Plan], Iterator[str]], ...] = (_positive_counts, _budget, _batch, _sizes, _stages,
-                                                       _transfers)
+                                                       _transfers, _offload)

@@ -9,20 +9,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from types import MappingProxyType
 from typing import Any
 
 from cost_models.memory import Optimizer, Precision
 from planner.plan import codec
 from planner.plan.kinds import ScheduleKind
-
-
-class ActivationPolicy(str, Enum):
-    """What happens to a node's saved activations between its forward and its backward."""
-
-    KEEP = "keep"
-    HOST = "host"  # swapped to host memory, prefetched before the backward
-    RECOMPUTE = "recompute"  # dropped, recomputed in the backward
 
 
 class StateTier(str, Enum):
@@ -136,23 +127,47 @@ class ScheduleSpec:
 
 @dataclass(frozen=True)
 class OffloadSpec:
-    """Per-node activation policy and where optimizer state and weights live."""
+    """One stage's memory decisions (KARMA, ZeRO-Infinity); the default keeps everything on the GPU.
 
-    activations: Mapping[str, ActivationPolicy] = field(default_factory=lambda: MappingProxyType({}))
+    * ``recompute``: checkpoint regions, each a run of consecutive nodes of the stage (in the
+      stage's node order) whose saved activations are dropped after the forward and recomputed,
+      region by region, in the backward (only the region's inputs are kept).
+    * ``swap``: nodes whose saved activations are copied to host memory during the forward
+      (``SWAP_OUT`` in the program waits for those copies) and brought back ahead of the
+      backward (``SWAP_IN`` starts the prefetch).
+    * ``zero_stage``: model state sharded over the stage's data-parallel replicas: 1 the optimizer
+      state and master weights, 2 also the gradients, 3 also the parameters (ZeRO).
+    * ``optimizer_state``: where master weights and optimizer state live; on ``host`` or ``nvme``
+      the optimizer step runs on the host (gradients copied down, parameters copied back).
+    * ``params``: where parameters live between their uses (``host``: fetched ahead of use).
+    """
+
+    recompute: tuple[tuple[str, ...], ...] = ()
+    swap: tuple[str, ...] = ()
+    zero_stage: int = 0
     optimizer_state: StateTier = StateTier.GPU
     params: ParamTier = ParamTier.GPU
 
     @property
     def is_default(self) -> bool:
-        """Everything kept on the GPU (what the runtime executes today)."""
-        return (self.optimizer_state is StateTier.GPU and self.params is ParamTier.GPU
-                and all(policy is ActivationPolicy.KEEP for policy in self.activations.values()))
+        """Everything kept on the GPU, unsharded."""
+        return self == OffloadSpec()
+
+    @property
+    def recomputed_nodes(self) -> frozenset[str]:
+        return frozenset(node for region in self.recompute for node in region)
+
+    @property
+    def host_step(self) -> bool:
+        """The optimizer step runs on the host (its state is not on the GPU)."""
+        return self.optimizer_state is not StateTier.GPU
 
     @classmethod
     def from_dict(cls, data: Any, path: str) -> OffloadSpec:
         return codec.fields(cls, data, path, {
-            "activations": codec.mapping_of(codec.enum_of(ActivationPolicy)),
-            "optimizer_state": codec.enum_of(StateTier), "params": codec.enum_of(ParamTier)})
+            "recompute": codec.tuple_of(codec.tuple_of(codec.string)), "swap": codec.tuple_of(codec.string),
+            "zero_stage": codec.integer, "optimizer_state": codec.enum_of(StateTier),
+            "params": codec.enum_of(ParamTier)})
 
 
 @dataclass(frozen=True)

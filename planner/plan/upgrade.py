@@ -2,8 +2,9 @@
 
 Schema 1 (tessera before the layout) kept each stage's ranks in the stage and assumed stage s of
 replica r on rank s * data_parallel + r; schema 2 stores the layout, per-part costs (memory held
-all step and per micro-batch in flight) and per-stage in-flight counts. Nothing is lost: a
-schema-1 plan runs exactly as it did.
+all step and per micro-batch in flight) and per-stage in-flight counts. Schema 3 writes a stage's
+memory decisions as checkpoint regions, swapped nodes and a ZeRO stage instead of a per-node
+policy map. Nothing is lost: an older plan runs exactly as it did.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 from cost_models.errors import PlanFileError
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 def upgrade(data: Any) -> Mapping[str, Any]:
@@ -23,12 +24,12 @@ def upgrade(data: Any) -> Mapping[str, Any]:
     version = data.get("schema_version")
     if version == SCHEMA_VERSION:
         return data
-    if version == 1:
+    if version in (1, 2):
         try:
-            return _from_v1(data)
+            return _from_v2(_from_v1(data) if version == 1 else data)
         except (KeyError, TypeError, AttributeError, ZeroDivisionError) as error:
-            raise ValueError(f"schema-1 plan lacks or garbles {error!s} and cannot be upgraded") from None
-    raise PlanFileError(f"plan schema_version is {version!r} but this tessera reads versions 1 and "
+            raise ValueError(f"schema-{version} plan lacks or garbles {error!s} and cannot be upgraded") from None
+    raise PlanFileError(f"plan schema_version is {version!r} but this tessera reads versions 1 to "
                         f"{SCHEMA_VERSION}; re-create the plan with `tessera plan` (or use the tessera "
                         f"that wrote it)")
 
@@ -52,8 +53,23 @@ def _from_v1(data: Mapping[str, Any]) -> dict[str, Any]:
         solver["runner_up"] = {key: solver["runner_up"][key] for key in
                                ("num_stages", "data_parallel", "micro_batch_size", "schedule", "step_ms")}
     new["solver"] = solver
-    new["schema_version"] = SCHEMA_VERSION
+    new["schema_version"] = 2
     return new
+
+
+def _from_v2(data: Mapping[str, Any]) -> dict[str, Any]:
+    """Per-node policies become checkpoint regions (one per recomputed node) and swapped nodes."""
+    stages = []
+    for stage in data["stages"]:
+        offload = stage["offload"]
+        policies = offload["activations"]
+        if not isinstance(policies, Mapping):
+            raise TypeError("stages[].offload.activations")
+        stages.append({**stage, "offload": {
+            "recompute": [[node] for node in stage["nodes"] if policies.get(node) == "recompute"],
+            "swap": [node for node in stage["nodes"] if policies.get(node) == "host"],
+            "zero_stage": 0, "optimizer_state": offload["optimizer_state"], "params": offload["params"]}})
+    return {**data, "stages": stages, "schema_version": SCHEMA_VERSION}
 
 
 def _stage_from_v1(stage: Mapping[str, Any]) -> dict[str, Any]:

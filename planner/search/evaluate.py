@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from planner.plan.parts import OffloadSpec
 from planner.search.terms import BREAKDOWN, Aggregate, CostModel, Drain, MemoryRow, Reduce, Term
 
 
@@ -87,6 +88,10 @@ class Evaluation:
     parts: tuple[PartSummary, ...]
     slot_peak_bytes: tuple[int, ...]
     step_ms: float
+    offload: tuple[OffloadSpec, ...] = ()  # per part, its memory decisions (empty: all defaults)
+
+    def part_offload(self, part: int) -> OffloadSpec:
+        return self.offload[part] if self.offload else OffloadSpec()
 
     def fits(self, mem_bytes: int) -> bool:
         return self.peak_mem_bytes <= mem_bytes

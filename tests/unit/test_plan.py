@@ -88,7 +88,7 @@ def test_plan_file_round_trip(resnet_plan: Plan, tmp_path: Path) -> None:
     ("{not json", "not valid JSON"),
     ('{"schema_version": 99}', "schema_version is 99"),
     ('{"schema_version": 1, "model": {}}', "malformed"),
-    ('{"schema_version": 2, "model": {}}', "malformed: plan has unknown|malformed: plan lacks"),
+    ('{"schema_version": 3, "model": {}}', "malformed: plan has unknown|malformed: plan lacks"),
     ('[1, 2]', "must be a JSON object"),
 ])
 def test_corrupt_plan_files_are_clear_errors(tmp_path: Path, content: str, message: str) -> None:
@@ -201,7 +201,7 @@ def test_a_schema_1_plan_file_is_upgraded_on_load() -> None:
     with its placement as a layout and its memory split into held-all-step and per-micro-batch bytes."""
     raw = json.loads(V1_PLAN.read_text())
     plan = Plan.load(V1_PLAN)
-    assert raw["schema_version"] == 1 and plan.schema_version == 2
+    assert raw["schema_version"] == 1 and plan.schema_version == 3
     assert [[plan.layout.ranks_of(stage, replica)[0] for replica in range(plan.data_parallel)]
             for stage in range(plan.num_stages)] == [stage["ranks"] for stage in raw["stages"]] == [[0, 1], [2, 3]]
     assert plan.programs == tuple(tuple(program) for program in raw["programs"])
@@ -231,7 +231,7 @@ def test_a_schema_1_plan_file_is_upgraded_on_load() -> None:
     (lambda d: d["cluster"].update(gpus=True), "cluster.gpus must be an integer, got bool True"),
     (lambda d: d["predicted"].update(peak_mem_bytes={"0": 1}), "predicted.peak_mem_bytes must be a list"),
     (lambda d: d["layout"]["slot_ranks"][0].append([99]), r"layout: stage_slot \[.*\] must use every slot"),
-    (lambda d: d.update(schema_version=3), "schema_version is 3 but this tessera reads versions 1 and 2"),
+    (lambda d: d.update(schema_version=4), "schema_version is 4 but this tessera reads versions 1 to 3"),
 ])
 def test_plan_decoding_fails_closed_naming_the_field(resnet_plan: Plan, edit, message: str) -> None:
     data = json.loads(resnet_plan.to_json())
