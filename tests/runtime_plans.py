@@ -16,8 +16,10 @@ RESNET = "examples/models/resnet.py:resnet50"
 
 def make_plan(builder: str, stage_starts: list[str], *, schedule: str, data_parallel: int = 1,
               optimizer: str = "momentum", microbatches: int = 4, micro_batch_size: int = 2,
-              device: str = "V100-16GB") -> str:
-    """A float64 plan (as JSON) for one of the test models with the given cut."""
+              device: str = "V100-16GB", offload: list[Any] | None = None,
+              precision: str = "fp64") -> str:
+    """A plan (as JSON; float64 unless ``precision`` says otherwise) for one of the test models with
+    the given cut; ``offload`` (one planner.plan.OffloadSpec per stage) forces memory decisions."""
     from cost_models.graph.model_spec import build_model, load_builder
     from planner.manual import plan_with_split
 
@@ -28,7 +30,8 @@ def make_plan(builder: str, stage_starts: list[str], *, schedule: str, data_para
                                batch_size=micro_batch_size * microbatches * data_parallel,
                                micro_batch_size=micro_batch_size, data_parallel=data_parallel,
                                schedule=schedule, device=device, optimizer=optimizer,
-                               precision="fp64", builder=builder, builder_kwargs=kwargs)
+                               precision=precision, builder=builder, builder_kwargs=kwargs,
+                               offload=offload)
     return plan.to_json()
 
 
