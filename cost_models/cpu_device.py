@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from cost_models.device_spec import BYTES_PER_GB, DeviceSpec, LinkSpec
-from cost_models.presets import NVME_GEN3_X4
 from cost_models.errors import InvalidArgument
+from cost_models.presets import NVME_GEN3_X4
 
 CPU_NAME = "cpu"
 
@@ -174,4 +176,6 @@ def measure_cpu_device(*, threads: int | None = None) -> DeviceSpec:
         matmul_efficiency=1.0,
         memory_efficiency=1.0,
         kernel_overhead_us=overhead_us,
+        host_mem_bytes=mem_bytes,  # the "device" is the host: one memory (each rank's share of it)
+        nvme_bytes=shutil.disk_usage(tempfile.gettempdir()).free,  # where --nvme-dir defaults to
     )

@@ -108,6 +108,12 @@ class DeviceSpec:
     `matmul_efficiency`, `memory_efficiency` and `kernel_overhead_us` are calibration values, not
     datasheet figures: the achieved fraction of peak FLOP/s for dense matmul/conv, the achieved
     fraction of peak memory bandwidth for elementwise kernels, and the fixed cost per launched op.
+
+    The host side is given per GPU, as its share of the node it sits in (the node's host memory,
+    NVMe capacity and optimizer throughput divided by the node's GPUs), so a node of any size is
+    ``gpus_per_node`` times it: `host_mem_bytes`, `nvme_bytes`, and `host_optimizer_params_per_s`
+    (parameters per second an optimizer step on the host's cores updates; a calibration value).
+    Older device files without them get the defaults below.
     """
 
     name: str
@@ -125,6 +131,9 @@ class DeviceSpec:
     matmul_efficiency: float
     memory_efficiency: float
     kernel_overhead_us: float
+    host_mem_bytes: int = 64 * 2**30
+    nvme_bytes: int = 1_000_000_000_000
+    host_optimizer_params_per_s: float = 4e8
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -147,6 +156,14 @@ class DeviceSpec:
             object.__setattr__(self, field, value)
         overhead = _check_number(owner, "kernel_overhead_us", self.kernel_overhead_us, allow_zero=True)
         object.__setattr__(self, "kernel_overhead_us", overhead)
+        for field in ("host_mem_bytes", "nvme_bytes"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidArgument(f"{owner}: field {field!r} must be a non-negative int number of bytes, "
+                                      f"got {value!r}")
+        rate = _check_number(owner, "host_optimizer_params_per_s", self.host_optimizer_params_per_s,
+                             allow_zero=False)
+        object.__setattr__(self, "host_optimizer_params_per_s", rate)
         for field in LINK_FIELDS:
             link = getattr(self, field)
             if not isinstance(link, LinkSpec):
@@ -185,17 +202,20 @@ class DeviceSpec:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> DeviceSpec:
-        """Build a DeviceSpec from `to_dict` output; every key is required and no other key is allowed."""
-        _check_keys(data, DEVICE_KEYS, "device")
+        """Build a DeviceSpec from `to_dict` output; every key is required (but the host-side ones, which
+        older files lack) and no other key is allowed."""
+        _check_keys(data, DEVICE_KEYS, "device", optional=HOST_KEYS)
         kwargs: dict[str, Any] = {}
         for key in DEVICE_KEYS:
+            if key not in data:
+                continue
             value = data[key]
             if key == "name":
                 kwargs[key] = _expect_str(value, key)
-            elif key == "mem_bytes":
+            elif key in ("mem_bytes", "host_mem_bytes", "nvme_bytes"):
                 if isinstance(value, bool) or not isinstance(value, int):
                     raise InvalidArgument(
-                        f"key 'mem_bytes' must be an int number of bytes, got {value!r} ({type(value).__name__})"
+                        f"key {key!r} must be an int number of bytes, got {value!r} ({type(value).__name__})"
                     )
                 kwargs[key] = value
             elif key in LINK_FIELDS:
@@ -213,14 +233,16 @@ class DeviceSpec:
 LINK_KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(LinkSpec))
 DEVICE_KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(DeviceSpec))
 LINK_FIELDS: tuple[str, ...] = ("intra_node", "inter_node", "host_link", "nvme")
+HOST_KEYS: frozenset[str] = frozenset({"host_mem_bytes", "nvme_bytes", "host_optimizer_params_per_s"})
 
 
-def _check_keys(data: Mapping[str, Any], expected: tuple[str, ...], where: str) -> None:
+def _check_keys(data: Mapping[str, Any], expected: tuple[str, ...], where: str,
+                optional: frozenset[str] = frozenset()) -> None:
     if not isinstance(data, Mapping):
         raise InvalidArgument(
             f"{where} must be a JSON object with keys {', '.join(expected)}, got {type(data).__name__}"
         )
-    missing = [k for k in expected if k not in data]
+    missing = [k for k in expected if k not in data and k not in optional]
     unknown = sorted(str(k) for k in data if k not in expected)
     if missing or unknown:
         parts = []

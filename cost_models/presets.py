@@ -112,6 +112,10 @@ NVME_GEN4_X4 = LinkSpec(
 _MATMUL_EFFICIENCY = 0.6  # typical achieved fraction of peak FLOP/s for dense matmul/conv in real models
 _MEMORY_EFFICIENCY = 0.8  # typical achieved fraction of peak HBM bandwidth for elementwise kernels
 _KERNEL_OVERHEAD_US = 5.0  # typical fixed launch + scheduling cost per op (a few us)
+# An optimizer step on the host: a vectorised CPU Adam reads and writes ~16 bytes of fp32 state per
+# parameter, bounded by the host's memory bandwidth (~100 GB/s per socket on these systems) shared by
+# the node's GPUs: of the order of 0.4e9 parameters per second per GPU's share. Measure it.
+_HOST_OPTIMIZER_PARAMS_PER_S = 4e8
 
 # --------------------------------------------------------------------------------------------
 # GPU presets (SXM form factor). mem_bytes = datasheet capacity read as GiB.
@@ -133,6 +137,9 @@ V100_16GB = DeviceSpec(
     matmul_efficiency=_MATMUL_EFFICIENCY,  # calibration default, not a datasheet figure
     memory_efficiency=_MEMORY_EFFICIENCY,  # calibration default, not a datasheet figure
     kernel_overhead_us=_KERNEL_OVERHEAD_US,  # calibration default, not a datasheet figure
+    host_mem_bytes=64 * _GIB,  # per GPU: DGX-1 system description: 512 GB DDR4 for 8 GPUs
+    nvme_bytes=960_000_000_000,  # per GPU: DGX-1: 4x 1.92 TB SSD (7.68 TB) for 8 GPUs
+    host_optimizer_params_per_s=_HOST_OPTIMIZER_PARAMS_PER_S,  # calibration default, not a datasheet figure
 )
 
 V100_32GB = DeviceSpec(
@@ -151,6 +158,9 @@ V100_32GB = DeviceSpec(
     matmul_efficiency=_MATMUL_EFFICIENCY,  # calibration default, not a datasheet figure
     memory_efficiency=_MEMORY_EFFICIENCY,  # calibration default, not a datasheet figure
     kernel_overhead_us=_KERNEL_OVERHEAD_US,  # calibration default, not a datasheet figure
+    host_mem_bytes=96 * _GIB,  # per GPU: DGX-2 system description: 1.5 TB DDR4 for 16 GPUs
+    nvme_bytes=1_875_000_000_000,  # per GPU: DGX-2: 30 TB NVMe for 16 GPUs
+    host_optimizer_params_per_s=_HOST_OPTIMIZER_PARAMS_PER_S,  # calibration default, not a datasheet figure
 )
 
 A100_40GB = DeviceSpec(
@@ -169,6 +179,9 @@ A100_40GB = DeviceSpec(
     matmul_efficiency=_MATMUL_EFFICIENCY,  # calibration default, not a datasheet figure
     memory_efficiency=_MEMORY_EFFICIENCY,  # calibration default, not a datasheet figure
     kernel_overhead_us=_KERNEL_OVERHEAD_US,  # calibration default, not a datasheet figure
+    host_mem_bytes=128 * _GIB,  # per GPU: DGX A100 (320 GB) system description: 1 TB DDR4 for 8 GPUs
+    nvme_bytes=1_875_000_000_000,  # per GPU: DGX A100: 15 TB NVMe for 8 GPUs
+    host_optimizer_params_per_s=_HOST_OPTIMIZER_PARAMS_PER_S,  # calibration default, not a datasheet figure
 )
 
 A100_80GB = DeviceSpec(
@@ -187,6 +200,9 @@ A100_80GB = DeviceSpec(
     matmul_efficiency=_MATMUL_EFFICIENCY,  # calibration default, not a datasheet figure
     memory_efficiency=_MEMORY_EFFICIENCY,  # calibration default, not a datasheet figure
     kernel_overhead_us=_KERNEL_OVERHEAD_US,  # calibration default, not a datasheet figure
+    host_mem_bytes=256 * _GIB,  # per GPU: DGX A100 (640 GB) system description: 2 TB DDR4 for 8 GPUs
+    nvme_bytes=3_750_000_000_000,  # per GPU: DGX A100 (640 GB): 30 TB NVMe for 8 GPUs
+    host_optimizer_params_per_s=_HOST_OPTIMIZER_PARAMS_PER_S,  # calibration default, not a datasheet figure
 )
 
 H100_80GB = DeviceSpec(
@@ -205,6 +221,9 @@ H100_80GB = DeviceSpec(
     matmul_efficiency=_MATMUL_EFFICIENCY,  # calibration default, not a datasheet figure
     memory_efficiency=_MEMORY_EFFICIENCY,  # calibration default, not a datasheet figure
     kernel_overhead_us=_KERNEL_OVERHEAD_US,  # calibration default, not a datasheet figure
+    host_mem_bytes=256 * _GIB,  # per GPU: DGX H100 system description: 2 TB DDR5 for 8 GPUs
+    nvme_bytes=3_840_000_000_000,  # per GPU: DGX H100: 8x 3.84 TB U.2 NVMe for 8 GPUs
+    host_optimizer_params_per_s=_HOST_OPTIMIZER_PARAMS_PER_S,  # calibration default, not a datasheet figure
 )
 
 H200_141GB = DeviceSpec(
@@ -223,6 +242,9 @@ H200_141GB = DeviceSpec(
     matmul_efficiency=_MATMUL_EFFICIENCY,  # calibration default, not a datasheet figure
     memory_efficiency=_MEMORY_EFFICIENCY,  # calibration default, not a datasheet figure
     kernel_overhead_us=_KERNEL_OVERHEAD_US,  # calibration default, not a datasheet figure
+    host_mem_bytes=256 * _GIB,  # per GPU: DGX H200 system description: 2 TB DDR5 for 8 GPUs
+    nvme_bytes=3_840_000_000_000,  # per GPU: DGX H200: 8x 3.84 TB U.2 NVMe for 8 GPUs
+    host_optimizer_params_per_s=_HOST_OPTIMIZER_PARAMS_PER_S,  # calibration default, not a datasheet figure
 )
 
 PRESETS: Mapping[str, DeviceSpec] = MappingProxyType(

@@ -35,7 +35,8 @@ def plan(model: nn.Module, gpus: int, mem: str | int, *, batch_size: int,
          num_stages: Sequence[int] | None = None, time_limit_s: float = 60.0, builder: str | None = None,
          builder_kwargs: Mapping[str, Any] | None = None, leaf_modules: Sequence[type | str] = (),
          graph: LayerGraph | None = None, reserve: str | int | Reserve = DEFAULT_RESERVE,
-         progress: Progress | None = None, data_parallel: Sequence[int] | None = None) -> Plan:
+         progress: Progress | None = None, data_parallel: Sequence[int] | None = None,
+         offload: bool = True, host_mem: str | int | None = None, nvme: str | int | None = None) -> Plan:
     """Choose the fastest pipeline x data-parallel plan of ``model`` that fits ``mem`` per GPU.
 
     ``batch_size`` is the global batch per step; ``example_inputs`` only fix shapes (any batch
@@ -50,6 +51,13 @@ def plan(model: nn.Module, gpus: int, mem: str | int, *, batch_size: int,
     above the device's memory is planned for, with a TesseraWarning. ``progress``, if given,
     receives a ProgressEvent per phase and per configuration solved (planner/progress.py).
 
+    Memory decisions are made in the same optimisation as the split: per unit of nodes, keep its
+    saved activations, recompute them or swap them to the host; per stage, its model state
+    sharded over its data-parallel copies (ZeRO-1) or not, and its optimizer state on the GPU, the
+    host or NVMe (the step then runs on the host). ``host_mem`` and ``nvme`` are each node's host
+    memory and NVMe capacity (default: the device preset's node); ``offload=False`` keeps
+    everything on the GPU.
+
     Example::
 
         p = plan(resnet50(), gpus=16, mem="16GB", batch_size=256,
@@ -60,7 +68,8 @@ def plan(model: nn.Module, gpus: int, mem: str | int, *, batch_size: int,
     mode = None if precision is None else get_precision(precision)
     space, spec = validate_space(gpus, mem, batch_size, device, gpus_per_node, optimizer,
                                  mode or Precision.FP32, schedules, micro_batch_sizes, time_limit_s, num_stages,
-                                 reserve, data_parallel=data_parallel)
+                                 reserve, data_parallel=data_parallel, offload=offload, host_mem=host_mem,
+                                 nvme=nvme)
     _warn_above_device(space, spec)
     report = progress or (lambda event: None)
     if graph is None:
@@ -88,7 +97,9 @@ def validate_space(gpus: int, mem: str | int, batch_size: int, device: str | Dev
                    schedules: Sequence[str | ScheduleKind], micro_batch_sizes: Sequence[int] | None,
                    time_limit_s: float, num_stages: Sequence[int] | None = None,
                    reserve: str | int | Reserve = DEFAULT_RESERVE, *,
-                   data_parallel: Sequence[int] | None = None) -> tuple[SearchSpace, DeviceSpec]:
+                   data_parallel: Sequence[int] | None = None, offload: bool = True,
+                   host_mem: str | int | None = None, nvme: str | int | None = None,
+                   ) -> tuple[SearchSpace, DeviceSpec]:
     """Validate every argument before any tracing, with messages that name the value and fix."""
     _check_whole("gpus", gpus)
     _check_whole("batch_size", batch_size)
@@ -115,7 +126,9 @@ def validate_space(gpus: int, mem: str | int, batch_size: int, device: str | Dev
                         tuple(micro_batch_sizes) if micro_batch_sizes else None,
                         tuple(num_stages) if num_stages else None, time_limit_s=time_limit_s,
                         reserve=kept, reserve_bytes=mem_bytes - usable,
-                        data_parallel=tuple(data_parallel) if data_parallel else None)
+                        data_parallel=tuple(data_parallel) if data_parallel else None, offload=offload,
+                        host_mem_bytes=None if host_mem is None else parse_mem_bytes(host_mem),
+                        nvme_bytes=None if nvme is None else parse_mem_bytes(nvme))
     return space, spec
 
 

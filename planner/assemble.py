@@ -11,6 +11,7 @@ from planner.plan import (
     ClusterSpec,
     LayerRow,
     ModelRef,
+    OffloadSpec,
     Plan,
     Prediction,
     RunnerUp,
@@ -24,8 +25,8 @@ from planner.plan import (
 )
 from planner.schedules.actions import Program, format_programs
 from planner.schedules.lower import lower
-from planner.schedules.swaps import insert_swaps
 from planner.schedules.simulate import SimResult, simulate
+from planner.schedules.swaps import insert_swaps
 from planner.schedules.validate import validate
 from planner.search.configs import gpus_note
 from planner.search.ilp import SolveStatus
@@ -54,11 +55,10 @@ def lower_candidate(candidate: Candidate, graph: LayerGraph) -> Lowered:
     part_nodes = _part_nodes(candidate)
     transfers = _transfers(candidate, graph, part_nodes)
     edges = {(t.src_stage, t.dst_stage) for t in transfers}
-    swapping = {stage for stage in range(layout.num_stages)
-                if candidate.evaluation.part_offload(layout.part(stage)).swap}
+    parts = tuple(_stage_plan(candidate, index, nodes, graph) for index, nodes in enumerate(part_nodes))
+    swapping = {stage for stage in range(layout.num_stages) if parts[layout.part(stage)].offload.swap}
     programs = layout.rank_programs(lower(insert_swaps(setup.schedule.programs, swapping), layout, edges))
     validate(programs, layout, edges=edges)
-    parts = tuple(_stage_plan(candidate, index, nodes) for index, nodes in enumerate(part_nodes))
     simulated = simulate(programs, layout, sim_costs(layout, parts, transfers))
     return Lowered(parts, transfers, programs, simulated)
 
@@ -116,11 +116,39 @@ def _transfers(best: Candidate, graph: LayerGraph, part_nodes: list[tuple[str, .
                  for src_stage, dst_stage in zip(layout.stages_of_part(src), layout.stages_of_part(dst)))
 
 
-def _stage_plan(best: Candidate, index: int, nodes: tuple[str, ...]) -> StagePlan:
+def _stage_plan(best: Candidate, index: int, nodes: tuple[str, ...], graph: LayerGraph) -> StagePlan:
     part = best.evaluation.parts[index]
     return StagePlan(index, nodes, StagePrediction(
         part.fwd_ms, part.bwd_ms, sum(best.setup.table[name].param_bytes for name in nodes),
-        part.static_bytes, part.activation_bytes, part.allreduce_ms), offload=best.evaluation.part_offload(index))
+        part.static_bytes + part.recompute_bytes, part.activation_bytes,
+        part.allreduce_ms, part.optimizer_ms, part.swap_bytes, part.swap_ms, part.host_bytes, part.nvme_bytes),
+        offload=_offload(best, index, graph))
+
+
+def _offload(best: Candidate, index: int, graph: LayerGraph) -> OffloadSpec:
+    """Part ``index``'s memory decisions as the runtime executes them: each recomputed unit one
+    checkpoint region (split where a parameter read or input interrupts it: those are the stage's
+    inputs, not computations), the nodes of each swapped unit, and the configuration's state mode."""
+    evaluation = best.evaluation
+    if evaluation.forced:
+        return evaluation.forced[index]
+    state = best.setup.config.state
+    decisions, summary = evaluation.decisions, evaluation.parts[index]
+    regions: list[tuple[str, ...]] = []
+    swapped: list[str] = []
+    for unit in range(summary.first_unit, summary.last_unit + 1) if decisions else ():
+        computed = [[]]
+        for name in best.setup.coarsening.units[unit].nodes:
+            if graph.node(name).kind in (NodeKind.PARAM, NodeKind.INPUT, NodeKind.OUTPUT):
+                computed.append([])
+            else:
+                computed[-1].append(name)
+        runs = [tuple(run) for run in computed if run]
+        if decisions.recompute[unit] > 0.5:
+            regions += runs
+        elif decisions.swap[unit] > 0.5:
+            swapped += [name for run in runs for name in run]
+    return OffloadSpec(tuple(regions), tuple(swapped), state.zero_stage, state.optimizer)
 
 
 def _report(result: SearchResult, space: SearchSpace, simulated: SimResult,

@@ -177,15 +177,23 @@ class StagePrediction:
     fwd_ms: float
     bwd_ms: float
     param_bytes: int
-    static_bytes: int  # held all step: weights, gradients, optimizer state, buffers, transient, send buffer
-    activation_bytes: int  # per micro-batch in flight: saved activations + received inputs
+    static_bytes: int  # held all step: model state on the device, transient, send buffer, recompute, swap buffers
+    activation_bytes: int  # per micro-batch in flight: kept saved activations + received inputs
     allreduce_ms: float = 0.0  # gradient all-reduce over the part's copies (0 without data parallelism)
+    optimizer_ms: float = 0.0  # the optimizer step, on the device or the host (after the all-reduce)
+    swap_bytes: int = 0  # per micro-batch: saved activations swapped to the host (off the device F..B)
+    swap_ms: float = 0.0  # per micro-batch, each way over the host link
+    host_bytes: int = 0  # per rank: optimizer state and gradients on the host (swapped activations apart)
+    nvme_bytes: int = 0  # per rank: optimizer state on NVMe
 
     @classmethod
     def from_dict(cls, data: Any, path: str) -> StagePrediction:
         return codec.fields(cls, data, path, {
             "fwd_ms": codec.number, "bwd_ms": codec.number, "param_bytes": codec.integer,
-            "static_bytes": codec.integer, "activation_bytes": codec.integer, "allreduce_ms": codec.number})
+            "static_bytes": codec.integer, "activation_bytes": codec.integer, "allreduce_ms": codec.number,
+            "optimizer_ms": codec.number, "swap_bytes": codec.integer, "swap_ms": codec.number,
+            "host_bytes": codec.integer, "nvme_bytes": codec.integer},
+            optional=frozenset({"optimizer_ms", "swap_bytes", "swap_ms", "host_bytes", "nvme_bytes"}))
 
 
 @dataclass(frozen=True)

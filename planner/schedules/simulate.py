@@ -9,9 +9,14 @@ directed link src rank → dst rank; transfers on one link run one after another
 blocks until its transfer has arrived.
 A message between stages of different slots travels from every rank of the sender to every rank
 of the receiver (spatial tiles join and split), each at the edge's cost, and the receive waits
-for all of them. SWAP_OUT, SWAP_IN and RECOMPUTE take no time until offload costs exist. Memory
-per rank is the static bytes of its stages plus ``activation_bytes`` for each micro-batch from the
-start of its F to the end of its B. A receive is paired with its send by what it carries (kind, micro-batch,
+for all of them. Memory per rank is the static bytes of its stages plus ``activation_bytes`` for
+each micro-batch from the start of its F to the end of its B.
+
+Swaps: a stage that swaps copies ``swap_bytes`` per micro-batch to the host, starting with its F,
+on the rank's device-to-host copy engine (one copy at a time, ``swap_ms`` each); ``SWAP_OUT``
+waits for that copy, and the bytes leave the device when it ends. ``SWAP_IN`` starts the copy back
+on the host-to-device engine (the bytes return when it starts) and the micro-batch's B waits for it.
+Recomputation is inside B's time. A receive is paired with its send by what it carries (kind, micro-batch,
 stages); that the order on each channel matches is :func:`validate`'s job, so simulate
 validated programs.
 """
@@ -28,6 +33,7 @@ from planner.schedules.validate import ScheduleError
 
 COMPUTE_LANE = "compute"
 COMM_LANE = "comm"
+COPY_LANE = "copy"  # host <-> device copies (swaps)
 _BUSY_KINDS = (ActionKind.F, ActionKind.B, ActionKind.OPTIMIZER_STEP, ActionKind.RECOMPUTE)
 
 
@@ -41,6 +47,8 @@ class StageCosts:
     static_bytes: int  # weights, gradients, optimizer state, buffers: held all the time
     allreduce_ms: float = 0.0
     optimizer_ms: float = 0.0
+    swap_bytes: int = 0  # per micro-batch, to the host after F and back before B
+    swap_ms: float = 0.0  # per micro-batch, each way
 
 
 @dataclass(frozen=True)
@@ -116,12 +124,14 @@ class _Clocks:
     link_free_ms: dict[tuple[int, int], float] = field(default_factory=dict)
     arrival_ms: dict[tuple[Action, int, int], float] = field(default_factory=dict)  # (send, src, dst rank)
     events: list[SimEvent] = field(default_factory=list)
+    copy_free_ms: dict[tuple[int, str], float] = field(default_factory=dict)  # (rank, "out"/"in")
+    copied_ms: dict[tuple[int, str, int, int], float] = field(default_factory=dict)  # (rank, way, stage, mb)
 
     def __post_init__(self) -> None:
         ranks = range(self.layout.world_size)
         self.clock_ms = [0.0 for _ in ranks]
         self.busy_ms = [0.0 for _ in ranks]
-        self.memory = [[(0.0, self._static_bytes(rank))] for rank in ranks]
+        self.memory = [[] for _ in ranks]  # (time, change) after the static bytes
 
     def _static_bytes(self, rank: int) -> int:
         return sum(self.costs.stages[stage].static_bytes for stage in self.layout.stages_of_rank(rank))
@@ -157,12 +167,20 @@ class _Clocks:
             self._record(rank, send, start, end, COMM_LANE)
 
     def _run_locally(self, rank: int, action: Action) -> None:
+        stage = self.costs.stages[action.stage]
+        if action.kind in (ActionKind.SWAP_OUT, ActionKind.SWAP_IN):
+            self._swap(rank, action, stage)
+            return
         start = self.clock_ms[rank]
+        if action.kind is ActionKind.B:
+            start = max(start, self.copied_ms.get((rank, "in", action.stage, action.microbatch), start))
         end = start + self._duration_ms(action)
         self.clock_ms[rank] = end
-        activation = self.costs.stages[action.stage].activation_bytes
+        activation = stage.activation_bytes + stage.swap_bytes
         if action.kind is ActionKind.F:
             self._change_memory(rank, start, activation)
+            if stage.swap_bytes:
+                self._copy(rank, "out", action, start, stage.swap_ms)
         elif action.kind is ActionKind.B:
             self._change_memory(rank, end, -activation)
         lane = COMPUTE_LANE if action.kind in _BUSY_KINDS else COMM_LANE
@@ -170,13 +188,37 @@ class _Clocks:
             self.busy_ms[rank] += end - start
         self._record(rank, action, start, end, lane)
 
+    def _copy(self, rank: int, way: str, action: Action, ready_ms: float, duration_ms: float) -> float:
+        """A copy on the rank's engine for ``way``, after ``ready_ms`` and the engine's previous copy."""
+        start = max(ready_ms, self.copy_free_ms.get((rank, way), 0.0))
+        end = start + duration_ms
+        self.copy_free_ms[rank, way] = end
+        assert action.microbatch is not None
+        self.copied_ms[rank, way, action.stage, action.microbatch] = end
+        self._record(rank, Action(action.stage, ActionKind.SWAP_OUT if way == "out" else ActionKind.SWAP_IN,
+                                  action.microbatch), start, end, COPY_LANE)
+        return start
+
+    def _swap(self, rank: int, action: Action, stage: StageCosts) -> None:
+        """SWAP_OUT waits for the micro-batch's copy to the host; SWAP_IN starts the copy back."""
+        now = self.clock_ms[rank]
+        if action.kind is ActionKind.SWAP_OUT:
+            done = self.copied_ms.get((rank, "out", action.stage, action.microbatch), now)
+            self.clock_ms[rank] = max(now, done)
+            self._change_memory(rank, self.clock_ms[rank], -stage.swap_bytes)
+        else:
+            start = self._copy(rank, "in", action, now, stage.swap_ms)
+            self._change_memory(rank, max(now, start), stage.swap_bytes)
+
     def _duration_ms(self, action: Action) -> float:
         stage = self.costs.stages[action.stage]
         return {ActionKind.F: stage.fwd_ms, ActionKind.B: stage.bwd_ms, ActionKind.ALLREDUCE: stage.allreduce_ms,
                 ActionKind.OPTIMIZER_STEP: stage.optimizer_ms}.get(action.kind, 0.0)
 
     def _change_memory(self, rank: int, time_ms: float, delta_bytes: int) -> None:
-        self.memory[rank].append((time_ms, self.memory[rank][-1][1] + delta_bytes))
+        """Memory changes are logged as they are simulated, which may be out of time order (a swap's
+        bytes return when its copy starts): the peak is taken after sorting by time."""
+        self.memory[rank].append((time_ms, delta_bytes))
 
     def _record(self, rank: int, action: Action, start: float, end: float, lane: str) -> None:
         self.events.append(SimEvent(rank, str(action), start, end, lane))
@@ -185,7 +227,18 @@ class _Clocks:
         step_ms = max((event.end_ms for event in self.events), default=0.0)
         capacity = step_ms * self.layout.world_size
         bubble = 1.0 - sum(self.busy_ms) / capacity if capacity > 0 else 0.0
+        timelines = tuple(_running(self._static_bytes(rank), changes) for rank, changes in enumerate(self.memory))
         return SimResult(step_ms=step_ms, bubble_fraction=bubble, busy_ms=tuple(self.busy_ms),
-                         peak_mem_bytes=tuple(max(nbytes for _, nbytes in timeline) for timeline in self.memory),
-                         memory_timeline=tuple(tuple(timeline) for timeline in self.memory),
+                         peak_mem_bytes=tuple(max(nbytes for _, nbytes in timeline) for timeline in timelines),
+                         memory_timeline=timelines,
                          events=tuple(sorted(self.events, key=lambda event: (event.start_ms, event.rank))))
+
+
+def _running(static_bytes: int, changes: list[tuple[float, int]]) -> tuple[tuple[float, int], ...]:
+    """(time, bytes held) at 0 and after each change, in time order (frees before allocations at one
+    instant)."""
+    held, timeline = static_bytes, [(0.0, static_bytes)]
+    for time_ms, delta in sorted(changes, key=lambda change: (change[0], change[1])):
+        held += delta
+        timeline.append((time_ms, held))
+    return tuple(timeline)

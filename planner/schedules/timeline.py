@@ -8,9 +8,9 @@ from html import escape
 from typing import Any
 
 from planner.schedules.actions import Action, ActionKind
-from planner.schedules.simulate import COMM_LANE, COMPUTE_LANE, SimEvent, SimResult
+from planner.schedules.simulate import COMM_LANE, COMPUTE_LANE, COPY_LANE, SimEvent, SimResult
 
-_LANE_TIDS = {COMPUTE_LANE: 0, COMM_LANE: 1}
+_LANE_TIDS = {COMPUTE_LANE: 0, COMM_LANE: 1, COPY_LANE: 2}
 _COLOURS = {ActionKind.F: "#4c78a8", ActionKind.B: "#f58518", ActionKind.OPTIMIZER_STEP: "#54a24b",
             ActionKind.RECOMPUTE: "#b279a2"}
 _GREY = "#9d9d9d"

@@ -1,4 +1,5 @@
-"""The search space: a request's knobs, and every configuration (stages x replicas x micro-batching).
+"""The search space: a request's knobs, and every configuration (stages x replicas x micro-batching
+x schedule x where model state lives).
 
 A configuration uses S x D GPUs. It normally uses all G it is given; when the global batch B is
 smaller than G, at most B GPUs can work at once (each sample is in one place at a time), so plans
@@ -14,6 +15,7 @@ from cost_models.memory import Optimizer, Precision
 from cost_models.units import plural
 from planner.budget import Reserve
 from planner.plan.kinds import ScheduleKind
+from planner.search.problem import ON_GPU, StateMode, state_modes
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,9 @@ class SearchSpace:
     reserve: Reserve = Reserve()  # kept free on every GPU; mem_bytes is what is left
     reserve_bytes: int = 0
     data_parallel: tuple[int, ...] | None = None  # None: every degree the batch allows
+    offload: bool = True  # decide recompute, swap, ZeRO-1 and optimizer tiers (False: all on the GPU)
+    host_mem_bytes: int | None = None  # per node (None: the device's share times gpus_per_node)
+    nvme_bytes: int | None = None  # per node (None: likewise)
 
 
 @dataclass(frozen=True)
@@ -43,15 +48,17 @@ class Config:
     micro_batch_size: int
     num_microbatches: int
     schedule: ScheduleKind
+    state: StateMode = ON_GPU  # where every stage keeps its model state
 
     @property
     def gpus(self) -> int:
         return self.num_stages * self.data_parallel
 
     def describe(self) -> str:
+        where = self.state.describe()
         return (f"{plural(self.num_stages, 'stage')} x {plural(self.data_parallel, 'replica')}, "
                 f"{plural(self.num_microbatches, 'micro-batch', 'micro-batches')} of "
-                f"{self.micro_batch_size}, {self.schedule.value}")
+                f"{self.micro_batch_size}, {self.schedule.value}" + (f", {where}" if where else ""))
 
 
 def divisors(n: int) -> list[int]:
@@ -87,8 +94,9 @@ def configurations(space: SearchSpace, max_stages: int) -> list[Config]:
 def _micro_batchings(space: SearchSpace, stages: int, replicas: int) -> list[Config]:
     per_replica = space.global_batch_size // replicas
     sizes = space.micro_batch_sizes or tuple(divisors(per_replica))
-    return [Config(stages, replicas, micro, per_replica // micro, schedule)
-            for micro in sizes if per_replica % micro == 0 for schedule in space.schedules]
+    return [Config(stages, replicas, micro, per_replica // micro, schedule, state)
+            for micro in sizes if per_replica % micro == 0 for schedule in space.schedules
+            for state in state_modes(space.offload, replicas > 1)]
 
 
 def _batch_message(space: SearchSpace) -> str:

@@ -12,7 +12,29 @@ from dataclasses import dataclass
 import numpy as np
 
 from planner.plan.parts import OffloadSpec
-from planner.search.terms import BREAKDOWN, Aggregate, CostModel, Drain, MemoryRow, Reduce, Term
+from planner.search.terms import (
+    BREAKDOWN,
+    Aggregate,
+    CapacityRow,
+    CostModel,
+    Drain,
+    MemoryRow,
+    Reduce,
+    Term,
+)
+
+
+@dataclass(frozen=True)
+class Decisions:
+    """A partition's activation decisions: per unit, the share of its saved activations recomputed
+    and the share swapped to the host (0..1)."""
+
+    recompute: tuple[float, ...]
+    swap: tuple[float, ...]
+
+    @property
+    def is_none(self) -> bool:
+        return not (any(self.recompute) or any(self.swap))
 
 
 def term_values(model: CostModel, term: Term, firsts: np.ndarray, last: int) -> np.ndarray:
@@ -35,9 +57,14 @@ def term_values(model: CostModel, term: Term, firsts: np.ndarray, last: int) -> 
     return values
 
 
-def term_value(model: CostModel, term: Term, first: int, last: int) -> float:
-    """The term's value for a part holding units ``first..last``."""
+def term_value(model: CostModel, term: Term, first: int, last: int, decisions: Decisions | None = None) -> float:
+    """The term's value for a part holding units ``first..last`` (its units' decisions as given)."""
     value = term.constant
+    if decisions is not None and term.decides:
+        units = range(first, last + 1)
+        value += sum(term.per_recompute[i] * decisions.recompute[i] for i in units if term.per_recompute)
+        value += sum(term.per_swap[i] * decisions.swap[i] for i in units if term.per_swap)
+
     if term.per_unit:
         value += term.unit_prefix[last + 1] - term.unit_prefix[first]
     if term.ends_after:
@@ -68,12 +95,18 @@ class PartSummary:
     first_unit: int
     last_unit: int
     fwd_ms: float
-    bwd_ms: float
+    bwd_ms: float  # recomputation included
     send_ms: float  # forward transfer across the cut after this part
     allreduce_ms: float
     grad_bytes: int
     static_bytes: int  # held all step: model state, transient, send buffer
-    activation_bytes: int  # per micro-batch in flight: saved activations + received inputs
+    activation_bytes: int  # per micro-batch in flight: kept saved activations + received inputs
+    optimizer_ms: float = 0.0  # the optimizer step (on the device or the host), after the all-reduce
+    swap_ms: float = 0.0  # per micro-batch, each way over the host link
+    swap_bytes: int = 0  # per micro-batch, saved activations swapped to the host
+    recompute_bytes: int = 0  # the largest recomputed unit's activations, rematerialised in its backward
+    host_bytes: int = 0  # host memory for this part's optimizer state and gradients (per rank)
+    nvme_bytes: int = 0  # NVMe for this part's optimizer state (per rank)
 
     @property
     def compute_ms(self) -> float:
@@ -88,10 +121,13 @@ class Evaluation:
     parts: tuple[PartSummary, ...]
     slot_peak_bytes: tuple[int, ...]
     step_ms: float
-    offload: tuple[OffloadSpec, ...] = ()  # per part, its memory decisions (empty: all defaults)
+    decisions: Decisions | None = None  # None: everything kept on the GPU
+    capacity_bytes: tuple[tuple[str, int, int], ...] = ()  # (row, used, capacity): each node's host and NVMe
+    forced: tuple[OffloadSpec, ...] = ()  # per part, decisions a user forced (plan_with_split)
 
-    def part_offload(self, part: int) -> OffloadSpec:
-        return self.offload[part] if self.offload else OffloadSpec()
+    @property
+    def capacity_fits(self) -> bool:
+        return all(used <= capacity for _, used, capacity in self.capacity_bytes)
 
     def fits(self, mem_bytes: int) -> bool:
         return self.peak_mem_bytes <= mem_bytes
@@ -108,35 +144,40 @@ def segments(num_units: int, cuts: tuple[int, ...]) -> list[tuple[int, int]]:
     return list(zip(starts, ends))
 
 
-def evaluate(model: CostModel, cuts: tuple[int, ...]) -> Evaluation:
-    """Evaluate the partition whose part s ends after unit ``cuts[s]``."""
+def evaluate(model: CostModel, cuts: tuple[int, ...], decisions: Decisions | None = None) -> Evaluation:
+    """Evaluate the partition whose part s ends after unit ``cuts[s]``, with ``decisions`` (default none)."""
     if len(cuts) != model.num_parts - 1 or list(cuts) != sorted(set(cuts)) or (
             cuts and not 0 <= cuts[0] <= cuts[-1] < model.num_units - 1):
         raise ValueError(f"cuts {cuts} must be {model.num_parts - 1} increasing unit indices "
                          f"below {model.num_units - 1}")
+    if decisions is not None and decisions.is_none:
+        decisions = None
     ranges = segments(model.num_units, cuts)
-    parts = tuple(_summary(model, part, first, last) for part, (first, last) in enumerate(ranges))
-    peaks = tuple(round(row_value(model, row, ranges)) for row in model.memory)
-    step = sum(piece_value(model, piece, ranges) for piece in model.objective)
-    return Evaluation(tuple(cuts), parts, peaks, step)
+    parts = tuple(_summary(model, part, first, last, decisions) for part, (first, last) in enumerate(ranges))
+    peaks = tuple(round(row_value(model, row, ranges, decisions)) for row in model.memory)
+    step = sum(piece_value(model, piece, ranges, decisions) for piece in model.objective)
+    capacity = tuple((row.name, round(capacity_value(model, row, ranges, decisions)), row.capacity_bytes)
+                     for row in model.capacity)
+    return Evaluation(tuple(cuts), parts, peaks, step, decisions, capacity)
 
 
-def piece_value(model: CostModel, piece: Aggregate | Drain, ranges: list[tuple[int, int]]) -> float:
+def piece_value(model: CostModel, piece: Aggregate | Drain, ranges: list[tuple[int, int]],
+                decisions: Decisions | None = None) -> float:
     """One piece of the objective (weighted) for the parts' unit ranges."""
     if isinstance(piece, Drain):
-        return piece.weight * _drain(model, piece, ranges)
-    values = [term_value(model, term, *ranges[part]) for part, term in piece.members]
+        return piece.weight * _drain(model, piece, ranges, decisions)
+    values = [term_value(model, term, *ranges[part], decisions) for part, term in piece.members]
     if not values:
         return 0.0
     return piece.weight * (sum(values) if piece.reduce is Reduce.SUM else max(values))
 
 
-def _drain(model: CostModel, drain: Drain, ranges: list[tuple[int, int]]) -> float:
+def _drain(model: CostModel, drain: Drain, ranges: list[tuple[int, int]], decisions: Decisions | None) -> float:
     """max over s of (flow summed over parts >= s) + pace_weight x (pace over parts >= s) + tail(s)."""
     per_part = [[0.0, 0.0, 0.0] for _ in ranges]  # flow, pace, tail
     for slot, members in ((0, drain.flow), (1, drain.pace), (2, drain.tail)):
         for part, term in members:
-            value = term_value(model, term, *ranges[part])
+            value = term_value(model, term, *ranges[part], decisions)
             held = per_part[part][slot]
             per_part[part][slot] = max(held, value) if slot == 1 else held + value
     best, flow, pace = float("-inf"), 0.0, 0.0
@@ -146,12 +187,22 @@ def _drain(model: CostModel, drain: Drain, ranges: list[tuple[int, int]]) -> flo
     return best
 
 
-def row_value(model: CostModel, row: MemoryRow, ranges: list[tuple[int, int]]) -> float:
-    return sum(term_value(model, term, *ranges[part]) for part, term in row.members)
+def row_value(model: CostModel, row: MemoryRow, ranges: list[tuple[int, int]],
+              decisions: Decisions | None = None) -> float:
+    return sum(term_value(model, term, *ranges[part], decisions) for part, term in row.members)
 
 
-def _summary(model: CostModel, part: int, first: int, last: int) -> PartSummary:
-    values = {name: term_value(model, model.parts[part][name], first, last) for name in BREAKDOWN}
+def capacity_value(model: CostModel, row: CapacityRow, ranges: list[tuple[int, int]],
+                   decisions: Decisions | None = None) -> float:
+    return sum(weight * term_value(model, member, *ranges[part], decisions)
+               for part, weight, member in row.members)
+
+
+def _summary(model: CostModel, part: int, first: int, last: int, decisions: Decisions | None) -> PartSummary:
+    values = {name: term_value(model, model.parts[part][name], first, last, decisions)
+              for name in BREAKDOWN}
     return PartSummary(first, last, values["fwd_ms"], values["bwd_ms"], values["send_ms"],
                        values["allreduce_ms"], round(values["grad_bytes"]), round(values["static_bytes"]),
-                       round(values["activation_bytes"]))
+                       round(values["activation_bytes"]), values["optimizer_ms"], values["swap_ms"],
+                       round(values["swap_bytes"]), round(values["recompute_bytes"]),
+                       round(values["host_bytes"]), round(values["nvme_bytes"]))

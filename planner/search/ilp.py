@@ -15,12 +15,14 @@ import contextlib
 import os
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Iterator
+from typing import Any
 
 import pulp
 
+from planner.search.evaluate import Decisions
 from planner.search.terms import Aggregate, CostModel, Drain, Reduce, Term, fixed_sum
 
 
@@ -40,6 +42,7 @@ class IlpResult:
     wall_s: float
     gap: float
     binding: str  # name of the tightest memory constraint in the solution
+    decisions: Decisions | None = None  # the memory decisions (recompute and swap shares may be fractional)
 
 
 @dataclass
@@ -49,6 +52,7 @@ class _Model:
     problem: pulp.LpProblem
     done: dict[tuple[int, int], Any]
     memory: dict[int, pulp.LpConstraint]
+    variables: _Variables
 
 
 class InterruptibleHiGHS(pulp.HiGHS):
@@ -107,10 +111,13 @@ def default_solver(time_limit_s: float | None = None, cutoff_ms: float | None = 
 
 
 def solve_partition(costs: CostModel, solver: Any | None = None,
-                    time_limit_s: float | None = None, cutoff_ms: float | None = None) -> IlpResult:
+                    time_limit_s: float | None = None, cutoff_ms: float | None = None,
+                    integral: bool = False, window: Window | None = None) -> IlpResult:
     """Build the ILP of ``costs`` (a configuration's cost terms) and solve it with ``solver``
-    (default: HiGHS or CBC)."""
-    model = build_model(costs)
+    (default: HiGHS or CBC). Recompute and swap shares are continuous (a share of a unit's nodes)
+    unless ``integral`` (whole units only: exact, slower). ``window`` restricts each cut to a range
+    of units (a neighbourhood of a known partition), which keeps models with memory decisions small."""
+    model = build_model(costs, integral, window)
     solver = solver or default_solver(time_limit_s, cutoff_ms)
     start = time.perf_counter()
     model.problem.solve(solver)
@@ -121,22 +128,27 @@ def solve_partition(costs: CostModel, solver: Any | None = None,
     cuts = _cuts(costs, model)
     objective = pulp.value(model.problem.objective)
     return IlpResult(status, cuts, float(objective), solver.name, wall_s,
-                     _gap(model.problem), _binding(model))
+                     _gap(model.problem), _binding(model), model.variables.decisions(cuts))
 
 
-def build_model(costs: CostModel) -> _Model:
+Window = tuple[tuple[int, int], ...]
+"""Per cut s, the (lowest, highest) unit part s may end after."""
+
+
+def build_model(costs: CostModel, integral: bool = False, window: Window | None = None) -> _Model:
     """The ILP of a cost model: variables, contiguity, then one row family per aggregate and memory row."""
     num_units, num_parts = costs.num_units, costs.num_parts
     lp = pulp.LpProblem("pipeline_partition", pulp.LpMinimize)
-    done = _prefix_variables(lp, num_units, num_parts)
+    done = _prefix_variables(lp, num_units, num_parts, window)
     _contiguity(lp, done, num_units, num_parts)
-    variables = _Variables(lp, costs, done)
+    variables = _Variables(lp, costs, done, integral)
     _nonempty(lp, variables.x, num_units, num_parts)
     objective = pulp.lpSum(_drain(lp, variables, piece) if isinstance(piece, Drain) else
                            _aggregate(lp, variables, piece) for piece in costs.objective)
     memory = _memory(lp, variables, costs)
+    _capacity(lp, variables, costs)
     lp += objective, "step_ms"
-    return _Model(lp, done, memory)
+    return _Model(lp, done, memory, variables)
 
 
 class _Variables:
@@ -146,16 +158,21 @@ class _Variables:
     part s ends after unit p; shared[q, s] >= x[i, s] for every unit i using shared parameter q
     (held once per part using it); a term's maximum over units is a variable above each of its
     units' values.
+
+    Memory decisions: recompute[i, s] and swap[i, s], with recompute + swap <= x[i, s], are the
+    shares of unit i's saved activations recomputed and swapped when it runs on part s (only for
+    the pairs where unit i can be on part s).
     """
 
-    def __init__(self, lp: pulp.LpProblem, costs: CostModel, done: dict) -> None:
-        self.lp, self.costs = lp, costs
+    def __init__(self, lp: pulp.LpProblem, costs: CostModel, done: dict, integral: bool = False) -> None:
+        self.lp, self.costs, self.integral = lp, costs, integral
         units, parts = range(costs.num_units), range(costs.num_parts)
         self.x = {(i, s): done[i, s] - done[i, s - 1] for i in units for s in parts}
         self.end = {(p, s): done[p, s] - done[p + 1, s] for p in range(costs.num_units - 1)
                     for s in range(costs.num_parts - 1)}
         self._shared: dict | None = None
         self._maxima: dict[tuple[int, int, float], Any] = {}
+        self._decided: dict[str, dict[tuple[int, int], Any]] | None = None
 
     def expression(self, term: Term, part: int, scale: float = 1.0) -> Any:
         """``scale x term`` on ``part`` as a pulp expression."""
@@ -172,8 +189,33 @@ class _Variables:
                                      for q, c in enumerate(term.per_shared) if c))
         if term.unit_max:
             pieces.append(self._maximum(term, part, scale))
+        if term.decides:
+            decided = self.decided()
+            for kind, coefficients in (("recompute", term.per_recompute), ("swap", term.per_swap)):
+                pieces.append(pulp.lpSum(scale * c * decided[kind][i, part]
+                                         for i, c in enumerate(coefficients) if c and (i, part) in decided[kind]))
         return scale * term.constant + pulp.lpSum(pieces)
 
+    def decided(self) -> dict[str, dict[tuple[int, int], Any]]:
+        """recompute[i, s] and swap[i, s] (created on first use), each pair at most x[i, s]."""
+        if self._decided is None:
+            category = "Binary" if self.integral else "Continuous"
+            pairs = [(i, s) for (i, s), x in self.x.items() if not isinstance(x, (int, float)) or x]
+            self._decided = {kind: {(i, s): self.lp.add_variable(f"{kind}_{i}_{s}", lowBound=0, upBound=1,
+                                                                  cat=category) for i, s in pairs}
+                             for kind in ("recompute", "swap")}
+            for (i, s), recompute in self._decided["recompute"].items():
+                self.lp += recompute + self._decided["swap"][i, s] <= self.x[i, s], f"decide_{i}_{s}"
+        return self._decided
+
+    def decisions(self, cuts: tuple[int, ...]) -> Decisions | None:
+        """The solution's decisions (None when the model has none)."""
+        if self._decided is None:
+            return None
+        shares = {kind: tuple(sum(max(0.0, _number(variable)) for (unit, _), variable in chosen.items()
+                                  if unit == i) for i in range(self.costs.num_units))
+                  for kind, chosen in self._decided.items()}
+        return Decisions(shares["recompute"], shares["swap"])
     def shared(self) -> dict:
         if self._shared is None:
             units, shared_params = self.costs.problem.units, self.costs.problem.shared
@@ -193,24 +235,26 @@ class _Variables:
                 name += f"_{len(self._maxima)}"
             top = self.lp.add_variable(name, lowBound=0)
             for i, value in enumerate(term.unit_max):
-                if value:
+                if value and _variable(self.x[i, part]) or (value and self.x[i, part]):
                     self.lp += top >= scale * value * self.x[i, part], f"{name}_unit_{i}"
             self._maxima[key] = top
         return self._maxima[key]
 
 
-def _prefix_variables(lp: pulp.LpProblem, num_units: int, num_parts: int) -> dict:
+def _prefix_variables(lp: pulp.LpProblem, num_units: int, num_parts: int, window: Window | None) -> dict:
     """done[i, s] = 1 when unit i runs on part s or earlier; done[i, -1] = 0, done[i, P-1] = 1.
 
     Branching on "is unit i finished by part s" splits the search evenly, which proves
-    optimality far faster than branching on single assignments x[i, s].
+    optimality far faster than branching on single assignments x[i, s]. Outside a ``window``
+    done[i, s] is a constant (1 up to the window's lowest cut, 0 after its highest).
     """
     done: dict[tuple[int, int], Any] = {}
     for i in range(num_units):
         done[i, -1] = 0
         done[i, num_parts - 1] = 1
         for s in range(num_parts - 1):
-            done[i, s] = lp.add_variable(f"done_{i}_{s}", cat="Binary")
+            low, high = window[s] if window else (-1, num_units)
+            done[i, s] = 1 if i <= low else 0 if i > high else lp.add_variable(f"done_{i}_{s}", cat="Binary")
     return done
 
 
@@ -222,15 +266,24 @@ def _contiguity(lp: pulp.LpProblem, done: dict, num_units: int, num_parts: int) 
     """
     for s in range(num_parts - 1):
         for i in range(num_units - 1):
-            lp += done[i, s] >= done[i + 1, s], f"order_{i}_{s}"
+            if _variable(done[i, s]) or _variable(done[i + 1, s]):
+                lp += done[i, s] >= done[i + 1, s], f"order_{i}_{s}"
     if num_parts > 1:
-        lp += done[0, 0] == 1, "first_unit_on_first_part"
-        lp += done[num_units - 1, num_parts - 2] == 0, "last_unit_on_last_part"
+        if _variable(done[0, 0]):
+            lp += done[0, 0] == 1, "first_unit_on_first_part"
+        if _variable(done[num_units - 1, num_parts - 2]):
+            lp += done[num_units - 1, num_parts - 2] == 0, "last_unit_on_last_part"
+
+
+def _variable(value: Any) -> bool:
+    return not isinstance(value, (int, float))
 
 
 def _nonempty(lp: pulp.LpProblem, x: dict, num_units: int, num_parts: int) -> None:
     for s in range(num_parts):
-        lp += pulp.lpSum(x[i, s] for i in range(num_units)) >= 1, f"nonempty_{s}"
+        held = [x[i, s] for i in range(num_units) if _variable(x[i, s]) or x[i, s]]
+        if any(_variable(value) for value in held):
+            lp += pulp.lpSum(held) >= 1, f"nonempty_{s}"
 
 
 def _aggregate(lp: pulp.LpProblem, variables: _Variables, aggregate: Aggregate) -> Any:
@@ -302,8 +355,7 @@ def _flow_sum(lp: pulp.LpProblem, variables: _Variables, drain: Drain) -> Any:
 
 
 def _is_zero(term: Term) -> bool:
-    return not (term.constant or any(term.per_unit) or any(term.per_shared) or any(term.unit_max)
-                or any(term.ends_after) or any(term.starts_after))
+    return term.upper_bound() == 0
 
 
 def _memory(lp: pulp.LpProblem, variables: _Variables, costs: CostModel) -> dict[int, pulp.LpConstraint]:
@@ -319,6 +371,20 @@ def _memory(lp: pulp.LpProblem, variables: _Variables, costs: CostModel) -> dict
         lp += pulp.lpSum(variables.expression(term, part, scale) for part, term in row.members) <= 1.0, name
         constraints[row.slot] = lp.get_constraint_by_name(name)
     return constraints
+
+
+def _capacity(lp: pulp.LpProblem, variables: _Variables, costs: CostModel) -> None:
+    """Each node's host memory and NVMe: what its ranks put there, at most its capacity (in its units)."""
+    for row in costs.capacity:
+        if all(_is_zero(member) for _, _, member in row.members):
+            continue
+        scale = 1.0 / row.capacity_bytes if row.capacity_bytes else 1.0
+        used = pulp.lpSum(weight * variables.expression(member, part, scale) for part, weight, member in row.members)
+        lp += used <= (1.0 if row.capacity_bytes else 0.0), row.name
+
+
+def _number(variable: Any) -> float:
+    return float(variable.value() or 0.0)
 
 
 def _status(lp: pulp.LpProblem) -> SolveStatus:

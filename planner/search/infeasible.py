@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING
 from cost_models.errors import PlanInfeasible
 from cost_models.units import format_bytes, plural
 from planner.budget import Reserve
-from planner.search.evaluate import split_term, term_value
+from planner.search.evaluate import row_value, segments, split_term, term_value
 from planner.search.oracle import min_peak_partition
+from planner.search.terms import floor
 
 if TYPE_CHECKING:
     from planner.search.search import Setup
@@ -64,25 +65,28 @@ class StageMemory:
 
 def stage_memory(setup: Setup, part: int, stage: int, first: int, last: int) -> StageMemory:
     """``part``'s memory on units ``first..last`` as ``stage`` holds it, by kind, from its cost terms."""
-    costs = setup.costs
-    static = split_term(costs.parts[part]["static_bytes"])
+    costs = setup.frugal_costs
+    static = split_term(floor(costs.parts[part]["static_bytes"]))
     value = {name: term_value(costs, term, first, last) for name, term in static.items()}
     transient_unit = max(range(first, last + 1), key=lambda unit: static["transient"].unit_max[unit])
     node = max(setup.coarsening.units[transient_unit].nodes, key=lambda name: setup.table[name].output_bytes)
     return StageMemory(value["held"], value["transient"], node, value["outgoing"],
-                       term_value(costs, costs.parts[part]["activation_bytes"], first, last),
+                       term_value(costs, floor(costs.parts[part]["activation_bytes"]), first, last),
                        setup.problem.in_flight[stage])
 
 
 def infeasible_error(setup: Setup, budget: str, gpus: int, device_name: str,
                      reserve: Reserve) -> PlanInfeasible:
     """``setup`` is the most memory-frugal configuration's; its best partition's fullest stage is named."""
-    floor = min_peak_partition(setup.costs).evaluation
-    stage = max(range(len(floor.parts)), key=lambda index: floor.slot_peak_bytes[index])
+    costs = setup.frugal_costs
+    frugal = min_peak_partition(costs)
+    lowest = frugal.evaluation
+    peaks = [row_value(costs, row, segments(costs.num_units, frugal.cuts)) for row in costs.frugal_memory]
+    stage = max(range(len(peaks)), key=lambda index: peaks[index])
     part = setup.schedule.layout.part(stage)
-    summary = floor.parts[part]
+    summary = lowest.parts[part]
     memory = stage_memory(setup, part, stage, summary.first_unit, summary.last_unit)
-    need = floor.slot_peak_bytes[stage]
+    need = round(peaks[stage])
     units = setup.coarsening.units[summary.first_unit:summary.last_unit + 1]
     nodes = [name for unit in units for name in unit.nodes]
     give = reserve.mem_for(need)

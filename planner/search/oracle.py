@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from planner.search.evaluate import Evaluation, evaluate, term_value, term_values
-from planner.search.terms import Aggregate, CostModel, Drain, Reduce, Term, fixed_sum
+from planner.search.terms import Aggregate, CostModel, Drain, MemoryRow, Reduce, Term, fixed_sum
 
 _Label = tuple[tuple[float, ...], tuple[int, ...]]  # (piece values so far, cuts so far)
 
@@ -24,14 +24,19 @@ _Label = tuple[tuple[float, ...], tuple[int, ...]]  # (piece values so far, cuts
 class OracleResult:
     cuts: tuple[int, ...]
     evaluation: Evaluation
+    peak_bytes: int = 0  # min_peak_partition: the smallest largest row (of the rows it minimised)
 
 
-def check_exact(costs: CostModel) -> None:
-    """Raise ValueError unless every memory row depends on a single part (what the DPs need)."""
+def check_exact(costs: CostModel, *, decisions_allowed: bool = False) -> None:
+    """Raise ValueError unless every memory row depends on a single part (what the DPs need) and,
+    unless ``decisions_allowed``, the model has no memory decisions (the DPs place cuts only)."""
     shared = [row.slot for row in costs.memory if len({part for part, _ in row.members}) != 1]
     if shared:
         raise ValueError(f"slots {shared} hold several parts; the exact dynamic programs handle layouts "
                          f"with one stage per slot only")
+    if costs.decides and not decisions_allowed:
+        raise ValueError("the model decides recompute, swap and state tiers; the dynamic programs place "
+                         "cuts only (the ILP decides)")
 
 
 def optimal_partition(costs: CostModel) -> OracleResult | None:
@@ -135,11 +140,14 @@ def min_peak_partition(costs: CostModel) -> OracleResult:
     """The partition whose largest memory row is smallest (the budget ignored).
 
     A min-max DP over (part, last unit); each part's memory for every possible first unit is one
-    numpy vector, so a 16-part, 150-unit problem takes milliseconds.
+    numpy vector, so a 16-part, 150-unit problem takes milliseconds. With memory decisions, the rows
+    minimised have every decision at its most frugal (``costs.frugal_memory``): ``peak_bytes`` is
+    then a lower bound of what any decisions need (without them, the exact peak).
     """
-    check_exact(costs)
+    check_exact(costs, decisions_allowed=True)
+    rows = costs.frugal_memory
     num_units, num_parts = costs.num_units, costs.num_parts
-    best = _row_peaks(costs, 0, np.array([0]), range(num_units - num_parts + 1), num_units)
+    best = _row_peaks(costs, rows, 0, np.array([0]), range(num_units - num_parts + 1), num_units)
     choices: list[np.ndarray] = []
     for part in range(1, num_parts):
         remaining = num_parts - part - 1
@@ -147,7 +155,7 @@ def min_peak_partition(costs: CostModel) -> OracleResult:
         choice = np.zeros(num_units, dtype=int)
         for last in range(part, num_units - remaining):
             firsts = np.arange(part, last + 1)  # part covers first..last; the previous ends at first-1
-            value = np.maximum(best[firsts - 1], _part_peaks(costs, part, firsts, last))
+            value = np.maximum(best[firsts - 1], _part_peaks(costs, rows, part, firsts, last))
             pick = int(np.argmin(value))
             following[last], choice[last] = value[pick], firsts[pick]
         best = following
@@ -159,21 +167,23 @@ def min_peak_partition(costs: CostModel) -> OracleResult:
         cuts.append(first - 1)
         last = first - 1
     cuts.reverse()
-    return OracleResult(tuple(cuts), evaluate(costs, tuple(cuts)))
+    return OracleResult(tuple(cuts), evaluate(costs, tuple(cuts)), round(float(best[num_units - 1])))
 
 
-def _part_peaks(costs: CostModel, part: int, firsts: np.ndarray, last: int) -> np.ndarray:
+def _part_peaks(costs: CostModel, rows: tuple[MemoryRow, ...], part: int, firsts: np.ndarray,
+                last: int) -> np.ndarray:
     """The largest memory row of ``part`` holding units firsts[k]..last, for every k."""
     peaks = np.zeros(len(firsts))
-    for row in costs.memory:
+    for row in rows:
         if row.members[0][0] == part:
             peaks = np.maximum(peaks, sum(term_values(costs, term, firsts, last) for _, term in row.members))
     return peaks
 
 
-def _row_peaks(costs: CostModel, part: int, firsts: np.ndarray, lasts: range, num_units: int) -> np.ndarray:
+def _row_peaks(costs: CostModel, rows: tuple[MemoryRow, ...], part: int, firsts: np.ndarray, lasts: range,
+               num_units: int) -> np.ndarray:
     """Part ``part`` starting at firsts[0] and ending at each of ``lasts`` (inf elsewhere)."""
     values = np.full(num_units, np.inf)
     for last in lasts:
-        values[last] = _part_peaks(costs, part, firsts, last)[0]
+        values[last] = _part_peaks(costs, rows, part, firsts, last)[0]
     return values

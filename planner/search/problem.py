@@ -8,6 +8,7 @@ only between units, at points where few bytes cross. Every number the cost terms
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from cost_models.comm import (
     allreduce_link,
@@ -16,12 +17,17 @@ from cost_models.comm import (
     ring_allreduce_coefficients,
     same_node,
 )
+from cost_models.device_spec import BYTES_PER_GB
 from cost_models.devices import DeviceSpec
 from cost_models.estimation import CostTable
 from cost_models.graph.ir import LayerGraph, NodeKind
 from cost_models.memory import Optimizer, Precision, model_state_bytes
 from planner.plan.kinds import ScheduleKind
 from planner.plan.layout import Layout
+from planner.plan.parts import StateTier
+
+if TYPE_CHECKING:
+    from planner.search.configs import SearchSpace
 
 
 @dataclass(frozen=True)
@@ -36,6 +42,11 @@ class Unit:
     activation_bytes: int  # saved for backward, per micro-batch in flight
     transient_bytes: int  # largest single-node working set (output and its gradient)
     shared: tuple[int, ...] = ()  # indices into PipelineProblem.shared
+    weight_bytes: int = 0  # of state_bytes: the weights (in the training dtype)
+    optimizer_bytes: int = 0  # of state_bytes: fp32 master weights and optimizer state
+    param_numel: int = 0  # elements of those parameters (what an optimizer step touches)
+    offloadable_bytes: int = 0  # of activation_bytes: what its nodes save (the loss's share excluded)
+    input_bytes: int = 0  # what a checkpoint of this unit keeps: the activations alive where it starts
 
 
 @dataclass(frozen=True)
@@ -45,6 +56,9 @@ class SharedParam:
     name: str
     state_bytes: int
     grad_bytes: int
+    weight_bytes: int = 0
+    optimizer_bytes: int = 0
+    param_numel: int = 0
 
 
 @dataclass(frozen=True)
@@ -56,6 +70,63 @@ class LinearCost:
 
     def ms(self, nbytes: float) -> float:
         return self.fixed_ms + self.ms_per_byte * nbytes if nbytes > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class StateMode:
+    """Where a part keeps its model state: ZeRO-1 over its copies or not, and the optimizer's tier.
+
+    ``zero_stage`` 1 splits the fp32 master weights and optimizer state over the part's copies
+    (each steps its shard; the gradient all-reduce becomes a reduce-scatter plus an all-gather of
+    the same volume). On the host or NVMe the optimizer step runs on the host's cores.
+    """
+
+    zero_stage: int
+    optimizer: StateTier
+
+    def describe(self) -> str:
+        where = {StateTier.GPU: "", StateTier.HOST: "optimizer on host",
+                 StateTier.NVME: "optimizer state on NVMe, step on host"}[self.optimizer]
+        sharded = "model state sharded (ZeRO-1)" if self.zero_stage else ""
+        return ", ".join(text for text in (sharded, where) if text)
+
+
+ON_GPU = StateMode(0, StateTier.GPU)
+"""Everything on the GPU, unsharded: the only mode when offload is off."""
+
+
+def state_modes(offload: bool, sharded: bool) -> tuple[StateMode, ...]:
+    """The modes a configuration may use: ON_GPU only without offload; ZeRO-1 ones only for parts
+    with data-parallel copies (``sharded``)."""
+    if not offload:
+        return (ON_GPU,)
+    tiers = (StateTier.GPU, StateTier.HOST, StateTier.NVME)
+    return tuple(StateMode(zero, tier) for zero in ((0, 1) if sharded else (0,)) for tier in tiers)
+
+
+@dataclass(frozen=True)
+class MemoryTiers:
+    """What the search may decide about memory, and what the host and NVMe cost.
+
+    Links are per GPU and per direction; host memory and NVMe are per node (``gpus_per_node``
+    GPUs share them).
+    """
+
+    activations: bool  # per unit: keep, recompute or swap to the host
+    state: StateMode  # where every part keeps its model state
+    host_link: LinearCost
+    nvme_link: LinearCost
+    host_step_ms_per_param: float  # an optimizer step on the host's cores, per parameter
+    device_step_ms_per_byte: float  # an optimizer step on the GPU, per byte of state it reads or writes
+    host_grad_bytes_per_param: int  # the fp32 (fp64) gradient a host step reads, per parameter
+    host_mem_bytes: int  # per node
+    nvme_bytes: int  # per node
+    gpus_per_node: int
+
+
+FREE_LINK = LinearCost(0.0, 0.0)
+GPU_ONLY = MemoryTiers(False, ON_GPU, FREE_LINK, FREE_LINK, 0.0, 0.0, 4, 0, 0, 1)
+"""No memory decisions and an optimizer step that costs nothing (what a bare problem means)."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +146,7 @@ class PipelineProblem:
     links: tuple[LinearCost, ...]  # per part but the last: p2p time across the cut after it
     allreduce: tuple[LinearCost, ...]  # per part: its gradient all-reduce, per gradient byte
     mem_bytes: int
+    tiers: MemoryTiers = GPU_ONLY
 
     def __post_init__(self) -> None:
         assert len(self.boundary_bytes) == len(self.units) - 1
@@ -130,11 +202,21 @@ def group_units(graph: LayerGraph, table: CostTable, precision: Precision, optim
     users = _param_users(graph, groups)
     shared_names = sorted(name for name, units in users.items() if len(units) > 1)
     shared_index = {name: index for index, name in enumerate(shared_names)}
-    units = tuple(_unit(graph, table, group, precision, optimizer, shared_index)
-                  for group in groups)
-    shared = tuple(SharedParam(name, *_param_state(graph, name, precision, optimizer))
+    starts = (0, *cuts)
+    units = tuple(_unit(graph, table, group, precision, optimizer, shared_index,
+                        crossing[start - 1] if start else 0) for group, start in zip(groups, starts))
+    shared = tuple(_shared_param(name, _param_state(graph, name, precision, optimizer))
                    for name in shared_names)
     return Coarsening(units, tuple(crossing[cut - 1] for cut in cuts), shared)
+
+
+@dataclass(frozen=True)
+class _ParamState:
+    state_bytes: int
+    grad_bytes: int
+    weight_bytes: int
+    optimizer_bytes: int
+    numel: int
 
 
 def _crossing_bytes(graph: LayerGraph, table: CostTable) -> list[int]:
@@ -204,12 +286,17 @@ def _param_users(graph: LayerGraph, groups: list[list[str]]) -> dict[str, set[in
     return users
 
 
-def _param_state(graph: LayerGraph, name: str, precision: Precision, optimizer: Optimizer) -> tuple[int, int]:
+def _shared_param(name: str, state: _ParamState) -> SharedParam:
+    return SharedParam(name, state.state_bytes, state.grad_bytes, state.weight_bytes, state.optimizer_bytes,
+                       state.numel)
+
+
+def _param_state(graph: LayerGraph, name: str, precision: Precision, optimizer: Optimizer) -> _ParamState:
     info = graph.parameter(name)
     if info.is_buffer:
-        return info.nbytes, 0
+        return _ParamState(info.nbytes, 0, 0, 0, 0)
     state = model_state_bytes(info.numel, precision, optimizer)
-    return state.total_bytes, state.grad_bytes
+    return _ParamState(state.total_bytes, state.grad_bytes, state.param_bytes, state.optimizer_bytes, info.numel)
 
 
 def _loss_bytes(graph: LayerGraph, table: CostTable, names: list[str]) -> int:
@@ -223,20 +310,43 @@ def _loss_bytes(graph: LayerGraph, table: CostTable, names: list[str]) -> int:
 
 
 def _unit(graph: LayerGraph, table: CostTable, names: list[str], precision: Precision,
-          optimizer: Optimizer, shared_index: dict[str, int]) -> Unit:
+          optimizer: Optimizer, shared_index: dict[str, int], crossing_before: int) -> Unit:
     params = {p for name in names if graph.node(name).kind is not NodeKind.PARAM
               for p in graph.node(name).param_names}
     own = [p for p in params if p not in shared_index]
     state = [_param_state(graph, p, precision, optimizer) for p in own]
     costs = [table[name] for name in names]
+    saved = sum(c.saved_activation_bytes for c in costs)
     return Unit(
         nodes=tuple(names),
         fwd_ms=sum(c.fwd_ms for c in costs),
         bwd_ms=sum(c.bwd_ms for c in costs),
-        state_bytes=sum(s for s, _ in state),
-        grad_bytes=sum(g for _, g in state),
-        activation_bytes=sum(c.saved_activation_bytes for c in costs) + _loss_bytes(graph, table, names),
+        state_bytes=sum(p.state_bytes for p in state),
+        grad_bytes=sum(p.grad_bytes for p in state),
+        activation_bytes=saved + _loss_bytes(graph, table, names),
         transient_bytes=max((2 * c.output_bytes for c, n in zip(costs, names)
                              if graph.node(n).kind is not NodeKind.PARAM), default=0),
         shared=tuple(sorted(shared_index[p] for p in params if p in shared_index)),
+        weight_bytes=sum(p.weight_bytes for p in state),
+        optimizer_bytes=sum(p.optimizer_bytes for p in state),
+        param_numel=sum(p.numel for p in state),
+        offloadable_bytes=saved,
+        input_bytes=min(saved, crossing_before),
     )
+
+
+def memory_tiers(device: DeviceSpec, space: SearchSpace, state: StateMode, *, activations: bool) -> MemoryTiers:
+    """The memory costs of ``device`` for a configuration keeping model state as ``state``;
+    ``activations``: whether the ILP decides recompute and swap per unit."""
+    host_link = LinearCost(*p2p_coefficients(device.host_link))
+    nvme_link = LinearCost(*p2p_coefficients(device.nvme))
+    per_node = space.gpus_per_node
+    device_ms_per_byte = 1e3 / (device.mem_bandwidth_gb_per_s * BYTES_PER_GB * device.memory_efficiency)
+    return MemoryTiers(
+        activations=activations, state=state, host_link=host_link, nvme_link=nvme_link,
+        host_step_ms_per_param=1e3 / device.host_optimizer_params_per_s,
+        device_step_ms_per_byte=device_ms_per_byte,
+        host_grad_bytes_per_param=space.precision.state_itemsize,
+        host_mem_bytes=space.host_mem_bytes if space.host_mem_bytes is not None else device.host_mem_bytes * per_node,
+        nvme_bytes=space.nvme_bytes if space.nvme_bytes is not None else device.nvme_bytes * per_node,
+        gpus_per_node=per_node)

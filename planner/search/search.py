@@ -8,9 +8,10 @@ the solver included (planner/search/ilp.py).
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from cost_models.devices import DeviceSpec
 from cost_models.errors import PlanInfeasible
@@ -20,11 +21,18 @@ from cost_models.units import format_bytes
 from planner.progress import Phase, Progress, ProgressEvent
 from planner.schedules.generate import Schedule, generate, max_in_flight
 from planner.search.configs import Config, SearchSpace, configurations
-from planner.search.evaluate import Evaluation, evaluate
+from planner.search.evaluate import Decisions, Evaluation, evaluate
 from planner.search.ilp import SolveStatus, solve_partition
 from planner.search.infeasible import infeasible_error
 from planner.search.oracle import check_exact, min_peak_partition
-from planner.search.problem import Coarsening, PipelineProblem, coarsen, part_allreduces, part_links
+from planner.search.problem import (
+    Coarsening,
+    PipelineProblem,
+    coarsen,
+    memory_tiers,
+    part_allreduces,
+    part_links,
+)
 from planner.search.terms import CostModel, cost_model, lower_bound
 
 
@@ -35,9 +43,15 @@ class Setup:
     config: Config
     schedule: Schedule
     problem: PipelineProblem
-    costs: CostModel  # the problem's cost terms
+    costs: CostModel  # the problem's cost terms, every saved activation kept
     coarsening: Coarsening
     table: CostTable
+    decided: CostModel | None = None  # the same with recompute and swap decided per unit (offload on)
+
+    @property
+    def frugal_costs(self) -> CostModel:
+        """The cost model that can need the least memory."""
+        return self.decided or self.costs
 
 
 @dataclass(frozen=True)
@@ -98,8 +112,13 @@ class Search:
         problem = PipelineProblem(
             units.units, units.boundary_bytes, units.shared, layout, config.schedule, config.num_microbatches,
             max_in_flight(schedule), part_links(self.device, layout, per_node),
-            part_allreduces(self.device, layout, per_node), self.space.mem_bytes)
-        setup = Setup(config, schedule, problem, cost_model(problem), units, table)
+            part_allreduces(self.device, layout, per_node), self.space.mem_bytes,
+            memory_tiers(self.device, self.space, config.state, activations=False))
+        decided = None
+        if self.space.offload:
+            tiers = dataclasses.replace(problem.tiers, activations=True)
+            decided = cost_model(dataclasses.replace(problem, tiers=tiers))
+        setup = Setup(config, schedule, problem, cost_model(problem), units, table, decided)
         if coarse is None:
             self._setups[config] = setup
         return setup
@@ -142,24 +161,81 @@ class Search:
             self.progress(event)
 
     def fits(self, config: Config) -> bool:
-        """Whether any partition of this configuration fits the budget (exact, by DP, where it applies)."""
-        costs = self.setup(config).costs
+        """Whether any partition of this configuration might fit the budget (by DP, where it applies:
+        exact without memory decisions, a necessary condition with them)."""
+        costs = self.setup(config).frugal_costs
         try:
-            check_exact(costs)
+            check_exact(costs, decisions_allowed=True)
         except ValueError:
             return True  # several stages share a slot: the ILP decides
-        return min_peak_partition(costs).evaluation.peak_mem_bytes <= self.space.mem_bytes
+        return min_peak_partition(costs).peak_bytes <= self.space.mem_bytes
 
     def solve(self, config: Config, time_limit_s: float,
               cutoff_ms: float | None) -> tuple[Candidate | None, float]:
-        """The ILP's best partition of ``config``, or None if none fits or beats ``cutoff_ms``."""
+        """The best partition of ``config``, or None if none fits or beats ``cutoff_ms``.
+
+        First every saved activation kept (the ILP is exact and fast); then, where offload is on and
+        that plan is missing or its memory binds, with recompute and swap decided per unit in the
+        same ILP as the cuts, around the best partition known (see :meth:`_decide`).
+        """
         setup = self.setup(config)
+        start = time.perf_counter()
         result = solve_partition(setup.costs, time_limit_s=time_limit_s, cutoff_ms=cutoff_ms)
-        if result.cuts is None:
-            return None, result.wall_s
-        evaluation = evaluate(setup.costs, result.cuts)
-        return Candidate(setup, evaluation, result.objective, result.status, result.solver, result.gap,
-                         result.binding), result.wall_s
+        kept = None if result.cuts is None else Candidate(
+            setup, evaluate(setup.costs, result.cuts), result.objective, result.status, result.solver,
+            result.gap, result.binding)
+        binds = kept is None or kept.evaluation.peak_mem_bytes >= DECIDE_WHEN_MEMORY_AT * self.space.mem_bytes
+        if setup.decided is None or not binds:
+            return kept, time.perf_counter() - start
+        left = time_limit_s - (time.perf_counter() - start)
+        cutoff = cutoff_ms if kept is None else min(cutoff_ms or kept.objective_ms, kept.objective_ms)
+        decided = self._decide(setup, kept.evaluation.cuts if kept else None, max(1.0, left), cutoff)
+        best = min((c for c in (kept, decided) if c is not None), key=lambda c: c.objective_ms, default=None)
+        return best, time.perf_counter() - start
+
+    def _decide(self, setup: Setup, cuts: tuple[int, ...] | None, time_limit_s: float,
+                cutoff_ms: float | None) -> Candidate | None:
+        """The ILP with per-unit recompute and swap and the cuts, each cut free within a window of
+        units around ``cuts`` (or the most frugal partition's), moved while the best plan's cuts
+        reach a window's edge.
+
+        Recompute and swap shares come out as shares of units; a unit with any share is recomputed
+        (or else swapped) whole, which needs no more memory than the ILP's plan but may cost more
+        time, so the plan is evaluated with whole units; if that broke a memory limit, the window is
+        solved again with whole units only (exact).
+        """
+        costs = setup.decided
+        assert costs is not None
+        deadline = time.perf_counter() + time_limit_s
+        if cuts is None:
+            cuts = min_peak_partition(costs).cuts
+        width = max(2, costs.num_units // (2 * costs.num_parts))
+        best: Candidate | None = None
+        for _ in range(DECISION_ROUNDS):
+            window = tuple((max(-1, cut - width), min(costs.num_units - 2, cut + width)) for cut in cuts)
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0:
+                break
+            result = solve_partition(costs, time_limit_s=remaining, cutoff_ms=cutoff_ms, window=window)
+            if result.cuts is None:
+                break
+            evaluation = evaluate(costs, result.cuts, whole_units(result.decisions))
+            if not (evaluation.fits(self.space.mem_bytes) and evaluation.capacity_fits):
+                result = solve_partition(costs, time_limit_s=max(1.0, deadline - time.perf_counter()),
+                                         cutoff_ms=cutoff_ms, integral=True, window=window)
+                if result.cuts is None:
+                    break
+                evaluation = evaluate(costs, result.cuts, whole_units(result.decisions))
+            candidate = Candidate(setup, evaluation, evaluation.step_ms, result.status, result.solver,
+                                  result.gap, result.binding)
+            if best is None or candidate.objective_ms < best.objective_ms:
+                best = candidate
+            at_edge = any(cut in edges and edges[0] != edges[1] and cut not in (-1, costs.num_units - 2)
+                          for cut, edges in zip(result.cuts, window))
+            if not at_edge or result.cuts == cuts:
+                break
+            cuts = result.cuts
+        return best
 
     def lower_bound(self, config: Config) -> float:
         """Step time no partition of this configuration can beat (planner/search/terms.py)."""
@@ -178,3 +254,20 @@ class Search:
             return format_bytes(usable)
         return (f"{format_bytes(usable)} ({format_bytes(usable + reserve)} less {format_bytes(reserve)} "
                 f"reserved)")
+
+
+DECIDE_WHEN_MEMORY_AT = 0.97
+"""Recompute and swap are decided for a configuration whose best plan keeping every activation uses at
+least this share of the budget (or has none): below it, they cannot buy a faster plan."""
+
+DECISION_ROUNDS = 3
+"""How many times the window of the ILP with memory decisions moves after the best plan's cuts."""
+
+
+def whole_units(decisions: Decisions | None) -> Decisions | None:
+    """Each unit with any recompute share recomputed whole, else with any swap share swapped whole."""
+    if decisions is None:
+        return None
+    recompute = tuple(1.0 if share > 1e-6 else 0.0 for share in decisions.recompute)
+    swap = tuple(1.0 if share > 1e-6 and not again else 0.0 for share, again in zip(decisions.swap, recompute))
+    return Decisions(recompute, swap)

@@ -9,8 +9,12 @@ that is linear in the decision variables (plus at most one maximum over the unit
         + starts_after[first - 1]       when the part is not the first (its incoming cut)
         + sum of per_shared[q]          for each shared parameter q its units use
         + max of unit_max[i]            over i in first..last
+        + sum of per_recompute[i] r[i] + per_swap[i] w[i]   for i in first..last
 
-A term built for the last part has no ``ends_after`` and one for the first part no
+where r[i] and w[i] (0..1) are the memory decisions of unit i: the share of its saved activations
+recomputed in the backward, and the share swapped to the host. Where model state lives (the
+problem's StateMode: sharded or not, optimizer on the GPU, host or NVMe) is fixed per
+configuration; the terms are written for it. A term built for the last part has no ``ends_after`` and one for the first part no
 ``starts_after``. The step time is a weighted sum of **aggregates** (sums or maxima of terms over
 parts) and **drains** (the largest, over parts s, of a sum over parts s..P-1 plus a maximum over
 them plus a term of s); every slot's memory is a **row** (a sum of terms) that must fit the
@@ -24,11 +28,14 @@ nowhere else. :func:`cost_model` is the only function that writes cost formulas.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from planner.plan.kinds import ScheduleKind
-from planner.search.problem import PipelineProblem
+from planner.plan.parts import StateTier
+from planner.search.problem import MemoryTiers, PipelineProblem, StateMode
 
 
 @dataclass(frozen=True, eq=False)
@@ -42,6 +49,8 @@ class Term:
     per_shared: tuple[float, ...] = ()
     unit_max: tuple[float, ...] = ()
     max_name: str = "max"  # what the maximum over units is (names its ILP variable)
+    per_recompute: tuple[float, ...] = ()
+    per_swap: tuple[float, ...] = ()
 
     def plus(self, other: Term, weight: float = 1.0) -> Term:
         """``self + weight * other`` (at most one of them may take a maximum over units)."""
@@ -52,12 +61,39 @@ class Term:
                     _add(self.starts_after, other.starts_after, weight),
                     _add(self.per_shared, other.per_shared, weight),
                     _add(self.unit_max, other.unit_max, weight),
-                    self.max_name if self.unit_max else other.max_name)
+                    self.max_name if self.unit_max else other.max_name,
+                    _add(self.per_recompute, other.per_recompute, weight),
+                    _add(self.per_swap, other.per_swap, weight))
 
     @property
     def unit_only(self) -> bool:
         """A constant plus per-unit coefficients: its sum over a partition's parts is fixed."""
-        return not (self.ends_after or self.starts_after or self.per_shared or self.unit_max)
+        return not (self.ends_after or self.starts_after or self.per_shared or self.unit_max or self.decides)
+
+    @property
+    def decides(self) -> bool:
+        """Whether its value depends on the units' memory decisions."""
+        return any(self.per_recompute) or any(self.per_swap)
+
+    def scaled(self, weight: float) -> Term:
+        return Term().plus(self, weight)
+
+    def upper_bound(self) -> float:
+        """No part's value exceeds this (every decision and cut at its costliest)."""
+        def top(values: tuple[float, ...]) -> float:
+            return max((v for v in values if v > 0), default=0.0)
+        return (self.constant + sum(v for v in self.per_unit if v > 0) + top(self.ends_after)
+                + top(self.starts_after) + sum(v for v in self.per_shared if v > 0) + top(self.unit_max)
+                + sum(v for v in self.per_recompute if v > 0) + sum(v for v in self.per_swap if v > 0))
+
+    def floor(self) -> Term:
+        """The same term with each unit's decision at its cheapest (a lower bound of any decision)."""
+        if not self.decides:
+            return self
+        cheapest = tuple(min(0.0, r, w) for r, w in zip(self.per_recompute or (0.0,) * len(self.per_swap),
+                                                         self.per_swap or (0.0,) * len(self.per_recompute)))
+        return Term(self.constant, _add(self.per_unit, cheapest, 1.0), self.ends_after, self.starts_after,
+                    self.per_shared, self.unit_max, self.max_name)
 
     @functools.cached_property
     def unit_prefix(self) -> tuple[float, ...]:
@@ -83,6 +119,10 @@ class Term:
             table.append(tuple(max(previous[i], previous[i + width]) for i in range(len(previous) - width)))
             width *= 2
         return table
+
+
+def floor(term: Term) -> Term:
+    return term.floor()
 
 
 def _add(a: tuple[float, ...], b: tuple[float, ...], weight: float) -> tuple[float, ...]:
@@ -140,7 +180,17 @@ class MemoryRow:
     members: tuple[tuple[int, Term], ...]  # (part, term)
 
 
-BREAKDOWN = ("fwd_ms", "bwd_ms", "send_ms", "allreduce_ms", "grad_bytes", "static_bytes", "activation_bytes")
+@dataclass(frozen=True)
+class CapacityRow:
+    """A node's host memory or NVMe: the sum of ``weight x member`` over its ranks, at most ``capacity_bytes``."""
+
+    name: str
+    capacity_bytes: int
+    members: tuple[tuple[int, float, Term], ...]  # (part, weight: ranks or micro-batches, member)
+
+
+BREAKDOWN = ("fwd_ms", "bwd_ms", "send_ms", "allreduce_ms", "optimizer_ms", "swap_ms", "grad_bytes",
+             "static_bytes", "activation_bytes", "swap_bytes", "recompute_bytes", "host_bytes", "nvme_bytes")
 """The per-part terms every evaluation reports (planner/search/evaluate.py: PartSummary)."""
 
 
@@ -153,6 +203,18 @@ class CostModel:
     objective: Objective
     memory: tuple[MemoryRow, ...]
     shared_next_use: tuple[tuple[int, ...], ...] = field(repr=False, default=())
+    capacity: tuple[CapacityRow, ...] = ()
+
+    @functools.cached_property
+    def frugal_memory(self) -> tuple[MemoryRow, ...]:
+        """The memory rows with every decision at its most frugal: no partition needs less."""
+        return tuple(MemoryRow(row.slot, tuple((part, floor(member)) for part, member in row.members))
+                     for row in self.memory)
+
+    @property
+    def decides(self) -> bool:
+        """Whether the model has memory decisions besides the partition."""
+        return self.problem.tiers.activations
 
     @property
     def num_units(self) -> int:
@@ -168,13 +230,14 @@ def cost_model(problem: PipelineProblem) -> CostModel:
 
     Per micro-batch, for part s: forward F_s and backward B_s; the transfer c_s across its outgoing
     cut (the gradient returns in the same time, on the opposite link); the gradient all-reduce a_s
-    over the part's copies, which starts when the part's last backward ends.
+    over the part's copies, which starts when the part's last backward ends, and then its optimizer
+    step o_s.
 
     GPipe is a flow shop of identical micro-batches, forward through parts and links, then backward,
     so (exactly, as the simulator replays it; tests/unit/test_step_model.py):
 
         step = sum_s F_s + sum_s c_s + (M - 1) max(F_s, c_s)
-               + max_s [ sum_{t>=s} (B_t + c_t) + (M - 1) max_{t>=s} (B_t, c_t) + a_s ]
+               + max_s [ sum_{t>=s} (B_t + c_t) + (M - 1) max_{t>=s} (B_t, c_t) + a_s + o_s ]
 
     1F1B alternates forwards and backwards; its closed form (an approximation: the simulator gives
     the plan's step) takes one micro-batch's path plus M - 1 more at the pace of the slowest
@@ -182,47 +245,113 @@ def cost_model(problem: PipelineProblem) -> CostModel:
     backward of an earlier micro-batch (r_s = F_s + B_s + 2 c_{s-1}):
 
         step = sum_s F_s + sum_s c_s + (M - 1) max(F_s + B_s, c_s, r_s)
-               + max_s [ sum_{t>=s} (B_t + c_t) + a_s ]
+               + max_s [ sum_{t>=s} (B_t + c_t) + a_s + o_s ]
+
+    Memory decisions (when the problem's tiers allow them):
+
+    * recomputing unit i adds its forward to B_s and keeps only its inputs (``input_bytes``) of
+      what its nodes save; while its backward runs, its activations exist again (counted as the
+      part's largest unit, recomputed or not, when recompute may be chosen);
+    * swapping unit i moves what its nodes save to the host over the host link, w_s bytes per
+      micro-batch: out after its forward, back one backward ahead of its own. The copies run on
+      their own engine, so they cost time only where they are slower than the compute they hide
+      behind: w_s is a resource of the pace (per micro-batch), and the first prefetch of the drain
+      is exposed. Two micro-batches' swapped bytes are on the device at once (the one in its
+      backward and the one prefetched), the rest on the host;
+    * the state mode (one per configuration) decides where the fp32 master weights and optimizer state live (divided by the
+      part's copies under ZeRO-1) and what the step costs: on the GPU, its state traffic at memory
+      bandwidth; on the host, the gradients down and the weights up over the host link and the
+      update on the host's cores; on NVMe, also reading and writing the state over the NVMe link.
 
     Memory of stage t on part s: its weights, gradients, optimizer state and
-    buffers, its largest transient, one send buffer, and in-flight(t) x (saved activations +
-    received inputs); on the last part the activations include what the loss keeps (added to the
-    unit holding the graph's output in planner/search/problem.py).
+    buffers (as its mode keeps them), its largest transient, one send buffer, the recomputed
+    unit's activations, two micro-batches' swapped bytes, and in-flight(t) x (kept saved
+    activations + received inputs); on the last part the activations include what the loss keeps
+    (added to the unit holding the graph's output in planner/search/problem.py). Each node's host
+    memory and NVMe hold what its ranks' modes and swaps put there.
     """
     shared = _shared_terms(problem)
     parts = tuple(_part_terms(problem, part, shared) for part in range(problem.num_parts))
     return CostModel(problem, parts, _objective(problem, parts), _memory_rows(problem, parts),
-                     _next_use(problem))
+                     _next_use(problem), _capacity_rows(problem, parts))
 
 
 def _shared_terms(problem: PipelineProblem) -> dict[str, Term]:
     """The terms every part has alike (per-unit sums), built once and shared by all parts."""
-    units, shared = problem.units, problem.shared
+    units, shared, tiers = problem.units, problem.shared, problem.tiers
+    decide = tiers.activations
+    kept_if_recomputed = tuple(float(u.offloadable_bytes - u.input_bytes) for u in units)
     terms = {
         "fwd_ms": Term(per_unit=tuple(u.fwd_ms for u in units)),
-        "bwd_ms": Term(per_unit=tuple(u.bwd_ms for u in units)),
+        "bwd_ms": Term(per_unit=tuple(u.bwd_ms for u in units),
+                       per_recompute=tuple(u.fwd_ms for u in units) if decide else ()),
         "grad_bytes": Term(per_unit=tuple(float(u.grad_bytes) for u in units),
                            per_shared=tuple(float(p.grad_bytes) for p in shared)),
-        "state_bytes": Term(per_unit=tuple(float(u.state_bytes) for u in units),
-                            per_shared=tuple(float(p.state_bytes) for p in shared),
-                            unit_max=tuple(float(u.transient_bytes) for u in units), max_name="transient"),
-        "saved_bytes": Term(per_unit=tuple(float(u.activation_bytes) for u in units)),
+        "transient_bytes": Term(unit_max=tuple(float(u.transient_bytes) for u in units), max_name="transient"),
+        "saved_bytes": Term(per_unit=tuple(float(u.activation_bytes) for u in units),
+                            per_recompute=tuple(-b for b in kept_if_recomputed) if decide else (),
+                            per_swap=tuple(-float(u.offloadable_bytes) for u in units) if decide else ()),
         "sent_bytes": Term(ends_after=tuple(float(b) for b in problem.boundary_bytes)),
         "received_bytes": Term(starts_after=tuple(float(b) for b in problem.boundary_bytes)),
+        "swap_bytes": Term(per_swap=tuple(float(u.offloadable_bytes) for u in units) if decide else ()),
+        # while a recomputed unit's backward runs its activations exist again: counted for the part's
+        # largest unit whether or not it is recomputed, so no rounding of the shares can exceed it
+        "recompute_bytes": Term(unit_max=tuple(float(u.offloadable_bytes) for u in units) if decide else (),
+                                max_name="recomputed"),
     }
+    terms["swap_ms"] = terms["swap_bytes"].scaled(tiers.host_link.ms_per_byte)
     terms["compute_ms"] = terms["fwd_ms"].plus(terms["bwd_ms"])
-    terms["static_bytes"] = terms["state_bytes"].plus(terms["sent_bytes"])
     terms["activation_bytes"] = terms["saved_bytes"].plus(terms["received_bytes"])
     return terms
 
 
+def _state_terms(problem: PipelineProblem, part: int) -> dict[str, Term]:
+    """In the problem's state mode, the part's model state on the device, on the host, on NVMe, and
+    its optimizer step time."""
+    units, shared = problem.units, problem.shared
+
+    def per_parameter(value: Callable[[Any], float]) -> Term:  # value(unit or shared parameter)
+        return Term(per_unit=tuple(float(value(u)) for u in units),
+                    per_shared=tuple(float(value(p)) for p in shared))
+
+    copies = len(problem.layout.part_ranks(part))
+    terms = _mode_terms(problem.tiers, problem.tiers.state, copies, per_parameter)
+    return dict(zip(("state_bytes", "host_bytes", "nvme_bytes", "optimizer_ms"), terms))
+
+
+def _mode_terms(tiers: MemoryTiers, mode: StateMode, copies: int,
+                per_parameter: Callable[[Callable[[Any], float]], Term]) -> tuple[Term, Term, Term, Term]:
+    """One mode's (device state bytes, host bytes, NVMe bytes, optimizer step ms) of a part."""
+    share = 1.0 / copies if mode.zero_stage else 1.0
+    if mode.optimizer is StateTier.GPU:
+        return (per_parameter(lambda a: a.state_bytes - a.optimizer_bytes + share * a.optimizer_bytes),
+                Term(), Term(),
+                per_parameter(lambda a: share * tiers.device_step_ms_per_byte
+                              * (2 * a.weight_bytes + a.grad_bytes + 2 * a.optimizer_bytes)))
+    link, disk = tiers.host_link, tiers.nvme_link
+    device = per_parameter(lambda a: a.state_bytes - a.optimizer_bytes)
+    host_grads = per_parameter(lambda a: share * a.param_numel * tiers.host_grad_bytes_per_param)
+    on_host = per_parameter(lambda a: share * ((a.grad_bytes + a.weight_bytes) * link.ms_per_byte
+                                               + a.param_numel * tiers.host_step_ms_per_param))
+    on_host = on_host.plus(Term(constant=2 * link.fixed_ms))
+    optimizer_state = per_parameter(lambda a: share * a.optimizer_bytes)
+    if mode.optimizer is StateTier.HOST:
+        return device, host_grads.plus(optimizer_state), Term(), on_host
+    paging = optimizer_state.scaled(2 * disk.ms_per_byte).plus(Term(constant=2 * disk.fixed_ms))
+    return device, host_grads, optimizer_state, on_host.plus(paging)
+
+
 def _part_terms(problem: PipelineProblem, part: int, shared: dict[str, Term]) -> dict[str, Term]:
-    """Part ``part``'s terms: held all step, per micro-batch, its link and all-reduce times."""
+    """Part ``part``'s terms: held all step, per micro-batch, its link, all-reduce and step times."""
     is_first, is_last = part == 0, part == problem.num_parts - 1
     boundary = problem.boundary_bytes
     allreduce = problem.allreduce[part]
-    terms = {name: shared[name] for name in ("fwd_ms", "bwd_ms", "compute_ms", "grad_bytes")}
-    terms["static_bytes"] = shared["state_bytes" if is_last else "static_bytes"]  # + one send buffer
+    terms: dict[str, Term] = {name: shared[name] for name in (
+        "fwd_ms", "bwd_ms", "compute_ms", "grad_bytes", "swap_bytes", "swap_ms", "recompute_bytes")}
+    state = _state_terms(problem, part)
+    working = shared["transient_bytes"] if is_last else shared["transient_bytes"].plus(shared["sent_bytes"])
+    terms["static_bytes"] = state["state_bytes"].plus(working)  # + one send buffer
+    terms.update({name: state[name] for name in ("host_bytes", "nvme_bytes", "optimizer_ms")})
     terms["activation_bytes"] = shared["saved_bytes" if is_first else "activation_bytes"]  # + received inputs
     terms["send_ms"] = Term(ends_after=() if is_last else tuple(problem.links[part].ms(b) for b in boundary))
     terms["allreduce_ms"] = Term(constant=allreduce.fixed_ms).plus(shared["grad_bytes"],
@@ -236,21 +365,23 @@ def _part_terms(problem: PipelineProblem, part: int, shared: dict[str, Term]) ->
 def _objective(problem: PipelineProblem, parts: tuple[dict[str, Term], ...]) -> Objective:
     every = range(problem.num_parts)
     sends = tuple((p, parts[p]["send_ms"]) for p in range(problem.num_parts - 1))
+    swaps = tuple((p, parts[p]["swap_ms"]) for p in every) if problem.tiers.activations else ()
     repeats = float(problem.num_microbatches - 1)
     if problem.schedule is ScheduleKind.GPIPE:
-        pace = tuple((p, parts[p]["fwd_ms"]) for p in every) + sends
-        drain_pace = tuple((p, parts[p]["bwd_ms"]) for p in every) + sends
-    else:  # 1F1B: the slowest of a part's compute, a link, and a round trip through the next part
-        pace = tuple((p, parts[p]["compute_ms"]) for p in every)
+        pace = tuple((p, parts[p]["fwd_ms"]) for p in every) + sends + swaps
+        drain_pace = tuple((p, parts[p]["bwd_ms"]) for p in every) + sends + swaps
+    else:  # 1F1B: the slowest of a part's compute, a link, its swaps, and a round trip through the next part
+        pace = tuple((p, parts[p]["compute_ms"]) for p in every) + swaps
         for p in range(problem.num_parts - 1):
             pace += ((p, parts[p]["send_ms"]), (p + 1, parts[p + 1]["round_trip_ms"]))
         drain_pace = ()
+    tails = tuple((p, parts[p][name]) for p in every for name in ("allreduce_ms", "optimizer_ms"))
     return (
         Aggregate("forward", Reduce.SUM, 1.0, tuple((p, parts[p]["fwd_ms"]) for p in every)),
         Aggregate("forward_transfers", Reduce.SUM, 1.0, sends),
         Aggregate("bottleneck", Reduce.MAX, repeats, pace),
-        Drain("backward", 1.0, tuple((p, parts[p]["bwd_ms"]) for p in every) + sends,
-              repeats if drain_pace else 0.0, drain_pace, tuple((p, parts[p]["allreduce_ms"]) for p in every)),
+        Drain("backward", 1.0, tuple((p, parts[p]["bwd_ms"]) for p in every) + sends + swaps,
+              repeats if drain_pace else 0.0, drain_pace, tails),
     )
 
 
@@ -258,12 +389,41 @@ def _memory_rows(problem: PipelineProblem, parts: tuple[dict[str, Term], ...]) -
     layout = problem.layout
     rows = []
     for slot in range(layout.num_slots):
-        members = []
+        members: list[tuple[int, Term]] = []
         for stage in layout.stages_on_slot(slot):
-            terms = parts[layout.part(stage)]
-            members.append((layout.part(stage),
-                            terms["static_bytes"].plus(terms["activation_bytes"], problem.in_flight[stage])))
+            part = layout.part(stage)
+            terms = parts[part]
+            held = terms["activation_bytes"].scaled(problem.in_flight[stage])
+            if problem.tiers.activations:
+                held = held.plus(terms["swap_bytes"], 2.0).plus(terms["recompute_bytes"])
+            members += [(part, terms["static_bytes"]), (part, held)]
         rows.append(MemoryRow(slot, tuple(members)))
+    return tuple(rows)
+
+
+def _capacity_rows(problem: PipelineProblem, parts: tuple[dict[str, Term], ...]) -> tuple[CapacityRow, ...]:
+    """Per node, its host memory (optimizer state, host gradients, swapped activations) and its NVMe."""
+    tiers, layout = problem.tiers, problem.layout
+    if not (tiers.activations or tiers.state.optimizer is not StateTier.GPU):
+        return ()
+    ranks: dict[tuple[int, int], float] = {}  # (node, part) -> ranks of the part on the node
+    swapped: dict[tuple[int, int], float] = {}  # (node, part) -> micro-batches swapped there at once
+    for stage in range(layout.num_stages):
+        part = layout.part(stage)
+        for replica in range(layout.data_parallel):
+            for rank in layout.ranks_of(stage, replica):
+                key = (rank // tiers.gpus_per_node, part)
+                ranks[key] = ranks.get(key, 0.0) + 1.0
+                swapped[key] = swapped.get(key, 0.0) + problem.in_flight[stage]
+    rows = []
+    for node in sorted({node for node, _ in ranks}):
+        host = [(part, count, parts[part]["host_bytes"]) for (n, part), count in sorted(ranks.items()) if n == node]
+        if tiers.activations:
+            host += [(part, count, parts[part]["swap_bytes"]) for (n, part), count in sorted(swapped.items())
+                     if n == node]
+        disk = [(part, count, parts[part]["nvme_bytes"]) for (n, part), count in sorted(ranks.items()) if n == node]
+        rows += [CapacityRow(f"host_memory_node_{node}", tiers.host_mem_bytes, tuple(host)),
+                 CapacityRow(f"nvme_node_{node}", tiers.nvme_bytes, tuple(disk))]
     return tuple(rows)
 
 
@@ -289,7 +449,8 @@ def fixed_sum(aggregate: Aggregate, num_parts: int) -> float | None:
         return None
     terms = [term for _, term in aggregate.members]
     first = terms[0]
-    if not all(t.unit_only and t.per_unit == first.per_unit and t.constant == first.constant for t in terms):
+    if not all(isinstance(t, Term) and t.unit_only and t.per_unit == first.per_unit
+               and t.constant == first.constant for t in terms):
         return None
     return first.unit_prefix[-1] + num_parts * first.constant
 
@@ -300,17 +461,23 @@ def lower_bound(costs: CostModel) -> float:
     A fixed sum counts in full, other sums at least their constants; a maximum is at least the
     largest member constant and, over one unit-only term on every part, at least the larger of
     its average part and its largest unit; a drain at least its value from part 0 so bounded.
+    Every member counts at its floor (each decision at its cheapest), so the bound holds for every
+    memory decision too.
     """
+    def floors(members: tuple[tuple[int, Term], ...]) -> tuple[tuple[int, Term], ...]:
+        return tuple((part, floor(member)) for part, member in members)
+
     total = 0.0
     for piece in costs.objective:
         if isinstance(piece, Drain):
-            flow = Aggregate(piece.name, Reduce.SUM, 1.0, piece.flow)
-            pace = Aggregate(piece.name, Reduce.MAX, 1.0, piece.pace)
-            tail = [term.constant for part, term in piece.tail if part == 0]
+            flow = Aggregate(piece.name, Reduce.SUM, 1.0, floors(piece.flow))
+            pace = Aggregate(piece.name, Reduce.MAX, 1.0, floors(piece.pace))
+            tail = [term.constant for part, term in floors(piece.tail) if part == 0]
             total += piece.weight * (_sum_lower_bound(flow, costs.num_parts) + max(tail, default=0.0)
                                      + piece.pace_weight * _aggregate_lower_bound(pace, costs.num_parts))
         else:
-            total += piece.weight * _aggregate_lower_bound(piece, costs.num_parts)
+            total += piece.weight * _aggregate_lower_bound(
+                Aggregate(piece.name, piece.reduce, 1.0, floors(piece.members)), costs.num_parts)
     return total
 
 

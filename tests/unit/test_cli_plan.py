@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -111,7 +112,7 @@ def test_progress_on_request_and_quiet_otherwise() -> None:
     assert shown.returncode == 0, shown.stderr
     lines = _progress_lines(shown.stderr)
     assert lines[0] == "tessera: tracing: GPT" and lines[-1].startswith("tessera: assembling")
-    assert any(line.startswith("tessera: searching 14/14 configurations, best so far") for line in lines)
+    assert any(re.match(r"tessera: searching (\d+)/\1 configurations, best so far", line) for line in lines)
     assert "plan:" in shown.stdout
     for quiet in (tessera(*TINY, "--mem", "1GB"), tessera(*TINY, "--mem", "1GB", "-q")):  # stderr is a pipe
         assert quiet.returncode == 0 and _progress_lines(quiet.stderr) == []

@@ -51,6 +51,9 @@ FIELD_NAMES = {
     "matmul_efficiency",
     "memory_efficiency",
     "kernel_overhead_us",
+    "host_mem_bytes",
+    "nvme_bytes",
+    "host_optimizer_params_per_s",
 }
 
 
@@ -74,6 +77,7 @@ def test_preset_fields_are_positive_and_named(name: str) -> None:
     for field in ("fp64_tflops", "fp32_tflops", "fp16_tflops", "mem_bandwidth_gb_per_s", "kernel_overhead_us"):
         assert getattr(spec, field) > 0, field
     assert 0 < spec.matmul_efficiency <= 1 and 0 < spec.memory_efficiency <= 1
+    assert spec.host_mem_bytes >= spec.mem_bytes and spec.nvme_bytes > spec.host_mem_bytes
     for link in (spec.intra_node, spec.inter_node, spec.host_link, spec.nvme):
         assert isinstance(link, LinkSpec)
         assert link.bandwidth_gb_per_s > 0 and link.latency_us > 0
@@ -292,3 +296,12 @@ def test_measured_cpu_is_positive() -> None:
 def test_measure_cpu_rejects_bad_threads() -> None:
     with pytest.raises(InvalidArgument, match=r"threads.*0"):
         devices.measure_cpu_device(threads=0)
+
+
+def test_device_files_without_host_fields_load_with_defaults() -> None:
+    data = PRESETS["V100-16GB"].to_dict()
+    for key in ("host_mem_bytes", "nvme_bytes", "host_optimizer_params_per_s"):
+        data.pop(key)
+    spec = DeviceSpec.from_dict(data)
+    assert spec.host_mem_bytes == DeviceSpec.__dataclass_fields__["host_mem_bytes"].default
+    assert DeviceSpec.from_dict(PRESETS["V100-32GB"].to_dict()) == PRESETS["V100-32GB"]

@@ -131,7 +131,7 @@ def test_infeasible_budget_names_the_memory_that_would_fit() -> None:
 def test_gpt_50b_without_offload_does_not_fit_16_v100_32gb() -> None:
     model = gpt_50b()
     with pytest.raises(PlanInfeasible) as raised:
-        plan(model, gpus=16, mem="32GB", batch_size=4, device="V100-32GB",  # the seed's batch
+        plan(model, gpus=16, mem="32GB", batch_size=4, device="V100-32GB", offload=False,  # the seed's batch
              example_inputs=torch.empty(1, 1024, dtype=torch.long, device="meta"))
     params = sum(p.numel() for p in model.parameters())
     model_state_per_gpu = 16 * params / 16  # 16 bytes per parameter (fp32 Adam) over 16 GPUs
@@ -378,7 +378,7 @@ def test_infeasible_names_model_state_apart_from_working_memory(resnet_graph) ->
 
     model = resnet50()
     with pytest.raises(PlanInfeasible) as raised:
-        plan(model, gpus=1, mem="300MB", batch_size=1, graph=resnet_graph, reserve=0,
+        plan(model, gpus=1, mem="300MB", batch_size=1, graph=resnet_graph, reserve=0, offload=False,
              example_inputs=torch.empty(1, 3, 224, 224, device="meta"))
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     state = 16 * sum(p.numel() for p in model.parameters()) + buffers
@@ -396,7 +396,8 @@ def test_the_memory_by_kind_adds_up_to_the_stage_peak() -> None:
     from planner.search.oracle import min_peak_partition
     from planner.search.search import Search
 
-    space, spec = validate_space(4, "1GB", 8, "V100-16GB", None, "adam", "fp32", ("1f1b",), (1,), 60.0, (4,))
+    space, spec = validate_space(4, "1GB", 8, "V100-16GB", None, "adam", "fp32", ("1f1b",), (1,), 60.0, (4,),
+                                 offload=False)
     graph = trace(gpt_tiny(), torch.empty(1, 32, dtype=torch.long, device="meta"))
     search = Search(graph, get_device(spec), space)
     setup = search.setup(configurations(space, max_stages=99)[0])  # 4 stages, 8 micro-batches of 1
@@ -416,8 +417,8 @@ def test_the_printed_plan_labels_what_it_shows() -> None:
     assert "idle in all-reduce: " in step and "bubble" not in step and "headroom)" in step
     assert "memory" not in _lines(one_stage, "binding: ")[0]  # 0% of the budget is not binding
     with pytest.raises(PlanInfeasible) as raised:
-        _tiny(mem=100_000)
-    tight = str(_tiny(mem=raised.value.min_mem_bytes))  # the smallest budget that fits: memory binds
+        _tiny(mem=100_000, offload=False)
+    tight = str(_tiny(mem=raised.value.min_mem_bytes, offload=False))  # the smallest budget that fits
     assert "2 stages x 1 data-parallel" in tight and "bubble: " in _lines(tight, "step: ")[0]
     binding = _lines(tight, "binding: ")[0]
     assert re.search(r"; memory of rank \d \((9\d|100)% of the usable budget\)", binding)

@@ -46,7 +46,7 @@ def test_chrome_trace_counters_and_names(result: SimResult) -> None:
     names = {event["args"]["name"] for event in trace["traceEvents"] if event["name"] == "process_name"}
     assert names == {f"gpu{rank}" for rank in range(6)}
     lanes = {event["args"]["name"] for event in trace["traceEvents"] if event["name"] == "thread_name"}
-    assert lanes == {"compute", "comm"}
+    assert lanes == {"compute", "comm", "copy"}
     with pytest.raises(ValueError, match="2 rank names for 6 ranks"):
         chrome_trace(result, rank_names=["a", "b"])
 
