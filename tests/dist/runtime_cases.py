@@ -15,6 +15,7 @@ from runtime.build import rebuild_model, trace_checked
 from runtime.data import SyntheticData, input_specs, synthetic_task
 from runtime.executor import Executor
 from runtime.optim import optimizer_factory
+from runtime.recompute import Checkpointed
 from runtime.stages import stage_state_tensors
 from runtime.values import value_specs
 from runtime.weights import initialize
@@ -43,6 +44,8 @@ class Outcome:
     grads: dict[str, np.ndarray]
     params: dict[str, np.ndarray]
     buffers: dict[str, np.ndarray] = field(default_factory=dict)
+    checkpointed: int = 0  # Checkpointed regions in this rank's stage modules
+    swapped_bytes: int = 0  # saved activations this rank copied to the host in the last step
 
 
 def _recording(name: str, lr: float, grads: dict[int, torch.Tensor]) -> Any:
@@ -86,7 +89,9 @@ def run_case(case: Case) -> Outcome:
     dist.barrier()
     return Outcome(losses, {name: grads[id(p)].numpy() for name, p in params.items()},
                    {name: p.detach().numpy().copy() for name, p in params.items()},
-                   {name: t.detach().numpy().copy() for name, t in buffers.items()})
+                   {name: t.detach().numpy().copy() for name, t in buffers.items()},
+                   sum(isinstance(m, Checkpointed) for stage in exe.stages.values() for m in stage.module.modules()),
+                   exe.swaps.step_bytes)
 
 
 def _no_loss(output: Any, target: Any) -> torch.Tensor:
