@@ -238,3 +238,10 @@ def test_the_runtime_executes_recompute_and_swap_but_not_yet_zero_or_tiers(plan:
                     OffloadSpec(params=ParamTier.HOST, swap=("blocks_0_attn_qkv",))):
         with pytest.raises(RuntimeSetupError, match=r"stages \[0\] shard model state"):
             checks.check_executable(offloaded(refused))
+
+
+def test_the_run_report_keeps_swapped_bytes_and_reads_reports_without_them(plan: Plan) -> None:
+    report = _report(plan, host_swap_bytes=(655360, 0, 786432, 0))
+    assert RunReport.from_dict(json.loads(json.dumps(report.to_dict()))).host_swap_bytes == (655360, 0, 786432, 0)
+    older = {key: value for key, value in report.to_dict().items() if key != "host_swap_bytes"}
+    assert RunReport.from_dict(older).host_swap_bytes == ()
