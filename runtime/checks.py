@@ -9,6 +9,8 @@ execute yet.
 
 from __future__ import annotations
 
+import dataclasses
+
 from cost_models.errors import RuntimeSetupError
 from cost_models.memory import Precision
 from planner.plan import Plan
@@ -20,7 +22,7 @@ __all__ = ["SUPPORTED", "check_executable", "check_plan", "check_world_size", "m
 
 SUPPORTED = frozenset({ActionKind.F, ActionKind.B, ActionKind.SEND_F, ActionKind.RECV_F,
                        ActionKind.SEND_B, ActionKind.RECV_B, ActionKind.ALLREDUCE,
-                       ActionKind.OPTIMIZER_STEP})
+                       ActionKind.OPTIMIZER_STEP, ActionKind.SWAP_OUT, ActionKind.SWAP_IN})
 TRAINED_PRECISIONS = frozenset({Precision.FP64, Precision.FP32})
 
 
@@ -46,10 +48,12 @@ def check_executable(plan: Plan) -> None:
         raise RuntimeSetupError(f"the plan runs parts {copies or list(layout.stage_part)} as several model "
                                 f"copies (stage to part map {list(layout.stage_part)}), which this runtime "
                                 f"does not execute yet; re-plan with another schedule")
-    offloaded = [stage.index for stage in plan.stages if not stage.offload.is_default]
+    offloaded = [stage.index for stage in plan.stages
+                 if not dataclasses.replace(stage.offload, recompute=(), swap=()).is_default]
     if offloaded:
-        raise RuntimeSetupError(f"stages {offloaded} offload activations, parameters or optimizer state, "
-                                f"which this runtime does not execute yet; re-plan without offload")
+        raise RuntimeSetupError(f"stages {offloaded} shard model state (ZeRO) or keep parameters or optimizer "
+                                f"state off the GPU, which this runtime does not execute yet; re-plan "
+                                f"without those (recomputation and activation swapping are executed)")
     if plan.model.precision not in TRAINED_PRECISIONS:
         trained = " or ".join(sorted(p.value for p in TRAINED_PRECISIONS))
         raise RuntimeSetupError(f"the plan's precision is {plan.model.precision.value!r} but the runtime "

@@ -2,7 +2,9 @@
 
 It holds no schedule logic: ``F``/``B`` run the named stage on the named micro-batch, runs of
 consecutive ``SEND_*``/``RECV_*`` become one batched P2P exchange, ``ALLREDUCE`` sums the
-stage's gradients over its replicas and ``OPTIMIZER_STEP`` steps the stage's optimizer. A rank
+stage's gradients over its replicas, ``OPTIMIZER_STEP`` steps the stage's optimizer and
+``SWAP_OUT``/``SWAP_IN`` move a micro-batch's swapped activations to the host and back
+(runtime/swap.py; recomputation happens inside the stage modules, runtime/recompute.py). A rank
 that runs several stages (interleaved, WPipe, GEMS programs) looks each stage up by the
 action's stage id; values between two stages on the same rank are handed over in memory.
 """
@@ -33,7 +35,8 @@ from runtime.state import MicrobatchState, StepState
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 _HANDLERS = {ActionKind.F: "_forward", ActionKind.B: "_backward", ActionKind.ALLREDUCE: "_allreduce",
-             ActionKind.OPTIMIZER_STEP: "_optimizer_step"}  # method per non-communication action
+             ActionKind.OPTIMIZER_STEP: "_optimizer_step", ActionKind.SWAP_OUT: "_swap_out",
+             ActionKind.SWAP_IN: "_swap_in"}  # method per non-communication action
 
 
 class Executor:
@@ -73,7 +76,7 @@ class Executor:
                        timeout_s=timeout_s, leaf_modules=leaf_modules)
         self.segments, self.stage_ids, self.replica = ready.segments, ready.stage_ids, ready.replica
         self.traced, self.flow = ready.traced, ready.flow
-        self.stages, self.groups = ready.stages, ready.groups
+        self.stages, self.groups, self.swaps = ready.stages, ready.groups, ready.swaps
         self.p2p = P2P(None, self.device, timeout_s)
         self.sync = GradientSync(self.device, timeout_s)
         self.memory = MemoryTracker(self.device, self._model_state)
@@ -126,6 +129,7 @@ class Executor:
 
     def _run(self, microbatches: Sequence[Microbatch]) -> float:
         state = StepState(tuple(microbatches))
+        self.swaps.new_step()
         for segment in self.segments:
             if isinstance(segment, tuple):
                 self._communicate(segment, state)
@@ -162,7 +166,8 @@ class Executor:
         global_microbatch = self.replica * self.plan.training.num_microbatches + action.microbatch
         with self.memory.saving(key), seeded(self.seed, "forward", self.steps_done, action.stage,
                                              global_microbatch, device=self.device):
-            micro.env.update(zip(stage.io.outputs, stage.module(*args)))
+            with self.swaps.forward(key):
+                micro.env.update(zip(stage.io.outputs, stage.module(*args)))
             if stage.index == self.flow.last_stage:
                 self._loss(stage, micro, data, state)
         micro.roots = {name: micro.env[name] for dst in self.flow.consumers(stage.index)
@@ -219,6 +224,7 @@ class Executor:
         if roots:
             torch.autograd.backward(roots, grads)
         self.memory.release((action.stage, action.microbatch))
+        self.swaps.release((action.stage, action.microbatch))
         self.memory.state_changed()
         for src in self.flow.producers(stage.index):
             for name in self.flow.gradients((src, stage.index)):
@@ -232,6 +238,14 @@ class Executor:
         micro.roots.clear()
         micro.output_grads.clear()
         micro.loss = None
+
+    def _swap_out(self, action: Action, state: StepState) -> None:
+        assert action.microbatch is not None
+        self.swaps.wait_out((action.stage, action.microbatch))
+
+    def _swap_in(self, action: Action, state: StepState) -> None:
+        assert action.microbatch is not None
+        self.swaps.prefetch((action.stage, action.microbatch))
 
     # ---------------------------------------------------------- communication
     def _communicate(self, actions: tuple[Action, ...], state: StepState) -> None:

@@ -1,4 +1,5 @@
-"""Gather every rank's step times, losses and peak memory into the run report (planner.reports.run_report)."""
+"""Gather every rank's step times, losses, peak memory and swapped bytes into the run report
+(planner.reports.run_report)."""
 
 from __future__ import annotations
 
@@ -15,16 +16,17 @@ MEMORY_MEASURES = {
 
 def gather_report(step_ms: list[float], losses: list[float], peak_bytes: int, held_bytes: int, *,
                   fingerprint: str, device: torch.device, global_batch_size: int,
-                  start_step: int) -> RunReport:
+                  start_step: int, host_swap_bytes: int = 0) -> RunReport:
     """Combine every rank's measurements (collective); every rank gets the same report."""
     times = torch.tensor(step_ms or [0.0], dtype=torch.float64, device=device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    peaks = _gather_ints([peak_bytes, held_bytes], device)
+    peaks = _gather_ints([peak_bytes, held_bytes, host_swap_bytes], device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return RunReport(fingerprint, dist.get_world_size(), name, global_batch_size, start_step,
                      tuple(times.tolist()) if step_ms else (), tuple(losses),
                      tuple(p[0] for p in peaks), MEMORY_MEASURES[device.type],
-                     tuple(p[1] for p in peaks) if device.type != "cuda" else ())
+                     tuple(p[1] for p in peaks) if device.type != "cuda" else (),
+                     host_swap_bytes=tuple(p[2] for p in peaks))
 
 
 def _gather_ints(values: list[int], device: torch.device) -> list[list[int]]:

@@ -2,8 +2,9 @@
 
 Order (no collective runs before the checks that every rank makes alike):
 plan layout and world size -> this rank's program -> rebuild check (fingerprint) -> split ->
-dataflow at the micro-batch size -> materialise this rank's stages -> optimizers -> process
-groups -> a world-wide check that every rank loaded the same plan.
+every stage's checkpoint regions and swapped nodes -> dataflow at the micro-batch size ->
+materialise this rank's stages -> optimizers -> recompute and swap wrapped around this rank's
+stages -> process groups -> a world-wide check that every rank loaded the same plan.
 """
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ from planner.schedules import Action
 from runtime import build, checks
 from runtime.dataflow import Dataflow, check_edges, dataflow
 from runtime.grads import Groups, create_groups
+from runtime.memory import storage_key
+from runtime.offload import check_offload, offload_stage
 from runtime.stages import LocalStage, OptimizerFactory, local_stages, param_targets, stage_param_names
+from runtime.swap import SwapSpace
 from runtime.values import value_specs
 from runtime.weights import initialize
 
@@ -41,6 +45,7 @@ class RankSetup:
     flow: Dataflow
     stages: dict[int, LocalStage]
     groups: Groups
+    swaps: SwapSpace  # the saved activations this rank's stages swap to the host
 
 
 def set_up(plan: Plan, model: nn.Module, optimizer_factory: OptimizerFactory, *, seed: int,
@@ -54,6 +59,8 @@ def set_up(plan: Plan, model: nn.Module, optimizer_factory: OptimizerFactory, *,
     stage_ids, replica = checks.my_stages(plan, rank)
     traced = build.trace_checked(model, plan, leaf_modules)
     modules = build.split_stages(traced, model, plan)
+    for stage, module in modules.items():
+        check_offload(module, plan.stages[stage].offload, stage=stage)
     inputs = [(meta.shape, getattr(torch, meta.dtype)) for meta in plan.model.example_inputs]
     specs = value_specs(traced, inputs, plan.training.micro_batch_size)
     flow = dataflow(traced, modules, plan.part_of(), specs)
@@ -61,9 +68,21 @@ def set_up(plan: Plan, model: nn.Module, optimizer_factory: OptimizerFactory, *,
     stage_params = stage_param_names(model, modules, flow)
     materialise(model, modules, flow, stage_ids, seed, device)
     stages = local_stages(model, modules, flow, stage_ids, optimizer_factory)
+    swaps = offload_activations(plan, stages, device)
     groups = create_groups(plan.layout, rank, stage_params, timeout_s)
     check_same_plan(plan)
-    return RankSetup(segments, stage_ids, replica, traced, flow, stages, groups)
+    return RankSetup(segments, stage_ids, replica, traced, flow, stages, groups, swaps)
+
+
+def offload_activations(plan: Plan, stages: Mapping[int, LocalStage], device: torch.device) -> SwapSpace:
+    """Wrap recompute and swap around this rank's stage modules (after materialisation, so the
+    swap hooks know the real parameters and buffers, which are never swapped)."""
+    state = [t for stage in stages.values() for t in [*stage.module.parameters(), *stage.module.buffers(),
+                                                       *stage.attrs.values()]]
+    swaps = SwapSpace(device, {storage_key(t) for t in state})
+    for stage in stages.values():
+        stage.module = offload_stage(stage.module, plan.stages[stage.index].offload, swaps, stage=stage.index)
+    return swaps
 
 
 def materialise(model: nn.Module, modules: Mapping[int, torch.fx.GraphModule], flow: Dataflow,

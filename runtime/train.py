@@ -69,7 +69,8 @@ def run(plan: Plan, options: RunOptions, device: torch.device) -> RunReport:
             checkpoint.save(executor, options.checkpoint_dir, step + 1)
     return gather_report(step_ms, losses, executor.memory.peak_bytes, executor.memory.held_bytes,
                          fingerprint=plan.model.fingerprint, device=device,
-                         global_batch_size=plan.training.global_batch_size, start_step=start)
+                         global_batch_size=plan.training.global_batch_size, start_step=start,
+                         host_swap_bytes=executor.swaps.step_bytes)
 
 
 def _resume_step(plan: Plan, options: RunOptions) -> int:

@@ -38,6 +38,7 @@ class RunReport:
     peak_mem_bytes: tuple[int, ...]  # per rank
     memory_measure: str
     held_mem_bytes: tuple[int, ...] = ()  # per rank, CPU: what the runtime holds (runtime/memory.py)
+    host_swap_bytes: tuple[int, ...] = ()  # per rank: saved activations copied to the host in the last step
     warmup_steps: int = 1
     schema_version: int = REPORT_VERSION
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -15,6 +15,8 @@ from runtime.build import rebuild_model, trace_checked
 from runtime.data import SyntheticData, input_specs, synthetic_task
 from runtime.executor import Executor
 from runtime.optim import optimizer_factory
+from runtime.recompute import Checkpointed
+from runtime.stages import stage_state_tensors
 from runtime.values import value_specs
 from runtime.weights import initialize
 
@@ -31,7 +33,8 @@ class Case:
 
 @dataclass
 class Outcome:
-    """What a run produced: the loss per step, the last step's gradients, the final parameters.
+    """What a run produced: the loss per step, the last step's gradients, the final parameters and
+    buffers (batch-norm running statistics).
 
     Arrays are numpy (pickled by value: torch tensors would travel by shared-memory handles
     that die with the child process).
@@ -40,6 +43,9 @@ class Outcome:
     losses: list[float]
     grads: dict[str, np.ndarray]
     params: dict[str, np.ndarray]
+    buffers: dict[str, np.ndarray] = field(default_factory=dict)
+    checkpointed: int = 0  # Checkpointed regions in this rank's stage modules
+    swapped_bytes: int = 0  # saved activations this rank copied to the host in the last step
 
 
 def _recording(name: str, lr: float, grads: dict[int, torch.Tensor]) -> Any:
@@ -72,14 +78,20 @@ def run_case(case: Case) -> Outcome:
     data = SyntheticData(input_specs(exe.traced, dict(exe.flow.specs)),
                          synthetic_task(exe.flow.specs[exe.flow.output_names[0]]), SEED)
     exe.loss_fn = data.task
+    model_buffers = {name for name, _ in model.named_buffers()}
     losses = []
     for step in range(case.steps):  # the user's API: the whole global batch on every rank
         batch = data.samples(step, 0, plan.training.global_batch_size)
         losses.append(exe.step(batch.inputs, batch.targets))
     params = {name: p for stage in exe.stages.values() for name, p in stage.params.items()}
+    buffers = {name: t for stage in exe.stages.values()
+               for name, t in stage_state_tensors(exe.model, stage).items() if name in model_buffers}
     dist.barrier()
     return Outcome(losses, {name: grads[id(p)].numpy() for name, p in params.items()},
-                   {name: p.detach().numpy().copy() for name, p in params.items()})
+                   {name: p.detach().numpy().copy() for name, p in params.items()},
+                   {name: t.detach().numpy().copy() for name, t in buffers.items()},
+                   sum(isinstance(m, Checkpointed) for stage in exe.stages.values() for m in stage.module.modules()),
+                   exe.swaps.step_bytes)
 
 
 def _no_loss(output: Any, target: Any) -> torch.Tensor:
@@ -113,4 +125,5 @@ def reference(case: Case) -> Outcome:
         losses.append(sum(step_losses) / total)
     named = dict(model.named_parameters())
     return Outcome(losses, {name: grads[id(p)].numpy() for name, p in named.items()},
-                   {name: p.detach().numpy().copy() for name, p in named.items()})
+                   {name: p.detach().numpy().copy() for name, p in named.items()},
+                   {name: b.detach().numpy().copy() for name, b in model.named_buffers()})

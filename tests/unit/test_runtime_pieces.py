@@ -55,9 +55,9 @@ def test_programs_group_communication_runs_and_ranks_find_their_stages(plan: Pla
 def test_set_up_mismatches_name_the_values_and_the_fix(plan: Plan) -> None:
     with pytest.raises(RuntimeSetupError, match=r"for 4 processes .* 3 were launched.*--nproc-per-node 4"):
         checks.check_world_size(plan, 3)
-    offload = plan.programs[0] + ("0SWAP_OUT0",)
+    offload = plan.programs[0] + ("0RECOMPUTE0",)
     patched = Plan.from_dict({**plan.to_dict(), "programs": [list(offload), *map(list, plan.programs[1:])]})
-    with pytest.raises(RuntimeSetupError, match="SWAP_OUT"):
+    with pytest.raises(RuntimeSetupError, match="RECOMPUTE"):
         checks.rank_program(patched, 0)
 
 
@@ -220,5 +220,28 @@ def test_held_bytes_count_saved_activations_until_their_backward() -> None:
 
 
 def test_actions_the_runtime_does_not_run_yet_are_named() -> None:
-    assert ActionKind.SWAP_IN not in checks.SUPPORTED
+    assert ActionKind.RECOMPUTE not in checks.SUPPORTED  # recomputation runs inside B, not as an action
+    assert {ActionKind.SWAP_OUT, ActionKind.SWAP_IN} <= checks.SUPPORTED
     assert checks.segments((Action(0, ActionKind.F, 0),)) == [Action(0, ActionKind.F, 0)]
+
+
+def test_the_runtime_executes_recompute_and_swap_but_not_yet_zero_or_tiers(plan: Plan) -> None:
+    from planner.plan import OffloadSpec, ParamTier, StateTier
+
+    def offloaded(spec: OffloadSpec) -> Plan:
+        return dataclasses.replace(plan, stages=(dataclasses.replace(plan.stages[0], offload=spec),
+                                                 *plan.stages[1:]))
+
+    checks.check_executable(offloaded(OffloadSpec(recompute=(("blocks_0_ln_2", "blocks_0_mlp_fc"),),
+                                                  swap=("blocks_0_attn_qkv",))))
+    for refused in (OffloadSpec(zero_stage=1), OffloadSpec(optimizer_state=StateTier.HOST),
+                    OffloadSpec(params=ParamTier.HOST, swap=("blocks_0_attn_qkv",))):
+        with pytest.raises(RuntimeSetupError, match=r"stages \[0\] shard model state"):
+            checks.check_executable(offloaded(refused))
+
+
+def test_the_run_report_keeps_swapped_bytes_and_reads_reports_without_them(plan: Plan) -> None:
+    report = _report(plan, host_swap_bytes=(655360, 0, 786432, 0))
+    assert RunReport.from_dict(json.loads(json.dumps(report.to_dict()))).host_swap_bytes == (655360, 0, 786432, 0)
+    older = {key: value for key, value in report.to_dict().items() if key != "host_swap_bytes"}
+    assert RunReport.from_dict(older).host_swap_bytes == ()

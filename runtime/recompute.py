@@ -1,0 +1,68 @@
+"""Activation recomputation: a stage's checkpoint regions run under non-reentrant ``checkpoint``.
+
+A region's forward keeps only its inputs; its saved activations are dropped and recomputed when
+the backward reaches them (``torch.utils.checkpoint``, ``use_reentrant=False``), with the random
+state of the forward restored, so dropout draws the same mask twice.
+
+Recomputation runs the region's modules again in training mode, so a batch-norm inside would
+update its running statistics a second time with the same batch. The recomputation therefore runs
+with every buffer of the region restored afterwards to what it held before it: running statistics
+change once per forward, as without recomputation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from runtime.regions import cut
+
+
+class Checkpointed(nn.Module):
+    """Runs ``region`` under non-reentrant activation checkpointing (see the module docstring)."""
+
+    def __init__(self, region: nn.Module) -> None:
+        super().__init__()
+        self.region = region
+
+    def forward(self, *args: Any) -> Any:
+        return checkpoint(self.region, *args, use_reentrant=False, preserve_rng_state=True,
+                          context_fn=self._contexts)
+
+    def _contexts(self) -> tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]:
+        """(around the forward, around the recomputation)."""
+        return contextlib.nullcontext(), buffers_restored(self.region)
+
+
+@contextlib.contextmanager
+def buffers_restored(module: nn.Module) -> Iterator[None]:
+    """Run the block, then put every buffer of ``module`` back as it was (in place, same tensors)."""
+    before = [(buffer, buffer.detach().clone()) for buffer in module.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in before:
+                buffer.copy_(value)
+
+
+def recompute(module: torch.fx.GraphModule, regions: Sequence[Sequence[str]], *,
+              stage: int = 0) -> torch.fx.GraphModule:
+    """``module`` with each region (a run of its node names) checkpointed; other nodes run as before.
+
+    Example::
+
+        stage = recompute(stage_module, [("blocks_0_ln_2", "blocks_0_mlp_fc", "blocks_0_mlp_gelu")])
+        stage(x).sum().backward()      # the region's activations are recomputed here
+    """
+    split, names = cut(module, {f"recompute[{index}]": tuple(region) for index, region in enumerate(regions)},
+                       stage=stage)
+    for name in names.values():
+        setattr(split, name, Checkpointed(split.get_submodule(name)))
+    return split
