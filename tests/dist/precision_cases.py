@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from planner.plan import Plan
+from runtime import checkpoint
 from runtime.build import rebuild_model, trace_checked
 from runtime.data import SyntheticData, input_specs, synthetic_task
 from runtime.executor import Executor
@@ -50,6 +52,8 @@ class MixedCase:
     init_scale: float = 2.0 ** 16
     growth_interval: int = 2000
     inf_at: tuple[int, str] | None = None  # (step, parameter): its gradient is made inf in that step
+    checkpoint_dir: str | None = None  # save after ``resume_at`` steps, train on in a new Executor
+    resume_at: int = 0
 
 
 @dataclass
@@ -83,23 +87,35 @@ def run_mixed_cases(rank: int, world_size: int, cases: list[MixedCase]) -> list[
     return [run_mixed_case(case) for case in cases]
 
 
-def run_mixed_case(case: MixedCase) -> MixedOutcome:
-    plan = Plan.from_dict(json.loads(case.plan_json))
+def _executor(case: MixedCase, plan: Plan) -> tuple[Executor, SyntheticData]:
     options = ScalerOptions(init_scale=case.init_scale, growth_interval=case.growth_interval)
     exe = Executor(plan, rebuild_model(plan), _no_loss, optimizer_factory(plan.training.optimizer, case.lr),
                    seed=SEED, timeout_s=60, loss_scale=options)
-    assert exe.mixed is not None
     data = SyntheticData(input_specs(exe.traced, dict(exe.flow.specs)),
                          synthetic_task(exe.flow.specs[exe.flow.output_names[0]]), SEED)
     exe.loss_fn = data.task
+    return exe, data
+
+
+def run_mixed_case(case: MixedCase) -> MixedOutcome:
+    """Train with the Executor (with a checkpoint and a fresh Executor half-way if the case asks)."""
+    plan = Plan.from_dict(json.loads(case.plan_json))
+    exe, data = _executor(case, plan)
     params = {name: p for stage in exe.stages.values() for name, p in stage.params.items()}
     if case.inf_at is not None and case.inf_at[1] in params:
         _inject(params[case.inf_at[1]], case.inf_at[0], lambda: exe.steps_done)
     losses, scales = [], []
     for step in range(case.steps):
+        if case.checkpoint_dir is not None and step == case.resume_at:
+            checkpoint.save(exe, Path(case.checkpoint_dir), step)
+            exe, data = _executor(case, plan)  # a new job: fresh weights, masters and scale
+            checkpoint.restore(exe, Path(case.checkpoint_dir), step)
+            params = {name: p for stage in exe.stages.values() for name, p in stage.params.items()}
         batch = data.samples(step, 0, plan.training.global_batch_size)
         losses.append(exe.step(batch.inputs, batch.targets))
+        assert exe.mixed is not None
         scales.append(exe.mixed.loss_scale)
+    assert exe.mixed is not None
     masters = {name: m for stage in exe.mixed.stages.values() for name, m in stage.masters.items()}
     optimizer_states = {len(state) for stage in exe.stages.values() if stage.optimizer is not None
                         for state in stage.optimizer.state.values()}
