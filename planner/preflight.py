@@ -20,6 +20,7 @@ from torch import nn
 
 from cost_models.errors import PlanFileError, RuntimeSetupError
 from cost_models.graph.capture import LeafSpec
+from cost_models.memory import Precision
 from planner.plan import SCHEMA_VERSION, Plan, check_invariants
 from planner.schedules import Program, ScheduleError, parse_programs, validate
 
@@ -58,15 +59,25 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+def build_dtype(precision: Precision) -> torch.dtype:
+    """The dtype a plan's model is built and traced in: the precision's own, or for mixed precision
+    (fp16/bf16) float32, the dtype of the master weights the runtime keeps (it casts a copy to 16 bits).
+
+    >>> build_dtype(Precision.BF16), build_dtype(Precision.FP64)
+    (torch.float32, torch.float64)
+    """
+    return torch.float32 if precision.master_weights else getattr(torch, precision.dtype)
+
+
 def rebuild_model(plan: Plan, search_root: Path | None = None) -> nn.Module:
-    """The plan's model from its builder, on the meta device, in the plan's precision."""
+    """The plan's model from its builder, on the meta device, in the plan's :func:`build_dtype`."""
     from cost_models.graph.model_spec import build_model, resolve_builder
 
     if not plan.model.builder:
         raise RuntimeSetupError("the plan records no model builder (it was planned from a Python "
                                 "object); run it from your script with runtime.Executor(plan, model, ...)")
     builder, _ = resolve_builder(plan.model.builder_specs, search_root)  # absolute path, then as given
-    with default_dtype(getattr(torch, plan.model.precision.dtype)):
+    with default_dtype(build_dtype(plan.model.precision)):
         return build_model(builder, dict(plan.model.builder_kwargs), "meta")
 
 

@@ -2,13 +2,15 @@
 
 Layout::
 
-    DIR/step-00000012/stage-0.pt    {"step", "stage", "fingerprint", "model", "optimizer"}
+    DIR/step-00000012/stage-0.pt    {"step", "stage", "fingerprint", "model", "optimizer", "precision"}
     DIR/step-00000012/stage-1.pt
     DIR/latest.json                 {"step": 12, "fingerprint": ..., "split": ..., "stage_starts": [...]}
                                     (written last, by rank 0)
 
 Each stage file is written by the stage's first replica (replicas hold identical weights and
-optimizer state). ``latest.json`` moves only after every stage file of that step exists, so a
+optimizer state). Under fp16/bf16 ``precision`` holds the stage's fp32 master weights and the
+loss scaler's state (runtime/precision.py), the optimizer state is the masters' and ``model`` the
+16-bit weights, so a resumed run continues exactly; otherwise it is None. ``latest.json`` moves only after every stage file of that step exists, so a
 kill at any moment leaves the previous complete checkpoint in place. It names the model
 (fingerprint) and how the plan cut it into stages (``split``, a digest of the node-to-stage map),
 so resuming with another model or another cut is refused before any stage file is read, by every
@@ -118,11 +120,13 @@ def restore(executor: Executor, directory: Path, step: int) -> int:
 
 
 def stage_state(executor: Executor, stage: int) -> dict[str, Any]:
-    """The stage's parameters and buffers (by model name) and its optimizer's state dict."""
+    """The stage's parameters and buffers (by model name), its optimizer's state dict, and under
+    mixed precision its fp32 masters and the loss scale."""
     local = executor.stages[stage]
     tensors = stage_state_tensors(executor.model, local)
     return {"model": {name: t.detach() for name, t in tensors.items()},
-            "optimizer": local.optimizer.state_dict() if local.optimizer is not None else None}
+            "optimizer": local.optimizer.state_dict() if local.optimizer is not None else None,
+            "precision": executor.mixed.state_dict(stage) if executor.mixed is not None else None}
 
 
 def load_stage_state(executor: Executor, stage: int, saved: dict[str, Any]) -> None:
@@ -140,6 +144,13 @@ def load_stage_state(executor: Executor, stage: int, saved: dict[str, Any]) -> N
             tensor.copy_(saved["model"][name])
     if local.optimizer is not None and saved["optimizer"] is not None:
         local.optimizer.load_state_dict(saved["optimizer"])
+    if executor.mixed is not None:
+        executor.mixed.load_state_dict(stage, saved.get("precision"))
+    elif saved.get("precision") is not None:
+        raise CheckpointError(f"stage {stage}'s checkpoint was written in mixed precision "
+                              f"({saved['precision'].get('precision')}) but this plan trains in "
+                              f"{executor.plan.model.precision.value}; resume with the plan that wrote it, "
+                              f"or use another --checkpoint-dir")
 
 
 def _load(path: Path, device: torch.device) -> dict[str, Any]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 
 from cost_models.errors import RuntimeSetupError
-from cost_models.memory import Precision
 from planner.plan import Plan
 from planner.preflight import check_plan, programs
 from planner.schedules import Action, ActionKind, Program
@@ -23,7 +22,6 @@ __all__ = ["SUPPORTED", "check_executable", "check_plan", "check_world_size", "m
 SUPPORTED = frozenset({ActionKind.F, ActionKind.B, ActionKind.SEND_F, ActionKind.RECV_F,
                        ActionKind.SEND_B, ActionKind.RECV_B, ActionKind.ALLREDUCE,
                        ActionKind.OPTIMIZER_STEP, ActionKind.SWAP_OUT, ActionKind.SWAP_IN})
-TRAINED_PRECISIONS = frozenset({Precision.FP64, Precision.FP32})
 
 
 def check_world_size(plan: Plan, world_size: int) -> None:
@@ -54,11 +52,6 @@ def check_executable(plan: Plan) -> None:
         raise RuntimeSetupError(f"stages {offloaded} shard model state (ZeRO) or keep parameters or optimizer "
                                 f"state off the GPU, which this runtime does not execute yet; re-plan "
                                 f"without those (recomputation and activation swapping are executed)")
-    if plan.model.precision not in TRAINED_PRECISIONS:
-        trained = " or ".join(sorted(p.value for p in TRAINED_PRECISIONS))
-        raise RuntimeSetupError(f"the plan's precision is {plan.model.precision.value!r} but the runtime "
-                                f"trains in {trained} only (no mixed precision yet); re-plan with "
-                                f"--precision fp32")
 
 
 def rank_program(plan: Plan, rank: int) -> Program:

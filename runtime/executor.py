@@ -2,7 +2,8 @@
 
 It holds no schedule logic: ``F``/``B`` run the named stage on the named micro-batch, runs of
 consecutive ``SEND_*``/``RECV_*`` become one batched P2P exchange, ``ALLREDUCE`` sums the
-stage's gradients over its replicas, ``OPTIMIZER_STEP`` steps the stage's optimizer and
+stage's gradients over its replicas, ``OPTIMIZER_STEP`` steps the stage's optimizer (under
+fp16/bf16, runtime/precision.py steps fp32 masters and scales the loss) and
 ``SWAP_OUT``/``SWAP_IN`` move a micro-batch's swapped activations to the host and back
 (runtime/swap.py; recomputation happens inside the stage modules, runtime/recompute.py). A rank
 that runs several stages (interleaved, WPipe, GEMS programs) looks each stage up by the
@@ -28,6 +29,7 @@ from runtime.grads import GradientSync
 from runtime.launch import join_group
 from runtime.memory import MemoryTracker
 from runtime.microbatch import Microbatch, Targets, split_batch
+from runtime.precision import ScalerOptions
 from runtime.seeding import seeded
 from runtime.setup import set_up
 from runtime.stages import LocalStage, OptimizerFactory
@@ -50,7 +52,9 @@ class Executor:
     own stages, initialised by :func:`runtime.initialize` with ``seed``) or with real weights
     (kept as they are). ``loss_fn(output, targets)`` returns the scalar loss of one micro-batch
     (the loss of a step is their mean); it may be replaced between steps (``exe.loss_fn``).
-    ``optimizer_factory(params)`` makes one optimizer per stage. Peak memory is in
+    ``optimizer_factory(params)`` makes one optimizer per stage (over the stage's fp32 master
+    weights when the plan's precision is fp16 or bf16, see runtime/precision.py; ``loss_scale``
+    sets fp16's dynamic loss scale, ``exe.mixed.loss_scale`` reads it). Peak memory is in
     ``exe.memory.peak_bytes`` (on CPU, of the steps run with ``run(..., profile_memory=True)``).
 
     Example (a script started with ``torchrun --nproc-per-node N script.py``)::
@@ -64,7 +68,7 @@ class Executor:
 
     def __init__(self, plan: Plan, model: nn.Module, loss_fn: LossFn, optimizer_factory: OptimizerFactory,
                  *, seed: int = 0, device: torch.device | str | None = None, timeout_s: float = 300.0,
-                 leaf_modules: Sequence[LeafSpec] = ()) -> None:
+                 leaf_modules: Sequence[LeafSpec] = (), loss_scale: ScalerOptions | None = None) -> None:
         if not dist.is_initialized():  # under torchrun: join the group its environment describes
             joined = join_group("auto" if device is None else torch.device(device).type, timeout_s)
             device = joined if device is None else device
@@ -73,17 +77,18 @@ class Executor:
         self.device = _resolve(device)
         self.timeout_s = timeout_s
         ready = set_up(plan, model, optimizer_factory, seed=seed, device=self.device,
-                       timeout_s=timeout_s, leaf_modules=leaf_modules)
+                       timeout_s=timeout_s, leaf_modules=leaf_modules, loss_scale=loss_scale)
         self.segments, self.stage_ids, self.replica = ready.segments, ready.stage_ids, ready.replica
         self.traced, self.flow = ready.traced, ready.flow
         self.stages, self.groups, self.swaps = ready.stages, ready.groups, ready.swaps
+        self.mixed = ready.mixed
         self.p2p = P2P(None, self.device, timeout_s)
         self.sync = GradientSync(self.device, timeout_s)
         self.memory = MemoryTracker(self.device, self._model_state)
         self.steps_done = 0
 
     def _model_state(self) -> list[torch.Tensor]:
-        """Parameters, buffers, gradients and optimizer state of this rank's stages."""
+        """Parameters, buffers, gradients, fp32 masters and optimizer state of this rank's stages."""
         tensors: list[torch.Tensor] = []
         for stage in self.stages.values():
             tensors += [*stage.module.parameters(), *stage.module.buffers(), *stage.attrs.values()]
@@ -91,6 +96,8 @@ class Executor:
             if stage.optimizer is not None:
                 tensors += [v for state in stage.optimizer.state.values() for v in state.values()
                             if isinstance(v, torch.Tensor)]
+        if self.mixed is not None:
+            tensors += self.mixed.tensors()
         return tensors
 
     # ------------------------------------------------------------------- step
@@ -175,9 +182,11 @@ class Executor:
         self._hand_over(stage.index, action.microbatch, micro, state)
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A micro-batch's copy on the device; on the CPU, which stands in for one, a copy too
-        (so memory counts only micro-batches in flight, as on a GPU, not the caller's batch)."""
-        return tensor.clone() if tensor.device == self.device else tensor.to(self.device)
+        """A micro-batch's copy on the device (floats in 16 bits under mixed precision); on the CPU,
+        which stands in for one, a copy too (so memory counts only micro-batches in flight, as on a
+        GPU, not the caller's batch)."""
+        dtype = tensor.dtype if self.mixed is None else self.mixed.input_dtype(tensor)
+        return tensor.to(self.device, dtype, copy=True)
 
     def _input(self, stage: LocalStage, name: str, microbatch: int, state: StepState) -> Any:
         source = stage.io.sources[name]
@@ -192,6 +201,8 @@ class Executor:
 
     def _loss(self, stage: LocalStage, micro: MicrobatchState, data: Microbatch, state: StepState) -> None:
         output = torch.fx.node.map_aggregate(self.flow.output, lambda name: micro.env[name])
+        if self.mixed is not None:
+            output = self.mixed.loss_input(output)  # the loss in fp32
         targets = torch.fx.node.map_aggregate(data.targets, lambda t: t.to(self.device)
                                               if isinstance(t, torch.Tensor) else t)
         loss = self.loss_fn(output, targets)
@@ -199,7 +210,8 @@ class Executor:
             raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__} "
                              f"{tuple(getattr(loss, 'shape', ()))}")
         state.losses.append(loss.detach())
-        micro.loss = loss / (self.plan.training.num_microbatches * self.plan.data_parallel)
+        scaled = loss if self.mixed is None else self.mixed.scale_loss(loss)
+        micro.loss = scaled / (self.plan.training.num_microbatches * self.plan.data_parallel)
         for name in stage.io.outputs:  # the loss is the only backward root of the last stage
             micro.env.pop(name, None)
 
@@ -298,7 +310,9 @@ class Executor:
             self._sync_tied()
             state.tied_synced = True
         optimizer = self.stages[action.stage].optimizer
-        if optimizer is not None:
+        if self.mixed is not None:
+            self.mixed.step(action.stage)  # the masters, at this rank's last stage
+        elif optimizer is not None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         self.memory.state_changed()

@@ -13,7 +13,10 @@ Two figures on CPU:
 
 Held-bytes accounting (each storage counted once):
 
-* model state: this rank's parameters and buffers, their gradients, the optimizer state;
+* model state: this rank's parameters and buffers, their gradients, the optimizer state, and
+  under mixed precision (runtime/precision.py) the fp32 master weights (with their gradients
+  during the step) on top of the 16-bit weights and gradients: 2 + 2 + 4 bytes a parameter plus
+  the optimizer state in fp32, as cost_models/memory.py counts it;
 * activations: every storage autograd saves for backward during a stage forward (and its
   loss), recorded with saved-tensor hooks from the F of a micro-batch until its B, parameters
   excluded;
@@ -83,6 +86,11 @@ class MemoryTracker:
         """Gradients or optimizer state were created or freed; recount model state next sample."""
         self._state_bytes = None
 
+    def model_state_bytes(self) -> int:
+        """Bytes of the model state now alive (each storage once): under mixed precision the 16-bit
+        weights and gradients, the fp32 masters and the optimizer state over them."""
+        return sum(_storages(self.model_state()).values())
+
     @property
     def peak_bytes(self) -> int:
         """The measured peak: CUDA's allocator peak, or on CPU the profiled step's (held if none)."""
@@ -108,7 +116,7 @@ class MemoryTracker:
         if self.device.type == "cuda":
             yield
             return
-        baseline = sum(_storages(self.model_state()).values())
+        baseline = self.model_state_bytes()
         self.active, self._state_bytes = True, None
         try:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],

@@ -3,12 +3,15 @@
 Order (no collective runs before the checks that every rank makes alike):
 plan layout and world size -> this rank's program -> rebuild check (fingerprint) -> split ->
 every stage's checkpoint regions and swapped nodes -> dataflow at the micro-batch size ->
-materialise this rank's stages -> optimizers -> recompute and swap wrapped around this rank's
-stages -> process groups -> a world-wide check that every rank loaded the same plan.
+materialise this rank's stages -> optimizers (under mixed precision: fp32 masters, then the model
+cast to 16 bits and the value specs taken again, so that 16-bit activations travel) -> recompute
+and swap wrapped around this rank's stages -> process groups -> a world-wide check that every rank
+loaded the same plan.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -22,12 +25,13 @@ from torch import nn
 from cost_models.errors import RuntimeSetupError
 from cost_models.graph.capture import LeafSpec
 from planner.plan import Plan
-from planner.schedules import Action
+from planner.schedules import Action, ActionKind
 from runtime import build, checks
 from runtime.dataflow import Dataflow, check_edges, dataflow
 from runtime.grads import Groups, create_groups
 from runtime.memory import storage_key
 from runtime.offload import check_offload, offload_stage
+from runtime.precision import MixedPrecision, ScalerOptions, cast_model, compute_dtype
 from runtime.stages import LocalStage, OptimizerFactory, local_stages, param_targets, stage_param_names
 from runtime.swap import SwapSpace
 from runtime.values import value_specs
@@ -46,11 +50,16 @@ class RankSetup:
     stages: dict[int, LocalStage]
     groups: Groups
     swaps: SwapSpace  # the saved activations this rank's stages swap to the host
+    mixed: MixedPrecision | None  # fp16/bf16: the fp32 masters and the loss scale
 
 
 def set_up(plan: Plan, model: nn.Module, optimizer_factory: OptimizerFactory, *, seed: int,
-           device: torch.device, timeout_s: float, leaf_modules: Sequence[LeafSpec]) -> RankSetup:
-    """Check the plan against the job and the model, then build this rank's stages (collective)."""
+           device: torch.device, timeout_s: float, leaf_modules: Sequence[LeafSpec],
+           loss_scale: ScalerOptions | None = None) -> RankSetup:
+    """Check the plan against the job and the model, then build this rank's stages (collective).
+
+    ``loss_scale`` is the fp16 loss scale's rule (default: ``torch.amp.GradScaler``'s).
+    """
     rank = dist.get_rank()
     checks.check_plan(plan)
     checks.check_executable(plan)
@@ -67,11 +76,19 @@ def set_up(plan: Plan, model: nn.Module, optimizer_factory: OptimizerFactory, *,
     check_edges(flow, {(t.src_stage, t.dst_stage) for t in plan.transfers})
     stage_params = stage_param_names(model, modules, flow)
     materialise(model, modules, flow, stage_ids, seed, device)
-    stages = local_stages(model, modules, flow, stage_ids, optimizer_factory)
-    swaps = offload_activations(plan, stages, device)
+    precision = plan.model.precision
+    stages = local_stages(model, modules, flow, stage_ids,
+                          None if precision.master_weights else optimizer_factory)
+    mixed = None
+    if precision.master_weights:
+        stepped = {a.stage for a in segments if isinstance(a, Action) and a.kind is ActionKind.OPTIMIZER_STEP}
+        mixed = MixedPrecision(precision, stages, optimizer_factory, stepped=stepped, device=device,
+                               timeout_s=timeout_s, scaler=loss_scale)
+        flow = to_16_bits(model, traced, flow, plan, inputs)
+    swaps = offload_activations(plan, stages, device)  # after the cast: it keys the parameters' storages
     groups = create_groups(plan.layout, rank, stage_params, timeout_s)
     check_same_plan(plan)
-    return RankSetup(segments, stage_ids, replica, traced, flow, stages, groups, swaps)
+    return RankSetup(segments, stage_ids, replica, traced, flow, stages, groups, swaps, mixed)
 
 
 def offload_activations(plan: Plan, stages: Mapping[int, LocalStage], device: torch.device) -> SwapSpace:
@@ -83,6 +100,16 @@ def offload_activations(plan: Plan, stages: Mapping[int, LocalStage], device: to
     for stage in stages.values():
         stage.module = offload_stage(stage.module, plan.stages[stage.index].offload, swaps, stage=stage.index)
     return swaps
+
+
+def to_16_bits(model: nn.Module, traced: torch.fx.GraphModule, flow: Dataflow, plan: Plan,
+               inputs: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> Dataflow:
+    """Cast the model (meta parts too) to the plan's 16-bit dtype; the dataflow with the value
+    specs taken again, so that activations and their gradients travel in 16 bits."""
+    cast_model(model, plan.model.precision)
+    dtype = compute_dtype(plan.model.precision)
+    cast = [(shape, dtype if given.is_floating_point else given) for shape, given in inputs]
+    return dataclasses.replace(flow, specs=value_specs(traced, cast, plan.training.micro_batch_size))
 
 
 def materialise(model: nn.Module, modules: Mapping[int, torch.fx.GraphModule], flow: Dataflow,

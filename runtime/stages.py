@@ -42,8 +42,9 @@ def stage_param_names(model: nn.Module, modules: Mapping[int, torch.fx.GraphModu
 
 
 def local_stages(model: nn.Module, modules: Mapping[int, torch.fx.GraphModule], flow: Dataflow,
-                 mine: Sequence[int], optimizer_factory: OptimizerFactory) -> dict[int, LocalStage]:
-    """Build this rank's stages (after materialisation) with one optimizer each."""
+                 mine: Sequence[int], optimizer_factory: OptimizerFactory | None) -> dict[int, LocalStage]:
+    """Build this rank's stages (after materialisation) with one optimizer each (none without a
+    factory: mixed precision builds them over its fp32 masters, runtime/precision.py)."""
     names = canonical_names(model)
     owned: set[int] = set()
     stages = {}
@@ -56,7 +57,7 @@ def local_stages(model: nn.Module, modules: Mapping[int, torch.fx.GraphModule], 
                 params[names[id(tensor)]] = tensor
         attrs = {name: attribute(model, source.target) for name, source in io.sources.items()
                  if source.kind is SourceKind.PARAM}
-        optimizer = optimizer_factory(list(params.values())) if params else None
+        optimizer = optimizer_factory(list(params.values())) if params and optimizer_factory else None
         stages[stage] = LocalStage(stage, modules[stage], io, params, attrs, optimizer)
     return stages
 

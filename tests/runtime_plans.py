@@ -19,12 +19,17 @@ def make_plan(builder: str, stage_starts: list[str], *, schedule: str, data_para
               device: str = "V100-16GB", offload: list[Any] | None = None,
               precision: str = "fp64") -> str:
     """A plan (as JSON; float64 unless ``precision`` says otherwise) for one of the test models with
-    the given cut; ``offload`` (one planner.plan.OffloadSpec per stage) forces memory decisions."""
+    the given cut; ``offload`` (one planner.plan.OffloadSpec per stage) forces memory decisions.
+
+    A mixed-precision plan (fp16, bf16) is of the model built in float32, as the runtime rebuilds
+    it (planner.preflight.build_dtype: float32 masters, a 16-bit copy computes)."""
     from cost_models.graph.model_spec import build_model, load_builder
+    from cost_models.memory import get_precision
     from planner.manual import plan_with_split
+    from planner.preflight import build_dtype
 
     kwargs, inputs = _model_args(builder)
-    with default_dtype(torch.float64):
+    with default_dtype(build_dtype(get_precision(precision))):
         model = build_model(load_builder(builder), kwargs, "meta")
         plan = plan_with_split(model, example_inputs=inputs, stage_starts=stage_starts,
                                batch_size=micro_batch_size * microbatches * data_parallel,

@@ -1,0 +1,267 @@
+"""Mixed precision (fp16, bf16) as the planner's memory model counts it: 16-bit weights and gradients
+on the device, an fp32 master copy of every trainable parameter stepped by the optimizer (so its
+state is fp32 too), and for fp16 a dynamic loss scale that every rank agrees on.
+
+Conventions (the single-process reference in tests/dist/precision_cases.py does the same):
+
+* The model is built and initialised in float32 (planner.preflight.build_dtype); the masters are
+  copies of those weights, then the whole model is cast to the 16-bit dtype and computes in it
+  directly (no autocast: autocast would hold fp32 weights and fp32 gradients on the device, not
+  the 2-byte ones the plan's memory model assumes). Floating model inputs are cast to 16 bits.
+* The loss is computed in float32 on the model output cast to float32; under fp16 it is
+  multiplied by the loss scale before backward (each micro-batch, last stage only: the gradients
+  sent back to earlier stages carry the scale already). Gradients accumulate in 16 bits.
+* At the step (the rank's last ``OPTIMIZER_STEP``, when the gradients of all its stages are
+  summed over replicas and tied copies) the 16-bit gradients become the masters' fp32 gradients,
+  unscaled; a non-finite value on any rank (a found-inf flag all-reduced with MAX over the whole
+  world) skips the step on every rank. The scale follows ``torch.amp.GradScaler``'s rule and
+  defaults: halved after a skipped step, doubled after ``growth_interval`` good steps in a row,
+  computed with the very kernels GradScaler runs.
+* bf16 has fp32's exponent range: no loss scale, no found-inf check, every step is taken.
+
+Why not ``torch.amp.GradScaler`` itself: it decides to skip ``optimizer.step`` from the found-inf
+flags of the gradients it unscaled, which are this rank's only, and keeps them in private
+per-optimizer state; a pipeline must skip on every rank when any rank overflows, which needs the
+flag all-reduced between the unscale and the skip decision, and GradScaler has no public place
+for that. :class:`LossScaler` keeps its state dict format (``state_dict()`` loads into a GradScaler
+and back).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from collections.abc import Iterator, Mapping
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx
+from torch import nn
+
+from cost_models.errors import CheckpointError
+from cost_models.memory import Precision
+from runtime.comm import wait_for
+from runtime.stages import LocalStage, OptimizerFactory
+
+MASTER_DTYPE = torch.float32
+
+
+def compute_dtype(precision: Precision) -> torch.dtype:
+    """The dtype weights, gradients and activations have on the device.
+
+    >>> compute_dtype(Precision.BF16)
+    torch.bfloat16
+    """
+    return getattr(torch, precision.dtype)
+
+
+@dataclass(frozen=True)
+class ScalerOptions:
+    """The dynamic loss scale's rule; the defaults are ``torch.amp.GradScaler``'s."""
+
+    init_scale: float = 2.0 ** 16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000  # good steps in a row before the scale grows
+
+
+class LossScaler:
+    """The fp16 loss scale and its growth tracker, updated as ``torch.amp.GradScaler`` does.
+
+    Example::
+
+        scaler = LossScaler(ScalerOptions(), torch.device("cpu"))
+        found_inf = scaler.unscale_(master_grads)   # 1.0 if any gradient is inf or NaN
+        scaler.update(found_inf)                     # after all-reducing found_inf
+    """
+
+    def __init__(self, options: ScalerOptions, device: torch.device) -> None:
+        self.options = options
+        self.scale = torch.full((), options.init_scale, dtype=torch.float32, device=device)
+        self.growth_tracker = torch.zeros((), dtype=torch.int32, device=device)
+
+    def unscale_(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """Multiply fp32 ``grads`` in place by 1/scale; returns the found-inf flag (0.0 or 1.0)."""
+        found_inf = torch.zeros((), dtype=torch.float32, device=self.scale.device)
+        inv_scale = self.scale.double().reciprocal().float()  # as GradScaler computes it
+        if grads:
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+        return found_inf
+
+    def update(self, found_inf: torch.Tensor) -> None:
+        """Back off after an overflow, grow after ``growth_interval`` good steps (GradScaler's kernel)."""
+        options = self.options
+        torch._amp_update_scale_(self.scale, self.growth_tracker, found_inf, options.growth_factor,
+                                 options.backoff_factor, options.growth_interval)
+
+    def state_dict(self) -> dict[str, Any]:
+        """In ``torch.amp.GradScaler.state_dict()``'s format."""
+        options = self.options
+        return {"scale": float(self.scale.item()), "growth_factor": options.growth_factor,
+                "backoff_factor": options.backoff_factor, "growth_interval": options.growth_interval,
+                "_growth_tracker": int(self.growth_tracker.item())}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.options = dataclasses.replace(self.options, growth_factor=float(state["growth_factor"]),
+                                           backoff_factor=float(state["backoff_factor"]),
+                                           growth_interval=int(state["growth_interval"]))
+        self.scale.fill_(float(state["scale"]))
+        self.growth_tracker.fill_(int(state["_growth_tracker"]))
+
+
+@dataclass
+class StageMasters:
+    """One stage's fp32 master parameters (by canonical name), paired with its 16-bit parameters."""
+
+    params: dict[str, nn.Parameter]  # the model's 16-bit parameters the stage owns
+    masters: dict[str, nn.Parameter]  # their fp32 copies, which the stage's optimizer steps
+
+
+class MixedPrecision:
+    """This rank's masters (per stage), their optimizers and the loss scale; steps them all at once.
+
+    Built at set-up from the float32 weights, before the model is cast (:func:`cast_model`); it
+    replaces each stage's optimizer by one over the stage's masters. The executor calls
+    :meth:`step` at every ``OPTIMIZER_STEP``; the step itself is taken at the last of this rank's
+    stages (``stepped``), once every stage's gradients are final, so that one world-wide
+    found-inf all-reduce decides for all of them.
+    """
+
+    def __init__(self, precision: Precision, stages: Mapping[int, LocalStage], optimizer_factory: OptimizerFactory,
+                 *, stepped: AbstractSet[int], device: torch.device, timeout_s: float,
+                 scaler: ScalerOptions | None = None) -> None:
+        if not precision.master_weights:
+            raise ValueError(f"precision {precision.value} keeps no master weights; mixed precision is "
+                             f"fp16 or bf16")
+        self.precision = precision
+        self.dtype = compute_dtype(precision)
+        self.stepped = frozenset(stepped)
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.scaler = LossScaler(scaler or ScalerOptions(), device) if precision is Precision.FP16 else None
+        self.stages: dict[int, StageMasters] = {}
+        self.skipped_steps = 0
+        self._pending: set[int] = set(self.stepped)
+        for index, stage in stages.items():
+            masters = {name: nn.Parameter(p.detach().to(MASTER_DTYPE, copy=True))
+                       for name, p in stage.params.items()}
+            self.stages[index] = StageMasters(dict(stage.params), masters)
+            stage.optimizer = optimizer_factory(list(masters.values())) if masters else None
+        self._optimizers = {index: stage.optimizer for index, stage in stages.items()}
+
+    # ------------------------------------------------------------ forward side
+    def input_dtype(self, value: torch.Tensor) -> torch.dtype:
+        """The dtype a model input enters in: floats in the compute dtype, integers as they are."""
+        return self.dtype if value.is_floating_point() else value.dtype
+
+    def loss_input(self, output: Any) -> Any:
+        """The model output with floating tensors in float32, so that the loss is computed in fp32."""
+        return torch.fx.node.map_aggregate(output, lambda value: value.to(MASTER_DTYPE) if isinstance(
+            value, torch.Tensor) and value.is_floating_point() else value)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss times the loss scale (fp16), what backward starts from; bf16 is not scaled."""
+        return loss if self.scaler is None else loss * self.scaler.scale
+
+    @property
+    def loss_scale(self) -> float:
+        return 1.0 if self.scaler is None else float(self.scaler.scale.item())
+
+    # --------------------------------------------------------------- the step
+    def step(self, stage: int) -> None:
+        """``OPTIMIZER_STEP`` of ``stage``: the step of all this rank's stages once it is the last."""
+        if stage not in self._pending:
+            raise RuntimeError(f"OPTIMIZER_STEP of stage {stage} came twice in a step, or for a stage "
+                               f"without one in the program (expected {sorted(self.stepped)})")
+        self._pending.discard(stage)
+        if not self._pending:
+            self._pending = set(self.stepped)
+            self._step_all()
+
+    def _step_all(self) -> None:
+        grads = self._grads_to_masters()
+        if self.scaler is not None:
+            found_inf = self.scaler.unscale_(grads)
+            work = dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, async_op=True)
+            wait_for(work, self.timeout, "the loss scale's found-inf all-reduce")
+            self.scaler.update(found_inf)
+            if found_inf.item() > 0:
+                self.skipped_steps += 1
+                self._zero_master_grads()
+                return
+        for optimizer in self._optimizers.values():
+            if optimizer is not None:
+                optimizer.step()
+        self._zero_master_grads()
+        self._copy_back()
+
+    def _grads_to_masters(self) -> list[torch.Tensor]:
+        """Move the 16-bit gradients into the masters' fp32 ``.grad`` (the 16-bit ones are freed)."""
+        grads = []
+        for stage in self.stages.values():
+            for name, param in stage.params.items():
+                master = stage.masters[name]
+                if param.grad is not None:
+                    master.grad = param.grad.to(MASTER_DTYPE)
+                    grads.append(master.grad)
+                param.grad = None
+        return grads
+
+    def _zero_master_grads(self) -> None:
+        for stage in self.stages.values():
+            for master in stage.masters.values():
+                master.grad = None
+
+    @torch.no_grad()
+    def _copy_back(self) -> None:
+        """The 16-bit weights the next step computes with: the masters rounded."""
+        for stage in self.stages.values():
+            for name, param in stage.params.items():
+                param.copy_(stage.masters[name])
+
+    # ------------------------------------------------ memory and checkpoints
+    def tensors(self) -> Iterator[torch.Tensor]:
+        """The masters and their gradients (model state the memory tracker counts)."""
+        for stage in self.stages.values():
+            for master in stage.masters.values():
+                yield master
+                if master.grad is not None:
+                    yield master.grad
+
+    def state_dict(self, stage: int) -> dict[str, Any]:
+        """What a checkpoint holds for ``stage``: its fp32 masters and the loss scaler's state."""
+        masters = self.stages[stage].masters
+        return {"precision": self.precision.value,
+                "masters": {name: master.detach() for name, master in masters.items()},
+                "scaler": None if self.scaler is None else self.scaler.state_dict()}
+
+    @torch.no_grad()
+    def load_state_dict(self, stage: int, state: Mapping[str, Any] | None) -> None:
+        """Restore ``stage``'s masters (and the 16-bit weights from them) and the scaler."""
+        if state is None or state.get("precision") != self.precision.value:
+            written = "no master weights" if state is None else f"precision {state.get('precision')}"
+            raise CheckpointError(f"stage {stage}'s checkpoint holds {written} but this plan trains in "
+                                  f"{self.precision.value}; resume with the plan that wrote it, or use "
+                                  f"another --checkpoint-dir")
+        target = self.stages[stage]
+        if set(state["masters"]) != set(target.masters):
+            raise CheckpointError(f"stage {stage}'s checkpoint holds masters of "
+                                  f"{sorted(set(state['masters']) ^ set(target.masters))[:3]} which this "
+                                  f"stage does not have alike; resume with the plan that wrote it")
+        for name, master in target.masters.items():
+            master.copy_(state["masters"][name])
+            target.params[name].copy_(master)
+        if self.scaler is not None and state["scaler"] is not None:
+            self.scaler.load_state_dict(state["scaler"])
+
+
+def cast_model(model: nn.Module, precision: Precision) -> None:
+    """Cast the model's floating parameters and buffers to the compute dtype, in place.
+
+    Parameters keep their identity (``Module.to`` assigns ``.data``), so the stages, the traced
+    graph and tied aliases all see the 16-bit tensors; meta tensors (other ranks' stages) are
+    cast too, so shape propagation gives the 16-bit activations that travel between stages.
+    """
+    model.to(compute_dtype(precision))
