@@ -78,7 +78,9 @@ def build_plan(graph: LayerGraph, device: DeviceSpec, space: SearchSpace, result
     return Plan(
         model=model,
         cluster=ClusterSpec(setup.config.gpus, space.gpus_per_node, freeze(device.to_dict()),
-                            space.mem_bytes + space.reserve_bytes, space.reserve_bytes, space.gpus),
+                            space.mem_bytes + space.reserve_bytes, space.reserve_bytes, space.gpus,
+                            setup.problem.tiers.host_mem_bytes if space.offload else None,
+                            setup.problem.tiers.nvme_bytes if space.offload else None),
         training=TrainingSpec(space.global_batch_size, setup.config.micro_batch_size,
                               setup.config.num_microbatches, space.optimizer),
         schedule=ScheduleSpec(setup.config.schedule, setup.problem.in_flight),
@@ -167,7 +169,8 @@ def _report(result: SearchResult, space: SearchSpace, simulated: SimResult,
     why += (f"; {result.configs_solved} of {plural(result.configs_total, 'configuration')} solved, the rest "
             f"could not fit the memory or could not beat it (lower bound)")
     note = gpus_note(space, best.setup.config.gpus)
-    why += (f"; {note}" if note else "") + _unproven(best, result, space)
+    why += (f"; {note}" if note else "") + (f"; {result.offload_note}" if result.offload_note else "")
+    why += _unproven(best, result, space)
     return SolverReport(best.solver, best.status.value, best.objective_ms, best.gap, result.wall_s,
                         result.configs_total, why, _binding(best, space, simulated), runner,
                         result.configs_unexamined)

@@ -38,7 +38,8 @@ def plan_with_split(model: nn.Module, *, example_inputs: torch.Tensor | Sequence
     Costs, programs and predictions are made exactly as for a solved plan, so a manual split
     can be compared with tessera's and run by the same runtime. ``offload`` (one per stage) forces
     the stages' memory decisions (checkpoint regions, swapped nodes, ZeRO stage, tiers) instead of
-    keeping everything on the GPU.
+    keeping everything on the GPU; they are recorded and executed as given, but the predictions stay
+    those of the split with everything kept on the GPU (the search costs only its own decisions).
 
     Example::
 
@@ -66,7 +67,7 @@ def plan_with_split(model: nn.Module, *, example_inputs: torch.Tensor | Sequence
         if len(offload) != num_stages:
             raise InvalidArgument(f"offload lists {len(offload)} stage decisions but the split has "
                                   f"{num_stages} stages; give one OffloadSpec per stage")
-        evaluation = dataclasses.replace(evaluation, offload=tuple(offload))
+        evaluation = dataclasses.replace(evaluation, forced=tuple(offload))
     candidate = Candidate(setup, evaluation, evaluation.step_ms, SolveStatus.OPTIMAL, "manual split", 0.0, "")
     result = SearchResult(candidate, None, 1, 1, 0.0)
     return build_plan(graph, spec, space, result, model_ref(graph, inputs, space, builder, builder_kwargs))

@@ -136,6 +136,16 @@ def _add_plan(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--time-limit", type=float, default=60.0, metavar="SECONDS",
                         help="wall-clock limit of the search, > 0 (default %(default)g); a plan it cuts "
                              "short says NOT PROVEN OPTIMAL")
+    tiers = parser.add_argument_group("memory tiers", "by default the search decides per unit of nodes "
+                                      "whether to keep, recompute or swap saved activations, and per "
+                                      "configuration whether to shard model state (ZeRO-1) and keep the "
+                                      "optimizer on the GPU, the host or NVMe")
+    tiers.add_argument("--no-offload", dest="offload", action="store_false",
+                       help="keep every activation and all model state on the GPU")
+    tiers.add_argument("--host-mem", default=None, metavar="SIZE",
+                       help="host memory per node the plan may use (default: the device preset's node)")
+    tiers.add_argument("--nvme", default=None, metavar="SIZE",
+                       help="NVMe capacity per node the plan may use (default: the device preset's node)")
     parser.add_argument("-o", "--output", type=Path, default=None, help="write the plan here (JSON)")
     shown = parser.add_mutually_exclusive_group()
     shown.add_argument("--progress", action="store_true",
@@ -157,7 +167,8 @@ def _run_plan(args: argparse.Namespace) -> None:
         micro_batch_sizes=tuple(args.micro_batch_size) if args.micro_batch_size else None,
         num_stages=tuple(args.num_stages) if args.num_stages else None,
         data_parallel=tuple(args.data_parallel) if args.data_parallel else None,
-        time_limit_s=args.time_limit, leaf_modules=tuple(args.leaf), output=args.output)
+        time_limit_s=args.time_limit, leaf_modules=tuple(args.leaf), output=args.output,
+        offload=args.offload, host_mem=args.host_mem, nvme=args.nvme)
     terminal = sys.stderr.isatty()
     progress = ProgressLine(sys.stderr, terminal) if args.progress or (terminal and not args.quiet) else None
     print(run_plan(request, search_root=Path.cwd(), progress=progress))

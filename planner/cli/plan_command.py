@@ -33,6 +33,9 @@ class PlanRequest:
     time_limit_s: float = 60.0
     leaf_modules: tuple[str, ...] = ()
     output: Path | None = None
+    offload: bool = True  # decide recompute, swap and where model state lives
+    host_mem: str | None = None  # per node, with a unit (None: the device preset's node)
+    nvme: str | None = None
 
 
 def run_plan(request: PlanRequest, search_root: Path | None = None,
@@ -73,7 +76,9 @@ def _plan_and_save(request: PlanRequest, search_root: Path | None, progress: Pro
                   micro_batch_sizes=request.micro_batch_sizes, time_limit_s=request.time_limit_s,
                   num_stages=request.num_stages, data_parallel=request.data_parallel,
                   builder=request.model, builder_kwargs=kwargs, leaf_modules=request.leaf_modules,
-                  progress=progress)
+                  progress=progress, offload=request.offload,
+                  host_mem=None if request.host_mem is None else parse_mem_bytes(request.host_mem, unit_required=True),
+                  nvme=None if request.nvme is None else parse_mem_bytes(request.nvme, unit_required=True))
     if request.output is not None:
         result.save(request.output)
     return str(result) + (f"\nplan written to {request.output}" if request.output else "")

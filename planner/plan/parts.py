@@ -79,6 +79,8 @@ class ClusterSpec:
     mem_bytes: int  # the per-GPU budget the plan was made for
     reserve_bytes: int = 0  # of it kept free (CUDA context, fragmentation); absent in older files
     gpus_available: int | None = None  # GPUs planning was given (``gpus`` is those the plan uses)
+    host_mem_bytes: int | None = None  # per node, what host memory the plan may use (None: not planned)
+    nvme_bytes: int | None = None  # per node, what NVMe the plan may use
 
     @property
     def device_name(self) -> str:
@@ -94,8 +96,11 @@ class ClusterSpec:
         return codec.fields(cls, data, path, {"gpus": codec.integer, "gpus_per_node": codec.integer,
                                               "device": codec.json_object, "mem_bytes": codec.integer,
                                               "reserve_bytes": codec.integer,
-                                              "gpus_available": codec.optional(codec.integer)},
-                            optional=frozenset({"reserve_bytes", "gpus_available"}))
+                                              "gpus_available": codec.optional(codec.integer),
+                                              "host_mem_bytes": codec.optional(codec.integer),
+                                              "nvme_bytes": codec.optional(codec.integer)},
+                            optional=frozenset({"reserve_bytes", "gpus_available", "host_mem_bytes",
+                                                "nvme_bytes"}))
 
 
 @dataclass(frozen=True)
@@ -161,6 +166,25 @@ class OffloadSpec:
     def host_step(self) -> bool:
         """The optimizer step runs on the host (its state is not on the GPU)."""
         return self.optimizer_state is not StateTier.GPU
+
+    def describe(self, num_nodes: int) -> str:
+        """E.g. "recompute 40 of 104 nodes in 12 regions, swap 6 nodes, optimizer on host" ("" if default)."""
+        said = []
+        recomputed = len(self.recomputed_nodes)
+        if recomputed:
+            said.append(f"recompute {recomputed} of {num_nodes} nodes in {len(self.recompute)} "
+                        f"region{'s' if len(self.recompute) != 1 else ''}")
+        if self.swap:
+            said.append(f"swap {len(self.swap)} node{'s' if len(self.swap) != 1 else ''}' activations to host")
+        if self.zero_stage:
+            said.append(f"model state sharded (ZeRO-{self.zero_stage})")
+        if self.optimizer_state is StateTier.HOST:
+            said.append("optimizer on host")
+        elif self.optimizer_state is StateTier.NVME:
+            said.append("optimizer state on NVMe, step on host")
+        if self.params is ParamTier.HOST:
+            said.append("params on host")
+        return ", ".join(said)
 
     @classmethod
     def from_dict(cls, data: Any, path: str) -> OffloadSpec:

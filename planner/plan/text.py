@@ -34,8 +34,25 @@ def format_plan(model: ModelRef, cluster: ClusterSpec, training: TrainingSpec, s
         if index == 0:
             lines.append("-" * len(lines[-1]))
     lines.append("-" * len(lines[1]))
+    lines.extend(_memory_decisions(cluster, parts, layout))
     lines.extend(_summary(predicted, solver, cluster.usable_mem_bytes, layout.num_stages))
     return "\n".join(lines)
+
+
+def _memory_decisions(cluster: ClusterSpec, parts: tuple[StagePlan, ...], layout: Layout) -> list[str]:
+    """Per stage, what it recomputes, swaps and keeps off the GPU; then the host and NVMe it uses."""
+    lines = [f"stage {stage.index}: {said}" for stage in parts if (said := stage.offload.describe(len(stage.nodes)))]
+    if cluster.host_mem_bytes is None:
+        return lines
+    ranks = [sum(len(layout.ranks_of(stage, replica)) for replica in range(layout.data_parallel))
+             for stage in range(layout.num_stages)]
+    host = sum(count * parts[layout.part(stage)].predicted.host_bytes for stage, count in enumerate(ranks))
+    nvme = sum(count * parts[layout.part(stage)].predicted.nvme_bytes for stage, count in enumerate(ranks))
+    nodes = -(-cluster.gpus // cluster.gpus_per_node)
+    lines.append(f"host: optimizer state and gradients {format_bytes(host)} over {plural(nodes, 'node')} "
+                 f"({format_bytes(cluster.host_mem_bytes)} host memory per node); NVMe {format_bytes(nvme)} "
+                 f"({format_bytes(cluster.nvme_bytes or 0)} per node)")
+    return lines
 
 
 def _title(model: ModelRef, cluster: ClusterSpec, training: TrainingSpec, schedule: ScheduleSpec,

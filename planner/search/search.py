@@ -26,6 +26,7 @@ from planner.search.ilp import SolveStatus, solve_partition
 from planner.search.infeasible import infeasible_error
 from planner.search.oracle import check_exact, min_peak_partition
 from planner.search.problem import (
+    ON_GPU,
     Coarsening,
     PipelineProblem,
     coarsen,
@@ -77,6 +78,21 @@ class SearchResult:
     solver_s: float = 0.0
     notes: tuple[str, ...] = field(default_factory=tuple)
     configs_unexamined: int = 0  # could still have won when the time limit ended the search
+    best_on_gpu: Candidate | None = None  # the best plan found keeping every activation and all state on the GPU
+
+    @property
+    def offload_note(self) -> str:
+        """Which memory decision bought the winner its fit or its speed ("" when it made none)."""
+        best = self.best
+        decisions = best.evaluation.decisions
+        said = [text for text in (best.setup.config.state.describe(), _activations(decisions)) if text]
+        if not said:
+            return ""
+        if self.best_on_gpu is None:
+            return f"{' and '.join(said)} bought the fit: no plan keeping everything on the GPU fits"
+        other = self.best_on_gpu
+        return (f"{' and '.join(said)} bought the speed: {other.objective_ms / best.objective_ms:.2f}x the "
+                f"best plan keeping everything on the GPU ({other.setup.config.describe()})")
 
 
 class Search:
@@ -90,6 +106,7 @@ class Search:
         self.progress = progress
         self._tables: dict[int, tuple[CostTable, Coarsening]] = {}
         self._setups: dict[Config, Setup] = {}
+        self._on_gpu: list[Candidate] = []  # solved plans that keep everything on the GPU
 
     def costs(self, micro_batch_size: int) -> tuple[CostTable, Coarsening]:
         if micro_batch_size not in self._tables:
@@ -152,9 +169,10 @@ class Search:
             raise self.infeasible(configs)
         solved.sort(key=lambda c: (round(c.objective_ms, 9), c.setup.config.gpus,  # a tie: fewer GPUs
                                    c.evaluation.peak_mem_bytes))
+        on_gpu = min(self._on_gpu, key=lambda c: c.objective_ms, default=None)
         return SearchResult(solved[0], solved[1] if len(solved) > 1 else None, len(configs),
                             len(solved), time.perf_counter() - start, solver_s,
-                            configs_unexamined=unexamined)
+                            configs_unexamined=unexamined, best_on_gpu=on_gpu)
 
     def _report(self, event: ProgressEvent) -> None:
         if self.progress is not None:
@@ -184,6 +202,8 @@ class Search:
         kept = None if result.cuts is None else Candidate(
             setup, evaluate(setup.costs, result.cuts), result.objective, result.status, result.solver,
             result.gap, result.binding)
+        if kept is not None and config.state == ON_GPU:
+            self._on_gpu.append(kept)
         binds = kept is None or kept.evaluation.peak_mem_bytes >= DECIDE_WHEN_MEMORY_AT * self.space.mem_bytes
         if setup.decided is None or not binds:
             return kept, time.perf_counter() - start
@@ -262,6 +282,14 @@ least this share of the budget (or has none): below it, they cannot buy a faster
 
 DECISION_ROUNDS = 3
 """How many times the window of the ILP with memory decisions moves after the best plan's cuts."""
+
+
+def _activations(decisions: Decisions | None) -> str:
+    if decisions is None:
+        return ""
+    recomputed, swapped = round(sum(decisions.recompute)), round(sum(decisions.swap))
+    said = [f"recomputing {recomputed} units" if recomputed else "", f"swapping {swapped} units" if swapped else ""]
+    return " and ".join(text for text in said if text)
 
 
 def whole_units(decisions: Decisions | None) -> Decisions | None:
