@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,6 +24,7 @@ from planner.budget import DEFAULT_RESERVE, Reserve, parse_reserve, usable_bytes
 from planner.plan import InputMeta, ModelRef, Plan, ScheduleKind, freeze
 from planner.progress import Phase, Progress, ProgressEvent
 from planner.search.configs import SearchSpace, divisors
+from planner.search.problem import Offload
 from planner.search.search import Search
 
 
@@ -36,7 +38,8 @@ def plan(model: nn.Module, gpus: int, mem: str | int, *, batch_size: int,
          builder_kwargs: Mapping[str, Any] | None = None, leaf_modules: Sequence[type | str] = (),
          graph: LayerGraph | None = None, reserve: str | int | Reserve = DEFAULT_RESERVE,
          progress: Progress | None = None, data_parallel: Sequence[int] | None = None,
-         offload: bool = True, host_mem: str | int | None = None, nvme: str | int | None = None) -> Plan:
+         offload: bool | Sequence[str] = True, host_mem: str | int | None = None,
+         nvme: str | int | None = None) -> Plan:
     """Choose the fastest pipeline x data-parallel plan of ``model`` that fits ``mem`` per GPU.
 
     ``batch_size`` is the global batch per step; ``example_inputs`` only fix shapes (any batch
@@ -56,7 +59,7 @@ def plan(model: nn.Module, gpus: int, mem: str | int, *, batch_size: int,
     sharded over its data-parallel copies (ZeRO-1) or not, and its optimizer state on the GPU, the
     host or NVMe (the step then runs on the host). ``host_mem`` and ``nvme`` are each node's host
     memory and NVMe capacity (default: the device preset's node); ``offload=False`` keeps
-    everything on the GPU.
+    everything on the GPU, and a list of "recompute", "swap", "zero", "host", "nvme" allows only those.
 
     Example::
 
@@ -97,7 +100,7 @@ def validate_space(gpus: int, mem: str | int, batch_size: int, device: str | Dev
                    schedules: Sequence[str | ScheduleKind], micro_batch_sizes: Sequence[int] | None,
                    time_limit_s: float, num_stages: Sequence[int] | None = None,
                    reserve: str | int | Reserve = DEFAULT_RESERVE, *,
-                   data_parallel: Sequence[int] | None = None, offload: bool = True,
+                   data_parallel: Sequence[int] | None = None, offload: bool | Sequence[str] = True,
                    host_mem: str | int | None = None, nvme: str | int | None = None,
                    ) -> tuple[SearchSpace, DeviceSpec]:
     """Validate every argument before any tracing, with messages that name the value and fix."""
@@ -126,7 +129,8 @@ def validate_space(gpus: int, mem: str | int, batch_size: int, device: str | Dev
                         tuple(micro_batch_sizes) if micro_batch_sizes else None,
                         tuple(num_stages) if num_stages else None, time_limit_s=time_limit_s,
                         reserve=kept, reserve_bytes=mem_bytes - usable,
-                        data_parallel=tuple(data_parallel) if data_parallel else None, offload=offload,
+                        data_parallel=tuple(data_parallel) if data_parallel else None,
+                        offload=Offload.parse(offload),
                         host_mem_bytes=None if host_mem is None else parse_mem_bytes(host_mem),
                         nvme_bytes=None if nvme is None else parse_mem_bytes(nvme))
     return space, spec

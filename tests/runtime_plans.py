@@ -71,3 +71,25 @@ def looped(plan_json: str, ranks: int) -> str:
         programs=format_programs(programs),
         predicted=dataclasses.replace(plan.predicted, peak_mem_bytes=plan.predicted.peak_mem_bytes[:ranks]))
     return looped_plan.to_json()
+
+
+def searched_plan(builder: str, *, gpus: int, budget_share: float, offload: tuple[str, ...],
+                  schedule: str = "gpipe", batch_size: int = 16, micro_batch_size: int = 4) -> str:
+    """A float64 plan the search makes (``plan()``) for a budget ``budget_share`` of the smallest one
+    that fits without offload, allowed only the memory decisions ``offload``."""
+    from cost_models.errors import PlanInfeasible
+    from cost_models.graph.model_spec import build_model, load_builder
+    from planner import plan
+
+    kwargs, inputs = _model_args(builder)
+    with default_dtype(torch.float64):
+        model = build_model(load_builder(builder), kwargs, "meta")
+    common = dict(gpus=gpus, batch_size=batch_size, example_inputs=inputs, precision="fp64", reserve=0,
+                  optimizer="momentum", micro_batch_sizes=(micro_batch_size,), schedules=(schedule,),
+                  data_parallel=(1,), builder=builder, builder_kwargs=kwargs)
+    try:
+        plan(model, mem=1, offload=False, **common)
+        raise AssertionError("a 1-byte budget fitted")
+    except PlanInfeasible as error:
+        need = error.min_mem_bytes
+    return plan(model, mem=int(need * budget_share), offload=offload, **common).to_json()

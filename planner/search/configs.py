@@ -15,7 +15,7 @@ from cost_models.memory import Optimizer, Precision
 from cost_models.units import plural
 from planner.budget import Reserve
 from planner.plan.kinds import ScheduleKind
-from planner.search.problem import ON_GPU, StateMode, state_modes
+from planner.search.problem import ON_GPU, Offload, StateMode, state_modes
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class SearchSpace:
     reserve: Reserve = Reserve()  # kept free on every GPU; mem_bytes is what is left
     reserve_bytes: int = 0
     data_parallel: tuple[int, ...] | None = None  # None: every degree the batch allows
-    offload: bool = True  # decide recompute, swap, ZeRO-1 and optimizer tiers (False: all on the GPU)
+    offload: frozenset[Offload] = frozenset(Offload)  # the memory decisions the search may make
     host_mem_bytes: int | None = None  # per node (None: the device's share times gpus_per_node)
     nvme_bytes: int | None = None  # per node (None: likewise)
 

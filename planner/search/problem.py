@@ -7,7 +7,9 @@ only between units, at points where few bytes cross. Every number the cost terms
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from enum import Enum
 from typing import TYPE_CHECKING
 
 from cost_models.comm import (
@@ -19,6 +21,7 @@ from cost_models.comm import (
 )
 from cost_models.device_spec import BYTES_PER_GB
 from cost_models.devices import DeviceSpec
+from cost_models.errors import InvalidArgument
 from cost_models.estimation import CostTable
 from cost_models.graph.ir import LayerGraph, NodeKind
 from cost_models.memory import Optimizer, Precision, model_state_bytes
@@ -95,13 +98,36 @@ ON_GPU = StateMode(0, StateTier.GPU)
 """Everything on the GPU, unsharded: the only mode when offload is off."""
 
 
-def state_modes(offload: bool, sharded: bool) -> tuple[StateMode, ...]:
-    """The modes a configuration may use: ON_GPU only without offload; ZeRO-1 ones only for parts
-    with data-parallel copies (``sharded``)."""
-    if not offload:
-        return (ON_GPU,)
-    tiers = (StateTier.GPU, StateTier.HOST, StateTier.NVME)
-    return tuple(StateMode(zero, tier) for zero in ((0, 1) if sharded else (0,)) for tier in tiers)
+class Offload(str, Enum):
+    """The memory decisions a search may make (``plan(offload=...)``)."""
+
+    RECOMPUTE = "recompute"  # per unit: drop saved activations, recompute them in the backward
+    SWAP = "swap"  # per unit: saved activations to the host and back
+    ZERO = "zero"  # per configuration: master weights and optimizer state sharded over replicas (ZeRO-1)
+    HOST = "host"  # per configuration: optimizer state and step on the host
+    NVME = "nvme"  # per configuration: optimizer state on NVMe, step on the host
+
+    @classmethod
+    def parse(cls, offload: bool | Iterable[str | Offload]) -> frozenset[Offload]:
+        """True: every decision; False: none; else the named ones (InvalidArgument naming the choices)."""
+        if offload is True:
+            return frozenset(cls)
+        if offload is False:
+            return frozenset()
+        try:
+            return frozenset(cls(name) for name in offload)  # type: ignore[union-attr]
+        except (ValueError, TypeError):
+            raise InvalidArgument(f"offload must be True, False or some of {[kind.value for kind in cls]}, "
+                                  f"got {offload!r}") from None
+
+
+def state_modes(offload: frozenset[Offload], sharded: bool) -> tuple[StateMode, ...]:
+    """The modes a configuration may use: ON_GPU always; ZeRO-1 ones only for parts with
+    data-parallel copies (``sharded``); host and NVMe ones when allowed."""
+    tiers = (StateTier.GPU, *(tier for tier, kind in ((StateTier.HOST, Offload.HOST), (StateTier.NVME, Offload.NVME))
+                              if kind in offload))
+    zero = (0, 1) if sharded and Offload.ZERO in offload else (0,)
+    return tuple(StateMode(stage, tier) for stage in zero for tier in tiers)
 
 
 @dataclass(frozen=True)
@@ -112,8 +138,14 @@ class MemoryTiers:
     GPUs share them).
     """
 
-    activations: bool  # per unit: keep, recompute or swap to the host
+    recompute: bool  # per unit: may its saved activations be recomputed
+    swap: bool  # per unit: may its saved activations be swapped to the host
     state: StateMode  # where every part keeps its model state
+
+    @property
+    def activations(self) -> bool:
+        """Whether the ILP decides anything per unit."""
+        return self.recompute or self.swap
     host_link: LinearCost
     nvme_link: LinearCost
     host_step_ms_per_param: float  # an optimizer step on the host's cores, per parameter
@@ -125,7 +157,7 @@ class MemoryTiers:
 
 
 FREE_LINK = LinearCost(0.0, 0.0)
-GPU_ONLY = MemoryTiers(False, ON_GPU, FREE_LINK, FREE_LINK, 0.0, 0.0, 4, 0, 0, 1)
+GPU_ONLY = MemoryTiers(False, False, ON_GPU, FREE_LINK, FREE_LINK, 0.0, 0.0, 4, 0, 0, 1)
 """No memory decisions and an optimizer step that costs nothing (what a bare problem means)."""
 
 
@@ -337,13 +369,14 @@ def _unit(graph: LayerGraph, table: CostTable, names: list[str], precision: Prec
 
 def memory_tiers(device: DeviceSpec, space: SearchSpace, state: StateMode, *, activations: bool) -> MemoryTiers:
     """The memory costs of ``device`` for a configuration keeping model state as ``state``;
-    ``activations``: whether the ILP decides recompute and swap per unit."""
+    ``activations``: whether the ILP decides recompute and swap per unit (those ``space`` allows)."""
     host_link = LinearCost(*p2p_coefficients(device.host_link))
     nvme_link = LinearCost(*p2p_coefficients(device.nvme))
     per_node = space.gpus_per_node
     device_ms_per_byte = 1e3 / (device.mem_bandwidth_gb_per_s * BYTES_PER_GB * device.memory_efficiency)
     return MemoryTiers(
-        activations=activations, state=state, host_link=host_link, nvme_link=nvme_link,
+        recompute=activations and Offload.RECOMPUTE in space.offload,
+        swap=activations and Offload.SWAP in space.offload, state=state, host_link=host_link, nvme_link=nvme_link,
         host_step_ms_per_param=1e3 / device.host_optimizer_params_per_s,
         device_step_ms_per_byte=device_ms_per_byte,
         host_grad_bytes_per_param=space.precision.state_itemsize,

@@ -28,6 +28,7 @@ from planner.search.oracle import check_exact, min_peak_partition
 from planner.search.problem import (
     ON_GPU,
     Coarsening,
+    Offload,
     PipelineProblem,
     coarsen,
     memory_tiers,
@@ -132,8 +133,8 @@ class Search:
             part_allreduces(self.device, layout, per_node), self.space.mem_bytes,
             memory_tiers(self.device, self.space, config.state, activations=False))
         decided = None
-        if self.space.offload:
-            tiers = dataclasses.replace(problem.tiers, activations=True)
+        if {Offload.RECOMPUTE, Offload.SWAP} & self.space.offload:
+            tiers = memory_tiers(self.device, self.space, config.state, activations=True)
             decided = cost_model(dataclasses.replace(problem, tiers=tiers))
         setup = Setup(config, schedule, problem, cost_model(problem), units, table, decided)
         if coarse is None:

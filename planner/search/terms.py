@@ -279,24 +279,24 @@ def cost_model(problem: PipelineProblem) -> CostModel:
 def _shared_terms(problem: PipelineProblem) -> dict[str, Term]:
     """The terms every part has alike (per-unit sums), built once and shared by all parts."""
     units, shared, tiers = problem.units, problem.shared, problem.tiers
-    decide = tiers.activations
+    recompute, swap = tiers.recompute, tiers.swap
     kept_if_recomputed = tuple(float(u.offloadable_bytes - u.input_bytes) for u in units)
     terms = {
         "fwd_ms": Term(per_unit=tuple(u.fwd_ms for u in units)),
         "bwd_ms": Term(per_unit=tuple(u.bwd_ms for u in units),
-                       per_recompute=tuple(u.fwd_ms for u in units) if decide else ()),
+                       per_recompute=tuple(u.fwd_ms for u in units) if recompute else ()),
         "grad_bytes": Term(per_unit=tuple(float(u.grad_bytes) for u in units),
                            per_shared=tuple(float(p.grad_bytes) for p in shared)),
         "transient_bytes": Term(unit_max=tuple(float(u.transient_bytes) for u in units), max_name="transient"),
         "saved_bytes": Term(per_unit=tuple(float(u.activation_bytes) for u in units),
-                            per_recompute=tuple(-b for b in kept_if_recomputed) if decide else (),
-                            per_swap=tuple(-float(u.offloadable_bytes) for u in units) if decide else ()),
+                            per_recompute=tuple(-b for b in kept_if_recomputed) if recompute else (),
+                            per_swap=tuple(-float(u.offloadable_bytes) for u in units) if swap else ()),
         "sent_bytes": Term(ends_after=tuple(float(b) for b in problem.boundary_bytes)),
         "received_bytes": Term(starts_after=tuple(float(b) for b in problem.boundary_bytes)),
-        "swap_bytes": Term(per_swap=tuple(float(u.offloadable_bytes) for u in units) if decide else ()),
+        "swap_bytes": Term(per_swap=tuple(float(u.offloadable_bytes) for u in units) if swap else ()),
         # while a recomputed unit's backward runs its activations exist again: counted for the part's
         # largest unit whether or not it is recomputed, so no rounding of the shares can exceed it
-        "recompute_bytes": Term(unit_max=tuple(float(u.offloadable_bytes) for u in units) if decide else (),
+        "recompute_bytes": Term(unit_max=tuple(float(u.offloadable_bytes) for u in units) if recompute else (),
                                 max_name="recomputed"),
     }
     terms["swap_ms"] = terms["swap_bytes"].scaled(tiers.host_link.ms_per_byte)
@@ -365,7 +365,7 @@ def _part_terms(problem: PipelineProblem, part: int, shared: dict[str, Term]) ->
 def _objective(problem: PipelineProblem, parts: tuple[dict[str, Term], ...]) -> Objective:
     every = range(problem.num_parts)
     sends = tuple((p, parts[p]["send_ms"]) for p in range(problem.num_parts - 1))
-    swaps = tuple((p, parts[p]["swap_ms"]) for p in every) if problem.tiers.activations else ()
+    swaps = tuple((p, parts[p]["swap_ms"]) for p in every) if problem.tiers.swap else ()
     repeats = float(problem.num_microbatches - 1)
     if problem.schedule is ScheduleKind.GPIPE:
         pace = tuple((p, parts[p]["fwd_ms"]) for p in every) + sends + swaps
@@ -394,8 +394,10 @@ def _memory_rows(problem: PipelineProblem, parts: tuple[dict[str, Term], ...]) -
             part = layout.part(stage)
             terms = parts[part]
             held = terms["activation_bytes"].scaled(problem.in_flight[stage])
-            if problem.tiers.activations:
-                held = held.plus(terms["swap_bytes"], 2.0).plus(terms["recompute_bytes"])
+            if problem.tiers.swap:
+                held = held.plus(terms["swap_bytes"], 2.0)
+            if problem.tiers.recompute:
+                held = held.plus(terms["recompute_bytes"])
             members += [(part, terms["static_bytes"]), (part, held)]
         rows.append(MemoryRow(slot, tuple(members)))
     return tuple(rows)
@@ -418,7 +420,7 @@ def _capacity_rows(problem: PipelineProblem, parts: tuple[dict[str, Term], ...])
     rows = []
     for node in sorted({node for node, _ in ranks}):
         host = [(part, count, parts[part]["host_bytes"]) for (n, part), count in sorted(ranks.items()) if n == node]
-        if tiers.activations:
+        if tiers.swap:
             host += [(part, count, parts[part]["swap_bytes"]) for (n, part), count in sorted(swapped.items())
                      if n == node]
         disk = [(part, count, parts[part]["nvme_bytes"]) for (n, part), count in sorted(ranks.items()) if n == node]

@@ -124,7 +124,7 @@ def test_ilp_equals_dynamic_program_on_zoo_models(name: str, schedule: str) -> N
     kind = ScheduleKind(schedule)
     space = SearchSpace(gpus=8, gpus_per_node=4, mem_bytes=16 * 2**30, global_batch_size=32,
                         optimizer=Optimizer.ADAM, precision=get_precision("fp32"), schedules=(kind,),
-                        max_units=24, offload=False)
+                        max_units=24, offload=frozenset())
     search = Search(graph, get_device("V100-16GB"), space)
     for config in (Config(4, 2, 2, 8, kind), Config(8, 1, 4, 8, kind)):
         costs = search.setup(config).costs
@@ -144,7 +144,7 @@ def test_ilp_equals_dynamic_program_when_memory_binds_at_real_scale(schedule: st
                   torch.empty(1, 512, dtype=torch.long, device="meta"))
     kind = ScheduleKind(schedule)
     space = SearchSpace(gpus=8, gpus_per_node=8, mem_bytes=80 * 2**30, global_batch_size=16,
-                        optimizer=Optimizer.ADAM, precision=get_precision("fp32"), schedules=(kind,), offload=False)
+                        optimizer=Optimizer.ADAM, precision=get_precision("fp32"), schedules=(kind,), offload=frozenset())
     search = Search(graph, get_device("A100-80GB"), space)
     setup = search.setup(Config(8, 1, 2, 8, kind))
     floor = min_peak_partition(setup.costs).evaluation.peak_mem_bytes
