@@ -8,7 +8,6 @@ rounded to whole units, still fits; the simulator replays swaps as hand-computed
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 
