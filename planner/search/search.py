@@ -35,7 +35,7 @@ from planner.search.problem import (
     part_allreduces,
     part_links,
 )
-from planner.search.terms import CostModel, cost_model, lower_bound
+from planner.search.terms import CostModel, cost_model, lower_bound, memory_floor
 
 
 @dataclass(frozen=True)
@@ -179,6 +179,14 @@ class Search:
         if self.progress is not None:
             self.progress(event)
 
+    def _kept_fits(self, setup: Setup) -> bool:
+        """Whether some partition keeping every activation fits (exact by DP where it applies)."""
+        try:
+            check_exact(setup.costs)
+        except ValueError:
+            return True
+        return min_peak_partition(setup.costs).peak_bytes <= self.space.mem_bytes
+
     def fits(self, config: Config) -> bool:
         """Whether any partition of this configuration might fit the budget (by DP, where it applies:
         exact without memory decisions, a necessary condition with them)."""
@@ -187,7 +195,8 @@ class Search:
             check_exact(costs, decisions_allowed=True)
         except ValueError:
             return True  # several stages share a slot: the ILP decides
-        return min_peak_partition(costs).peak_bytes <= self.space.mem_bytes
+        return (memory_floor(costs) <= self.space.mem_bytes
+                and min_peak_partition(costs).peak_bytes <= self.space.mem_bytes)
 
     def solve(self, config: Config, time_limit_s: float,
               cutoff_ms: float | None) -> tuple[Candidate | None, float]:
@@ -199,10 +208,12 @@ class Search:
         """
         setup = self.setup(config)
         start = time.perf_counter()
-        result = solve_partition(setup.costs, time_limit_s=time_limit_s, cutoff_ms=cutoff_ms)
-        kept = None if result.cuts is None else Candidate(
-            setup, evaluate(setup.costs, result.cuts), result.objective, result.status, result.solver,
-            result.gap, result.binding)
+        kept = None
+        if setup.decided is None or self._kept_fits(setup):
+            result = solve_partition(setup.costs, time_limit_s=time_limit_s, cutoff_ms=cutoff_ms)
+            kept = None if result.cuts is None else Candidate(
+                setup, evaluate(setup.costs, result.cuts), result.objective, result.status, result.solver,
+                result.gap, result.binding)
         if kept is not None and config.state == ON_GPU:
             self._on_gpu.append(kept)
         binds = kept is None or kept.evaluation.peak_mem_bytes >= DECIDE_WHEN_MEMORY_AT * self.space.mem_bytes
@@ -210,7 +221,8 @@ class Search:
             return kept, time.perf_counter() - start
         left = time_limit_s - (time.perf_counter() - start)
         cutoff = cutoff_ms if kept is None else min(cutoff_ms or kept.objective_ms, kept.objective_ms)
-        decided = self._decide(setup, kept.evaluation.cuts if kept else None, max(1.0, left), cutoff)
+        decided = self._decide(setup, kept.evaluation.cuts if kept else None, min(max(1.0, left), DECISION_S),
+                               cutoff)
         best = min((c for c in (kept, decided) if c is not None), key=lambda c: c.objective_ms, default=None)
         return best, time.perf_counter() - start
 
@@ -237,12 +249,14 @@ class Search:
             remaining = deadline - time.perf_counter()
             if remaining <= 0:
                 break
-            result = solve_partition(costs, time_limit_s=remaining, cutoff_ms=cutoff_ms, window=window)
+            result = solve_partition(costs, time_limit_s=min(remaining, DECISION_SOLVE_S), cutoff_ms=cutoff_ms,
+                                     window=window)
             if result.cuts is None:
                 break
             evaluation = evaluate(costs, result.cuts, whole_units(result.decisions))
             if not (evaluation.fits(self.space.mem_bytes) and evaluation.capacity_fits):
-                result = solve_partition(costs, time_limit_s=max(1.0, deadline - time.perf_counter()),
+                result = solve_partition(costs, time_limit_s=min(max(1.0, deadline - time.perf_counter()),
+                                                                 DECISION_SOLVE_S),
                                          cutoff_ms=cutoff_ms, integral=True, window=window)
                 if result.cuts is None:
                     break
@@ -280,6 +294,12 @@ class Search:
 DECIDE_WHEN_MEMORY_AT = 0.97
 """Recompute and swap are decided for a configuration whose best plan keeping every activation uses at
 least this share of the budget (or has none): below it, they cannot buy a faster plan."""
+
+DECISION_SOLVE_S = 2.0
+"""Time limit of one ILP with memory decisions (its best plan then may be unproven, and says so)."""
+
+DECISION_S = 3.0
+"""Time limit of all the ILPs with memory decisions of one configuration."""
 
 DECISION_ROUNDS = 3
 """How many times the window of the ILP with memory decisions moves after the best plan's cuts."""

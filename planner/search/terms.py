@@ -513,3 +513,21 @@ def _max_lower_bound(aggregate: Aggregate, num_parts: int) -> float:
         if len(constants) == num_parts:
             best = max(best, min(constants.values()) + max(sum(per_unit) / num_parts, max(per_unit)))
     return best
+
+
+def memory_floor(costs: CostModel) -> float:
+    """A peak no partition goes below, in O(rows x units): every unit's most frugal coefficient (over the
+    parts it could be on) summed, plus every constant, spread evenly over the memory rows."""
+    rows = costs.frugal_memory
+    cheapest = [float("inf")] * costs.num_units
+    constants = 0.0
+    for row in rows:
+        per_part: dict[int, list[float]] = {}
+        for part, term in row.members:
+            constants += term.constant
+            held = per_part.setdefault(part, [0.0] * costs.num_units)
+            for unit, value in enumerate(term.per_unit):
+                held[unit] += value
+        for held in per_part.values():
+            cheapest = [min(a, b) for a, b in zip(cheapest, held)]
+    return (constants + sum(max(0.0, value) for value in cheapest)) / max(1, len(rows))
