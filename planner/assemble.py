@@ -29,6 +29,7 @@ from planner.schedules.simulate import SimResult, simulate
 from planner.schedules.swaps import insert_swaps
 from planner.schedules.validate import validate
 from planner.search.configs import gpus_note
+from planner.search.evaluate import region_start
 from planner.search.ilp import SolveStatus
 from planner.search.search import Candidate, SearchResult, SearchSpace
 from planner.simulation import sim_costs
@@ -128,29 +129,32 @@ def _stage_plan(best: Candidate, index: int, nodes: tuple[str, ...], graph: Laye
 
 
 def _offload(best: Candidate, index: int, graph: LayerGraph) -> OffloadSpec:
-    """Part ``index``'s memory decisions as the runtime executes them: each recomputed unit one
-    checkpoint region (split where a parameter read or input interrupts it: those are the stage's
-    inputs, not computations), the nodes of each swapped unit, and the configuration's state mode."""
+    """Part ``index``'s memory decisions as the runtime executes them: each run of recomputed units
+    within a recompute block one checkpoint region (split where a parameter read or an input
+    interrupts it: those are the stage's inputs, not computations), the nodes of each swapped unit,
+    and the configuration's state mode."""
     evaluation = best.evaluation
     if evaluation.forced:
         return evaluation.forced[index]
     state = best.setup.config.state
     decisions, summary = evaluation.decisions, evaluation.parts[index]
-    regions: list[tuple[str, ...]] = []
+    units = best.setup.coarsening.units
+    regions: list[list[str]] = []
     swapped: list[str] = []
     for unit in range(summary.first_unit, summary.last_unit + 1) if decisions else ():
-        computed = [[]]
-        for name in best.setup.coarsening.units[unit].nodes:
-            if graph.node(name).kind in (NodeKind.PARAM, NodeKind.INPUT, NodeKind.OUTPUT):
-                computed.append([])
-            else:
-                computed[-1].append(name)
-        runs = [tuple(run) for run in computed if run]
         if decisions.recompute[unit] > 0.5:
-            regions += runs
+            if unit == summary.first_unit or region_start(decisions, unit, summary.first_unit) > 0.5:
+                regions.append([])
+            for name in units[unit].nodes:
+                if graph.node(name).kind in (NodeKind.PARAM, NodeKind.INPUT, NodeKind.OUTPUT):
+                    regions.append([])
+                else:
+                    regions[-1].append(name)
         elif decisions.swap[unit] > 0.5:
-            swapped += [name for run in runs for name in run]
-    return OffloadSpec(tuple(regions), tuple(swapped), state.zero_stage, state.optimizer)
+            swapped += [name for name in units[unit].nodes
+                        if graph.node(name).kind not in (NodeKind.PARAM, NodeKind.INPUT, NodeKind.OUTPUT)]
+    return OffloadSpec(tuple(tuple(region) for region in regions if region), tuple(swapped), state.zero_stage,
+                       state.optimizer)
 
 
 def _report(result: SearchResult, space: SearchSpace, simulated: SimResult,

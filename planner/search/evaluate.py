@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from planner.plan.parts import OffloadSpec
+from planner.search.problem import block_of
 from planner.search.terms import (
     BREAKDOWN,
     Aggregate,
@@ -57,6 +58,14 @@ def term_values(model: CostModel, term: Term, firsts: np.ndarray, last: int) -> 
     return values
 
 
+def region_start(decisions: Decisions, unit: int, first: int) -> float:
+    """The share of ``unit`` that starts a checkpoint region on a part starting at unit ``first``."""
+    share = decisions.recompute[unit]
+    if unit > first and block_of(unit - 1) == block_of(unit):
+        return max(0.0, share - decisions.recompute[unit - 1])
+    return share
+
+
 def term_value(model: CostModel, term: Term, first: int, last: int, decisions: Decisions | None = None) -> float:
     """The term's value for a part holding units ``first..last`` (its units' decisions as given)."""
     value = term.constant
@@ -64,6 +73,7 @@ def term_value(model: CostModel, term: Term, first: int, last: int, decisions: D
         units = range(first, last + 1)
         value += sum(term.per_recompute[i] * decisions.recompute[i] for i in units if term.per_recompute)
         value += sum(term.per_swap[i] * decisions.swap[i] for i in units if term.per_swap)
+        value += sum(term.per_start[i] * region_start(decisions, i, first) for i in units if term.per_start)
 
     if term.per_unit:
         value += term.unit_prefix[last + 1] - term.unit_prefix[first]

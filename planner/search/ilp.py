@@ -23,6 +23,7 @@ from typing import Any
 import pulp
 
 from planner.search.evaluate import Decisions
+from planner.search.problem import block_of
 from planner.search.terms import Aggregate, CostModel, Drain, Reduce, Term, fixed_sum
 
 
@@ -191,7 +192,8 @@ class _Variables:
             pieces.append(self._maximum(term, part, scale))
         if term.decides:
             decided = self.decided()
-            for kind, coefficients in (("recompute", term.per_recompute), ("swap", term.per_swap)):
+            for kind, coefficients in (("recompute", term.per_recompute), ("swap", term.per_swap),
+                                       ("start", term.per_start)):
                 pieces.append(pulp.lpSum(scale * c * decided[kind][i, part]
                                          for i, c in enumerate(coefficients) if c and (i, part) in decided[kind]))
         return scale * term.constant + pulp.lpSum(pieces)
@@ -206,15 +208,27 @@ class _Variables:
                              for kind in ("recompute", "swap")}
             for (i, s), recompute in self._decided["recompute"].items():
                 self.lp += recompute + self._decided["swap"][i, s] <= self.x[i, s], f"decide_{i}_{s}"
+            self._decided["start"] = self._region_starts(self._decided["recompute"])
         return self._decided
+
+    def _region_starts(self, recompute: dict[tuple[int, int], Any]) -> dict[tuple[int, int], Any]:
+        """start[i, s] >= recompute[i, s] - recompute[i - 1, s] within a block (a region goes on),
+        else >= recompute[i, s]: the share of unit i beginning a checkpoint region on part s."""
+        starts = {}
+        for (i, s), share in recompute.items():
+            start = self.lp.add_variable(f"start_{i}_{s}", lowBound=0)
+            before = recompute.get((i - 1, s)) if i and block_of(i - 1) == block_of(i) else None
+            self.lp += start >= share - (before if before is not None else 0), f"start_{i}_{s}"
+            starts[i, s] = start
+        return starts
 
     def decisions(self, cuts: tuple[int, ...]) -> Decisions | None:
         """The solution's decisions (None when the model has none)."""
         if self._decided is None:
             return None
-        shares = {kind: tuple(sum(max(0.0, _number(variable)) for (unit, _), variable in chosen.items()
+        shares = {kind: tuple(sum(max(0.0, _number(variable)) for (unit, _), variable in self._decided[kind].items()
                                   if unit == i) for i in range(self.costs.num_units))
-                  for kind, chosen in self._decided.items()}
+                  for kind in ("recompute", "swap")}
         return Decisions(shares["recompute"], shares["swap"])
     def shared(self) -> dict:
         if self._shared is None:

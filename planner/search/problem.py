@@ -156,6 +156,16 @@ class MemoryTiers:
     gpus_per_node: int
 
 
+RECOMPUTE_BLOCK_UNITS = 4
+"""A checkpoint region is a run of recomputed units inside one block of this many consecutive units:
+long enough that a region's kept inputs are a fraction of what it drops, short enough that what it
+rematerialises in its backward stays a block's worth."""
+
+
+def block_of(unit: int) -> int:
+    return unit // RECOMPUTE_BLOCK_UNITS
+
+
 FREE_LINK = LinearCost(0.0, 0.0)
 GPU_ONLY = MemoryTiers(False, False, ON_GPU, FREE_LINK, FREE_LINK, 0.0, 0.0, 4, 0, 0, 1)
 """No memory decisions and an optimizer step that costs nothing (what a bare problem means)."""

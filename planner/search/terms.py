@@ -9,10 +9,13 @@ that is linear in the decision variables (plus at most one maximum over the unit
         + starts_after[first - 1]       when the part is not the first (its incoming cut)
         + sum of per_shared[q]          for each shared parameter q its units use
         + max of unit_max[i]            over i in first..last
-        + sum of per_recompute[i] r[i] + per_swap[i] w[i]   for i in first..last
+        + sum of per_recompute[i] r[i] + per_swap[i] w[i] + per_start[i] g[i]   for i in first..last
 
 where r[i] and w[i] (0..1) are the memory decisions of unit i: the share of its saved activations
-recomputed in the backward, and the share swapped to the host. Where model state lives (the
+recomputed in the backward, and the share swapped to the host; g[i] = max(0, r[i] - r[i-1]) when
+unit i - 1 is on the same part and in the same recompute block (RECOMPUTE_BLOCK_UNITS units), else
+r[i]: the share of unit i that starts a checkpoint region (a run of recomputed units in one block,
+which keeps only its first unit's inputs). Where model state lives (the
 problem's StateMode: sharded or not, optimizer on the GPU, host or NVMe) is fixed per
 configuration; the terms are written for it. A term built for the last part has no ``ends_after`` and one for the first part no
 ``starts_after``. The step time is a weighted sum of **aggregates** (sums or maxima of terms over
@@ -35,7 +38,7 @@ from typing import Any
 
 from planner.plan.kinds import ScheduleKind
 from planner.plan.parts import StateTier
-from planner.search.problem import MemoryTiers, PipelineProblem, StateMode
+from planner.search.problem import MemoryTiers, PipelineProblem, StateMode, block_of
 
 
 @dataclass(frozen=True, eq=False)
@@ -51,6 +54,7 @@ class Term:
     max_name: str = "max"  # what the maximum over units is (names its ILP variable)
     per_recompute: tuple[float, ...] = ()
     per_swap: tuple[float, ...] = ()
+    per_start: tuple[float, ...] = ()
 
     def plus(self, other: Term, weight: float = 1.0) -> Term:
         """``self + weight * other`` (at most one of them may take a maximum over units)."""
@@ -63,7 +67,8 @@ class Term:
                     _add(self.unit_max, other.unit_max, weight),
                     self.max_name if self.unit_max else other.max_name,
                     _add(self.per_recompute, other.per_recompute, weight),
-                    _add(self.per_swap, other.per_swap, weight))
+                    _add(self.per_swap, other.per_swap, weight),
+                    _add(self.per_start, other.per_start, weight))
 
     @property
     def unit_only(self) -> bool:
@@ -73,7 +78,7 @@ class Term:
     @property
     def decides(self) -> bool:
         """Whether its value depends on the units' memory decisions."""
-        return any(self.per_recompute) or any(self.per_swap)
+        return any(self.per_recompute) or any(self.per_swap) or any(self.per_start)
 
     def scaled(self, weight: float) -> Term:
         return Term().plus(self, weight)
@@ -84,14 +89,17 @@ class Term:
             return max((v for v in values if v > 0), default=0.0)
         return (self.constant + sum(v for v in self.per_unit if v > 0) + top(self.ends_after)
                 + top(self.starts_after) + sum(v for v in self.per_shared if v > 0) + top(self.unit_max)
-                + sum(v for v in self.per_recompute if v > 0) + sum(v for v in self.per_swap if v > 0))
+                + sum(v for v in self.per_recompute if v > 0) + sum(v for v in self.per_swap if v > 0)
+                + sum(v for v in self.per_start if v > 0))
 
     def floor(self) -> Term:
-        """The same term with each unit's decision at its cheapest (a lower bound of any decision)."""
+        """The same term with each unit's decision at its cheapest (a lower bound of any decision; a
+        region start's cost counts as none)."""
         if not self.decides:
             return self
-        cheapest = tuple(min(0.0, r, w) for r, w in zip(self.per_recompute or (0.0,) * len(self.per_swap),
-                                                         self.per_swap or (0.0,) * len(self.per_recompute)))
+        count = max(len(self.per_recompute), len(self.per_swap), len(self.per_start))
+        cheapest = tuple(min(0.0, r, w) for r, w in zip(self.per_recompute or (0.0,) * count,
+                                                         self.per_swap or (0.0,) * count))
         return Term(self.constant, _add(self.per_unit, cheapest, 1.0), self.ends_after, self.starts_after,
                     self.per_shared, self.unit_max, self.max_name)
 
@@ -249,9 +257,10 @@ def cost_model(problem: PipelineProblem) -> CostModel:
 
     Memory decisions (when the problem's tiers allow them):
 
-    * recomputing unit i adds its forward to B_s and keeps only its inputs (``input_bytes``) of
-      what its nodes save; while its backward runs, its activations exist again (counted as the
-      part's largest unit, recomputed or not, when recompute may be chosen);
+    * recomputing unit i adds its forward to B_s and drops what its nodes save; a checkpoint region
+      (a run of recomputed units within one block of RECOMPUTE_BLOCK_UNITS) keeps its first unit's
+      inputs (``input_bytes``); while a region's backward runs, its activations exist again
+      (counted as the part's largest block, recomputed or not, when recompute may be chosen);
     * swapping unit i moves what its nodes save to the host over the host link, w_s bytes per
       micro-batch: out after its forward, back one backward ahead of its own. The copies run on
       their own engine, so they cost time only where they are slower than the compute they hide
@@ -280,7 +289,6 @@ def _shared_terms(problem: PipelineProblem) -> dict[str, Term]:
     """The terms every part has alike (per-unit sums), built once and shared by all parts."""
     units, shared, tiers = problem.units, problem.shared, problem.tiers
     recompute, swap = tiers.recompute, tiers.swap
-    kept_if_recomputed = tuple(float(u.offloadable_bytes - u.input_bytes) for u in units)
     terms = {
         "fwd_ms": Term(per_unit=tuple(u.fwd_ms for u in units)),
         "bwd_ms": Term(per_unit=tuple(u.bwd_ms for u in units),
@@ -289,20 +297,28 @@ def _shared_terms(problem: PipelineProblem) -> dict[str, Term]:
                            per_shared=tuple(float(p.grad_bytes) for p in shared)),
         "transient_bytes": Term(unit_max=tuple(float(u.transient_bytes) for u in units), max_name="transient"),
         "saved_bytes": Term(per_unit=tuple(float(u.activation_bytes) for u in units),
-                            per_recompute=tuple(-b for b in kept_if_recomputed) if recompute else (),
-                            per_swap=tuple(-float(u.offloadable_bytes) for u in units) if swap else ()),
+                            per_recompute=tuple(-float(u.offloadable_bytes) for u in units) if recompute else (),
+                            per_swap=tuple(-float(u.offloadable_bytes) for u in units) if swap else (),
+                            per_start=tuple(float(u.input_bytes) for u in units) if recompute else ()),
         "sent_bytes": Term(ends_after=tuple(float(b) for b in problem.boundary_bytes)),
         "received_bytes": Term(starts_after=tuple(float(b) for b in problem.boundary_bytes)),
         "swap_bytes": Term(per_swap=tuple(float(u.offloadable_bytes) for u in units) if swap else ()),
-        # while a recomputed unit's backward runs its activations exist again: counted for the part's
-        # largest unit whether or not it is recomputed, so no rounding of the shares can exceed it
-        "recompute_bytes": Term(unit_max=tuple(float(u.offloadable_bytes) for u in units) if recompute else (),
-                                max_name="recomputed"),
+        # while a region's backward runs its activations exist again: at most its block's, counted for
+        # the part's largest block whether or not it recomputes, so no rounding of the shares exceeds it
+        "recompute_bytes": Term(unit_max=_block_bytes(units) if recompute else (), max_name="recomputed"),
     }
     terms["swap_ms"] = terms["swap_bytes"].scaled(tiers.host_link.ms_per_byte)
     terms["compute_ms"] = terms["fwd_ms"].plus(terms["bwd_ms"])
     terms["activation_bytes"] = terms["saved_bytes"].plus(terms["received_bytes"])
     return terms
+
+
+def _block_bytes(units: tuple) -> tuple[float, ...]:
+    """Per unit, what its whole recompute block saves (the most a region in it rematerialises)."""
+    blocks: dict[int, float] = {}
+    for index, unit in enumerate(units):
+        blocks[block_of(index)] = blocks.get(block_of(index), 0.0) + unit.offloadable_bytes
+    return tuple(blocks[block_of(index)] for index in range(len(units)))
 
 
 def _state_terms(problem: PipelineProblem, part: int) -> dict[str, Term]:
