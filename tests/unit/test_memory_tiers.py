@@ -211,3 +211,19 @@ def test_offload_invariants_name_the_field() -> None:
     data["stages"][0]["offload"]["zero_stage"] = 5
     with pytest.raises(Exception, match="zero_stage is 5"):
         Plan.from_dict(data)
+
+
+def test_a_run_of_recomputed_units_in_one_block_keeps_only_its_first_inputs() -> None:
+    """Units 0-3 form one block, unit 4 the next: recomputing 0 and 1 keeps unit 0's 200 input bytes
+    only; recomputing 3 and 4 keeps both inputs (the block boundary starts a new region)."""
+    unit = Unit(("a",), 2.0, 3.0, 100, 0, 1000, 10, (), 0, 0, 0, 1000, 200)
+    problem = PipelineProblem((unit,) * 5, (50,) * 4, (), Layout.pipeline(1), ScheduleKind.GPIPE, 1, (1,), (),
+                              (LinearCost(0.0, 0.0),), 10**6, _tiers())
+    costs = cost_model(problem)
+
+    def saved(recompute: tuple[float, ...]) -> int:
+        return evaluate(costs, (), Decisions(recompute, (0.0,) * 5)).parts[0].activation_bytes
+
+    kept = saved((0.0,) * 5)
+    assert kept - saved((1.0, 1.0, 0.0, 0.0, 0.0)) == 2000 - 200
+    assert kept - saved((0.0, 0.0, 0.0, 1.0, 1.0)) == 2000 - 2 * 200
