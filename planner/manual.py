@@ -78,7 +78,7 @@ def _starts(graph: LayerGraph, stage_starts: Sequence[str]) -> list[int]:
         raise InvalidArgument(f"stage_starts {unknown} are not nodes of the traced graph; use names "
                               f"from trace(model, inputs) such as {list(position)[1:4]}")
     starts = [position[name] for name in stage_starts]
-    if starts != sorted(set(starts)) or starts[0] == 0:
+    if starts != sorted(set(starts)) or (starts and starts[0] == 0):  # none: one stage
         raise InvalidArgument(f"stage_starts must be distinct nodes after the first, in graph order; "
                               f"got {list(stage_starts)} at positions {starts}")
     return starts

@@ -8,7 +8,9 @@ Layout::
                                     (written last, by rank 0)
 
 Each stage file is written by the stage's first replica (replicas hold identical weights and
-optimizer state). ``latest.json`` moves only after every stage file of that step exists, so a
+optimizer state) and holds the full state whatever the plan's offload section says: ZeRO
+shards are gathered first (every replica takes part), and state paged to NVMe or kept on the
+host is read back (runtime/stage_optimizer.py), so a checkpoint resumes under any of them. ``latest.json`` moves only after every stage file of that step exists, so a
 kill at any moment leaves the previous complete checkpoint in place. It names the model
 (fingerprint) and how the plan cut it into stages (``split``, a digest of the node-to-stage map),
 so resuming with another model or another cut is refused before any stage file is read, by every
@@ -18,6 +20,7 @@ pickled plan objects.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -55,11 +58,12 @@ def save(executor: Executor, directory: Path, step: int) -> None:
     folder = directory / f"step-{step:08d}"
     folder.mkdir(parents=True, exist_ok=True)
     plan = executor.plan
-    if executor.replica == 0:
-        for stage in executor.stage_ids:
-            payload = {"step": step, "stage": stage, "fingerprint": plan.model.fingerprint,
-                       **stage_state(executor, stage)}
+    for stage in executor.stage_ids:  # every replica: gathering ZeRO shards is collective
+        payload = {"step": step, "stage": stage, "fingerprint": plan.model.fingerprint,
+                   **stage_state(executor, stage)}
+        if executor.replica == 0:
             _atomic(folder / f"stage-{stage}.pt", lambda handle, p=payload: torch.save(p, handle))
+        del payload
     dist.barrier()
     if executor.rank == 0:
         latest = {"step": step, "fingerprint": plan.model.fingerprint, "split": split_digest(plan),
@@ -118,11 +122,15 @@ def restore(executor: Executor, directory: Path, step: int) -> int:
 
 
 def stage_state(executor: Executor, stage: int) -> dict[str, Any]:
-    """The stage's parameters and buffers (by model name) and its optimizer's state dict."""
+    """The stage's parameters and buffers (by model name) and its optimizer's full state dict
+    (collective for a ZeRO stage: every replica calls it)."""
     local = executor.stages[stage]
     tensors = stage_state_tensors(executor.model, local)
-    return {"model": {name: t.detach() for name, t in tensors.items()},
-            "optimizer": local.optimizer.state_dict() if local.optimizer is not None else None}
+    if local.state is None:
+        return {"model": {name: t.detach() for name, t in tensors.items()}, "optimizer": None}
+    with local.state.params_gathered():
+        model = {name: t.detach().clone() for name, t in tensors.items()}
+    return {"model": model, "optimizer": local.state.full_optimizer_state()}
 
 
 def load_stage_state(executor: Executor, stage: int, saved: dict[str, Any]) -> None:
@@ -135,11 +143,12 @@ def load_stage_state(executor: Executor, stage: int, saved: dict[str, Any]) -> N
                               f"{len(extra)} tensors this stage lacks (first {extra[0] if extra else '-'}) "
                               f"and lacks {len(missing)} it has (first {missing[0] if missing else '-'}); "
                               f"resume with the plan that wrote it, or use another --checkpoint-dir")
-    with torch.no_grad():
+    state = local.state
+    with state.params_gathered() if state is not None else contextlib.nullcontext(), torch.no_grad():
         for name, tensor in tensors.items():
             tensor.copy_(saved["model"][name])
-    if local.optimizer is not None and saved["optimizer"] is not None:
-        local.optimizer.load_state_dict(saved["optimizer"])
+        if state is not None:  # the masters follow the loaded parameters (collective under ZeRO-3)
+            state.restore(saved["optimizer"])
 
 
 def _load(path: Path, device: torch.device) -> dict[str, Any]:

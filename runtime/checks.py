@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from cost_models.errors import RuntimeSetupError
 from cost_models.memory import Precision
-from planner.plan import Plan
+from planner.plan import OffloadSpec, ParamTier, Plan
 from planner.preflight import check_plan, programs
 from planner.schedules import Action, ActionKind, Program
 
@@ -46,15 +46,28 @@ def check_executable(plan: Plan) -> None:
         raise RuntimeSetupError(f"the plan runs parts {copies or list(layout.stage_part)} as several model "
                                 f"copies (stage to part map {list(layout.stage_part)}), which this runtime "
                                 f"does not execute yet; re-plan with another schedule")
-    offloaded = [stage.index for stage in plan.stages if not stage.offload.is_default]
-    if offloaded:
-        raise RuntimeSetupError(f"stages {offloaded} offload activations, parameters or optimizer state, "
-                                f"which this runtime does not execute yet; re-plan without offload")
+    for stage in plan.stages:
+        _check_offload(stage.index, stage.offload)
     if plan.model.precision not in TRAINED_PRECISIONS:
         trained = " or ".join(sorted(p.value for p in TRAINED_PRECISIONS))
         raise RuntimeSetupError(f"the plan's precision is {plan.model.precision.value!r} but the runtime "
                                 f"trains in {trained} only (no mixed precision yet); re-plan with "
                                 f"--precision fp32")
+
+
+def _check_offload(stage: int, offload: OffloadSpec) -> None:
+    """This runtime executes ZeRO 0-3 and the optimizer state on the GPU, host or NVMe (any mix);
+    not yet recomputation, activation swapping or parameters kept on the host."""
+    if offload.recompute or offload.swap:
+        raise RuntimeSetupError(f"stage {stage} recomputes or swaps activations, which this runtime does "
+                                f"not execute yet; re-plan without activation offload for stage {stage}")
+    if offload.params is not ParamTier.GPU:
+        raise RuntimeSetupError(f"stage {stage} keeps its parameters on the {offload.params.value}, which "
+                                f"this runtime does not execute yet; re-plan with parameters on the GPU "
+                                f"for stage {stage}")
+    if not 0 <= offload.zero_stage <= 3:
+        raise RuntimeSetupError(f"stage {stage} asks for ZeRO stage {offload.zero_stage}; the runtime runs "
+                                f"ZeRO stages 0 to 3, re-plan with one of those")
 
 
 def rank_program(plan: Plan, rank: int) -> Program:

@@ -9,8 +9,10 @@ action's stage id; values between two stages on the same rank are handed over in
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,7 +49,9 @@ class Executor:
     own stages, initialised by :func:`runtime.initialize` with ``seed``) or with real weights
     (kept as they are). ``loss_fn(output, targets)`` returns the scalar loss of one micro-batch
     (the loss of a step is their mean); it may be replaced between steps (``exe.loss_fn``).
-    ``optimizer_factory(params)`` makes one optimizer per stage. Peak memory is in
+    ``optimizer_factory(params)`` makes one optimizer per stage, over the parameters or over their
+    master copies where the plan's offload section puts them (runtime/stage_optimizer.py; a stage
+    paging its optimizer state to NVMe needs ``nvme_dir``). Peak memory is in
     ``exe.memory.peak_bytes`` (on CPU, of the steps run with ``run(..., profile_memory=True)``).
 
     Example (a script started with ``torchrun --nproc-per-node N script.py``)::
@@ -61,7 +65,7 @@ class Executor:
 
     def __init__(self, plan: Plan, model: nn.Module, loss_fn: LossFn, optimizer_factory: OptimizerFactory,
                  *, seed: int = 0, device: torch.device | str | None = None, timeout_s: float = 300.0,
-                 leaf_modules: Sequence[LeafSpec] = ()) -> None:
+                 leaf_modules: Sequence[LeafSpec] = (), nvme_dir: Path | str | None = None) -> None:
         if not dist.is_initialized():  # under torchrun: join the group its environment describes
             joined = join_group("auto" if device is None else torch.device(device).type, timeout_s)
             device = joined if device is None else device
@@ -70,7 +74,8 @@ class Executor:
         self.device = _resolve(device)
         self.timeout_s = timeout_s
         ready = set_up(plan, model, optimizer_factory, seed=seed, device=self.device,
-                       timeout_s=timeout_s, leaf_modules=leaf_modules)
+                       timeout_s=timeout_s, leaf_modules=leaf_modules,
+                       nvme_dir=None if nvme_dir is None else Path(nvme_dir))
         self.segments, self.stage_ids, self.replica = ready.segments, ready.stage_ids, ready.replica
         self.traced, self.flow = ready.traced, ready.flow
         self.stages, self.groups = ready.stages, ready.groups
@@ -85,10 +90,13 @@ class Executor:
         for stage in self.stages.values():
             tensors += [*stage.module.parameters(), *stage.module.buffers(), *stage.attrs.values()]
             tensors += [p.grad for p in stage.params.values() if p.grad is not None]
-            if stage.optimizer is not None:
-                tensors += [v for state in stage.optimizer.state.values() for v in state.values()
-                            if isinstance(v, torch.Tensor)]
+            if stage.state is not None:
+                tensors += stage.state.held_tensors()
         return tensors
+
+    def _params_in_use(self, stage: LocalStage) -> contextlib.AbstractContextManager[None]:
+        """ZeRO-3: the stage's parameters gathered for one forward or backward (else nothing)."""
+        return stage.state.in_use() if stage.state is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------------------- step
     def step(self, inputs: torch.Tensor | Sequence[torch.Tensor] | None, targets: Targets | None) -> float:
@@ -162,7 +170,8 @@ class Executor:
         global_microbatch = self.replica * self.plan.training.num_microbatches + action.microbatch
         with self.memory.saving(key), seeded(self.seed, "forward", self.steps_done, action.stage,
                                              global_microbatch, device=self.device):
-            micro.env.update(zip(stage.io.outputs, stage.module(*args)))
+            with self._params_in_use(stage):
+                micro.env.update(zip(stage.io.outputs, stage.module(*args)))
             if stage.index == self.flow.last_stage:
                 self._loss(stage, micro, data, state)
         micro.roots = {name: micro.env[name] for dst in self.flow.consumers(stage.index)
@@ -216,8 +225,11 @@ class Executor:
             if name in micro.output_grads:
                 roots.append(tensor)
                 grads.append(micro.output_grads[name])
+        if stage.state is not None:
+            stage.state.prefetch()  # paged optimizer state: read it back while the backwards run
         if roots:
-            torch.autograd.backward(roots, grads)
+            with self._params_in_use(stage):
+                torch.autograd.backward(roots, grads)
         self.memory.release((action.stage, action.microbatch))
         self.memory.state_changed()
         for src in self.flow.producers(stage.index):
@@ -276,6 +288,10 @@ class Executor:
     def _allreduce(self, action: Action, state: StepState) -> None:
         stage = self.stages[action.stage]
         params = [p for name, p in stage.params.items() if name not in self.groups.tied_names]
+        if stage.state is not None and stage.state.reduces_gradients:  # ZeRO-2/3: reduce-scatter
+            stage.state.reduce_gradients(str(action))
+            params = [p for name, p in stage.params.items() if name in stage.state.unsharded_names
+                      and name not in self.groups.tied_names]
         group = self.groups.data_parallel[self.plan.layout.part(action.stage)]
         self.sync.all_reduce(params, group, str(action))
 
@@ -283,10 +299,9 @@ class Executor:
         if not state.tied_synced:
             self._sync_tied()
             state.tied_synced = True
-        optimizer = self.stages[action.stage].optimizer
-        if optimizer is not None:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        stage_state = self.stages[action.stage].state
+        if stage_state is not None:
+            stage_state.step()
         self.memory.state_changed()
 
     def _sync_tied(self) -> None:

@@ -27,6 +27,7 @@ class Case:
     steps: int = 3
     lr: float = 0.05
     real_weights: bool = False  # pass a fully initialised model instead of a meta one
+    nvme_dir: str | None = None  # for plans that page optimizer state to NVMe
 
 
 @dataclass
@@ -68,7 +69,7 @@ def run_case(case: Case) -> Outcome:
     grads: dict[int, torch.Tensor] = {}
     model = initialize(rebuild_model(plan), SEED) if case.real_weights else rebuild_model(plan)
     exe = Executor(plan, model, _no_loss, _recording(plan.training.optimizer, case.lr, grads),
-                   seed=SEED, timeout_s=60)
+                   seed=SEED, timeout_s=60, nvme_dir=case.nvme_dir)
     data = SyntheticData(input_specs(exe.traced, dict(exe.flow.specs)),
                          synthetic_task(exe.flow.specs[exe.flow.output_names[0]]), SEED)
     exe.loss_fn = data.task
@@ -76,10 +77,20 @@ def run_case(case: Case) -> Outcome:
     for step in range(case.steps):  # the user's API: the whole global batch on every rank
         batch = data.samples(step, 0, plan.training.global_batch_size)
         losses.append(exe.step(batch.inputs, batch.targets))
-    params = {name: p for stage in exe.stages.values() for name, p in stage.params.items()}
+    outcome = Outcome(losses, {}, {})
+    for stage in sorted(exe.stages.values(), key=lambda local: local.index):
+        if stage.state is None:
+            continue
+        # the optimizer steps masters (shards under ZeRO): gather what it saw into whole gradients
+        seen = stage.state.gather_full([grads.get(id(master)) for master in stage.state.masters])
+        with stage.state.params_gathered():
+            for name, param, grad in zip(stage.state.names, stage.state.params, seen):
+                assert grad is not None, f"stage {stage.index} stepped {name} without a gradient"
+                outcome.grads[name] = grad.numpy().copy()
+                outcome.params[name] = param.detach().clone().numpy()  # numpy() pins the storage
+        stage.state.close()
     dist.barrier()
-    return Outcome(losses, {name: grads[id(p)].numpy() for name, p in params.items()},
-                   {name: p.detach().numpy().copy() for name, p in params.items()})
+    return outcome
 
 
 def _no_loss(output: Any, target: Any) -> torch.Tensor:
