@@ -4,8 +4,8 @@ exists, is writable and has room for the master weights and optimizer state the 
 
 from __future__ import annotations
 
-import os
 import shutil
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -49,9 +49,12 @@ def check_nvme_dir(plan: Plan, directory: Path | None, stages: Iterable[int]) ->
     if not directory.is_dir():
         raise RuntimeSetupError(f"--nvme-dir {directory} does not exist (or is not a directory); "
                                 f"create it (mkdir -p {directory}) or pass another --nvme-dir")
-    if not os.access(directory, os.W_OK | os.X_OK):
-        raise RuntimeSetupError(f"--nvme-dir {directory} is not writable by this user; fix its "
-                                f"permissions or pass another --nvme-dir")
+    try:  # a real write: os.access says yes to root on a read-only file system
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as error:
+        raise RuntimeSetupError(f"--nvme-dir {directory} is not writable ({error.strerror}); fix its "
+                                f"permissions or pass another --nvme-dir") from None
     needed, free = paged_bytes(plan, paged), shutil.disk_usage(directory).free
     if free < needed:
         raise RuntimeSetupError(f"--nvme-dir {directory} has {free} bytes free but stages {paged} page "

@@ -77,6 +77,9 @@ def _add_run(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc", type=int, default=None,
                         help="processes on this node (default: the plan's GPUs / --nnodes)")
     parser.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
+    parser.add_argument("--nvme-dir", type=Path, default=None,
+                        help="directory on a local SSD for the stages whose optimizer state the plan "
+                             "puts on NVMe (checked before launch; passed to the runtime)")
     nodes = parser.add_argument_group("several nodes", "run `tessera run` on every node with the "
                                       "same arguments, --node-rank aside (torchrun's rendezvous "
                                       "joins them)")
@@ -96,7 +99,8 @@ def _run_plan_file(args: argparse.Namespace) -> int:
 
     nodes = Nodes(args.nnodes, args.rdzv_endpoint, Rendezvous(args.rdzv_backend), args.rdzv_id,
                   args.node_rank)
-    return run_plan(RunRequest(args.plan_file, args.steps, args.nproc, nodes, tuple(args.passthrough)))
+    nvme = ("--nvme-dir", str(args.nvme_dir)) if args.nvme_dir is not None else ()
+    return run_plan(RunRequest(args.plan_file, args.steps, args.nproc, nodes, (*nvme, *args.passthrough)))
 
 
 def _commands():

@@ -1,0 +1,94 @@
+"""Optimizer state on the host or NVMe and ZeRO 1/2/3 equal a single-process float64 run.
+
+Every case trains 3 steps and is checked like tests/dist/test_runtime.py: losses, every gradient
+the optimizer saw (gathered whole from ZeRO shards) and every final parameter at rtol 1e-10.
+2 ranks: the GPT as one stage x 2 replicas under each ZeRO stage and tier (Adam and momentum),
+and as 2 stages x 1 replica (the tied embedding across stages) with host and NVMe tiers; the
+host tier also equals the GPU tier bit for bit. 4 ranks: 2 stages x 2 replicas mixing decisions
+per stage. A checkpoint taken under ZeRO-2 with NVMe resumes under the same plan and under
+ZeRO-3 on the host.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from planner.plan import OffloadSpec, StateTier
+from tests.dist.harness import run_ranks
+from tests.dist.runtime_cases import Case, Resumed, run_cases, run_resumed
+from tests.dist.test_runtime import _check
+from tests.runtime_plans import GPT, make_plan
+
+pytestmark = pytest.mark.dist
+
+HOST, NVME = StateTier.HOST, StateTier.NVME
+ADAM_LR = 1e-3
+
+
+def _case(stage_starts: list[str], offload: list[OffloadSpec], *, optimizer: str, nvme_dir: Path,
+          data_parallel: int = 2, schedule: str = "gpipe", microbatches: int = 2) -> Case:
+    plan = make_plan(GPT, stage_starts, schedule=schedule, data_parallel=data_parallel, optimizer=optimizer,
+                     microbatches=microbatches, offload=offload)
+    return Case(plan, lr=ADAM_LR if optimizer == "adam" else 0.05, nvme_dir=str(nvme_dir))
+
+
+def test_two_ranks_zero_and_offloaded_optimizers_equal_a_single_process(tmp_path: Path) -> None:
+    one_stage = [  # GPT as one stage x 2 replicas
+        _case([], [OffloadSpec(zero_stage=1)], optimizer="momentum", nvme_dir=tmp_path),
+        _case([], [OffloadSpec(zero_stage=2)], optimizer="adam", nvme_dir=tmp_path),
+        _case([], [OffloadSpec(zero_stage=3)], optimizer="momentum", nvme_dir=tmp_path),
+        _case([], [OffloadSpec(zero_stage=3)], optimizer="adam", nvme_dir=tmp_path),
+        _case([], [OffloadSpec(optimizer_state=HOST)], optimizer="momentum", nvme_dir=tmp_path),
+        _case([], [OffloadSpec(optimizer_state=NVME)], optimizer="adam", nvme_dir=tmp_path),
+        _case([], [OffloadSpec(zero_stage=1, optimizer_state=HOST)], optimizer="adam", nvme_dir=tmp_path),
+        _case([], [OffloadSpec(zero_stage=3, optimizer_state=NVME)], optimizer="momentum", nvme_dir=tmp_path),
+    ]
+    pipeline = [  # 2 stages x 1 replica: the tied embedding's copies step on host and NVMe masters
+        _case(["blocks_1_ln_1"], [OffloadSpec(optimizer_state=HOST), OffloadSpec(optimizer_state=NVME)],
+              optimizer="adam", nvme_dir=tmp_path, data_parallel=1, schedule="1f1b", microbatches=4),
+    ]
+    plain_and_host = [_case([], [OffloadSpec()], optimizer="adam", nvme_dir=tmp_path),
+                      _case([], [OffloadSpec(optimizer_state=HOST)], optimizer="adam", nvme_dir=tmp_path)]
+    cases = one_stage + pipeline + plain_and_host
+    outcomes = run_ranks(run_cases, 2, cases, timeout_s=240)
+    for index, case in enumerate(cases):
+        _check(case, [outcomes[rank][index] for rank in range(2)])
+    plain, host = outcomes[0][-2], outcomes[0][-1]
+    for name, value in plain.params.items():  # host Adam (foreach on CPU) == the GPU tier, bit for bit
+        assert np.array_equal(host.params[name], value), f"host-tier {name} differs from the GPU tier's"
+    assert not list(tmp_path.glob(".*")), "a temporary state file was left behind"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "rank0-stage0.optim", "rank1-stage0.optim", "rank1-stage1.optim"]
+
+
+def test_four_ranks_two_stages_of_two_replicas_equal_a_single_process(tmp_path: Path) -> None:
+    cut = ["blocks_1_ln_1"]
+    cases = [
+        _case(cut, [OffloadSpec(zero_stage=1), OffloadSpec(optimizer_state=HOST)], optimizer="momentum",
+              nvme_dir=tmp_path),
+        _case(cut, [OffloadSpec(zero_stage=2), OffloadSpec(optimizer_state=NVME)], optimizer="adam",
+              nvme_dir=tmp_path, schedule="1f1b", microbatches=3),
+        _case(cut, [OffloadSpec(zero_stage=3), OffloadSpec(zero_stage=3)], optimizer="adam", nvme_dir=tmp_path),
+        _case(cut, [OffloadSpec(zero_stage=1, optimizer_state=NVME), OffloadSpec(zero_stage=2,
+              optimizer_state=HOST)], optimizer="momentum", nvme_dir=tmp_path, schedule="1f1b"),
+    ]
+    outcomes = run_ranks(run_cases, 4, cases, timeout_s=240)
+    for index, case in enumerate(cases):
+        _check(case, [outcomes[rank][index] for rank in range(4)])
+
+
+def test_a_checkpoint_of_sharded_nvme_state_resumes_under_the_same_or_another_plan(tmp_path: Path) -> None:
+    paged = _case([], [OffloadSpec(zero_stage=2, optimizer_state=NVME)], optimizer="adam",
+                  nvme_dir=tmp_path / "nvme")
+    other = make_plan(GPT, [], schedule="gpipe", data_parallel=2, optimizer="adam", microbatches=2,
+                      offload=[OffloadSpec(zero_stage=3, optimizer_state=HOST)])
+    (tmp_path / "nvme").mkdir()
+    (tmp_path / "nvme2").mkdir()
+    cases = [Resumed(paged, str(tmp_path / "same"), stop_after=2, resume_nvme_dir=str(tmp_path / "nvme2")),
+             Resumed(paged, str(tmp_path / "other"), stop_after=1, resume_plan_json=other)]
+    outcomes = run_ranks(run_resumed, 2, cases, timeout_s=180)
+    for index, resumed in enumerate(cases):
+        _check(resumed.case, [outcomes[rank][index] for rank in range(2)])
