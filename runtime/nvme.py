@@ -76,6 +76,7 @@ class PagedFile:
         self.prefetch()
         if self._reading is None:
             return []
+        self.wait()  # a failed write must not go unnoticed (the read behind it finds the older file)
         buffer = self._reading.result(timeout=self.timeout_s)
         self._reading = None
         raw = torch.frombuffer(buffer, dtype=torch.uint8, count=self.size_bytes) if self.size_bytes else None
@@ -83,9 +84,10 @@ class PagedFile:
                 for slot in self.slots]
 
     def wait(self) -> None:
-        """Wait for the last write (raising its error, if any)."""
-        if self._pending is not None:
-            self._pending.result(timeout=self.timeout_s)
+        """Wait for the last write (raising its error, once)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result(timeout=self.timeout_s)
 
     def close(self) -> None:
         self.wait()
