@@ -116,3 +116,48 @@ def test_optimizer_state_on_nvme_leaves_resident_memory(tmp_path: Path) -> None:
     saved = on_device["rss_bytes"] - paged["rss_bytes"]
     assert saved >= 0.8 * state_bytes, f"NVMe saved {saved} resident bytes of {state_bytes}: {figures}"
     assert time.monotonic() - began < 20, f"took {time.monotonic() - began:.1f} s"
+
+
+def test_a_missing_or_unwritable_nvme_dir_fails_before_any_work_in_one_line(tmp_path: Path) -> None:
+    from tests.dist.test_runtime_launch import torchrun
+    from tests.dist.test_tessera_run import said, tessera
+
+    plan = tmp_path / "paged.json"
+    plan.write_text(make_plan(GPT, ["blocks_1_ln_1"], schedule="1f1b", optimizer="adam",
+                              offload=[OffloadSpec(), OffloadSpec(optimizer_state=NVME)]))
+    absent = tmp_path / "absent"
+    result, _ = torchrun(plan, 2, "--steps", "1", "--nvme-dir", str(absent))
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert output.count(f"--nvme-dir {absent} does not exist") == 1, output
+    assert "step 1" not in output
+    refused = tessera("run", str(plan), "--steps", "1", "--nvme-dir", "/proc")
+    assert refused.returncode == 2, refused.stderr
+    assert said(refused.stderr) == [("tessera: error: --nvme-dir /proc is not writable (No such file or "
+                                     "directory); fix its permissions or pass another --nvme-dir")]
+
+
+def test_python_m_runtime_pages_to_nvme_reports_its_bytes_and_resumes(tmp_path: Path) -> None:
+    from planner.reports.run_report import RunReport
+    from tests.dist.test_runtime_launch import torchrun
+
+    plan = tmp_path / "paged.json"
+    plan.write_text(make_plan(GPT, ["blocks_1_ln_1"], schedule="1f1b", optimizer="adam",
+                              offload=[OffloadSpec(optimizer_state=HOST), OffloadSpec(optimizer_state=NVME)]))
+    nvme, checkpoints = tmp_path / "nvme", tmp_path / "checkpoints"
+    nvme.mkdir()
+    common = ("--nvme-dir", str(nvme), "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "1")
+    first, _ = torchrun(plan, 2, "--steps", "2", *common, "--report", str(tmp_path / "first.json"))
+    assert first.returncode == 0, first.stderr
+    report = RunReport.load(tmp_path / "first.json")
+    host, paged = report.optimizer_host_bytes, report.optimizer_nvme_bytes
+    assert host[0] > 0 and paged[0] == 0  # stage 0 (rank 0): masters and Adam state on the host
+    assert host[1] < 1024 < paged[1] == (nvme / "rank1-stage1.optim").stat().st_size  # only step counts stay
+    resumed, _ = torchrun(plan, 2, "--steps", "3", *common, "--resume", "--report", str(tmp_path / "resumed.json"))
+    assert resumed.returncode == 0, resumed.stderr
+    uninterrupted, _ = torchrun(plan, 2, "--steps", "3", "--nvme-dir", str(nvme),
+                                "--report", str(tmp_path / "whole.json"))
+    assert uninterrupted.returncode == 0, uninterrupted.stderr
+    whole = RunReport.load(tmp_path / "whole.json").losses
+    assert RunReport.load(tmp_path / "resumed.json").losses == whole[2:]
+    assert report.losses == whole[:2]
