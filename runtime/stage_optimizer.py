@@ -82,12 +82,13 @@ class StageOptimizer:
         return param.to(self.state_device, copy=True)
 
     def _initial_shards(self) -> dict[int, torch.Tensor]:
-        """ZeRO-3: each sharded parameter's chunk on the device; the parameter's memory freed."""
+        """ZeRO-3: each sharded parameter's chunk on the device (the master itself on the GPU tier,
+        a copy otherwise, also where the CPU stands in for the device); the parameter's memory freed."""
         shards = {}
+        on_device = self.spec.optimizer_state is StateTier.GPU
         for index, master in enumerate(self.masters):
             if self.sharded[index]:
-                shards[index] = (master.detach() if master.device == self.device
-                                 else master.detach().to(self.device, copy=True))
+                shards[index] = master.detach() if on_device else master.detach().to(self.device, copy=True)
                 free_storage(self.params[index])
         return shards
 
