@@ -7,8 +7,8 @@ import os
 import re
 import sys
 import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 from cost_models.errors import InvalidArgument, TesseraError, TesseraWarning
 from cost_models.memory import Optimizer, Precision
@@ -290,7 +290,7 @@ def _print_error(error: TesseraError, verbose: bool | None) -> None:
 
 def _one_line_warnings(show: Callable[..., None]) -> Callable[..., None]:
     """tessera's own warnings as one stderr line each; any other warning as Python shows it."""
-    def show_warning(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001
+    def show_warning(message, category, filename, lineno, file=None, line=None) -> None:
         if issubclass(category, TesseraWarning):
             print(f"tessera: warning: {' '.join(str(message).split())}", file=sys.stderr)
         else:
