@@ -2,7 +2,9 @@
 
 It holds no schedule logic: ``F``/``B`` run the named stage on the named micro-batch, runs of
 consecutive ``SEND_*``/``RECV_*`` become one batched P2P exchange, ``ALLREDUCE`` sums the
-stage's gradients over its replicas and ``OPTIMIZER_STEP`` steps the stage's optimizer. A rank
+stage's gradients over its replicas (a reduce-scatter under ZeRO-2/3) and ``OPTIMIZER_STEP`` steps
+the stage's optimizer wherever the plan keeps its state (runtime/stage_optimizer.py, which also
+gathers ZeRO-3 parameters around each ``F``/``B`` and starts reading NVMe state at each ``B``). A rank
 that runs several stages (interleaved, WPipe, GEMS programs) looks each stage up by the
 action's stage id; values between two stages on the same rank are handed over in memory.
 """

@@ -130,3 +130,15 @@ def test_nvme_dir_flag_and_optimizer_bytes_in_the_run_report(tmp_path: Path) -> 
     older = json.loads((tmp_path / "run.json").read_text())
     del older["optimizer_host_bytes"], older["optimizer_nvme_bytes"]
     assert RunReport.from_dict(older).optimizer_nvme_bytes == ()  # reports without them still load
+
+
+def test_validate_shows_the_optimizer_state_off_the_device(nvme_plan: Plan) -> None:
+    from cost_models.units import format_bytes
+    from planner.reports.compare import compare
+
+    ranks = nvme_plan.layout.world_size
+    report = RunReport(nvme_plan.model.fingerprint, ranks, "cpu", 8, 0, (1.0,), (2.0,), (10,) * ranks, "test",
+                       optimizer_host_bytes=(64,) * ranks, optimizer_nvme_bytes=(2**20,) * ranks)
+    table = compare(nvme_plan, report)
+    assert f"rank 3 optimizer state off the device: {format_bytes(64)} in host memory, " \
+           f"{format_bytes(2**20)} on NVMe" in table
