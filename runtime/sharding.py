@@ -87,7 +87,7 @@ class ShardGroup:
 
     def reduce_scatter(self, layout: ShardLayout, fulls: Sequence[torch.Tensor], label: str) -> list[torch.Tensor]:
         """Sum ``fulls`` over the group; this rank keeps its chunk of each sum (flat, new tensors)."""
-        table = torch.cat([layout.padded(index, full) for index, full in zip(range(len(fulls)), fulls)], dim=1)
+        table = torch.cat([layout.padded(index, full) for index, full in enumerate(fulls)], dim=1)
         mine = table.new_empty(table.shape[1])
         wait_for(dist.reduce_scatter_single(mine, table.reshape(-1), group=self.group, async_op=True),
                  self.timeout, f"the {label} reduce-scatter")
