@@ -15,7 +15,7 @@ from __future__ import annotations
 import mmap
 import os
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,7 +94,7 @@ class PagedFile:
         self._worker.shutdown(wait=True)
 
 
-def _write_file(path: Path, slots: Sequence[Slot], size_bytes: int, tensors: Iterable[torch.Tensor]) -> None:
+def _write_file(path: Path, slots: Sequence[Slot], size_bytes: int, tensors: list[torch.Tensor]) -> None:
     handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(handle, "wb") as out:
@@ -106,6 +106,10 @@ def _write_file(path: Path, slots: Sequence[Slot], size_bytes: int, tensors: Ite
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    finally:
+        # drop the tensors before the future completes: the pool's work item keeps its arguments
+        # until the worker moves on, so a caller that waited would otherwise still see them resident
+        tensors.clear()
 
 
 def _read_file(path: Path, size_bytes: int) -> mmap.mmap:
