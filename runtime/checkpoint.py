@@ -8,9 +8,12 @@ Layout::
                                     (written last, by rank 0)
 
 Each stage file is written by the stage's first replica (replicas hold identical weights and
-optimizer state). Under fp16/bf16 ``precision`` holds the stage's fp32 master weights and the
-loss scaler's state (runtime/precision.py), the optimizer state is the masters' and ``model`` the
-16-bit weights, so a resumed run continues exactly; otherwise it is None. ``latest.json`` moves only after every stage file of that step exists, so a
+optimizer state) and holds the full state whatever the plan's offload section says: ZeRO
+shards are gathered first (every replica takes part), and state paged to NVMe or kept on the
+host is read back (runtime/stage_optimizer.py), so a checkpoint resumes under any of them. Under
+fp16/bf16 ``precision`` holds the stage's whole fp32 master weights and the loss scaler's state
+(runtime/precision.py), the optimizer state is the masters' and ``model`` the 16-bit weights, so a
+resumed run continues exactly; otherwise it is None. ``latest.json`` moves only after every stage file of that step exists, so a
 kill at any moment leaves the previous complete checkpoint in place. It names the model
 (fingerprint) and how the plan cut it into stages (``split``, a digest of the node-to-stage map),
 so resuming with another model or another cut is refused before any stage file is read, by every
@@ -20,6 +23,7 @@ pickled plan objects.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -57,11 +61,12 @@ def save(executor: Executor, directory: Path, step: int) -> None:
     folder = directory / f"step-{step:08d}"
     folder.mkdir(parents=True, exist_ok=True)
     plan = executor.plan
-    if executor.replica == 0:
-        for stage in executor.stage_ids:
-            payload = {"step": step, "stage": stage, "fingerprint": plan.model.fingerprint,
-                       **stage_state(executor, stage)}
+    for stage in executor.stage_ids:  # every replica: gathering ZeRO shards is collective
+        payload = {"step": step, "stage": stage, "fingerprint": plan.model.fingerprint,
+                   **stage_state(executor, stage)}
+        if executor.replica == 0:
             _atomic(folder / f"stage-{stage}.pt", lambda handle, p=payload: torch.save(p, handle))
+        del payload
     dist.barrier()
     if executor.rank == 0:
         latest = {"step": step, "fingerprint": plan.model.fingerprint, "split": split_digest(plan),
@@ -120,13 +125,18 @@ def restore(executor: Executor, directory: Path, step: int) -> int:
 
 
 def stage_state(executor: Executor, stage: int) -> dict[str, Any]:
-    """The stage's parameters and buffers (by model name), its optimizer's state dict, and under
-    mixed precision its fp32 masters and the loss scale."""
+    """The stage's parameters and buffers (by model name), its optimizer's full state dict, and under
+    mixed precision its fp32 masters and the loss scale (collective for a ZeRO stage: every replica
+    calls it)."""
     local = executor.stages[stage]
     tensors = stage_state_tensors(executor.model, local)
-    return {"model": {name: t.detach() for name, t in tensors.items()},
-            "optimizer": local.optimizer.state_dict() if local.optimizer is not None else None,
-            "precision": executor.mixed.state_dict(stage) if executor.mixed is not None else None}
+    precision = executor.mixed.state_dict(stage) if executor.mixed is not None else None
+    if local.state is None:
+        return {"model": {name: t.detach() for name, t in tensors.items()}, "optimizer": None,
+                "precision": precision}
+    with local.state.params_gathered():
+        model = {name: t.detach().clone() for name, t in tensors.items()}
+    return {"model": model, "optimizer": local.state.full_optimizer_state(), "precision": precision}
 
 
 def load_stage_state(executor: Executor, stage: int, saved: dict[str, Any]) -> None:
@@ -139,18 +149,20 @@ def load_stage_state(executor: Executor, stage: int, saved: dict[str, Any]) -> N
                               f"{len(extra)} tensors this stage lacks (first {extra[0] if extra else '-'}) "
                               f"and lacks {len(missing)} it has (first {missing[0] if missing else '-'}); "
                               f"resume with the plan that wrote it, or use another --checkpoint-dir")
-    with torch.no_grad():
-        for name, tensor in tensors.items():
-            tensor.copy_(saved["model"][name])
-    if local.optimizer is not None and saved["optimizer"] is not None:
-        local.optimizer.load_state_dict(saved["optimizer"])
+    masters = None
     if executor.mixed is not None:
-        executor.mixed.load_state_dict(stage, saved.get("precision"))
+        masters = executor.mixed.load_state_dict(stage, saved.get("precision"))
     elif saved.get("precision") is not None:
         raise CheckpointError(f"stage {stage}'s checkpoint was written in mixed precision "
                               f"({saved['precision'].get('precision')}) but this plan trains in "
                               f"{executor.plan.model.precision.value}; resume with the plan that wrote it, "
                               f"or use another --checkpoint-dir")
+    state = local.state
+    with state.params_gathered() if state is not None else contextlib.nullcontext(), torch.no_grad():
+        for name, tensor in tensors.items():
+            tensor.copy_(saved["model"][name])
+        if state is not None:  # the masters follow the loaded parameters or the saved fp32 masters
+            state.restore(saved["optimizer"], masters)  # (collective under ZeRO-3)
 
 
 def _load(path: Path, device: torch.device) -> dict[str, Any]:

@@ -9,10 +9,8 @@ execute yet.
 
 from __future__ import annotations
 
-import dataclasses
-
 from cost_models.errors import RuntimeSetupError
-from planner.plan import Plan
+from planner.plan import OffloadSpec, ParamTier, Plan
 from planner.preflight import check_plan, programs
 from planner.schedules import Action, ActionKind, Program
 
@@ -46,12 +44,20 @@ def check_executable(plan: Plan) -> None:
         raise RuntimeSetupError(f"the plan runs parts {copies or list(layout.stage_part)} as several model "
                                 f"copies (stage to part map {list(layout.stage_part)}), which this runtime "
                                 f"does not execute yet; re-plan with another schedule")
-    offloaded = [stage.index for stage in plan.stages
-                 if not dataclasses.replace(stage.offload, recompute=(), swap=()).is_default]
-    if offloaded:
-        raise RuntimeSetupError(f"stages {offloaded} shard model state (ZeRO) or keep parameters or optimizer "
-                                f"state off the GPU, which this runtime does not execute yet; re-plan "
-                                f"without those (recomputation and activation swapping are executed)")
+    for stage in plan.stages:
+        _check_offload(stage.index, stage.offload)
+
+
+def _check_offload(stage: int, offload: OffloadSpec) -> None:
+    """This runtime executes recomputation, activation swapping, ZeRO 0-3 and the optimizer state on
+    the GPU, host or NVMe (any mix, in every precision); not yet parameters kept on the host."""
+    if offload.params is not ParamTier.GPU:
+        raise RuntimeSetupError(f"stage {stage} keeps its parameters on the {offload.params.value}, which "
+                                f"this runtime does not execute yet; re-plan with parameters on the GPU "
+                                f"for stage {stage}")
+    if not 0 <= offload.zero_stage <= 3:
+        raise RuntimeSetupError(f"stage {stage} asks for ZeRO stage {offload.zero_stage}; the runtime runs "
+                                f"ZeRO stages 0 to 3, re-plan with one of those")
 
 
 def rank_program(plan: Plan, rank: int) -> Program:

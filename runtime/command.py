@@ -4,7 +4,7 @@ Usage::
 
     torchrun --nproc-per-node N -m runtime PLAN --steps K [--report run.json]
              [--checkpoint-dir DIR [--checkpoint-every N] [--resume]] [--seed S] [--lr LR]
-             [--timeout-s T] [--device auto|cpu|cuda] [--leaf NAME ...]
+             [--timeout-s T] [--device auto|cpu|cuda] [--leaf NAME ...] [--nvme-dir DIR]
 
 Set-up is checked before any training: the world size against the plan, the plan's schema and
 layout, the rebuilt model's fingerprint, the checkpoint to resume from. NCCL is used on CUDA and
@@ -65,6 +65,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[RunOptions, str]:
     parser.add_argument("--timeout-s", type=float, default=300.0, help="process group and wait timeout")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--leaf", action="append", default=[], help="leaf module the plan was traced with")
+    parser.add_argument("--nvme-dir", type=Path, default=None,
+                        help="directory (a local SSD) for stages whose optimizer state the plan puts on NVMe")
     parser.add_argument("--fail-at-step", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--fail-rank", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -73,7 +75,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[RunOptions, str]:
                      "to continue from")
     return RunOptions(args.plan, args.steps, args.report, args.checkpoint_dir, args.checkpoint_every,
                       args.resume, args.seed, args.lr, args.timeout_s, tuple(args.leaf),
-                      args.fail_at_step, args.fail_rank), args.device
+                      nvme_dir=args.nvme_dir, fail_at_step=args.fail_at_step,
+                      fail_rank=args.fail_rank), args.device
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -81,6 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rank = rank_or_zero()
     try:
         options, device_choice = parse_args(argv)
+        from planner.nvme_dir import check_nvme_dir
         from planner.plan import Plan
         from runtime import checks, train
 
@@ -89,6 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         checks.check_plan(plan)
         checks.check_executable(plan)
         checks.check_world_size(plan, env.world_size)
+        check_nvme_dir(plan, options.nvme_dir, plan.layout.stages_of_rank(env.rank))
         device = init_group(env, device_choice, options.timeout_s)
         report = train.run(plan, options, device)
         if env.rank == 0 and options.report is not None:

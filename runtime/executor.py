@@ -2,9 +2,11 @@
 
 It holds no schedule logic: ``F``/``B`` run the named stage on the named micro-batch, runs of
 consecutive ``SEND_*``/``RECV_*`` become one batched P2P exchange, ``ALLREDUCE`` sums the
-stage's gradients over its replicas, ``OPTIMIZER_STEP`` steps the stage's optimizer (under
-fp16/bf16, runtime/precision.py steps fp32 masters and scales the loss) and
-``SWAP_OUT``/``SWAP_IN`` move a micro-batch's swapped activations to the host and back
+stage's gradients over its replicas (a reduce-scatter under ZeRO-2/3), ``OPTIMIZER_STEP`` steps
+the stage's optimizer wherever the plan keeps its state (runtime/stage_optimizer.py, which also
+gathers ZeRO-3 parameters around each ``F``/``B`` and starts reading NVMe state at each ``B``; under
+fp16/bf16 runtime/precision.py scales the loss and defers the step of the fp32 masters to the rank's
+last stage) and ``SWAP_OUT``/``SWAP_IN`` move a micro-batch's swapped activations to the host and back
 (runtime/swap.py; recomputation happens inside the stage modules, runtime/recompute.py). A rank
 that runs several stages (interleaved, WPipe, GEMS programs) looks each stage up by the
 action's stage id; values between two stages on the same rank are handed over in memory.
@@ -12,8 +14,10 @@ action's stage id; values between two stages on the same rank are handed over in
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,9 +56,11 @@ class Executor:
     own stages, initialised by :func:`runtime.initialize` with ``seed``) or with real weights
     (kept as they are). ``loss_fn(output, targets)`` returns the scalar loss of one micro-batch
     (the loss of a step is their mean); it may be replaced between steps (``exe.loss_fn``).
-    ``optimizer_factory(params)`` makes one optimizer per stage (over the stage's fp32 master
-    weights when the plan's precision is fp16 or bf16, see runtime/precision.py; ``loss_scale``
-    sets fp16's dynamic loss scale, ``exe.mixed.loss_scale`` reads it). Peak memory is in
+    ``optimizer_factory(params)`` makes one optimizer per stage, over the parameters or over their
+    master copies where the plan's offload section puts them, or over fp32 masters when the plan's
+    precision is fp16 or bf16 (runtime/stage_optimizer.py, runtime/precision.py; ``loss_scale`` sets
+    fp16's dynamic loss scale, ``exe.mixed.loss_scale`` reads it; a stage paging its optimizer state
+    to NVMe needs ``nvme_dir``). Peak memory is in
     ``exe.memory.peak_bytes`` (on CPU, of the steps run with ``run(..., profile_memory=True)``).
 
     Example (a script started with ``torchrun --nproc-per-node N script.py``)::
@@ -68,7 +74,8 @@ class Executor:
 
     def __init__(self, plan: Plan, model: nn.Module, loss_fn: LossFn, optimizer_factory: OptimizerFactory,
                  *, seed: int = 0, device: torch.device | str | None = None, timeout_s: float = 300.0,
-                 leaf_modules: Sequence[LeafSpec] = (), loss_scale: ScalerOptions | None = None) -> None:
+                 leaf_modules: Sequence[LeafSpec] = (), loss_scale: ScalerOptions | None = None,
+                 nvme_dir: Path | str | None = None) -> None:
         if not dist.is_initialized():  # under torchrun: join the group its environment describes
             joined = join_group("auto" if device is None else torch.device(device).type, timeout_s)
             device = joined if device is None else device
@@ -77,7 +84,8 @@ class Executor:
         self.device = _resolve(device)
         self.timeout_s = timeout_s
         ready = set_up(plan, model, optimizer_factory, seed=seed, device=self.device,
-                       timeout_s=timeout_s, leaf_modules=leaf_modules, loss_scale=loss_scale)
+                       timeout_s=timeout_s, leaf_modules=leaf_modules, loss_scale=loss_scale,
+                       nvme_dir=None if nvme_dir is None else Path(nvme_dir))
         self.segments, self.stage_ids, self.replica = ready.segments, ready.stage_ids, ready.replica
         self.traced, self.flow = ready.traced, ready.flow
         self.stages, self.groups, self.swaps = ready.stages, ready.groups, ready.swaps
@@ -93,12 +101,13 @@ class Executor:
         for stage in self.stages.values():
             tensors += [*stage.module.parameters(), *stage.module.buffers(), *stage.attrs.values()]
             tensors += [p.grad for p in stage.params.values() if p.grad is not None]
-            if stage.optimizer is not None:
-                tensors += [v for state in stage.optimizer.state.values() for v in state.values()
-                            if isinstance(v, torch.Tensor)]
-        if self.mixed is not None:
-            tensors += self.mixed.tensors()
+            if stage.state is not None:
+                tensors += stage.state.held_tensors()
         return tensors
+
+    def _params_in_use(self, stage: LocalStage) -> contextlib.AbstractContextManager[None]:
+        """ZeRO-3: the stage's parameters gathered for one forward or backward (else nothing)."""
+        return stage.state.in_use() if stage.state is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------------------- step
     def step(self, inputs: torch.Tensor | Sequence[torch.Tensor] | None, targets: Targets | None) -> float:
@@ -173,7 +182,7 @@ class Executor:
         global_microbatch = self.replica * self.plan.training.num_microbatches + action.microbatch
         with self.memory.saving(key), seeded(self.seed, "forward", self.steps_done, action.stage,
                                              global_microbatch, device=self.device):
-            with self.swaps.forward(key):
+            with self.swaps.forward(key), self._params_in_use(stage):
                 micro.env.update(zip(stage.io.outputs, stage.module(*args)))
             if stage.index == self.flow.last_stage:
                 self._loss(stage, micro, data, state)
@@ -233,8 +242,11 @@ class Executor:
             if name in micro.output_grads:
                 roots.append(tensor)
                 grads.append(micro.output_grads[name])
+        if stage.state is not None:
+            stage.state.prefetch()  # paged optimizer state: read it back while the backwards run
         if roots:
-            torch.autograd.backward(roots, grads)
+            with self._params_in_use(stage):
+                torch.autograd.backward(roots, grads)
         self.memory.release((action.stage, action.microbatch))
         self.swaps.release((action.stage, action.microbatch))
         self.memory.state_changed()
@@ -302,6 +314,10 @@ class Executor:
     def _allreduce(self, action: Action, state: StepState) -> None:
         stage = self.stages[action.stage]
         params = [p for name, p in stage.params.items() if name not in self.groups.tied_names]
+        if stage.state is not None and stage.state.reduces_gradients:  # ZeRO-2/3: reduce-scatter
+            stage.state.reduce_gradients(str(action))
+            params = [p for name, p in stage.params.items() if name in stage.state.unsharded_names
+                      and name not in self.groups.tied_names]
         group = self.groups.data_parallel[self.plan.layout.part(action.stage)]
         self.sync.all_reduce(params, group, str(action))
 
@@ -309,12 +325,11 @@ class Executor:
         if not state.tied_synced:
             self._sync_tied()
             state.tied_synced = True
-        optimizer = self.stages[action.stage].optimizer
+        stage_state = self.stages[action.stage].state
         if self.mixed is not None:
-            self.mixed.step(action.stage)  # the masters, at this rank's last stage
-        elif optimizer is not None:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            self.mixed.step(action.stage)  # the fp32 masters, at this rank's last stage
+        elif stage_state is not None:
+            stage_state.step()
         self.memory.state_changed()
 
     def _sync_tied(self) -> None:

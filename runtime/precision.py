@@ -5,7 +5,9 @@ state is fp32 too), and for fp16 a dynamic loss scale that every rank agrees on.
 Conventions (the single-process reference in tests/dist/precision_cases.py does the same):
 
 * The model is built and initialised in float32 (planner.preflight.build_dtype); the masters are
-  copies of those weights, then the whole model is cast to the 16-bit dtype and computes in it
+  copies of those weights (:func:`fp32_copies`, taken before the cast; the masters themselves, their
+  optimizer and the copies down and back are each stage's runtime/stage_optimizer.py
+  ``StageOptimizer``, on whichever tier and ZeRO stage the plan puts them), then the whole model is cast to the 16-bit dtype and computes in it
   directly (no autocast: autocast would hold fp32 weights and fp32 gradients on the device, not
   the 2-byte ones the plan's memory model assumes). Floating model inputs are cast to 16 bits.
 * The loss is computed in float32 on the model output cast to float32; under fp16 it is
@@ -31,10 +33,10 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -44,7 +46,10 @@ from torch import nn
 from cost_models.errors import CheckpointError
 from cost_models.memory import Precision
 from runtime.comm import wait_for
-from runtime.stages import LocalStage, OptimizerFactory
+from runtime.stages import LocalStage
+
+if TYPE_CHECKING:
+    from runtime.stage_optimizer import StageOptimizer
 
 MASTER_DTYPE = torch.float32
 
@@ -84,11 +89,21 @@ class LossScaler:
         self.growth_tracker = torch.zeros((), dtype=torch.int32, device=device)
 
     def unscale_(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """Multiply fp32 ``grads`` in place by 1/scale; returns the found-inf flag (0.0 or 1.0)."""
+        """Multiply fp32 ``grads`` in place by 1/scale; returns the found-inf flag (0.0 or 1.0).
+
+        Gradients may lie on several devices (masters on the host for some stages): each device's
+        are unscaled there and their flags combined on the scale's device.
+        """
         found_inf = torch.zeros((), dtype=torch.float32, device=self.scale.device)
         inv_scale = self.scale.double().reciprocal().float()  # as GradScaler computes it
-        if grads:
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for grad in grads:
+            by_device.setdefault(grad.device, []).append(grad)
+        for device, group in by_device.items():
+            found = found_inf if device == found_inf.device else torch.zeros_like(found_inf, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv_scale.to(device))
+            if found is not found_inf:
+                torch.maximum(found_inf, found.to(found_inf.device), out=found_inf)
         return found_inf
 
     def update(self, found_inf: torch.Tensor) -> None:
@@ -112,25 +127,23 @@ class LossScaler:
         self.growth_tracker.fill_(int(state["_growth_tracker"]))
 
 
-@dataclass
-class StageMasters:
-    """One stage's fp32 master parameters (by canonical name), paired with its 16-bit parameters."""
-
-    params: dict[str, nn.Parameter]  # the model's 16-bit parameters the stage owns
-    masters: dict[str, nn.Parameter]  # their fp32 copies, which the stage's optimizer steps
+def fp32_copies(stages: Mapping[int, LocalStage]) -> dict[int, list[torch.Tensor]]:
+    """Each stage's parameters copied to fp32 (taken before :func:`cast_model`): its masters' start."""
+    return {index: [p.detach().to(MASTER_DTYPE, copy=True) for p in stage.params.values()]
+            for index, stage in stages.items()}
 
 
 class MixedPrecision:
-    """This rank's masters (per stage), their optimizers and the loss scale; steps them all at once.
+    """This rank's loss scale and the deferred step of its stages' fp32 masters.
 
-    Built at set-up from the float32 weights, before the model is cast (:func:`cast_model`); it
-    replaces each stage's optimizer by one over the stage's masters. The executor calls
-    :meth:`step` at every ``OPTIMIZER_STEP``; the step itself is taken at the last of this rank's
-    stages (``stepped``), once every stage's gradients are final, so that one world-wide
-    found-inf all-reduce decides for all of them.
+    The masters, their optimizers and the copies between masters and 16-bit parameters belong to
+    each stage's :class:`runtime.stage_optimizer.StageOptimizer` (built from :func:`fp32_copies`).
+    The executor calls :meth:`step` at every ``OPTIMIZER_STEP``; the step itself is taken at the
+    last of this rank's stages (``stepped``), once every stage's gradients are final, so that one
+    world-wide found-inf all-reduce decides for all of them.
     """
 
-    def __init__(self, precision: Precision, stages: Mapping[int, LocalStage], optimizer_factory: OptimizerFactory,
+    def __init__(self, precision: Precision, states: Mapping[int, StageOptimizer | None],
                  *, stepped: AbstractSet[int], device: torch.device, timeout_s: float,
                  scaler: ScalerOptions | None = None) -> None:
         if not precision.master_weights:
@@ -141,15 +154,9 @@ class MixedPrecision:
         self.stepped = frozenset(stepped)
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.scaler = LossScaler(scaler or ScalerOptions(), device) if precision is Precision.FP16 else None
-        self.stages: dict[int, StageMasters] = {}
+        self.states = {index: state for index, state in states.items() if state is not None}
         self.skipped_steps = 0
         self._pending: set[int] = set(self.stepped)
-        for index, stage in stages.items():
-            masters = {name: nn.Parameter(p.detach().to(MASTER_DTYPE, copy=True))
-                       for name, p in stage.params.items()}
-            self.stages[index] = StageMasters(dict(stage.params), masters)
-            stage.optimizer = optimizer_factory(list(masters.values())) if masters else None
-        self._optimizers = {index: stage.optimizer for index, stage in stages.items()}
 
     # ------------------------------------------------------------ forward side
     def input_dtype(self, value: torch.Tensor) -> torch.dtype:
@@ -181,7 +188,7 @@ class MixedPrecision:
             self._step_all()
 
     def _step_all(self) -> None:
-        grads = self._grads_to_masters()
+        grads = [grad for state in self.states.values() for grad in state.grads_down()]
         if self.scaler is not None:
             found_inf = self.scaler.unscale_(grads)
             work = dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, async_op=True)
@@ -189,72 +196,38 @@ class MixedPrecision:
             self.scaler.update(found_inf)
             if found_inf.item() > 0:
                 self.skipped_steps += 1
-                self._zero_master_grads()
+                for state in self.states.values():
+                    state.skip()
                 return
-        for optimizer in self._optimizers.values():
-            if optimizer is not None:
-                optimizer.step()
-        self._zero_master_grads()
-        self._copy_back()
+        for state in self.states.values():
+            state.apply()
 
-    def _grads_to_masters(self) -> list[torch.Tensor]:
-        """Move the 16-bit gradients into the masters' fp32 ``.grad`` (the 16-bit ones are freed)."""
-        grads = []
-        for stage in self.stages.values():
-            for name, param in stage.params.items():
-                master = stage.masters[name]
-                if param.grad is not None:
-                    master.grad = param.grad.to(MASTER_DTYPE)
-                    grads.append(master.grad)
-                param.grad = None
-        return grads
-
-    def _zero_master_grads(self) -> None:
-        for stage in self.stages.values():
-            for master in stage.masters.values():
-                master.grad = None
-
-    @torch.no_grad()
-    def _copy_back(self) -> None:
-        """The 16-bit weights the next step computes with: the masters rounded."""
-        for stage in self.stages.values():
-            for name, param in stage.params.items():
-                param.copy_(stage.masters[name])
-
-    # ------------------------------------------------ memory and checkpoints
-    def tensors(self) -> Iterator[torch.Tensor]:
-        """The masters and their gradients (model state the memory tracker counts)."""
-        for stage in self.stages.values():
-            for master in stage.masters.values():
-                yield master
-                if master.grad is not None:
-                    yield master.grad
-
+    # ------------------------------------------------------------ checkpoints
     def state_dict(self, stage: int) -> dict[str, Any]:
-        """What a checkpoint holds for ``stage``: its fp32 masters and the loss scaler's state."""
-        masters = self.stages[stage].masters
-        return {"precision": self.precision.value,
-                "masters": {name: master.detach() for name, master in masters.items()},
+        """What a checkpoint holds for ``stage``: its whole fp32 masters (by name) and the loss
+        scaler's state (collective on a ZeRO stage: every replica calls it)."""
+        state = self.states.get(stage)
+        masters = {} if state is None else dict(zip(state.names, state.full_masters()))
+        return {"precision": self.precision.value, "masters": masters,
                 "scaler": None if self.scaler is None else self.scaler.state_dict()}
 
-    @torch.no_grad()
-    def load_state_dict(self, stage: int, state: Mapping[str, Any] | None) -> None:
-        """Restore ``stage``'s masters (and the 16-bit weights from them) and the scaler."""
-        if state is None or state.get("precision") != self.precision.value:
-            written = "no master weights" if state is None else f"precision {state.get('precision')}"
+    def load_state_dict(self, stage: int, saved: Mapping[str, Any] | None) -> list[torch.Tensor] | None:
+        """Check ``stage``'s saved precision state and load the scaler; the saved whole masters in
+        the stage's parameter order (for ``StageOptimizer.restore``), None if it has none."""
+        if saved is None or saved.get("precision") != self.precision.value:
+            written = "no master weights" if saved is None else f"precision {saved.get('precision')}"
             raise CheckpointError(f"stage {stage}'s checkpoint holds {written} but this plan trains in "
                                   f"{self.precision.value}; resume with the plan that wrote it, or use "
                                   f"another --checkpoint-dir")
-        target = self.stages[stage]
-        if set(state["masters"]) != set(target.masters):
+        state = self.states.get(stage)
+        names = [] if state is None else state.names
+        if set(saved["masters"]) != set(names):
             raise CheckpointError(f"stage {stage}'s checkpoint holds masters of "
-                                  f"{sorted(set(state['masters']) ^ set(target.masters))[:3]} which this "
+                                  f"{sorted(set(saved['masters']) ^ set(names))[:3]} which this "
                                   f"stage does not have alike; resume with the plan that wrote it")
-        for name, master in target.masters.items():
-            master.copy_(state["masters"][name])
-            target.params[name].copy_(master)
-        if self.scaler is not None and state["scaler"] is not None:
-            self.scaler.load_state_dict(state["scaler"])
+        if self.scaler is not None and saved["scaler"] is not None:
+            self.scaler.load_state_dict(saved["scaler"])
+        return [saved["masters"][name] for name in names] if state is not None else None
 
 
 def cast_model(model: nn.Module, precision: Precision) -> None:

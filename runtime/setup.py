@@ -2,11 +2,14 @@
 
 Order (no collective runs before the checks that every rank makes alike):
 plan layout and world size -> this rank's program -> rebuild check (fingerprint) -> split ->
-every stage's checkpoint regions and swapped nodes -> dataflow at the micro-batch size ->
-materialise this rank's stages -> optimizers (under mixed precision: fp32 masters, then the model
-cast to 16 bits and the value specs taken again, so that 16-bit activations travel) -> recompute
-and swap wrapped around this rank's stages -> process groups -> a world-wide check that every rank
-loaded the same plan.
+every stage's checkpoint regions and swapped nodes -> dataflow at the micro-batch size -> the NVMe
+directory (if the plan pages optimizer state) -> materialise this rank's stages -> under mixed
+precision: fp32 copies of the weights, then the model cast to 16 bits and the value specs taken
+again, so that 16-bit activations travel -> recompute and swap wrapped around this rank's stages
+-> process groups -> optimizers (runtime/stage_optimizer.py: masters on the plan's tier, ZeRO
+shards over the data-parallel groups; under mixed precision the fp32 masters start from those
+copies, and MixedPrecision holds the loss scale) -> a world-wide check that every rank loaded the
+same plan.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import dataclasses
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,14 +28,18 @@ from torch import nn
 
 from cost_models.errors import RuntimeSetupError
 from cost_models.graph.capture import LeafSpec
-from planner.plan import Plan
+from planner.nvme_dir import check_nvme_dir
+from planner.plan import Plan, StateTier
 from planner.schedules import Action, ActionKind
 from runtime import build, checks
 from runtime.dataflow import Dataflow, check_edges, dataflow
 from runtime.grads import Groups, create_groups
 from runtime.memory import storage_key
+from runtime.nvme import PagedFile
 from runtime.offload import check_offload, offload_stage
-from runtime.precision import MixedPrecision, ScalerOptions, cast_model, compute_dtype
+from runtime.precision import MixedPrecision, ScalerOptions, cast_model, compute_dtype, fp32_copies
+from runtime.sharding import ShardGroup
+from runtime.stage_optimizer import StageOptimizer
 from runtime.stages import LocalStage, OptimizerFactory, local_stages, param_targets, stage_param_names
 from runtime.swap import SwapSpace
 from runtime.values import value_specs
@@ -55,10 +63,11 @@ class RankSetup:
 
 def set_up(plan: Plan, model: nn.Module, optimizer_factory: OptimizerFactory, *, seed: int,
            device: torch.device, timeout_s: float, leaf_modules: Sequence[LeafSpec],
-           loss_scale: ScalerOptions | None = None) -> RankSetup:
+           loss_scale: ScalerOptions | None = None, nvme_dir: Path | None = None) -> RankSetup:
     """Check the plan against the job and the model, then build this rank's stages (collective).
 
-    ``loss_scale`` is the fp16 loss scale's rule (default: ``torch.amp.GradScaler``'s).
+    ``loss_scale`` is the fp16 loss scale's rule (default: ``torch.amp.GradScaler``'s);
+    ``nvme_dir`` where stages whose optimizer state the plan puts on NVMe page it.
     """
     rank = dist.get_rank()
     checks.check_plan(plan)
@@ -66,6 +75,7 @@ def set_up(plan: Plan, model: nn.Module, optimizer_factory: OptimizerFactory, *,
     checks.check_world_size(plan, dist.get_world_size())
     segments = checks.segments(checks.rank_program(plan, rank))
     stage_ids, replica = checks.my_stages(plan, rank)
+    check_nvme_dir(plan, nvme_dir, stage_ids)
     traced = build.trace_checked(model, plan, leaf_modules)
     modules = build.split_stages(traced, model, plan)
     for stage, module in modules.items():
@@ -77,16 +87,21 @@ def set_up(plan: Plan, model: nn.Module, optimizer_factory: OptimizerFactory, *,
     stage_params = stage_param_names(model, modules, flow)
     materialise(model, modules, flow, stage_ids, seed, device)
     precision = plan.model.precision
-    stages = local_stages(model, modules, flow, stage_ids,
-                          None if precision.master_weights else optimizer_factory)
-    mixed = None
+    stages = local_stages(model, modules, flow, stage_ids)
+    sources: dict[int, list[torch.Tensor]] = {}
     if precision.master_weights:
-        stepped = {a.stage for a in segments if isinstance(a, Action) and a.kind is ActionKind.OPTIMIZER_STEP}
-        mixed = MixedPrecision(precision, stages, optimizer_factory, stepped=stepped, device=device,
-                               timeout_s=timeout_s, scaler=loss_scale)
+        sources = fp32_copies(stages)  # the masters' start, before the cast rounds the weights
         flow = to_16_bits(model, traced, flow, plan, inputs)
     swaps = offload_activations(plan, stages, device)  # after the cast: it keys the parameters' storages
     groups = create_groups(plan.layout, rank, stage_params, timeout_s)
+    for stage in stages.values():
+        stage.state = stage_optimizer(plan, stage, optimizer_factory, groups, device=device,
+                                      timeout_s=timeout_s, nvme_dir=nvme_dir, sources=sources.get(stage.index))
+    mixed = None
+    if precision.master_weights:
+        stepped = {a.stage for a in segments if isinstance(a, Action) and a.kind is ActionKind.OPTIMIZER_STEP}
+        mixed = MixedPrecision(precision, {i: stage.state for i, stage in stages.items()}, stepped=stepped,
+                               device=device, timeout_s=timeout_s, scaler=loss_scale)
     check_same_plan(plan)
     return RankSetup(segments, stage_ids, replica, traced, flow, stages, groups, swaps, mixed)
 
@@ -138,3 +153,20 @@ def check_same_plan(plan: Plan) -> None:
         raise RuntimeSetupError(f"ranks loaded different plans (fingerprint, programs hash by rank: "
                                 f"{everyone}); give every rank the same plan file",
                                 same_on_every_rank=False)
+
+
+def stage_optimizer(plan: Plan, stage: LocalStage, factory: OptimizerFactory, groups: Groups, *,
+                    device: torch.device, timeout_s: float, nvme_dir: Path | None,
+                    sources: Sequence[torch.Tensor] | None = None) -> StageOptimizer | None:
+    """The stage's optimizer where its offload section puts it (None if it owns no parameter)."""
+    if not stage.params:
+        return None
+    spec = plan.stages[stage.index].offload
+    group = groups.data_parallel.get(plan.layout.part(stage.index))
+    shards = ShardGroup(group, timeout_s) if spec.zero_stage and group is not None else None
+    pager = None
+    if spec.optimizer_state is StateTier.NVME:
+        assert nvme_dir is not None  # check_nvme_dir refused its absence
+        pager = PagedFile(nvme_dir / f"rank{dist.get_rank()}-stage{stage.index}.optim", timeout_s)
+    return StageOptimizer(stage.index, stage.params, factory, spec=spec, device=device, shards=shards,
+                          replicated=groups.tied_names, pager=pager, sources=sources)

@@ -1,9 +1,11 @@
-"""The stages this rank runs: submodule, parameters it owns, get_attr tensors and optimizer."""
+"""The stages this rank runs: submodule, parameters it owns, get_attr tensors and optimizer
+(runtime/stage_optimizer.py, made once the process groups exist)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.fx
@@ -11,6 +13,9 @@ from torch import nn
 
 from runtime.build import attribute, canonical_names, stage_tensors
 from runtime.dataflow import Dataflow, SourceKind, StageIO
+
+if TYPE_CHECKING:
+    from runtime.stage_optimizer import StageOptimizer
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -25,7 +30,12 @@ class LocalStage:
     io: StageIO
     params: dict[str, nn.Parameter]  # canonical name -> parameter
     attrs: dict[str, torch.Tensor]  # input node name -> tensor
-    optimizer: torch.optim.Optimizer | None
+    state: StageOptimizer | None = None  # None for a stage that owns no trainable parameter
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer: over the parameters themselves, or over their master copies."""
+        return self.state.optimizer if self.state is not None else None
 
 
 def param_targets(io: StageIO) -> list[str]:
@@ -42,9 +52,8 @@ def stage_param_names(model: nn.Module, modules: Mapping[int, torch.fx.GraphModu
 
 
 def local_stages(model: nn.Module, modules: Mapping[int, torch.fx.GraphModule], flow: Dataflow,
-                 mine: Sequence[int], optimizer_factory: OptimizerFactory | None) -> dict[int, LocalStage]:
-    """Build this rank's stages (after materialisation) with one optimizer each (none without a
-    factory: mixed precision builds them over its fp32 masters, runtime/precision.py)."""
+                 mine: Sequence[int]) -> dict[int, LocalStage]:
+    """Build this rank's stages (after materialisation); their optimizers come later (set-up)."""
     names = canonical_names(model)
     owned: set[int] = set()
     stages = {}
@@ -57,8 +66,7 @@ def local_stages(model: nn.Module, modules: Mapping[int, torch.fx.GraphModule], 
                 params[names[id(tensor)]] = tensor
         attrs = {name: attribute(model, source.target) for name, source in io.sources.items()
                  if source.kind is SourceKind.PARAM}
-        optimizer = optimizer_factory(list(params.values())) if params and optimizer_factory else None
-        stages[stage] = LocalStage(stage, modules[stage], io, params, attrs, optimizer)
+        stages[stage] = LocalStage(stage, modules[stage], io, params, attrs)
     return stages
 
 

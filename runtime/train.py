@@ -34,6 +34,7 @@ class RunOptions:
     lr: float | None = None
     timeout_s: float = 300.0
     leaf_modules: tuple[str, ...] = ()
+    nvme_dir: Path | None = None  # where stages with optimizer_state nvme page it
     fail_at_step: int | None = None  # test hook: raise on ``fail_rank`` before this step
     fail_rank: int = 0
 
@@ -44,7 +45,7 @@ def run(plan: Plan, options: RunOptions, device: torch.device) -> RunReport:
     model = rebuild_model(plan, Path.cwd())
     executor = Executor(plan, model, _unbound_loss, optimizer_factory(plan.training.optimizer, options.lr),
                         seed=options.seed, device=device, timeout_s=options.timeout_s,
-                        leaf_modules=options.leaf_modules)
+                        leaf_modules=options.leaf_modules, nvme_dir=options.nvme_dir)
     output = executor.flow.specs[executor.flow.output_names[0]]
     data = SyntheticData(input_specs(executor.traced, dict(executor.flow.specs)), synthetic_task(output),
                          options.seed)
@@ -67,10 +68,12 @@ def run(plan: Plan, options: RunOptions, device: torch.device) -> RunReport:
         _log(executor, step, options.steps, losses[-1], elapsed_ms)
         if options.checkpoint_dir and _checkpoint_due(step + 1, options):
             checkpoint.save(executor, options.checkpoint_dir, step + 1)
+    states = [stage.state for stage in executor.stages.values() if stage.state is not None]
     return gather_report(step_ms, losses, executor.memory.peak_bytes, executor.memory.held_bytes,
                          fingerprint=plan.model.fingerprint, device=device,
                          global_batch_size=plan.training.global_batch_size, start_step=start,
-                         host_swap_bytes=executor.swaps.step_bytes)
+                         host_swap_bytes=executor.swaps.step_bytes,
+                         optimizer_bytes=(sum(s.host_bytes for s in states), sum(s.nvme_bytes for s in states)))
 
 
 def _resume_step(plan: Plan, options: RunOptions) -> int:

@@ -7,8 +7,8 @@ import os
 import re
 import sys
 import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 from cost_models.errors import InvalidArgument, TesseraError, TesseraWarning
 from cost_models.memory import Optimizer, Precision
@@ -77,6 +77,9 @@ def _add_run(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc", type=int, default=None,
                         help="processes on this node (default: the plan's GPUs / --nnodes)")
     parser.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
+    parser.add_argument("--nvme-dir", type=Path, default=None,
+                        help="directory on a local SSD for the stages whose optimizer state the plan "
+                             "puts on NVMe (checked before launch; passed to the runtime)")
     nodes = parser.add_argument_group("several nodes", "run `tessera run` on every node with the "
                                       "same arguments, --node-rank aside (torchrun's rendezvous "
                                       "joins them)")
@@ -96,7 +99,8 @@ def _run_plan_file(args: argparse.Namespace) -> int:
 
     nodes = Nodes(args.nnodes, args.rdzv_endpoint, Rendezvous(args.rdzv_backend), args.rdzv_id,
                   args.node_rank)
-    return run_plan(RunRequest(args.plan_file, args.steps, args.nproc, nodes, tuple(args.passthrough)))
+    nvme = ("--nvme-dir", str(args.nvme_dir)) if args.nvme_dir is not None else ()
+    return run_plan(RunRequest(args.plan_file, args.steps, args.nproc, nodes, (*nvme, *args.passthrough)))
 
 
 def _commands():
@@ -297,7 +301,7 @@ def _print_error(error: TesseraError, verbose: bool | None) -> None:
 
 def _one_line_warnings(show: Callable[..., None]) -> Callable[..., None]:
     """tessera's own warnings as one stderr line each; any other warning as Python shows it."""
-    def show_warning(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001
+    def show_warning(message, category, filename, lineno, file=None, line=None) -> None:
         if issubclass(category, TesseraWarning):
             print(f"tessera: warning: {' '.join(str(message).split())}", file=sys.stderr)
         else:

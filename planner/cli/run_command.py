@@ -139,6 +139,9 @@ def check_before_launch(plan: Plan, request: RunRequest, nproc: int) -> None:
     from planner.preflight import check_plan, rebuild_model, trace_checked  # imports torch
 
     check_plan(plan)
+    from planner.nvme_dir import check_nvme_dir
+
+    check_nvme_dir(plan, _nvme_dir(request.runtime_args), range(plan.num_stages))
     trace_checked(rebuild_model(plan, Path.cwd()), plan, _leaf_modules(request.runtime_args))
 
 
@@ -147,6 +150,13 @@ def _leaf_modules(runtime_args: Sequence[str]) -> tuple[str, ...]:
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--leaf", action="append", default=[])
     return tuple(parser.parse_known_args(list(runtime_args))[0].leaf)
+
+
+def _nvme_dir(runtime_args: Sequence[str]) -> Path | None:
+    """The ``--nvme-dir`` among the runtime's arguments (checked here before any rank starts)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--nvme-dir", type=Path, default=None)
+    return parser.parse_known_args(list(runtime_args))[0].nvme_dir
 
 
 class _Signalled(BaseException):

@@ -30,6 +30,9 @@ def compare(plan: Plan, report: RunReport) -> str:
     extra = "  runtime holds" if report.held_mem_bytes else ""
     lines = [f"{'':{width}}  {'predicted':>12}  {'measured':>12}  {'error':>8}{extra}"]
     lines += [f"{name:{width}}  {p:>12}  {m:>12}  {e:>8}  {h:>13}".rstrip() for name, p, m, e, h in rows]
+    for rank, (host, nvme) in enumerate(zip(report.optimizer_host_bytes, report.optimizer_nvme_bytes)):
+        lines.append(f"rank {rank} optimizer state off the device: {format_bytes(host)} in host memory, "
+                     f"{format_bytes(nvme)} on NVMe")
     lines.append(f"measured on {report.device} over {len(report.timed_ms)} timed steps (median; "
                  f"{report.warmup_steps} warm-up step(s) excluded); memory: {report.memory_measure}; "
                  f"error = (measured - predicted) / predicted")

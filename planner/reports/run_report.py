@@ -40,6 +40,10 @@ class RunReport:
     held_mem_bytes: tuple[int, ...] = ()  # per rank, CPU: what the runtime holds (runtime/memory.py)
     host_swap_bytes: tuple[int, ...] = ()  # per rank: saved activations copied to the host in the last step
     warmup_steps: int = 1
+    # per rank, when any stage offloads its optimizer: master weights and optimizer state held in
+    # host memory and in --nvme-dir after the last step (runtime/stage_optimizer.py)
+    optimizer_host_bytes: tuple[int, ...] = ()
+    optimizer_nvme_bytes: tuple[int, ...] = ()
     schema_version: int = REPORT_VERSION
 
     @property

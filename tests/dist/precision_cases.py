@@ -54,6 +54,7 @@ class MixedCase:
     inf_at: tuple[int, str] | None = None  # (step, parameter): its gradient is made inf in that step
     checkpoint_dir: str | None = None  # save after ``resume_at`` steps, train on in a new Executor
     resume_at: int = 0
+    nvme_dir: str | None = None  # for plans that page optimizer state to NVMe
 
 
 @dataclass
@@ -90,7 +91,7 @@ def run_mixed_cases(rank: int, world_size: int, cases: list[MixedCase]) -> list[
 def _executor(case: MixedCase, plan: Plan) -> tuple[Executor, SyntheticData]:
     options = ScalerOptions(init_scale=case.init_scale, growth_interval=case.growth_interval)
     exe = Executor(plan, rebuild_model(plan), _no_loss, optimizer_factory(plan.training.optimizer, case.lr),
-                   seed=SEED, timeout_s=60, loss_scale=options)
+                   seed=SEED, timeout_s=60, loss_scale=options, nvme_dir=case.nvme_dir)
     data = SyntheticData(input_specs(exe.traced, dict(exe.flow.specs)),
                          synthetic_task(exe.flow.specs[exe.flow.output_names[0]]), SEED)
     exe.loss_fn = data.task
@@ -116,11 +117,17 @@ def run_mixed_case(case: MixedCase) -> MixedOutcome:
         assert exe.mixed is not None
         scales.append(exe.mixed.loss_scale)
     assert exe.mixed is not None
-    masters = {name: m for stage in exe.mixed.stages.values() for name, m in stage.masters.items()}
+    masters, weights = {}, {}
+    for index in sorted(exe.mixed.states):  # whole masters and weights (gathered from ZeRO shards)
+        state = exe.mixed.states[index]
+        masters.update(zip(state.names, state.full_masters()))
+        with state.params_gathered():
+            weights.update(_numpy(dict(zip(state.names, state.params))))
+        state.close()
     optimizer_states = {len(state) for stage in exe.stages.values() if stage.optimizer is not None
                         for state in stage.optimizer.state.values()}
     dist.barrier()
-    return MixedOutcome(losses, _numpy(masters), _numpy(params), scales, exe.mixed.skipped_steps,
+    return MixedOutcome(losses, _numpy(masters), weights, scales, exe.mixed.skipped_steps,
                         exe.memory.model_state_bytes(), sum(p.numel() for p in params.values()),
                         max(optimizer_states, default=0))
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,6 +31,7 @@ class Case:
     steps: int = 3
     lr: float = 0.05
     real_weights: bool = False  # pass a fully initialised model instead of a meta one
+    nvme_dir: str | None = None  # for plans that page optimizer state to NVMe
 
 
 @dataclass
@@ -70,28 +73,92 @@ def run_cases(rank: int, world_size: int, cases: list[Case]) -> list[Outcome]:
 
 def run_case(case: Case) -> Outcome:
     """Train one case with the Executor on this rank (joining the group itself under torchrun)."""
-    plan = Plan.from_dict(json.loads(case.plan_json))
     grads: dict[int, torch.Tensor] = {}
+    exe, data = _executor(case.plan_json, case, grads)
+    losses = _train(exe, data, range(case.steps))
+    return _outcome(exe, losses, grads)
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """Train ``case`` for ``stop_after`` steps, checkpoint to ``checkpoint_dir``, then resume in a
+    new Executor (under ``resume_plan_json``: the same model and cut, other offload decisions)."""
+
+    case: Case
+    checkpoint_dir: str
+    stop_after: int
+    resume_plan_json: str | None = None
+    resume_nvme_dir: str | None = None
+
+
+def run_resumed(rank: int, world_size: int, cases: list[Resumed]) -> list[Outcome]:
+    """Rank function: each case interrupted by a checkpoint and resumed from it."""
+    from runtime import checkpoint
+
+    outcomes = []
+    for resumed in cases:
+        case, folder = resumed.case, Path(resumed.checkpoint_dir)
+        first, data = _executor(case.plan_json, case, {})
+        losses = _train(first, data, range(resumed.stop_after))
+        checkpoint.save(first, folder, resumed.stop_after)
+        _close(first)
+        grads: dict[int, torch.Tensor] = {}
+        second, data = _executor(resumed.resume_plan_json or case.plan_json,
+                                 dataclasses.replace(case, nvme_dir=resumed.resume_nvme_dir or case.nvme_dir),
+                                 grads)
+        checkpoint.restore(second, folder, resumed.stop_after)
+        losses += _train(second, data, range(resumed.stop_after, case.steps))
+        outcomes.append(_outcome(second, losses, grads))
+    return outcomes
+
+
+def _executor(plan_json: str, case: Case, grads: dict[int, torch.Tensor]) -> tuple[Executor, SyntheticData]:
+    plan = Plan.from_dict(json.loads(plan_json))
     model = initialize(rebuild_model(plan), SEED) if case.real_weights else rebuild_model(plan)
     exe = Executor(plan, model, _no_loss, _recording(plan.training.optimizer, case.lr, grads),
-                   seed=SEED, timeout_s=60)
+                   seed=SEED, timeout_s=60, nvme_dir=case.nvme_dir)
     data = SyntheticData(input_specs(exe.traced, dict(exe.flow.specs)),
                          synthetic_task(exe.flow.specs[exe.flow.output_names[0]]), SEED)
     exe.loss_fn = data.task
-    model_buffers = {name for name, _ in model.named_buffers()}
+    return exe, data
+
+
+def _train(exe: Executor, data: SyntheticData, steps: range) -> list[float]:
     losses = []
-    for step in range(case.steps):  # the user's API: the whole global batch on every rank
-        batch = data.samples(step, 0, plan.training.global_batch_size)
+    for step in steps:  # the user's API: the whole global batch on every rank
+        batch = data.samples(step, 0, exe.plan.training.global_batch_size)
         losses.append(exe.step(batch.inputs, batch.targets))
-    params = {name: p for stage in exe.stages.values() for name, p in stage.params.items()}
+    return losses
+
+
+def _outcome(exe: Executor, losses: list[float], grads: dict[int, torch.Tensor]) -> Outcome:
+    """The last step's gradients and the parameters, whole (gathered from ZeRO shards), the buffers,
+    the checkpointed regions and the bytes swapped to the host."""
+    model_buffers = {name for name, _ in exe.model.named_buffers()}
     buffers = {name: t for stage in exe.stages.values()
                for name, t in stage_state_tensors(exe.model, stage).items() if name in model_buffers}
+    outcome = Outcome(losses, {}, {}, {name: t.detach().numpy().copy() for name, t in buffers.items()},
+                      sum(isinstance(m, Checkpointed) for stage in exe.stages.values() for m in stage.module.modules()),
+                      exe.swaps.step_bytes)
+    for stage in sorted(exe.stages.values(), key=lambda local: local.index):
+        if stage.state is None:
+            continue
+        # the optimizer steps masters (shards under ZeRO): gather what it saw into whole gradients
+        seen = stage.state.gather_full([grads.get(id(master)) for master in stage.state.masters])
+        with stage.state.params_gathered():
+            for name, param, grad in zip(stage.state.names, stage.state.params, seen):
+                assert grad is not None, f"stage {stage.index} stepped {name} without a gradient"
+                outcome.grads[name] = grad.numpy().copy()
+                outcome.params[name] = param.detach().clone().numpy()  # numpy() pins the storage
+    _close(exe)
+    return outcome
+
+
+def _close(exe: Executor) -> None:
+    for stage in exe.stages.values():
+        if stage.state is not None:
+            stage.state.close()
     dist.barrier()
-    return Outcome(losses, {name: grads[id(p)].numpy() for name, p in params.items()},
-                   {name: p.detach().numpy().copy() for name, p in params.items()},
-                   {name: t.detach().numpy().copy() for name, t in buffers.items()},
-                   sum(isinstance(m, Checkpointed) for stage in exe.stages.values() for m in stage.module.modules()),
-                   exe.swaps.step_bytes)
 
 
 def _no_loss(output: Any, target: Any) -> torch.Tensor:

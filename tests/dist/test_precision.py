@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from cost_models.memory import Optimizer, Precision, model_state_bytes
+from planner.plan import OffloadSpec, StateTier
 from tests.dist.harness import run_ranks
 from tests.dist.precision_cases import MixedCase, MixedOutcome, mixed_reference, run_mixed_cases
 from tests.runtime_plans import GPT, make_plan
@@ -32,9 +33,9 @@ CUT = ["blocks_1_ln_1"]
 STAGE_0_ONLY = "blocks.0.mlp.fc.weight"  # not tied: only rank 0 (stage 0) holds it
 
 
-def _plan(precision: str, schedule: str, *, replicas: int = 1) -> str:
+def _plan(precision: str, schedule: str, *, replicas: int = 1, offload: list[OffloadSpec] | None = None) -> str:
     return make_plan(GPT, [] if replicas > 1 else CUT, schedule=schedule, precision=precision,
-                     data_parallel=replicas, microbatches=4 // replicas, device="A100-40GB")
+                     data_parallel=replicas, microbatches=4 // replicas, device="A100-40GB", offload=offload)
 
 
 def _check(case: MixedCase, by_rank: list[MixedOutcome]) -> MixedOutcome:
@@ -98,3 +99,22 @@ def test_a_mixed_precision_run_resumed_from_a_checkpoint_continues_exactly(tmp_p
             np.testing.assert_array_equal(second.masters[name], master, err_msg=f"rank {rank} master {name}")
             np.testing.assert_array_equal(second.weights[name], first.weights[name], err_msg=name)
     _check(plain, [outcome[0] for outcome in outcomes])
+
+
+def test_mixed_precision_with_zero_and_offloaded_optimizer_state_equals_the_single_process_loop(
+        tmp_path: object) -> None:
+    """The stage optimizer owns the fp32 masters on every tier: ZeRO 1/2/3 over 2 replicas, masters
+    and momentum on the host or paged to NVMe, under fp16 (with its skipped first step) and bf16."""
+    host, nvme = StateTier.HOST, StateTier.NVME
+    cases = [MixedCase(_plan(precision, "gpipe", replicas=2, offload=[spec]), nvme_dir=str(tmp_path))
+             for precision, spec in (("fp16", OffloadSpec(zero_stage=1)),
+                                     ("bf16", OffloadSpec(zero_stage=2, optimizer_state=host)),
+                                     ("fp16", OffloadSpec(zero_stage=3)),
+                                     ("bf16", OffloadSpec(zero_stage=3, optimizer_state=nvme)),
+                                     ("fp16", OffloadSpec(optimizer_state=nvme)))]
+    cases.append(MixedCase(_plan("fp16", "1f1b", offload=[OffloadSpec(optimizer_state=host),
+                                                          OffloadSpec(optimizer_state=nvme)]),
+                           nvme_dir=str(tmp_path)))
+    outcomes = run_ranks(run_mixed_cases, 2, cases, timeout_s=300)
+    for index, case in enumerate(cases):
+        _check(case, [outcomes[rank][index] for rank in range(2)])

@@ -11,10 +11,18 @@ import torch
 from torch import nn
 
 from cost_models.memory import Precision
-from planner.plan import Plan
+from planner.plan import OffloadSpec, Plan
 from planner.preflight import build_dtype, rebuild_model, trace_checked
 from runtime import checks
-from runtime.precision import LossScaler, MixedPrecision, ScalerOptions, cast_model, compute_dtype
+from runtime.precision import (
+    LossScaler,
+    MixedPrecision,
+    ScalerOptions,
+    cast_model,
+    compute_dtype,
+    fp32_copies,
+)
+from runtime.stage_optimizer import StageOptimizer
 from runtime.stages import LocalStage
 from tests.runtime_plans import GPT, make_plan
 
@@ -59,12 +67,15 @@ def _stage(*params: nn.Parameter) -> LocalStage:
 def test_bf16_steps_fp32_masters_without_a_scale_and_rounds_them_into_the_weights() -> None:
     weight = nn.Parameter(torch.tensor([1.0, 2.0 ** -12, 3.0]))
     stage = _stage(weight)
-    mixed = MixedPrecision(Precision.BF16, {0: stage}, lambda ps: torch.optim.SGD(ps, lr=1.0), stepped={0},
-                           device=torch.device("cpu"), timeout_s=10)
-    master = mixed.stages[0].masters["p0"]
+    sources = fp32_copies({0: stage})[0]
+    weight.data = weight.data.to(torch.bfloat16)  # cast_model
+    stage.state = StageOptimizer(0, stage.params, lambda ps: torch.optim.SGD(ps, lr=1.0), spec=OffloadSpec(),
+                                 device=torch.device("cpu"), sources=sources)
+    mixed = MixedPrecision(Precision.BF16, {0: stage.state}, stepped={0}, device=torch.device("cpu"),
+                           timeout_s=10)
+    master = stage.state.masters[0]
     assert master.dtype == torch.float32 and master is not weight and stage.optimizer is not None
     assert stage.optimizer.param_groups[0]["params"] == [master]
-    weight.data = weight.data.to(torch.bfloat16)  # cast_model
     assert mixed.scale_loss(torch.tensor(3.0)).item() == 3.0 and mixed.loss_scale == 1.0
     weight.grad = torch.tensor([2.0 ** -20, 0.0, 1.0], dtype=torch.bfloat16)
     mixed.step(0)

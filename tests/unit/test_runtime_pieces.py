@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from cost_models.errors import CheckpointError, InvalidArgument, PlanFileError, RuntimeSetupError
+from cost_models.memory import Precision
 from planner.cli import main
 from planner.plan import Plan
 from planner.reports.compare import compare
@@ -225,19 +226,23 @@ def test_actions_the_runtime_does_not_run_yet_are_named() -> None:
     assert checks.segments((Action(0, ActionKind.F, 0),)) == [Action(0, ActionKind.F, 0)]
 
 
-def test_the_runtime_executes_recompute_and_swap_but_not_yet_zero_or_tiers(plan: Plan) -> None:
+def test_the_runtime_executes_recompute_swap_zero_and_tiers_but_not_host_params(plan: Plan) -> None:
     from planner.plan import OffloadSpec, ParamTier, StateTier
 
     def offloaded(spec: OffloadSpec) -> Plan:
         return dataclasses.replace(plan, stages=(dataclasses.replace(plan.stages[0], offload=spec),
                                                  *plan.stages[1:]))
 
-    checks.check_executable(offloaded(OffloadSpec(recompute=(("blocks_0_ln_2", "blocks_0_mlp_fc"),),
-                                                  swap=("blocks_0_attn_qkv",))))
-    for refused in (OffloadSpec(zero_stage=1), OffloadSpec(optimizer_state=StateTier.HOST),
-                    OffloadSpec(params=ParamTier.HOST, swap=("blocks_0_attn_qkv",))):
-        with pytest.raises(RuntimeSetupError, match=r"stages \[0\] shard model state"):
-            checks.check_executable(offloaded(refused))
+    for executed in (OffloadSpec(recompute=(("blocks_0_ln_2", "blocks_0_mlp_fc"),), swap=("blocks_0_attn_qkv",)),
+                     OffloadSpec(zero_stage=1), OffloadSpec(zero_stage=3, optimizer_state=StateTier.NVME),
+                     OffloadSpec(optimizer_state=StateTier.HOST, swap=("blocks_0_attn_qkv",))):
+        checks.check_executable(offloaded(executed))
+    sharded = offloaded(OffloadSpec(zero_stage=2, optimizer_state=StateTier.HOST))
+    for precision in (Precision.FP16, Precision.BF16):  # mixed precision composes with every tier
+        checks.check_executable(dataclasses.replace(sharded, model=dataclasses.replace(plan.model,
+                                                                                       precision=precision)))
+    with pytest.raises(RuntimeSetupError, match=r"^stage 0 keeps its parameters on the host"):
+        checks.check_executable(offloaded(OffloadSpec(params=ParamTier.HOST, swap=("blocks_0_attn_qkv",))))
 
 
 def test_the_run_report_keeps_swapped_bytes_and_reads_reports_without_them(plan: Plan) -> None:

@@ -1,0 +1,123 @@
+"""ZeRO sharding of one stage's parameters over its data-parallel replicas: chunks, gathers, reductions.
+
+Conventions: every sharded parameter is flattened and padded with zeros to a multiple of the
+group size ``world``; rank ``r`` of the group owns chunk ``r`` (``chunk_numel = ceil(numel /
+world)`` elements). One collective moves every parameter of the stage at once: its buffer is
+rank-major, ``(world, sum of chunk_numel)``, so rank ``r``'s row is the concatenation of its
+chunks in parameter order (``all_gather_single``/``reduce_scatter_single``, both of which gloo
+and NCCL run). Padding elements stay zero: their gradients are zero, so SGD, momentum and Adam
+leave them at zero.
+
+Why not FSDP2 (``torch.distributed.fsdp.fully_shard``): it runs on CPU with gloo in torch 2.13,
+but it replaces each module's parameters with new DTensor parameters, while the executor feeds
+get_attr parameters (GPT's tied LM head) to a stage as explicit inputs and sums tied gradients
+across stages on whole tensors: after ``fully_shard`` the tensor fed as the head is no longer the
+embedding's parameter (checked: ``head is emb.weight`` is False, its gradient lands on the stale
+copy), and FSDP2 always reduce-scatters, so ZeRO-1 (all-reduce, sharded optimizer only) is not
+one of its modes. Hence this module: plain tensors, storage freed in place for ZeRO-3, so every
+reference to a parameter (module attribute, get_attr input, optimizer) stays the same object.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from runtime.comm import wait_for
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Which elements of each parameter rank ``rank`` of a group of ``world`` owns."""
+
+    numels: tuple[int, ...]
+    world: int
+    rank: int
+
+    def chunk_numel(self, index: int) -> int:
+        return -(-self.numels[index] // self.world)
+
+    @property
+    def row_numel(self) -> int:
+        """Elements of one rank's row in a collective buffer (its chunks, concatenated)."""
+        return sum(self.chunk_numel(index) for index in range(len(self.numels)))
+
+    def padded(self, index: int, full: torch.Tensor) -> torch.Tensor:
+        """``full`` flattened and zero-padded to ``world`` chunks, shaped ``(world, chunk_numel)``."""
+        flat = full.reshape(-1)
+        pad = self.chunk_numel(index) * self.world - flat.numel()
+        if pad:
+            flat = torch.cat([flat, flat.new_zeros(pad)])
+        return flat.view(self.world, -1)
+
+    def chunk(self, index: int, full: torch.Tensor) -> torch.Tensor:
+        """This rank's chunk of ``full`` (a new tensor, flat)."""
+        return self.padded(index, full)[self.rank].clone()
+
+    def unpad(self, index: int, rows: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """The parameter from its ``(world, chunk_numel)`` chunks."""
+        return rows.reshape(-1)[:self.numels[index]].view(shape)
+
+
+class ShardGroup:
+    """The collectives of one stage's ZeRO group, each waited for with the executor's timeout."""
+
+    def __init__(self, group: dist.ProcessGroup, timeout_s: float) -> None:
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+
+    def layout(self, numels: Sequence[int]) -> ShardLayout:
+        return ShardLayout(tuple(numels), self.world, self.rank)
+
+    def all_gather(self, layout: ShardLayout, chunks: Sequence[torch.Tensor], label: str) -> list[torch.Tensor]:
+        """Every rank's chunks -> each parameter's ``(world, chunk_numel)`` rows (padding kept)."""
+        row = torch.cat([chunk.reshape(-1) for chunk in chunks])
+        rows = row.new_empty(self.world * row.numel())
+        wait_for(dist.all_gather_single(rows, row, group=self.group, async_op=True), self.timeout,
+                 f"the {label} all-gather")
+        table = rows.view(self.world, -1)
+        offsets = _offsets(layout)
+        return [table[:, start:start + layout.chunk_numel(index)] for index, start in enumerate(offsets)]
+
+    def reduce_scatter(self, layout: ShardLayout, fulls: Sequence[torch.Tensor], label: str) -> list[torch.Tensor]:
+        """Sum ``fulls`` over the group; this rank keeps its chunk of each sum (flat, new tensors)."""
+        table = torch.cat([layout.padded(index, full) for index, full in enumerate(fulls)], dim=1)
+        mine = table.new_empty(table.shape[1])
+        wait_for(dist.reduce_scatter_single(mine, table.reshape(-1), group=self.group, async_op=True),
+                 self.timeout, f"the {label} reduce-scatter")
+        offsets = _offsets(layout)
+        return [mine[start:start + layout.chunk_numel(index)] for index, start in enumerate(offsets)]
+
+
+def _offsets(layout: ShardLayout) -> list[int]:
+    offsets, total = [], 0
+    for index in range(len(layout.numels)):
+        offsets.append(total)
+        total += layout.chunk_numel(index)
+    return offsets
+
+
+def free_storage(tensor: torch.Tensor) -> None:
+    """Release ``tensor``'s memory but keep the tensor object (ZeRO-3 between uses).
+
+    The storage is resized in place, not swapped, so autograd's saved reference to a parameter
+    and the get_attr inputs that alias it see the data again once :func:`fill_storage` runs.
+    """
+    tensor.data.untyped_storage().resize_(0)
+
+
+def fill_storage(tensor: torch.Tensor, value: torch.Tensor) -> None:
+    """Give a freed ``tensor`` its memory back, holding ``value`` (through ``.data``: no version bump)."""
+    data = tensor.data
+    data.untyped_storage().resize_(data.numel() * data.element_size())
+    data.copy_(value)
+
+
+def is_freed(tensor: torch.Tensor) -> bool:
+    return tensor.numel() > 0 and tensor.untyped_storage().nbytes() == 0

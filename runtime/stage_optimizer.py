@@ -1,0 +1,372 @@
+"""One stage's optimizer: master copies of its parameters where the plan puts them, the optimizer
+over them, and the copies between masters and parameters (ZeRO-1/2/3, ZeRO-Offload, ZeRO-Infinity).
+
+The plan's ``offload`` section decides, per stage (planner/plan/parts.py ``OffloadSpec``):
+
+* ``optimizer_state`` gpu, ``zero_stage`` 0: the optimizer steps the parameters themselves (no copy).
+* ``optimizer_state`` host: master copies on the CPU (the parameters' dtype: fp32/fp64 plans);
+  the step copies gradients down into ``master.grad``, steps the masters with torch's own
+  optimizer (``foreach`` on), copies the masters back into the parameters and drops the gradients.
+  On a CPU-only run the "device" is the CPU: the same path, with separate tensors.
+* ``optimizer_state`` nvme: as host, and between steps the masters and the per-element state live
+  only in a file of ``--nvme-dir`` (runtime/nvme.py); the read starts at the stage's first backward
+  of the step (:meth:`StageOptimizer.prefetch`), the write after the step.
+* ``zero_stage`` >= 1 over the stage's data-parallel group (runtime/sharding.py): each rank's masters
+  are its chunks of the parameters (on the tier's device), it steps only those, then the updated
+  chunks are all-gathered into the parameters (1, 2) or kept as the parameter's shard (3).
+  2 and 3 reduce-scatter the gradients at the stage's ``ALLREDUCE`` (after the last micro-batch:
+  the gradients of all micro-batches are accumulated whole, then each rank keeps its chunk of
+  the sum). 3 also keeps parameters freed between uses: :meth:`in_use` all-gathers them around a
+  forward or backward. Tied parameters (summed across stages) and scalars are never sharded.
+
+Mixed precision (fp16/bf16, runtime/precision.py) uses the same masters on every tier: ``sources``
+are fp32 copies of the parameters taken before the model was cast to 16 bits; the masters are
+made from them (or their chunks), the copy-down casts the 16-bit gradients to fp32 (the loss
+scale is undone by :class:`runtime.precision.MixedPrecision`, which also defers the step:
+:meth:`grads_down`, then :meth:`apply` or :meth:`skip`), the copy-back rounds to 16 bits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from planner.plan import OffloadSpec, StateTier
+from runtime.nvme import PagedFile
+from runtime.sharding import ShardGroup, fill_storage, free_storage, is_freed
+from runtime.stages import OptimizerFactory
+
+
+class StageOptimizer:
+    """The masters, optimizer and copies of one stage (see the module docstring for each tier)."""
+
+    def __init__(self, stage: int, params: Mapping[str, nn.Parameter], factory: OptimizerFactory, *,
+                 spec: OffloadSpec, device: torch.device, shards: ShardGroup | None = None,
+                 replicated: frozenset[str] = frozenset(), pager: PagedFile | None = None,
+                 sources: Sequence[torch.Tensor] | None = None) -> None:
+        self.stage, self.spec, self.device, self.pager = stage, spec, device, pager
+        self.names, self.params = list(params), list(params.values())
+        self._sources = sources  # mixed precision: fp32 weights the masters start from (then dropped)
+        zero = spec.zero_stage if shards is not None and shards.world > 1 else 0
+        self.sharded = [zero >= 1 and name not in replicated and param.dim() > 0
+                        for name, param in params.items()]
+        self.zero_stage = zero if any(self.sharded) else 0
+        self.shards = shards if self.zero_stage else None
+        self.layout = (self.shards.layout([p.numel() for p, s in zip(self.params, self.sharded) if s])
+                       if self.shards is not None else None)
+        self._slot = {}  # parameter index -> index in the shard layout
+        for index, sharded in enumerate(self.sharded):
+            if sharded:
+                self._slot[index] = len(self._slot)
+        self.plain = spec.optimizer_state is StateTier.GPU and not self.zero_stage and sources is None
+        self.state_device = device if spec.optimizer_state is StateTier.GPU else torch.device("cpu")
+        self.masters = self.params if self.plain else [nn.Parameter(self._new_master(i), requires_grad=True)
+                                                       for i in range(len(self.params))]
+        self.optimizer = factory(list(self.masters))
+        if spec.host_step:
+            for group in self.optimizer.param_groups:  # torch's multi-tensor kernels also run on CPU
+                if group.get("foreach", False) is None:
+                    group["foreach"] = True
+        self.grad_chunks: dict[int, torch.Tensor] = {}
+        self.param_shards = self._initial_shards() if self.zero_stage == 3 else {}
+        self._paged: list[tuple[int, str]] = []  # (master index, state key) of the paged state, file order
+        self._master_shapes = [m.shape for m in self.masters]
+        self._sources = None
+        if self.pager is not None:
+            self._page_out()
+
+    # ------------------------------------------------------------ set-up
+    def _new_master(self, index: int, sources: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+        sources = sources if sources is not None else self._sources
+        param = (self.params[index] if sources is None else sources[index]).detach()
+        if self.sharded[index]:
+            assert self.layout is not None
+            return self.layout.chunk(self._slot[index], param).to(self.state_device)
+        return param.to(self.state_device, copy=True)
+
+    def _initial_shards(self) -> dict[int, torch.Tensor]:
+        """ZeRO-3: each sharded parameter's chunk on the device (the master itself on the GPU tier,
+        a copy otherwise, also where the CPU stands in for the device); the parameter's memory freed."""
+        shards = {}
+        on_device = self.spec.optimizer_state is StateTier.GPU
+        for index, master in enumerate(self.masters):
+            if self.sharded[index]:
+                dtype = self.params[index].dtype  # 16 bits under mixed precision: a copy, not the master
+                shards[index] = (master.detach() if on_device and dtype == master.dtype
+                                 else master.detach().to(self.device, dtype, copy=True))
+                free_storage(self.params[index])
+        return shards
+
+    # ------------------------------------------------------------ hooks the executor calls
+    @property
+    def unsharded_names(self) -> frozenset[str]:
+        """Parameters kept whole on every replica (tied ones, scalars; all of them without ZeRO)."""
+        return frozenset(name for name, sharded in zip(self.names, self.sharded) if not sharded)
+
+    @property
+    def reduces_gradients(self) -> bool:
+        """The stage's ALLREDUCE is a reduce-scatter here (ZeRO-2/3), not the plain all-reduce."""
+        return self.zero_stage >= 2
+
+    def reduce_gradients(self, label: str) -> None:
+        """Sum the sharded parameters' gradients over the group; keep this rank's chunk, free the rest."""
+        assert self.shards is not None and self.layout is not None
+        indices = [i for i in self._slot if self.params[i].grad is not None]
+        if not indices:
+            return
+        fulls = [self.params[i].grad if i in indices else torch.zeros_like(self.params[i]) for i in self._slot]
+        chunks = self.shards.reduce_scatter(self.layout, fulls, label)  # type: ignore[arg-type]
+        for index, chunk in zip(self._slot, chunks):
+            if index in indices:
+                self.grad_chunks[index] = self.grad_chunks[index] + chunk if index in self.grad_chunks else chunk
+                self.params[index].grad = None
+
+    @contextlib.contextmanager
+    def in_use(self) -> Iterator[None]:
+        """ZeRO-3: the stage's parameters all-gathered for the enclosed forward or backward, freed after."""
+        if self.zero_stage != 3 or not any(is_freed(self.params[i]) for i in self.param_shards):
+            yield
+            return
+        self._gather_params()
+        try:
+            yield
+        finally:
+            for index in self.param_shards:
+                free_storage(self.params[index])
+
+    def prefetch(self) -> None:
+        """Start reading the paged state back (called at the stage's backwards; idempotent)."""
+        if self.pager is not None:
+            self.pager.prefetch()
+
+    def step(self) -> None:
+        """One optimizer step over the accumulated (and reduced) gradients."""
+        self.grads_down()
+        self.apply()
+
+    def grads_down(self) -> list[torch.Tensor]:
+        """The paged state read back and the gradients copied into the masters' ``.grad`` (cast to
+        the masters' dtype); returns those gradients (mixed precision unscales them in place)."""
+        if self.plain:
+            return [p.grad for p in self.params if p.grad is not None]
+        self._page_in()
+        for index, master in enumerate(self.masters):
+            grad = self._grad_chunk(index)
+            master.grad = None if grad is None else grad.to(master.device, master.dtype, copy=True).view_as(master)
+            self.params[index].grad = None
+        return [m.grad for m in self.masters if m.grad is not None]
+
+    def apply(self) -> None:
+        """After :meth:`grads_down`: step the masters, copy them back, page the state out."""
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if not self.plain:
+            self._copy_back()
+            self._page_out()
+
+    def skip(self) -> None:
+        """After :meth:`grads_down`: drop the gradients and leave masters and state as they were."""
+        self.optimizer.zero_grad(set_to_none=True)
+        for param in self.params:
+            param.grad = None
+        if self.pager is not None:
+            self._drop_resident()
+
+    # ------------------------------------------------------------ the copies
+    def _grad_chunk(self, index: int) -> torch.Tensor | None:
+        grad = self.params[index].grad
+        if not self.sharded[index]:
+            return grad
+        if self.zero_stage >= 2:
+            return self.grad_chunks.pop(index, None)
+        assert self.layout is not None
+        return None if grad is None else self.layout.chunk(self._slot[index], grad)
+
+    def _copy_back(self) -> None:
+        """Updated masters into the parameters: copied up, all-gathered (ZeRO-1/2) or kept as shards (3)."""
+        with torch.no_grad():
+            for index, master in enumerate(self.masters):
+                if not self.sharded[index]:
+                    self.params[index].copy_(master.view_as(self.params[index]))
+                elif self.zero_stage == 3 and self.param_shards[index].data_ptr() != master.data_ptr():
+                    self.param_shards[index].copy_(master)
+            if self.zero_stage in (1, 2):
+                chunks = [self.masters[i].detach().to(self.device, self.params[i].dtype) for i in self._slot]
+                for index, rows in zip(self._slot, self._all_gather(chunks, "parameters")):
+                    self.params[index].copy_(self._unpad(index, rows))
+
+    def _gather_params(self) -> None:
+        chunks = [self.param_shards[i] for i in self._slot]
+        for index, rows in zip(self._slot, self._all_gather(chunks, "parameters")):
+            fill_storage(self.params[index], self._unpad(index, rows))
+
+    def _all_gather(self, chunks: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
+        assert self.shards is not None and self.layout is not None
+        return self.shards.all_gather(self.layout, chunks, f"stage {self.stage} {what}")
+
+    def _unpad(self, index: int, rows: torch.Tensor) -> torch.Tensor:
+        assert self.layout is not None
+        return self.layout.unpad(self._slot[index], rows, self.params[index].shape)
+
+    # ------------------------------------------------------------ NVMe paging
+    def _page_out(self) -> None:
+        """Write the masters and per-element state to the stage's file and drop them from memory."""
+        if self.pager is None:
+            return
+        tensors = [master.data for master in self.masters]
+        self._paged = []
+        for index, master in enumerate(self.masters):
+            state = self.optimizer.state.get(master, {})
+            for key in sorted(state):
+                if _per_element(state[key], master):
+                    self._paged.append((index, key))
+                    tensors.append(state.pop(key))
+        self.pager.write(tensors)
+        for master in self.masters:
+            master.data = master.data.new_empty(0)
+
+    def _page_in(self) -> None:
+        if self.pager is None:
+            return
+        views = self.pager.read()
+        for master, shape, view in zip(self.masters, self._master_shapes, views):
+            master.data = view.view(shape)
+        for (index, key), view in zip(self._paged, views[len(self.masters):]):
+            self.optimizer.state[self.masters[index]][key] = view.view(self._master_shapes[index])
+        self._paged = []
+
+    @contextlib.contextmanager
+    def _resident(self, *, changed: bool) -> Iterator[None]:
+        """The paged state in memory for the enclosed block (written back if ``changed``)."""
+        if self.pager is None:
+            yield
+            return
+        self._page_in()
+        try:
+            yield
+        finally:
+            if changed:
+                self._page_out()
+            else:
+                self._drop_resident()
+
+    def _drop_resident(self) -> None:
+        """Forget the in-memory copy of unchanged paged state (the file still holds it)."""
+        assert self.pager is not None
+        self._paged = []
+        for index, master in enumerate(self.masters):
+            state = self.optimizer.state.get(master, {})
+            for key in sorted(state):
+                if _per_element(state[key], master):
+                    self._paged.append((index, key))
+                    del state[key]
+        for master in self.masters:
+            master.data = master.data.new_empty(0)
+
+    # ------------------------------------------------------------ checkpoints and figures
+    @contextlib.contextmanager
+    def params_gathered(self) -> Iterator[None]:
+        """Whole parameters for the enclosed block (collective under ZeRO-3; see :meth:`in_use`)."""
+        with self.in_use():
+            yield
+
+    def gather_full(self, per_master: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """Tensors shaped like the masters (e.g. their gradients) as whole parameters (collective;
+        every replica passes tensors for the same parameters, as they run the same graph)."""
+        full: list[torch.Tensor | None] = list(per_master)
+        present = [i for i in self._slot if per_master[i] is not None]
+        if present:
+            assert self.shards is not None
+            layout = self.shards.layout([self.params[i].numel() for i in present])
+            rows = self.shards.all_gather(layout, [per_master[i].reshape(-1) for i in present],  # type: ignore[union-attr]
+                                          f"stage {self.stage} state")
+            for slot, (index, table) in enumerate(zip(present, rows)):
+                full[index] = layout.unpad(slot, table, self.params[index].shape)
+        return [None if t is None else t.reshape(p.shape) for t, p in zip(full, self.params)]
+
+    def full_optimizer_state(self) -> dict[str, Any]:
+        """The optimizer's state dict as if it stepped the whole parameters (what checkpoints hold;
+        collective on ZeRO stages: every replica calls it)."""
+        if self.plain:
+            return self.optimizer.state_dict()
+        with self._resident(changed=False):
+            saved = self.optimizer.state_dict()
+            states = [dict(saved["state"].get(i, {})) for i in range(len(self.masters))]
+            keys = sorted({key for state in states for key in state})
+            for key in keys:
+                per_master = [self._element_state(states[i].get(key), i) for i in range(len(self.masters))]
+                for index, tensor in enumerate(self.gather_full(per_master)):
+                    if tensor is not None:
+                        states[index][key] = tensor
+            return {"state": {i: s for i, s in enumerate(states) if s}, "param_groups": saved["param_groups"]}
+
+    def _element_state(self, value: Any, index: int) -> torch.Tensor | None:
+        return value if isinstance(value, torch.Tensor) and _per_element(value, self.masters[index]) else None
+
+    def restore(self, optimizer_state: dict[str, Any] | None,
+                masters: Sequence[torch.Tensor] | None = None) -> None:
+        """Take the (already loaded) parameters, or whole ``masters`` (mixed precision's fp32 ones),
+        as the masters, and a full optimizer state dict."""
+        if self.plain:
+            if optimizer_state is not None:
+                self.optimizer.load_state_dict(optimizer_state)
+            return
+        with self._resident(changed=True), self.params_gathered(), torch.no_grad():
+            for index, master in enumerate(self.masters):
+                master.copy_(self._new_master(index, masters).view_as(master))
+                if index in self.param_shards and self.param_shards[index].data_ptr() != master.data_ptr():
+                    self.param_shards[index].copy_(master)
+            if optimizer_state is not None:
+                self.optimizer.load_state_dict(self._shard_state(optimizer_state))
+
+    def _shard_state(self, saved: dict[str, Any]) -> dict[str, Any]:
+        assert saved is not None
+        state = {}
+        for key, entries in saved["state"].items():
+            index = int(key)
+            state[index] = {name: (self.layout.chunk(self._slot[index], value)  # type: ignore[union-attr]
+                                   if self.sharded[index] and isinstance(value, torch.Tensor)
+                                   and value.shape == self.params[index].shape else value)
+                            for name, value in entries.items()}
+        return {"state": state, "param_groups": saved["param_groups"]}
+
+    def full_masters(self) -> list[torch.Tensor]:
+        """Every master as a whole parameter (collective on ZeRO stages; read back from NVMe)."""
+        if self.plain:
+            return [p.detach() for p in self.params]
+        with self._resident(changed=False):
+            return [t.clone() for t in self.gather_full([m.detach() for m in self.masters])]  # type: ignore[union-attr]
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Masters, their state and parameter shards this stage holds in memory now (not the params)."""
+        tensors = [] if self.plain else [m for m in self.masters if m.numel()]
+        tensors += [v for state in self.optimizer.state.values() for v in state.values()
+                    if isinstance(v, torch.Tensor)]
+        return tensors + list(self.param_shards.values())
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of masters and optimizer state held in host memory now (0 on the GPU tier)."""
+        if self.state_device.type != "cpu" or self.spec.optimizer_state is StateTier.GPU:
+            return 0
+        shards = {id(t) for t in self.param_shards.values()}
+        return sum(t.numel() * t.element_size() for t in self.held_tensors()
+                   if t.device.type == "cpu" and id(t) not in shards)
+
+    @property
+    def nvme_bytes(self) -> int:
+        """Bytes of masters and optimizer state in the stage's NVMe file."""
+        return self.pager.size_bytes if self.pager is not None else 0
+
+    def close(self) -> None:
+        if self.pager is not None:
+            self.pager.close()
+
+
+def _per_element(value: Any, master: torch.Tensor) -> bool:
+    """A state tensor with one element per master element (Adam's moments, momentum), not a scalar."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == master.numel() > 0

@@ -1,0 +1,163 @@
+"""Optimizer state on the host or NVMe and ZeRO 1/2/3 equal a single-process float64 run.
+
+Every case trains 3 steps and is checked like tests/dist/test_runtime.py: losses, every gradient
+the optimizer saw (gathered whole from ZeRO shards) and every final parameter at rtol 1e-10.
+2 ranks: the GPT as one stage x 2 replicas under each ZeRO stage and tier (Adam and momentum),
+and as 2 stages x 1 replica (the tied embedding across stages) with host and NVMe tiers; the
+host tier also equals the GPU tier bit for bit. 4 ranks: 2 stages x 2 replicas mixing decisions
+per stage. A checkpoint taken under ZeRO-2 with NVMe resumes under the same plan and under
+ZeRO-3 on the host. Resident memory drops by the optimizer state when it is paged to NVMe.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from planner.plan import OffloadSpec, StateTier
+from tests.dist.harness import run_ranks
+from tests.dist.runtime_cases import Case, Resumed, run_cases, run_resumed
+from tests.dist.test_runtime import _check
+from tests.runtime_plans import GPT, make_plan
+
+pytestmark = pytest.mark.dist
+
+ROOT = Path(__file__).resolve().parents[2]
+HOST, NVME = StateTier.HOST, StateTier.NVME
+ADAM_LR = 1e-3
+
+
+def _case(stage_starts: list[str], offload: list[OffloadSpec], *, optimizer: str, nvme_dir: Path,
+          data_parallel: int = 2, schedule: str = "gpipe", microbatches: int = 2) -> Case:
+    plan = make_plan(GPT, stage_starts, schedule=schedule, data_parallel=data_parallel, optimizer=optimizer,
+                     microbatches=microbatches, offload=offload)
+    return Case(plan, lr=ADAM_LR if optimizer == "adam" else 0.05, nvme_dir=str(nvme_dir))
+
+
+def test_two_ranks_zero_and_offloaded_optimizers_equal_a_single_process(tmp_path: Path) -> None:
+    one_stage = [  # GPT as one stage x 2 replicas
+        _case([], [OffloadSpec(zero_stage=1)], optimizer="momentum", nvme_dir=tmp_path),
+        _case([], [OffloadSpec(zero_stage=2)], optimizer="adam", nvme_dir=tmp_path),
+        _case([], [OffloadSpec(zero_stage=3)], optimizer="momentum", nvme_dir=tmp_path),
+        _case([], [OffloadSpec(zero_stage=3)], optimizer="adam", nvme_dir=tmp_path),
+        _case([], [OffloadSpec(optimizer_state=HOST)], optimizer="momentum", nvme_dir=tmp_path),
+        _case([], [OffloadSpec(optimizer_state=NVME)], optimizer="adam", nvme_dir=tmp_path),
+        _case([], [OffloadSpec(zero_stage=1, optimizer_state=HOST)], optimizer="adam", nvme_dir=tmp_path),
+        _case([], [OffloadSpec(zero_stage=3, optimizer_state=NVME)], optimizer="momentum", nvme_dir=tmp_path),
+    ]
+    pipeline = [  # 2 stages x 1 replica: the tied embedding's copies step on host and NVMe masters
+        _case(["blocks_1_ln_1"], [OffloadSpec(optimizer_state=HOST), OffloadSpec(optimizer_state=NVME)],
+              optimizer="adam", nvme_dir=tmp_path, data_parallel=1, schedule="1f1b", microbatches=4),
+    ]
+    plain_and_host = [_case([], [OffloadSpec()], optimizer="adam", nvme_dir=tmp_path),
+                      _case([], [OffloadSpec(optimizer_state=HOST)], optimizer="adam", nvme_dir=tmp_path)]
+    cases = one_stage + pipeline + plain_and_host
+    outcomes = run_ranks(run_cases, 2, cases, timeout_s=240)
+    for index, case in enumerate(cases):
+        _check(case, [outcomes[rank][index] for rank in range(2)])
+    plain, host = outcomes[0][-2], outcomes[0][-1]
+    for name, value in plain.params.items():  # host Adam (foreach on CPU) == the GPU tier, bit for bit
+        assert np.array_equal(host.params[name], value), f"host-tier {name} differs from the GPU tier's"
+    assert not list(tmp_path.glob(".*")), "a temporary state file was left behind"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "rank0-stage0.optim", "rank1-stage0.optim", "rank1-stage1.optim"]
+
+
+def test_four_ranks_two_stages_of_two_replicas_equal_a_single_process(tmp_path: Path) -> None:
+    cut = ["blocks_1_ln_1"]
+    cases = [
+        _case(cut, [OffloadSpec(zero_stage=1), OffloadSpec(optimizer_state=HOST)], optimizer="momentum",
+              nvme_dir=tmp_path),
+        _case(cut, [OffloadSpec(zero_stage=2), OffloadSpec(optimizer_state=NVME)], optimizer="adam",
+              nvme_dir=tmp_path, schedule="1f1b", microbatches=3),
+        _case(cut, [OffloadSpec(zero_stage=3), OffloadSpec(zero_stage=3)], optimizer="adam", nvme_dir=tmp_path),
+        _case(cut, [OffloadSpec(zero_stage=1, optimizer_state=NVME), OffloadSpec(zero_stage=2,
+              optimizer_state=HOST)], optimizer="momentum", nvme_dir=tmp_path, schedule="1f1b"),
+    ]
+    outcomes = run_ranks(run_cases, 4, cases, timeout_s=240)
+    for index, case in enumerate(cases):
+        _check(case, [outcomes[rank][index] for rank in range(4)])
+
+
+def test_a_checkpoint_of_sharded_nvme_state_resumes_under_the_same_or_another_plan(tmp_path: Path) -> None:
+    paged = _case([], [OffloadSpec(zero_stage=2, optimizer_state=NVME)], optimizer="adam",
+                  nvme_dir=tmp_path / "nvme")
+    other = make_plan(GPT, [], schedule="gpipe", data_parallel=2, optimizer="adam", microbatches=2,
+                      offload=[OffloadSpec(zero_stage=3, optimizer_state=HOST)])
+    (tmp_path / "nvme").mkdir()
+    (tmp_path / "nvme2").mkdir()
+    cases = [Resumed(paged, str(tmp_path / "same"), stop_after=2, resume_nvme_dir=str(tmp_path / "nvme2")),
+             Resumed(paged, str(tmp_path / "other"), stop_after=1, resume_plan_json=other)]
+    outcomes = run_ranks(run_resumed, 2, cases, timeout_s=180)
+    for index, resumed in enumerate(cases):
+        _check(resumed.case, [outcomes[rank][index] for rank in range(2)])
+
+
+def test_optimizer_state_on_nvme_leaves_resident_memory(tmp_path: Path) -> None:
+    """A one-rank GPT (3.7 M fp32 parameters, 29 MB of Adam state) after 3 steps, each run in a
+    subprocess, one after the other (tests/dist/rss_probe.py): paged to NVMe, resident memory is lower by at least
+    80% of the optimizer state than with the state kept on the device (the CPU here)."""
+    began = time.monotonic()
+    (tmp_path / "nvme").mkdir()
+    probe = subprocess.run([sys.executable, "-m", "tests.dist.rss_probe", str(tmp_path / "nvme")], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60, check=False)
+    assert probe.returncode == 0, probe.stderr
+    figures = json.loads(probe.stdout.strip().splitlines()[-1])
+    on_device, paged = figures["gpu"], figures["nvme"]
+    state_bytes = on_device["optimizer_state_bytes"]
+    assert state_bytes > 20e6
+    assert paged["nvme_bytes"] >= 1.5 * state_bytes  # the masters are paged with the moments
+    saved = on_device["rss_bytes"] - paged["rss_bytes"]
+    assert saved >= 0.8 * state_bytes, f"NVMe saved {saved} resident bytes of {state_bytes}: {figures}"
+    assert time.monotonic() - began < 20, f"took {time.monotonic() - began:.1f} s"
+
+
+def test_a_missing_or_unwritable_nvme_dir_fails_before_any_work_in_one_line(tmp_path: Path) -> None:
+    from tests.dist.test_runtime_launch import torchrun
+    from tests.dist.test_tessera_run import said, tessera
+
+    plan = tmp_path / "paged.json"
+    plan.write_text(make_plan(GPT, ["blocks_1_ln_1"], schedule="1f1b", optimizer="adam",
+                              offload=[OffloadSpec(), OffloadSpec(optimizer_state=NVME)]))
+    absent = tmp_path / "absent"
+    result, _ = torchrun(plan, 2, "--steps", "1", "--nvme-dir", str(absent))
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert output.count(f"--nvme-dir {absent} does not exist") == 1, output
+    assert "step 1" not in output
+    refused = tessera("run", str(plan), "--steps", "1", "--nvme-dir", "/proc")
+    assert refused.returncode == 2, refused.stderr
+    assert said(refused.stderr) == [("tessera: error: --nvme-dir /proc is not writable (No such file or "
+                                     "directory); fix its permissions or pass another --nvme-dir")]
+
+
+def test_python_m_runtime_pages_to_nvme_reports_its_bytes_and_resumes(tmp_path: Path) -> None:
+    from planner.reports.run_report import RunReport
+    from tests.dist.test_runtime_launch import torchrun
+
+    plan = tmp_path / "paged.json"
+    plan.write_text(make_plan(GPT, ["blocks_1_ln_1"], schedule="1f1b", optimizer="adam",
+                              offload=[OffloadSpec(optimizer_state=HOST), OffloadSpec(optimizer_state=NVME)]))
+    nvme, checkpoints = tmp_path / "nvme", tmp_path / "checkpoints"
+    nvme.mkdir()
+    common = ("--nvme-dir", str(nvme), "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "1")
+    first, _ = torchrun(plan, 2, "--steps", "2", *common, "--report", str(tmp_path / "first.json"))
+    assert first.returncode == 0, first.stderr
+    report = RunReport.load(tmp_path / "first.json")
+    host, paged = report.optimizer_host_bytes, report.optimizer_nvme_bytes
+    assert host[0] > 0 and paged[0] == 0  # stage 0 (rank 0): masters and Adam state on the host
+    assert host[1] < 1024 < paged[1] == (nvme / "rank1-stage1.optim").stat().st_size  # only step counts stay
+    resumed, _ = torchrun(plan, 2, "--steps", "3", *common, "--resume", "--report", str(tmp_path / "resumed.json"))
+    assert resumed.returncode == 0, resumed.stderr
+    uninterrupted, _ = torchrun(plan, 2, "--steps", "3", "--nvme-dir", str(nvme),
+                                "--report", str(tmp_path / "whole.json"))
+    assert uninterrupted.returncode == 0, uninterrupted.stderr
+    whole = RunReport.load(tmp_path / "whole.json").losses
+    assert RunReport.load(tmp_path / "resumed.json").losses == whole[2:]
+    assert report.losses == whole[:2]
