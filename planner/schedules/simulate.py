@@ -235,10 +235,10 @@ class _Clocks:
 
 
 def _running(static_bytes: int, changes: list[tuple[float, int]]) -> tuple[tuple[float, int], ...]:
-    """(time, bytes held) at 0 and after each change, in time order (frees before allocations at one
-    instant)."""
+    """(time, bytes held) at 0 and after each change, in time order (changes at one instant in the
+    order the programs made them)."""
     held, timeline = static_bytes, [(0.0, static_bytes)]
-    for time_ms, delta in sorted(changes, key=lambda change: (change[0], change[1])):
+    for time_ms, delta in sorted(changes, key=lambda change: change[0]):
         held += delta
         timeline.append((time_ms, held))
     return tuple(timeline)
