@@ -31,7 +31,7 @@ from planner.schedules.validate import validate
 from planner.search.configs import gpus_note
 from planner.search.evaluate import region_start
 from planner.search.ilp import SolveStatus
-from planner.search.search import Candidate, SearchResult, SearchSpace
+from planner.search.search import OFFLOAD_MUST_GAIN, Candidate, SearchResult, SearchSpace
 from planner.simulation import sim_costs
 
 
@@ -164,6 +164,9 @@ def _report(result: SearchResult, space: SearchSpace, simulated: SimResult,
         return SolverReport(best.solver, best.status.value, best.objective_ms, 0.0, result.wall_s, 1,
                             f"split given by the user: {best.setup.config.describe()}; not searched", "")
     why = f"{best.setup.config.describe()} has the lowest step ({format_ms(simulated.step_ms)})"
+    if result.runner_up is not None and result.runner_up.objective_ms < best.objective_ms:
+        why = (f"{best.setup.config.describe()} ({format_ms(simulated.step_ms)}) keeps everything on the GPU "
+               f"within {OFFLOAD_MUST_GAIN:.0%} of the fastest plan")
     runner = None
     if runner_up is not None and runner_up_simulated is not None:
         config, step_ms = runner_up.setup.config, runner_up_simulated.step_ms

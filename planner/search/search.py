@@ -171,6 +171,9 @@ class Search:
         solved.sort(key=lambda c: (round(c.objective_ms, 9), c.setup.config.gpus,  # a tie: fewer GPUs
                                    c.evaluation.peak_mem_bytes))
         on_gpu = min(self._on_gpu, key=lambda c: c.objective_ms, default=None)
+        if on_gpu is not None and on_gpu.objective_ms <= (1 + OFFLOAD_MUST_GAIN) * solved[0].objective_ms:
+            solved.remove(on_gpu)  # within the margin, a plan that offloads nothing is preferred
+            solved.insert(0, on_gpu)
         return SearchResult(solved[0], solved[1] if len(solved) > 1 else None, len(configs),
                             len(solved), time.perf_counter() - start, solver_s,
                             configs_unexamined=unexamined, best_on_gpu=on_gpu)
@@ -290,6 +293,10 @@ class Search:
         return (f"{format_bytes(usable)} ({format_bytes(usable + reserve)} less {format_bytes(reserve)} "
                 f"reserved)")
 
+
+OFFLOAD_MUST_GAIN = 0.01
+"""A plan with memory decisions wins over the best plan keeping everything on the GPU only when it is
+predicted at least this much faster (a 0.3% gain is not worth sharded state or host copies)."""
 
 DECIDE_WHEN_MEMORY_AT = 0.97
 """Recompute and swap are decided for a configuration whose best plan keeping every activation uses at
