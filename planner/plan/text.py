@@ -41,7 +41,17 @@ def format_plan(model: ModelRef, cluster: ClusterSpec, training: TrainingSpec, s
 
 def _memory_decisions(cluster: ClusterSpec, parts: tuple[StagePlan, ...], layout: Layout) -> list[str]:
     """Per stage, what it recomputes, swaps and keeps off the GPU; then the host and NVMe it uses."""
-    lines = [f"stage {stage.index}: {said}" for stage in parts if (said := stage.offload.describe(len(stage.nodes)))]
+    lines: list[str] = []
+    runs: list[tuple[int, int, str]] = []  # (first stage, last stage, decisions) of consecutive stages alike
+    for stage in parts:
+        said = stage.offload.describe(len(stage.nodes))
+        if runs and runs[-1][2] == said and runs[-1][1] == stage.index - 1:
+            runs[-1] = (runs[-1][0], stage.index, said)
+        else:
+            runs.append((stage.index, stage.index, said))
+    for first, last, said in runs:
+        if said:
+            lines.append(f"stage {first}: {said}" if first == last else f"stages {first}-{last}: {said}")
     if cluster.host_mem_bytes is None:
         return lines
     ranks = [sum(len(layout.ranks_of(stage, replica)) for replica in range(layout.data_parallel))
