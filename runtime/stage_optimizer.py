@@ -218,16 +218,7 @@ class StageOptimizer:
         if self.pager is None:
             return
         tensors = [master.data for master in self.masters]
-        self._paged = []
-        for index, master in enumerate(self.masters):
-            state = self.optimizer.state.get(master, {})
-            for key in sorted(state):
-                if _per_element(state[key], master):
-                    self._paged.append((index, key))
-                    tensors.append(state.pop(key))
-        self.pager.write(tensors)
-        for master in self.masters:
-            master.data = master.data.new_empty(0)
+        self.pager.write(tensors + self._release_paged())
 
     def _page_in(self) -> None:
         if self.pager is None:
@@ -257,15 +248,22 @@ class StageOptimizer:
     def _drop_resident(self) -> None:
         """Forget the in-memory copy of unchanged paged state (the file still holds it)."""
         assert self.pager is not None
+        self._release_paged()
+
+    def _release_paged(self) -> list[torch.Tensor]:
+        """Take the per-element state out of the optimizer (noting its keys in ``_paged``) and empty the
+        masters; returns the state tensors taken, in ``_paged`` order."""
         self._paged = []
+        taken = []
         for index, master in enumerate(self.masters):
             state = self.optimizer.state.get(master, {})
             for key in sorted(state):
                 if _per_element(state[key], master):
                     self._paged.append((index, key))
-                    del state[key]
+                    taken.append(state.pop(key))
         for master in self.masters:
             master.data = master.data.new_empty(0)
+        return taken
 
     # ------------------------------------------------------------ checkpoints and figures
     @contextlib.contextmanager
