@@ -22,8 +22,9 @@ from planner.progress import Phase, Progress, ProgressEvent
 from planner.schedules.generate import Schedule, generate, max_in_flight
 from planner.search.configs import Config, SearchSpace, configurations
 from planner.search.evaluate import Decisions, Evaluation, evaluate
+from planner.plan.parts import StateTier
 from planner.search.ilp import SolveStatus, solve_partition
-from planner.search.infeasible import infeasible_error
+from planner.search.infeasible import capacity_error, infeasible_error
 from planner.search.oracle import check_exact, min_peak_partition
 from planner.search.problem import (
     ON_GPU,
@@ -282,9 +283,14 @@ class Search:
     def infeasible(self, configs: Sequence[Config]) -> PlanInfeasible:
         """The error for a budget nothing fits: the smallest memory the most frugal layout needs."""
         frugal = min(configs, key=lambda c: (-c.num_stages, c.micro_batch_size,
-                                             sum(self.setup(c).problem.in_flight)))
-        return infeasible_error(self.setup(frugal), self._budget(), self.space.gpus, self.device.name,
-                                self.space.reserve)
+                                             sum(self.setup(c).problem.in_flight),
+                                             c.state.optimizer is StateTier.GPU, c.state.optimizer is StateTier.HOST,
+                                             -c.state.zero_stage))
+        setup = self.setup(frugal)
+        lowest = min_peak_partition(setup.frugal_costs)
+        if lowest.peak_bytes <= self.space.mem_bytes:  # the GPUs would fit it: host memory or NVMe do not
+            return capacity_error(setup, lowest.cuts, lowest.peak_bytes)
+        return infeasible_error(setup, self._budget(), self.space.gpus, self.device.name, self.space.reserve)
 
     def _budget(self) -> str:
         usable, reserve = self.space.mem_bytes, self.space.reserve_bytes

@@ -227,3 +227,12 @@ def test_a_run_of_recomputed_units_in_one_block_keeps_only_its_first_inputs() ->
     kept = saved((0.0,) * 5)
     assert kept - saved((1.0, 1.0, 0.0, 0.0, 0.0)) == 2000 - 200
     assert kept - saved((0.0, 0.0, 0.0, 1.0, 1.0)) == 2000 - 2 * 200
+
+
+def test_host_memory_the_plan_needs_beyond_the_node_is_named() -> None:
+    with pytest.raises(PlanInfeasible) as raised:
+        _tiny(1, offload=False)
+    with pytest.raises(PlanInfeasible, match=r"node 0 would need .* of host memory .* and has 1\.0 KiB; give "
+                                             r"--host-mem \(plan\(host_mem=\)\) >= ") as host:
+        _tiny(int(0.8 * raised.value.min_mem_bytes), offload=("host",), host_mem="1KB")
+    assert host.value.binding == "host memory of node 0"
