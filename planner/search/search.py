@@ -18,11 +18,11 @@ from cost_models.errors import PlanInfeasible
 from cost_models.estimation import CostTable, estimate
 from cost_models.graph.ir import LayerGraph
 from cost_models.units import format_bytes
+from planner.plan.parts import StateTier
 from planner.progress import Phase, Progress, ProgressEvent
 from planner.schedules.generate import Schedule, generate, max_in_flight
 from planner.search.configs import Config, SearchSpace, configurations
 from planner.search.evaluate import Decisions, Evaluation, evaluate
-from planner.plan.parts import StateTier
 from planner.search.ilp import SolveStatus, solve_partition
 from planner.search.infeasible import capacity_error, infeasible_error
 from planner.search.oracle import check_exact, min_peak_partition
