@@ -1,7 +1,9 @@
 """The error for a budget no plan fits: the binding stage's memory, by kind, and the fix that helps.
 
-A stage's memory is its model state (weights, gradients, optimizer state, buffers), its working
-memory (the largest transient: one node's output and its gradient; the buffer of what it sends),
+The budget named is one that fits with every activation kept (in the most frugal layout and state
+mode): recompute and swap may fit in less, but no smaller figure is certain. A stage's memory is
+its model state (weights, gradients, optimizer state, buffers), its working memory (the largest
+transient: one node's output and its gradient; the buffer of what it sends),
 and its activations (saved activations and received inputs, per micro-batch in flight). Each is
 read off the cost terms of planner/search/terms.py with the evaluator: nothing is recomputed here.
 """
@@ -65,7 +67,7 @@ class StageMemory:
 
 def stage_memory(setup: Setup, part: int, stage: int, first: int, last: int) -> StageMemory:
     """``part``'s memory on units ``first..last`` as ``stage`` holds it, by kind, from its cost terms."""
-    costs = setup.frugal_costs
+    costs = setup.costs
     static = split_term(floor(costs.parts[part]["static_bytes"]))
     value = {name: term_value(costs, term, first, last) for name, term in static.items()}
     transient_unit = max(range(first, last + 1), key=lambda unit: static["transient"].unit_max[unit])
@@ -78,7 +80,7 @@ def stage_memory(setup: Setup, part: int, stage: int, first: int, last: int) -> 
 def infeasible_error(setup: Setup, budget: str, gpus: int, device_name: str,
                      reserve: Reserve) -> PlanInfeasible:
     """``setup`` is the most memory-frugal configuration's; its best partition's fullest stage is named."""
-    costs = setup.frugal_costs
+    costs = setup.costs
     frugal = min_peak_partition(costs)
     lowest = frugal.evaluation
     peaks = [row_value(costs, row, segments(costs.num_units, frugal.cuts)) for row in costs.frugal_memory]
@@ -100,7 +102,7 @@ def infeasible_error(setup: Setup, budget: str, gpus: int, device_name: str,
 def capacity_error(setup: Setup, cuts: tuple[int, ...], gpu_bytes: int) -> PlanInfeasible:
     """The error when the GPUs could hold the most frugal plan but a node's host memory or NVMe cannot
     (its optimizer state, gradients on the host and swapped activations), naming the fullest of them."""
-    costs = setup.frugal_costs
+    costs = setup.costs
     ranges = segments(costs.num_units, cuts)
     used = {row.name: (capacity_value(costs, row, ranges), row.capacity_bytes) for row in costs.capacity}
     name = max(used, key=lambda row: used[row][0] / max(1, used[row][1]))

@@ -287,7 +287,7 @@ class Search:
                                              c.state.optimizer is StateTier.GPU, c.state.optimizer is StateTier.HOST,
                                              -c.state.zero_stage))
         setup = self.setup(frugal)
-        lowest = min_peak_partition(setup.frugal_costs)
+        lowest = min_peak_partition(setup.costs)
         if lowest.peak_bytes <= self.space.mem_bytes:  # the GPUs would fit it: host memory or NVMe do not
             return capacity_error(setup, lowest.cuts, lowest.peak_bytes)
         return infeasible_error(setup, self._budget(), self.space.gpus, self.device.name, self.space.reserve)
