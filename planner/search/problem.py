@@ -141,11 +141,6 @@ class MemoryTiers:
     recompute: bool  # per unit: may its saved activations be recomputed
     swap: bool  # per unit: may its saved activations be swapped to the host
     state: StateMode  # where every part keeps its model state
-
-    @property
-    def activations(self) -> bool:
-        """Whether the ILP decides anything per unit."""
-        return self.recompute or self.swap
     host_link: LinearCost
     nvme_link: LinearCost
     host_step_ms_per_param: float  # an optimizer step on the host's cores, per parameter
@@ -154,6 +149,12 @@ class MemoryTiers:
     host_mem_bytes: int  # per node
     nvme_bytes: int  # per node
     gpus_per_node: int
+    host_master_bytes_per_param: int = 0  # a master copy the host step needs where the precision has none
+
+    @property
+    def activations(self) -> bool:
+        """Whether the ILP decides anything per unit."""
+        return self.recompute or self.swap
 
 
 RECOMPUTE_BLOCK_UNITS = 4
@@ -390,6 +391,7 @@ def memory_tiers(device: DeviceSpec, space: SearchSpace, state: StateMode, *, ac
         host_step_ms_per_param=1e3 / device.host_optimizer_params_per_s,
         device_step_ms_per_byte=device_ms_per_byte,
         host_grad_bytes_per_param=space.precision.state_itemsize,
+        host_master_bytes_per_param=0 if space.precision.master_weights else space.precision.state_itemsize,
         host_mem_bytes=space.host_mem_bytes if space.host_mem_bytes is not None else device.host_mem_bytes * per_node,
         nvme_bytes=space.nvme_bytes if space.nvme_bytes is not None else device.nvme_bytes * per_node,
         gpus_per_node=per_node)

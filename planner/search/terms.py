@@ -350,7 +350,9 @@ def _mode_terms(tiers: MemoryTiers, mode: StateMode, copies: int,
     on_host = per_parameter(lambda a: share * ((a.grad_bytes + a.weight_bytes) * link.ms_per_byte
                                                + a.param_numel * tiers.host_step_ms_per_param))
     on_host = on_host.plus(Term(constant=2 * link.fixed_ms))
-    optimizer_state = per_parameter(lambda a: share * a.optimizer_bytes)
+    # off the device the step updates a master copy: fp32/fp64 training has none in optimizer_bytes
+    optimizer_state = per_parameter(lambda a: share * (a.optimizer_bytes
+                                                       + a.param_numel * tiers.host_master_bytes_per_param))
     if mode.optimizer is StateTier.HOST:
         return device, host_grads.plus(optimizer_state), Term(), on_host
     paging = optimizer_state.scaled(2 * disk.ms_per_byte).plus(Term(constant=2 * disk.fixed_ms))

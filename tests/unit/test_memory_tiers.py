@@ -43,7 +43,8 @@ LINK = LinearCost(0.0, 0.002)  # host link: 2 ms per 1000 bytes
 
 
 def _tiers(recompute: bool = True, swap: bool = True, state: StateMode = ON_GPU) -> MemoryTiers:
-    return MemoryTiers(recompute, swap, state, LINK, LINK, 0.001, 0.0005, 4, 10**9, 10**9, 8)
+    return MemoryTiers(recompute, swap, state, LINK, LINK, 0.001, 0.0005, 4, 10**9, 10**9, 8,
+                       host_master_bytes_per_param=4)
 
 
 @st.composite
@@ -134,15 +135,16 @@ def test_state_modes_follow_what_offload_allows() -> None:
 
 def test_host_optimizer_state_per_parameter_by_hand() -> None:
     """Adam in fp32: 16 bytes per parameter on the GPU; with the optimizer on the host, 8 on the GPU
-    (weights and gradients) and 12 + 4 on the host (master-free fp32: two moments, plus fp32 gradients)."""
+    (weights and gradients) and 16 on the host (the step's fp32 master copy, two moments, fp32
+    gradients); on NVMe the master and moments (12) there, the gradients (4) on the host."""
     unit = Unit(("a",), 1.0, 1.0, 16_000, 4000, 0, 0, (), 4000, 8000, 1000, 0, 0)
-    for state, device, host in ((ON_GPU, 16_000, 0), (StateMode(0, StateTier.HOST), 8000, 12_000),
+    for state, device, host in ((ON_GPU, 16_000, 0), (StateMode(0, StateTier.HOST), 8000, 16_000),
                                 (StateMode(0, StateTier.NVME), 8000, 4000)):
         problem = PipelineProblem((unit,), (), (), Layout.pipeline(1), ScheduleKind.GPIPE, 1, (1,), (),
                                   (LinearCost(0.0, 0.0),), 10**6, _tiers(False, False, state))
         part = evaluate(cost_model(problem), ()).parts[0]
         assert (part.static_bytes, part.host_bytes) == (device, host)
-        assert part.nvme_bytes == (8000 if state.optimizer is StateTier.NVME else 0)
+        assert part.nvme_bytes == (12_000 if state.optimizer is StateTier.NVME else 0)
     host = PipelineProblem((unit,), (), (), Layout.pipeline(1), ScheduleKind.GPIPE, 1, (1,), (),
                            (LinearCost(0.0, 0.0),), 10**6, _tiers(False, False, StateMode(0, StateTier.HOST)))
     # gradients down and weights up over the link (4000 + 4000 bytes at 0.002 ms/B), 1000 params at 0.001 ms
