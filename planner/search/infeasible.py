@@ -18,7 +18,6 @@ from cost_models.units import format_bytes, plural
 from planner.budget import Reserve
 from planner.search.evaluate import capacity_value, row_value, segments, split_term, term_value
 from planner.search.oracle import min_peak_partition
-from planner.search.terms import floor
 
 if TYPE_CHECKING:
     from planner.search.search import Setup
@@ -68,12 +67,12 @@ class StageMemory:
 def stage_memory(setup: Setup, part: int, stage: int, first: int, last: int) -> StageMemory:
     """``part``'s memory on units ``first..last`` as ``stage`` holds it, by kind, from its cost terms."""
     costs = setup.costs
-    static = split_term(floor(costs.parts[part]["static_bytes"]))
+    static = split_term(costs.parts[part]["static_bytes"])
     value = {name: term_value(costs, term, first, last) for name, term in static.items()}
     transient_unit = max(range(first, last + 1), key=lambda unit: static["transient"].unit_max[unit])
     node = max(setup.coarsening.units[transient_unit].nodes, key=lambda name: setup.table[name].output_bytes)
     return StageMemory(value["held"], value["transient"], node, value["outgoing"],
-                       term_value(costs, floor(costs.parts[part]["activation_bytes"]), first, last),
+                       term_value(costs, costs.parts[part]["activation_bytes"], first, last),
                        setup.problem.in_flight[stage])
 
 

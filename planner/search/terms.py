@@ -129,10 +129,6 @@ class Term:
         return table
 
 
-def floor(term: Term) -> Term:
-    return term.floor()
-
-
 def _add(a: tuple[float, ...], b: tuple[float, ...], weight: float) -> tuple[float, ...]:
     if not b:
         return a
@@ -216,7 +212,7 @@ class CostModel:
     @functools.cached_property
     def frugal_memory(self) -> tuple[MemoryRow, ...]:
         """The memory rows with every decision at its most frugal: no partition needs less."""
-        return tuple(MemoryRow(row.slot, tuple((part, floor(member)) for part, member in row.members))
+        return tuple(MemoryRow(row.slot, tuple((part, member.floor()) for part, member in row.members))
                      for row in self.memory)
 
     @property
@@ -485,7 +481,7 @@ def lower_bound(costs: CostModel) -> float:
     memory decision too.
     """
     def floors(members: tuple[tuple[int, Term], ...]) -> tuple[tuple[int, Term], ...]:
-        return tuple((part, floor(member)) for part, member in members)
+        return tuple((part, member.floor()) for part, member in members)
 
     total = 0.0
     for piece in costs.objective:
