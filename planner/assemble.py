@@ -180,7 +180,7 @@ def _report(result: SearchResult, space: SearchSpace, simulated: SimResult,
     why += _unproven(best, result, space)
     return SolverReport(best.solver, best.status.value, best.objective_ms, best.gap, result.wall_s,
                         result.configs_total, why, _binding(best, space, simulated), runner,
-                        result.configs_unexamined)
+                        result.configs_unexamined, best.local)
 
 
 def _binding(best: Candidate, space: SearchSpace, simulated: SimResult) -> str:
@@ -205,4 +205,10 @@ def _unproven(best: Candidate, result: SearchResult, space: SearchSpace) -> str:
         reasons.append(f"the time limit ({space.time_limit_s:g} s) ended the search with "
                        f"{plural(result.configs_unexamined, 'configuration')} that might have won "
                        f"unexamined")
-    return f"; NOT PROVEN OPTIMAL: {' and '.join(reasons)}; raise --time-limit" if reasons else ""
+    fix = "; raise --time-limit" if reasons else ""
+    reasons += [_LOCAL] if best.local else []
+    return f"; NOT PROVEN OPTIMAL: {' and '.join(reasons)}{fix}" if reasons else ""
+
+
+_LOCAL = ("its recompute and swap were chosen with each cut within a window of units around the best "
+          "plan keeping every activation (planner/search/search.py: Search._decide)")

@@ -48,6 +48,12 @@ def fields(cls: type[T], data: Any, path: str, decoders: Mapping[str, Decoder],
                   if name in data})
 
 
+def boolean(value: Any, path: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{path} must be true or false, got {_kind(value)}")
+    return value
+
+
 def integer(value: Any, path: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{path} must be an integer, got {_kind(value)}")

@@ -16,7 +16,7 @@ class ScheduleKind(str, Enum):
     ONE_F_ONE_B = "1f1b"
 
     @classmethod
-    def parse(cls, name: "str | ScheduleKind") -> "ScheduleKind":
+    def parse(cls, name: str | ScheduleKind) -> ScheduleKind:
         """The kind named ``name``, or ValueError listing the known kinds."""
         try:
             return cls(name)

@@ -315,11 +315,13 @@ class SolverReport:
     binding: str = ""
     runner_up: RunnerUp | None = None
     configs_unexamined: int = 0  # could still have won when the time limit ended the search
+    decisions_local: bool = False  # the winner's recompute/swap were optimised with its cuts in windows
 
     @property
     def proven_optimal(self) -> bool:
-        """The winner's ILP was solved to optimality and no configuration that might beat it was left."""
-        return self.status == "optimal" and not self.configs_unexamined
+        """The winner's ILP was solved to optimality over every partition and no configuration that might
+        beat it was left."""
+        return self.status == "optimal" and not self.configs_unexamined and not self.decisions_local
 
     @classmethod
     def from_dict(cls, data: Any, path: str) -> SolverReport:
@@ -327,4 +329,5 @@ class SolverReport:
             "name": codec.string, "status": codec.string, "objective": codec.number, "gap": codec.number,
             "wall_s": codec.number, "configs_tried": codec.integer, "why": codec.string,
             "binding": codec.string, "runner_up": codec.optional(RunnerUp.from_dict),
-            "configs_unexamined": codec.integer}, optional=frozenset({"configs_unexamined"}))
+            "configs_unexamined": codec.integer, "decisions_local": codec.boolean},
+            optional=frozenset({"configs_unexamined", "decisions_local"}))

@@ -68,6 +68,7 @@ class Candidate:
     solver: str
     gap: float
     binding: str
+    local: bool = False  # memory decisions optimised with each cut in a window, not over every partition
 
 
 @dataclass(frozen=True)
@@ -266,7 +267,8 @@ class Search:
                     break
                 evaluation = evaluate(costs, result.cuts, whole_units(result.decisions))
             candidate = Candidate(setup, evaluation, evaluation.step_ms, result.status, result.solver,
-                                  result.gap, result.binding)
+                                  result.gap, result.binding,
+                                  local=any(low > -1 or high < costs.num_units - 2 for low, high in window))
             if best is None or candidate.objective_ms < best.objective_ms:
                 best = candidate
             at_edge = any(cut in edges and edges[0] != edges[1] and cut not in (-1, costs.num_units - 2)
