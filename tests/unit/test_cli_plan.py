@@ -128,7 +128,9 @@ def test_ctrl_c_inside_a_long_solve_stops_at_once_leaving_the_plan_file(tmp_path
     out = tmp_path / "plan.json"
     out.write_text("precious")
     process = subprocess.Popen([sys.executable, "-m", "planner", *SLOW_SOLVE, "-o", str(out)], cwd=ROOT,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               # a shell's background job ignores SIGINT, and Python keeps it ignored
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         for line in process.stderr:  # wait until the solver runs
             if ": solving " in line:
