@@ -119,7 +119,9 @@ def solve_partition(costs: CostModel, solver: Any | None = None,
     unless ``integral`` (whole units only: exact, slower). ``window`` restricts each cut to a range
     of units (a neighbourhood of a known partition), which keeps models with memory decisions small."""
     model = build_model(costs, integral, window)
-    solver = solver or default_solver(time_limit_s, cutoff_ms)
+    # pulp hands HiGHS the objective without its constant: the cutoff is on that objective
+    offset = model.problem.objective.constant
+    solver = solver or default_solver(time_limit_s, None if cutoff_ms is None else cutoff_ms - offset)
     start = time.perf_counter()
     model.problem.solve(solver)
     wall_s = time.perf_counter() - start

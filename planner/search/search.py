@@ -9,6 +9,7 @@ the solver included (planner/search/ilp.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -49,7 +50,12 @@ class Setup:
     costs: CostModel  # the problem's cost terms, every saved activation kept
     coarsening: Coarsening
     table: CostTable
-    decided: CostModel | None = None  # the same with recompute and swap decided per unit (offload on)
+    decided_problem: PipelineProblem | None = None  # the problem with recompute and swap (offload on)
+
+    @functools.cached_property
+    def decided(self) -> CostModel | None:
+        """The costs with recompute and swap decided per unit (built when first needed)."""
+        return None if self.decided_problem is None else cost_model(self.decided_problem)
 
     @property
     def frugal_costs(self) -> CostModel:
@@ -137,7 +143,7 @@ class Search:
         decided = None
         if {Offload.RECOMPUTE, Offload.SWAP} & self.space.offload:
             tiers = memory_tiers(self.device, self.space, config.state, activations=True)
-            decided = cost_model(dataclasses.replace(problem, tiers=tiers))
+            decided = dataclasses.replace(problem, tiers=tiers)
         setup = Setup(config, schedule, problem, cost_model(problem), units, table, decided)
         if coarse is None:
             self._setups[config] = setup
@@ -149,7 +155,10 @@ class Search:
         configs = configurations(self.space, max_stages)
         ranked = sorted(configs, key=lambda config: round(self.lower_bound(config), 9))  # ties: listed order
         solved: list[Candidate] = []
+        pending: list[tuple[int, Config, Candidate | None]] = []  # configurations to decide memory for
         solver_s, unexamined = 0.0, 0
+        # First every configuration keeping each activation (exact and fast), then recompute and swap
+        # where that plan is missing or binds, each cut off by the best plan of either pass.
         for index, config in enumerate(ranked):
             best = min((c.objective_ms for c in solved), default=None)
             if best is not None and self.lower_bound(config) >= best:
@@ -162,10 +171,26 @@ class Search:
                 continue
             self._report(ProgressEvent(Phase.SEARCHING, index, len(ranked), best,
                                        f"solving {config.describe()}"))
-            candidate, wall_s = self.solve(config, max(1.0, remaining), best)
+            kept, decide, wall_s = self.solve_kept(config, max(1.0, remaining), best)
             solver_s += wall_s
-            if candidate is not None:
-                solved.append(candidate)
+            if kept is not None:
+                solved.append(kept)
+            if decide:
+                pending.append((index, config, kept))
+        for position, (index, config, kept) in enumerate(pending):
+            best = min((c.objective_ms for c in solved), default=None)
+            if best is not None and self.lower_bound(config) >= best:
+                continue
+            remaining = self.space.time_limit_s - (time.perf_counter() - start)
+            if remaining <= 0 and solved:
+                unexamined += sum(1 for _, c, _ in pending[position:] if self.lower_bound(c) < best)
+                break
+            self._report(ProgressEvent(Phase.SEARCHING, index, len(ranked), best,
+                                       f"deciding memory of {config.describe()}"))
+            decided, wall_s = self.solve_decided(config, kept, min(max(1.0, remaining), DECISION_S), best)
+            solver_s += wall_s
+            if decided is not None:
+                solved.append(decided)
         self._report(ProgressEvent(Phase.SEARCHING, len(ranked), len(ranked),
                                    min((c.objective_ms for c in solved), default=None), "done"))
         if not solved:
@@ -203,18 +228,15 @@ class Search:
         return (memory_floor(costs) <= self.space.mem_bytes
                 and min_peak_partition(costs).peak_bytes <= self.space.mem_bytes)
 
-    def solve(self, config: Config, time_limit_s: float,
-              cutoff_ms: float | None) -> tuple[Candidate | None, float]:
-        """The best partition of ``config``, or None if none fits or beats ``cutoff_ms``.
-
-        First every saved activation kept (the ILP is exact and fast); then, where offload is on and
-        that plan is missing or its memory binds, with recompute and swap decided per unit in the
-        same ILP as the cuts, around the best partition known (see :meth:`_decide`).
-        """
+    def solve_kept(self, config: Config, time_limit_s: float,
+                   cutoff_ms: float | None) -> tuple[Candidate | None, bool, float]:
+        """The best partition of ``config`` keeping every saved activation (None if none fits or beats
+        ``cutoff_ms``), whether recompute and swap should be decided for it (offload is on and that
+        plan is missing or its memory binds), and the seconds it took."""
         setup = self.setup(config)
         start = time.perf_counter()
         kept = None
-        if setup.decided is None or self._kept_fits(setup):
+        if setup.decided_problem is None or self._kept_fits(setup):
             result = solve_partition(setup.costs, time_limit_s=time_limit_s, cutoff_ms=cutoff_ms)
             kept = None if result.cuts is None else Candidate(
                 setup, evaluate(setup.costs, result.cuts), result.objective, result.status, result.solver,
@@ -222,14 +244,16 @@ class Search:
         if kept is not None and config.state == ON_GPU:
             self._on_gpu.append(kept)
         binds = kept is None or kept.evaluation.peak_mem_bytes >= DECIDE_WHEN_MEMORY_AT * self.space.mem_bytes
-        if setup.decided is None or not binds:
-            return kept, time.perf_counter() - start
-        left = time_limit_s - (time.perf_counter() - start)
+        return kept, setup.decided_problem is not None and binds, time.perf_counter() - start
+
+    def solve_decided(self, config: Config, kept: Candidate | None, time_limit_s: float,
+                      cutoff_ms: float | None) -> tuple[Candidate | None, float]:
+        """The best partition of ``config`` with recompute and swap decided per unit in the same ILP
+        as the cuts, around ``kept``'s cuts (see :meth:`_decide`), if it beats ``cutoff_ms``."""
+        start = time.perf_counter()
         cutoff = cutoff_ms if kept is None else min(cutoff_ms or kept.objective_ms, kept.objective_ms)
-        decided = self._decide(setup, kept.evaluation.cuts if kept else None, min(max(1.0, left), DECISION_S),
-                               cutoff)
-        best = min((c for c in (kept, decided) if c is not None), key=lambda c: c.objective_ms, default=None)
-        return best, time.perf_counter() - start
+        decided = self._decide(self.setup(config), kept.evaluation.cuts if kept else None, time_limit_s, cutoff)
+        return decided, time.perf_counter() - start
 
     def _decide(self, setup: Setup, cuts: tuple[int, ...] | None, time_limit_s: float,
                 cutoff_ms: float | None) -> Candidate | None:
@@ -256,8 +280,8 @@ class Search:
                 break
             result = solve_partition(costs, time_limit_s=min(remaining, DECISION_SOLVE_S), cutoff_ms=cutoff_ms,
                                      window=window)
-            if result.cuts is None:
-                break
+            if result.cuts is None or (cutoff_ms is not None and result.objective >= cutoff_ms):
+                break  # whole units cost at least the shares: this window cannot beat the cutoff
             evaluation = evaluate(costs, result.cuts, whole_units(result.decisions))
             if not (evaluation.fits(self.space.mem_bytes) and evaluation.capacity_fits):
                 result = solve_partition(costs, time_limit_s=min(max(1.0, deadline - time.perf_counter()),

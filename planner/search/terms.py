@@ -476,25 +476,41 @@ def lower_bound(costs: CostModel) -> float:
 
     A fixed sum counts in full, other sums at least their constants; a maximum is at least the
     largest member constant and, over one unit-only term on every part, at least the larger of
-    its average part and its largest unit; a drain at least its value from part 0 so bounded.
+    its average part and its largest unit; a drain at least its value from part 0 so bounded, and
+    at least its average over the parts (every part's tail, its own pace, and the whole flow once,
+    over P).
     Every member counts at its floor (each decision at its cheapest), so the bound holds for every
     memory decision too.
     """
     def floors(members: tuple[tuple[int, Term], ...]) -> tuple[tuple[int, Term], ...]:
-        return tuple((part, member.floor()) for part, member in members)
+        return tuple((part, _units_floor(member.floor())) for part, member in members)
 
     total = 0.0
     for piece in costs.objective:
         if isinstance(piece, Drain):
-            flow = Aggregate(piece.name, Reduce.SUM, 1.0, floors(piece.flow))
+            flow = _sum_lower_bound(Aggregate(piece.name, Reduce.SUM, 1.0, floors(piece.flow)), costs.num_parts)
             pace = Aggregate(piece.name, Reduce.MAX, 1.0, floors(piece.pace))
-            tail = [term.constant for part, term in floors(piece.tail) if part == 0]
-            total += piece.weight * (_sum_lower_bound(flow, costs.num_parts) + max(tail, default=0.0)
-                                     + piece.pace_weight * _aggregate_lower_bound(pace, costs.num_parts))
+            tail = Aggregate(piece.name, Reduce.SUM, 1.0, floors(piece.tail))
+            first_tail = sum(term.constant for part, term in tail.members if part == 0)
+            # The drain from part 0, or the average of the drains from every part (each at least its
+            # own tail and pace, the first at least the whole flow): the average carries every tail.
+            whole = flow + first_tail + piece.pace_weight * _aggregate_lower_bound(pace, costs.num_parts)
+            paces = max(_family_sums(pace, costs.num_parts), default=0.0)
+            average = (flow + piece.pace_weight * paces + _sum_lower_bound(tail, costs.num_parts)) / costs.num_parts
+            total += piece.weight * max(whole, average)
         else:
             total += piece.weight * _aggregate_lower_bound(
                 Aggregate(piece.name, piece.reduce, 1.0, floors(piece.members)), costs.num_parts)
     return total
+
+
+def _units_floor(term: Term) -> Term:
+    """``term`` less what its cuts, shared parameters and unit maximum add, where none of that can be
+    negative: a unit-only lower bound of it."""
+    if term.unit_only or min((*term.ends_after, *term.starts_after, *term.per_shared, *term.unit_max),
+                             default=0.0) < 0:
+        return term
+    return Term(term.constant, term.per_unit)
 
 
 def _aggregate_lower_bound(aggregate: Aggregate, num_parts: int) -> float:
@@ -507,12 +523,17 @@ def _aggregate_lower_bound(aggregate: Aggregate, num_parts: int) -> float:
 
 def _sum_lower_bound(aggregate: Aggregate, num_parts: int) -> float:
     """Constants, plus every family of one unit-only term summed over all parts (which no cut changes)."""
-    total = sum(term.constant for _, term in aggregate.members)
+    return sum(term.constant for _, term in aggregate.members) + sum(_family_sums(aggregate, num_parts))
+
+
+def _family_sums(aggregate: Aggregate, num_parts: int) -> list[float]:
+    """For each unit-only term that every part has (same per-unit coefficients), its sum over the
+    parts less their constants: every unit counted once, whatever the cuts."""
     families: dict[tuple[float, ...], set[int]] = {}
     for part, term in aggregate.members:
         if term.unit_only and term.per_unit:
             families.setdefault(term.per_unit, set()).add(part)
-    return total + sum(sum(per_unit) for per_unit, parts in families.items() if len(parts) == num_parts)
+    return [sum(per_unit) for per_unit, parts in families.items() if len(parts) == num_parts]
 
 
 def _max_lower_bound(aggregate: Aggregate, num_parts: int) -> float:

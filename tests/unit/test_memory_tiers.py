@@ -8,6 +8,7 @@ rounded to whole units, still fits; the simulator replays swaps as hand-computed
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 
@@ -37,7 +38,7 @@ from planner.search.problem import (
     state_modes,
 )
 from planner.search.search import whole_units
-from planner.search.terms import CostModel, cost_model
+from planner.search.terms import CostModel, cost_model, lower_bound
 
 LINK = LinearCost(0.0, 0.002)  # host link: 2 ms per 1000 bytes
 
@@ -109,6 +110,20 @@ def test_shares_bound_the_optimum_and_their_rounding_fits(problem: PipelineProbl
     if all(flight >= 2 for flight in problem.in_flight):  # swapping a share never needs more memory
         assert rounded.fits(problem.mem_bytes)
     assert rounded.step_ms >= expected - 1e-6
+
+
+@settings(max_examples=60, deadline=None)
+@given(decided_problems(), st.sampled_from([ON_GPU, StateMode(0, StateTier.HOST), StateMode(0, StateTier.NVME)]))
+def test_the_search_lower_bound_is_below_every_partition_and_decision(problem: PipelineProblem,
+                                                                      state: StateMode) -> None:
+    """The bound that prunes configurations (host optimizer tails included) is at most the step of
+    every partition with every keep/recompute/swap choice, fitting or not (brute force)."""
+    costs = cost_model(dataclasses.replace(problem, tiers=dataclasses.replace(problem.tiers, state=state)))
+    bound = lower_bound(costs)
+    for cuts in itertools.combinations(range(costs.num_units - 1), costs.num_parts - 1):
+        for choice in itertools.product((0, 1, 2), repeat=costs.num_units):
+            decisions = Decisions(tuple(float(c == 1) for c in choice), tuple(float(c == 2) for c in choice))
+            assert bound <= evaluate(costs, cuts, decisions).step_ms + 1e-9
 
 
 def test_recompute_adds_the_forward_and_keeps_only_the_inputs() -> None:
