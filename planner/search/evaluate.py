@@ -38,23 +38,25 @@ class Decisions:
         return not (any(self.recompute) or any(self.swap))
 
 
-def term_values(model: CostModel, term: Term, firsts: np.ndarray, last: int) -> np.ndarray:
-    """The term's value for parts holding units ``firsts[k]..last``, for every k (firsts <= last)."""
-    values = np.full(len(firsts), term.constant)
+def term_matrix(model: CostModel, term: Term) -> np.ndarray:
+    """The term's value for a part holding units first..last, at [first, last] for every first <= last
+    (entries with first > last, a cut after the last unit or before the first, are meaningless)."""
+    count = model.num_units
+    firsts, lasts = np.arange(count)[:, None], np.arange(count)[None, :]
+    values = np.full((count, count), term.constant)
+    prefix, starts_after, unit_max = term.arrays
     if term.per_unit:
-        prefix = np.asarray(term.unit_prefix)
-        values = values + (prefix[last + 1] - prefix[firsts])
+        values = values + (prefix[lasts + 1] - prefix[firsts])
     if term.ends_after:
-        values = values + term.ends_after[last]
+        values = values + np.append(term.ends_after, 0.0)[lasts]
     if term.starts_after:
-        values = values + np.asarray(term.starts_after)[firsts - 1]
-    for coefficient, next_use in zip(term.per_shared, model.shared_next_use):
+        values = values + np.insert(starts_after, 0, 0.0)[firsts]
+    for coefficient, next_use in zip(term.per_shared, model.next_use_arrays):
         if coefficient:
-            values = values + np.where(np.asarray(next_use)[firsts] <= last, coefficient, 0.0)
+            values = values + np.where(next_use[firsts] <= lasts, coefficient, 0.0)
     if term.unit_max:
-        window = np.asarray(term.unit_max[firsts.min():last + 1])
-        suffix_max = np.maximum.accumulate(window[::-1])[::-1]  # max over [first..last] for each first
-        values = values + suffix_max[firsts - firsts.min()]
+        values = values + np.stack([np.concatenate((np.zeros(first), np.maximum.accumulate(unit_max[first:])))
+                                    for first in range(count)])
     return values
 
 

@@ -154,6 +154,24 @@ def build_model(costs: CostModel, integral: bool = False, window: Window | None 
     return _Model(lp, done, memory, variables)
 
 
+class _Linear:
+    """A linear expression being gathered: a constant and a coefficient per pulp variable."""
+
+    def __init__(self, constant: float = 0.0) -> None:
+        self.constant = constant
+        self.coefficients: dict[Any, float] = {}
+
+    def add(self, value: Any, coefficient: float) -> None:
+        """``+ coefficient x value`` (a pulp variable or a number)."""
+        if isinstance(value, (int, float)):
+            self.constant += coefficient * value
+        else:
+            self.coefficients[value] = self.coefficients.get(value, 0.0) + coefficient
+
+    def expression(self) -> pulp.LpAffineExpression:
+        return pulp.LpAffineExpression(self.coefficients, self.constant)
+
+
 class _Variables:
     """The decision variables and each term's linear expression over them (scaled as asked).
 
@@ -168,7 +186,7 @@ class _Variables:
     """
 
     def __init__(self, lp: pulp.LpProblem, costs: CostModel, done: dict, integral: bool = False) -> None:
-        self.lp, self.costs, self.integral = lp, costs, integral
+        self.lp, self.costs, self.integral, self.done = lp, costs, integral, done
         units, parts = range(costs.num_units), range(costs.num_parts)
         self.x = {(i, s): done[i, s] - done[i, s - 1] for i in units for s in parts}
         self.end = {(p, s): done[p, s] - done[p + 1, s] for p in range(costs.num_units - 1)
@@ -178,27 +196,37 @@ class _Variables:
         self._decided: dict[str, dict[tuple[int, int], Any]] | None = None
 
     def expression(self, term: Term, part: int, scale: float = 1.0) -> Any:
-        """``scale x term`` on ``part`` as a pulp expression."""
-        pieces = [pulp.lpSum(scale * c * self.x[i, part] for i, c in enumerate(term.per_unit) if c)]
-        if term.ends_after:
-            pieces.append(pulp.lpSum(scale * c * self.end[p, part]
-                                     for p, c in enumerate(term.ends_after) if c))
-        if term.starts_after:
-            pieces.append(pulp.lpSum(scale * c * self.end[p, part - 1]
-                                     for p, c in enumerate(term.starts_after) if c))
+        """``scale x term`` on ``part`` as a pulp expression, its coefficients gathered in one dict
+        (pulp's operators would build an expression object per product)."""
+        linear = _Linear(scale * term.constant)
+        done = self.done
+        for i, c in enumerate(term.per_unit):
+            if c:  # x[i, part] = done[i, part] - done[i, part - 1]
+                linear.add(done[i, part], scale * c)
+                linear.add(done[i, part - 1], -scale * c)
+        for p, c in enumerate(term.ends_after):
+            if c:  # end[p, part] = done[p, part] - done[p + 1, part]
+                linear.add(done[p, part], scale * c)
+                linear.add(done[p + 1, part], -scale * c)
+        for p, c in enumerate(term.starts_after):
+            if c:
+                linear.add(done[p, part - 1], scale * c)
+                linear.add(done[p + 1, part - 1], -scale * c)
         if any(term.per_shared):
             shared = self.shared()
-            pieces.append(pulp.lpSum(scale * c * shared[q, part]
-                                     for q, c in enumerate(term.per_shared) if c))
+            for q, c in enumerate(term.per_shared):
+                if c:
+                    linear.add(shared[q, part], scale * c)
         if term.unit_max:
-            pieces.append(self._maximum(term, part, scale))
+            linear.add(self._maximum(term, part, scale), 1.0)
         if term.decides:
             decided = self.decided()
             for kind, coefficients in (("recompute", term.per_recompute), ("swap", term.per_swap),
                                        ("start", term.per_start)):
-                pieces.append(pulp.lpSum(scale * c * decided[kind][i, part]
-                                         for i, c in enumerate(coefficients) if c and (i, part) in decided[kind]))
-        return scale * term.constant + pulp.lpSum(pieces)
+                for i, c in enumerate(coefficients):
+                    if c and (i, part) in decided[kind]:
+                        linear.add(decided[kind][i, part], scale * c)
+        return linear.expression()
 
     def decided(self) -> dict[str, dict[tuple[int, int], Any]]:
         """recompute[i, s] and swap[i, s] (created on first use), each pair at most x[i, s]."""

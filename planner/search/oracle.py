@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.search.evaluate import Evaluation, evaluate, term_value, term_values
+from planner.search.evaluate import Evaluation, evaluate, term_matrix, term_value
 from planner.search.terms import Aggregate, CostModel, Drain, MemoryRow, Reduce, Term, fixed_sum
 
 _Label = tuple[tuple[float, ...], tuple[int, ...]]  # (piece values so far, cuts so far)
@@ -139,26 +139,25 @@ def _pareto(labels: list[_Label]) -> list[_Label]:
 def min_peak_partition(costs: CostModel) -> OracleResult:
     """The partition whose largest memory row is smallest (the budget ignored).
 
-    A min-max DP over (part, last unit); each part's memory for every possible first unit is one
-    numpy vector, so a 16-part, 150-unit problem takes milliseconds. With memory decisions, the rows
+    A min-max DP over (part, last unit); each part's memory for every (first, last) unit is one
+    numpy matrix, so a 16-part, 150-unit problem takes milliseconds. With memory decisions, the rows
     minimised have every decision at its most frugal (``costs.frugal_memory``): ``peak_bytes`` is
     then a lower bound of what any decisions need (without them, the exact peak).
     """
     check_exact(costs, decisions_allowed=True)
     rows = costs.frugal_memory
     num_units, num_parts = costs.num_units, costs.num_parts
-    best = _row_peaks(costs, rows, 0, np.array([0]), range(num_units - num_parts + 1), num_units)
+    units = np.arange(num_units)
+    matrices: dict[int, np.ndarray] = {}  # per term (parts share terms)
+    best = np.where(units <= num_units - num_parts, _peak_matrix(costs, rows, 0, matrices)[0], np.inf)
     choices: list[np.ndarray] = []
     for part in range(1, num_parts):
         remaining = num_parts - part - 1
-        following = np.full(num_units, np.inf)
-        choice = np.zeros(num_units, dtype=int)
-        for last in range(part, num_units - remaining):
-            firsts = np.arange(part, last + 1)  # part covers first..last; the previous ends at first-1
-            value = np.maximum(best[firsts - 1], _part_peaks(costs, rows, part, firsts, last))
-            pick = int(np.argmin(value))
-            following[last], choice[last] = value[pick], firsts[pick]
-        best = following
+        before = np.concatenate(([np.inf], best[:-1]))  # before[first]: the best up to unit first - 1
+        value = np.maximum(before[:, None], _peak_matrix(costs, rows, part, matrices))
+        value[(units[:, None] > units[None, :]) | (units[:, None] < part)] = np.inf  # first <= last, first >= part
+        choice = np.argmin(value, axis=0)  # the lowest first among equals
+        best = np.where((units >= part) & (units < num_units - remaining), value[choice, units], np.inf)
         choices.append(choice)
     cuts: list[int] = []
     last = num_units - 1
@@ -170,20 +169,17 @@ def min_peak_partition(costs: CostModel) -> OracleResult:
     return OracleResult(tuple(cuts), evaluate(costs, tuple(cuts)), round(float(best[num_units - 1])))
 
 
-def _part_peaks(costs: CostModel, rows: tuple[MemoryRow, ...], part: int, firsts: np.ndarray,
-                last: int) -> np.ndarray:
-    """The largest memory row of ``part`` holding units firsts[k]..last, for every k."""
-    peaks = np.zeros(len(firsts))
+def _peak_matrix(costs: CostModel, rows: tuple[MemoryRow, ...], part: int,
+                 matrices: dict[int, np.ndarray]) -> np.ndarray:
+    """The largest memory row of ``part`` holding units first..last, at [first, last] (each term's
+    matrix computed once in ``matrices``)."""
+    def matrix(term: Term) -> np.ndarray:
+        if id(term) not in matrices:
+            matrices[id(term)] = term_matrix(costs, term)
+        return matrices[id(term)]
+
+    peaks = np.zeros((costs.num_units, costs.num_units))
     for row in rows:
         if row.members[0][0] == part:
-            peaks = np.maximum(peaks, sum(term_values(costs, term, firsts, last) for _, term in row.members))
+            peaks = np.maximum(peaks, sum(matrix(term) for _, term in row.members))
     return peaks
-
-
-def _row_peaks(costs: CostModel, rows: tuple[MemoryRow, ...], part: int, firsts: np.ndarray, lasts: range,
-               num_units: int) -> np.ndarray:
-    """Part ``part`` starting at firsts[0] and ending at each of ``lasts`` (inf elsewhere)."""
-    values = np.full(num_units, np.inf)
-    for last in lasts:
-        values[last] = _part_peaks(costs, rows, part, firsts, last)[0]
-    return values

@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+import numpy as np
+
 from planner.plan.kinds import ScheduleKind
 from planner.plan.parts import StateTier
 from planner.search.problem import MemoryTiers, PipelineProblem, StateMode, block_of
@@ -111,6 +113,11 @@ class Term:
             total += value
             running.append(total)
         return tuple(running)
+
+    @functools.cached_property
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``unit_prefix``, ``starts_after`` and ``unit_max`` as arrays (for vectorised evaluation)."""
+        return np.asarray(self.unit_prefix), np.asarray(self.starts_after), np.asarray(self.unit_max)
 
     def max_over(self, first: int, last: int) -> float:
         """max(unit_max[first..last]) in O(1) (a sparse table built on first use)."""
@@ -215,6 +222,11 @@ class CostModel:
         return tuple(MemoryRow(row.slot, tuple((part, member.floor()) for part, member in row.members))
                      for row in self.memory)
 
+    @functools.cached_property
+    def next_use_arrays(self) -> tuple[np.ndarray, ...]:
+        """``shared_next_use`` as arrays."""
+        return tuple(np.asarray(next_use) for next_use in self.shared_next_use)
+
     @property
     def decides(self) -> bool:
         """Whether the model has memory decisions besides the partition."""
@@ -276,7 +288,8 @@ def cost_model(problem: PipelineProblem) -> CostModel:
     memory and NVMe hold what its ranks' modes and swaps put there.
     """
     shared = _shared_terms(problem)
-    parts = tuple(_part_terms(problem, part, shared) for part in range(problem.num_parts))
+    states: dict[int, dict[str, Term]] = {}  # the state terms per number of copies: alike for such parts
+    parts = tuple(_part_terms(problem, part, shared, states) for part in range(problem.num_parts))
     return CostModel(problem, parts, _objective(problem, parts), _memory_rows(problem, parts),
                      _next_use(problem), _capacity_rows(problem, parts))
 
@@ -317,16 +330,15 @@ def _block_bytes(units: tuple) -> tuple[float, ...]:
     return tuple(blocks[block_of(index)] for index in range(len(units)))
 
 
-def _state_terms(problem: PipelineProblem, part: int) -> dict[str, Term]:
-    """In the problem's state mode, the part's model state on the device, on the host, on NVMe, and
-    its optimizer step time."""
+def _state_terms(problem: PipelineProblem, copies: int) -> dict[str, Term]:
+    """In the problem's state mode, the model state on the device, on the host, on NVMe, and the
+    optimizer step time of a part with ``copies`` copies."""
     units, shared = problem.units, problem.shared
 
     def per_parameter(value: Callable[[Any], float]) -> Term:  # value(unit or shared parameter)
         return Term(per_unit=tuple(float(value(u)) for u in units),
                     per_shared=tuple(float(value(p)) for p in shared))
 
-    copies = len(problem.layout.part_ranks(part))
     terms = _mode_terms(problem.tiers, problem.tiers.state, copies, per_parameter)
     return dict(zip(("state_bytes", "host_bytes", "nvme_bytes", "optimizer_ms"), terms))
 
@@ -355,14 +367,19 @@ def _mode_terms(tiers: MemoryTiers, mode: StateMode, copies: int,
     return device, host_grads, optimizer_state, on_host.plus(paging)
 
 
-def _part_terms(problem: PipelineProblem, part: int, shared: dict[str, Term]) -> dict[str, Term]:
-    """Part ``part``'s terms: held all step, per micro-batch, its link, all-reduce and step times."""
+def _part_terms(problem: PipelineProblem, part: int, shared: dict[str, Term],
+                states: dict[int, dict[str, Term]]) -> dict[str, Term]:
+    """Part ``part``'s terms: held all step, per micro-batch, its link, all-reduce and step times
+    (``states`` caches the state terms by number of copies)."""
     is_first, is_last = part == 0, part == problem.num_parts - 1
     boundary = problem.boundary_bytes
     allreduce = problem.allreduce[part]
     terms: dict[str, Term] = {name: shared[name] for name in (
         "fwd_ms", "bwd_ms", "compute_ms", "grad_bytes", "swap_bytes", "swap_ms", "recompute_bytes")}
-    state = _state_terms(problem, part)
+    copies = len(problem.layout.part_ranks(part))
+    if copies not in states:
+        states[copies] = _state_terms(problem, copies)
+    state = states[copies]
     working = shared["transient_bytes"] if is_last else shared["transient_bytes"].plus(shared["sent_bytes"])
     terms["static_bytes"] = state["state_bytes"].plus(working)  # + one send buffer
     terms.update({name: state[name] for name in ("host_bytes", "nvme_bytes", "optimizer_ms")})

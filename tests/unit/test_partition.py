@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -18,7 +17,7 @@ from examples.models.resnet import resnet50
 from examples.models.unet import unet_small
 from planner import trace
 from planner.plan import Layout, ScheduleKind
-from planner.search.evaluate import evaluate, term_value, term_values
+from planner.search.evaluate import evaluate, term_matrix, term_value
 from planner.search.ilp import SolveStatus, solve_partition
 from planner.search.oracle import min_peak_partition, optimal_partition
 from planner.search.problem import LinearCost, PipelineProblem, SharedParam, Unit
@@ -89,22 +88,20 @@ def test_min_peak_partition_is_the_memory_floor(problem: PipelineProblem) -> Non
 
 
 @settings(max_examples=100, deadline=None)
-@given(problems(), st.data())
-def test_term_values_agree_one_part_and_many(problem: PipelineProblem, data: st.DataObject) -> None:
+@given(problems())
+def test_term_matrix_agrees_with_each_part(problem: PipelineProblem) -> None:
     """The scalar and the vectorised evaluation of every term on every range are the same arithmetic."""
     costs = cost_model(problem)
-    last = data.draw(st.integers(0, len(problem.units) - 1))
     terms = [(part, term) for part, named in enumerate(costs.parts) for term in named.values()]
     terms += [(part, term) for row in costs.memory for part, term in row.members]
-    checked = 0
+    count, checked = len(problem.units), 0
     for part, term in terms:
-        firsts = np.arange(1 if term.starts_after else 0, last + 1)
-        if term.ends_after and last == len(problem.units) - 1 or len(firsts) == 0:
-            continue
-        many = term_values(costs, term, firsts, last)
-        one = [term_value(costs, term, int(first), last) for first in firsts]
-        assert many == pytest.approx(one, rel=1e-12, abs=1e-9)
-        checked += 1
+        many = term_matrix(costs, term)
+        for first, last in itertools.combinations_with_replacement(range(count), 2):
+            if term.starts_after and first == 0 or term.ends_after and last == count - 1:
+                continue
+            assert many[first, last] == pytest.approx(term_value(costs, term, first, last), rel=1e-12, abs=1e-9)
+            checked += 1
     assert checked > 0
 
 

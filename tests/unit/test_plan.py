@@ -279,7 +279,7 @@ def test_one_step_figure_the_simulated_one_everywhere() -> None:
 
 
 def test_a_plan_cut_short_by_the_time_limit_says_it_is_not_proven_optimal(resnet_graph) -> None:
-    result = plan(resnet50(), gpus=8, mem="16GB", batch_size=64, graph=resnet_graph, time_limit_s=0.001,
+    result = plan(resnet50(), gpus=16, mem="16GB", batch_size=256, graph=resnet_graph, time_limit_s=0.001,
                   example_inputs=torch.empty(1, 3, 224, 224, device="meta"))
     assert not result.solver.proven_optimal and result.solver.configs_unexamined >= 1
     text = str(result)
