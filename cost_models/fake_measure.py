@@ -19,9 +19,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from cost_models.fake_memo import Recording, node_key, rebuild_output, record
+from cost_models.fake_memo import (Recording, ReplayedTensor, build_replayed, flatten_values,
+                                   node_key, rebuild_output, record)
 from cost_models.graph.ir import TensorMeta
-from cost_models.graph.shapes import (VALUE_DEPENDENT, concrete_copy, dtype_name, fake_state,
+from cost_models.graph.shapes import (VALUE_DEPENDENT, concrete_copy, dtype_name, fake_like,
                                       named_state, tensor_leaves, tensor_metas)
 
 
@@ -35,7 +36,7 @@ class NodeMeasurement:
     saved_bytes_by_dtype: tuple[tuple[str, int], ...]
 
 
-def storage_key(tensor: torch.Tensor) -> int:
+def storage_key(tensor: torch.Tensor | ReplayedTensor) -> int:
     return tensor.untyped_storage()._cdata
 
 
@@ -52,7 +53,7 @@ class StorageLedger:
         self._alive: list[torch.Tensor] = []  # keeps every keyed storage alive so keys stay unique
         self._internal = 0
 
-    def resolve(self, tensor: torch.Tensor) -> int:
+    def resolve(self, tensor: torch.Tensor | ReplayedTensor) -> int:
         key = storage_key(tensor)
         return self.alias.get(key, key)
 
@@ -61,7 +62,7 @@ class StorageLedger:
         self.alias[storage_key(copy)] = self.resolve(original)
         self._alive.append(copy)
 
-    def claim(self, tensor: torch.Tensor, node: str) -> None:
+    def claim(self, tensor: torch.Tensor | ReplayedTensor, node: str) -> None:
         """Record ``node`` as the producer of ``tensor``'s storage unless one is known."""
         key = self.resolve(tensor)
         if key not in self.producer and key not in self.param_keys:
@@ -116,9 +117,8 @@ def measure_graph(module: torch.fx.GraphModule,
                   example_inputs: tuple[torch.Tensor, ...]) -> dict[str, NodeMeasurement]:
     """Measure every node of ``module`` on fake copies of ``example_inputs`` (values unused)."""
     with FakeTensorMode() as fake_mode:
-        state = fake_state(module)
-        ledger = StorageLedger(state.values())
-        runner = _FakeRunner(module, state, ledger, fake_mode)
+        ledger = StorageLedger(())  # parameters join it as the runner makes their fakes
+        runner = _FakeRunner(module, ledger, fake_mode)
         flops = runner.run(example_inputs)
     return {name: NodeMeasurement(outputs, fwd, bwd,
                                   tuple(sorted(ledger.saved.get(name, {}).items())))
@@ -126,34 +126,48 @@ def measure_graph(module: torch.fx.GraphModule,
 
 
 class _FakeRunner:
-    """Interprets the graph node by node on fake tensors."""
+    """Interprets the graph node by node on fake tensors.
 
-    def __init__(self, module: torch.fx.GraphModule, state: dict[int, torch.Tensor],
-                 ledger: StorageLedger, fake_mode: FakeTensorMode) -> None:
+    Parameters and buffers get their fakes when a node first needs them (what fake_state()
+    would make, made lazily): a node replayed from the memo never reads them, so a model of
+    repeated blocks makes fakes for its first block only.
+    """
+
+    def __init__(self, module: torch.fx.GraphModule, ledger: StorageLedger,
+                 fake_mode: FakeTensorMode) -> None:
         self.module = module
-        self.state = state
         self.ledger = ledger
         self.fake_mode = fake_mode
+        self.state_ids = {id(tensor) for _, tensor in named_state(module)}
+        self.state: dict[int, torch.Tensor] = {}  # id() of a parameter or buffer -> its fake
         self.memo: dict[Any, Recording] = {}
 
     def run(self, example_inputs: tuple[torch.Tensor, ...]) -> dict[str, tuple]:
+        """Every node's (output TensorMetas, forward FLOPs, backward FLOPs)."""
         env: dict[str, Any] = {}
         results: dict[str, tuple] = {}
         inputs = iter(example_inputs)
         for node in self.module.graph.nodes:
             if node.op == "placeholder":
-                env[node.name] = self._fake_input(next(inputs), node.name)
-                fwd = bwd = 0
+                value = self._fake_input(next(inputs), node.name)
             elif node.op == "get_attr":
-                env[node.name] = self._attribute(node.target)
-                fwd = bwd = 0
+                value = self._attribute(node.target)
             elif node.op == "output":
-                env[node.name] = None
-                fwd = bwd = 0
+                value = None
             else:
-                env[node.name], fwd, bwd = self._call(node, env)
-            results[node.name] = (tensor_metas(env[node.name]), fwd, bwd)
+                env[node.name], results[node.name] = self._call(node, env)
+                continue
+            env[node.name] = value
+            results[node.name] = (tensor_metas(value), 0, 0)
         return results
+
+    def _fake_state(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The fake of a parameter or buffer of the model (tied aliases share one)."""
+        fake = self.state.get(id(tensor))
+        if fake is None:
+            fake = self.state[id(tensor)] = fake_like(tensor)
+            self.ledger.param_keys.add(storage_key(fake))
+        return fake
 
     def _fake_input(self, value: torch.Tensor, name: str) -> torch.Tensor:
         fake = torch.empty(value.shape, dtype=value.dtype, device="cpu")
@@ -162,14 +176,15 @@ class _FakeRunner:
 
     def _attribute(self, target: str) -> Any:
         value = operator.attrgetter(target)(self.module)
-        if isinstance(value, torch.Tensor) and id(value) in self.state:
-            return self.state[id(value)]
+        if isinstance(value, torch.Tensor) and id(value) in self.state_ids:
+            return self._fake_state(value)
         if isinstance(value, torch.Tensor):
             value = self.fake_mode.from_tensor(value)
             self.ledger.param_keys.add(storage_key(value))
         return value
 
-    def _call(self, node: torch.fx.Node, env: dict[str, Any]) -> tuple[Any, int, int]:
+    def _call(self, node: torch.fx.Node, env: dict[str, Any]) -> tuple[Any, tuple]:
+        """The node's value and its (output TensorMetas, forward FLOPs, backward FLOPs)."""
         try:
             return self._call_fake(node, env)
         except VALUE_DEPENDENT:
@@ -177,13 +192,21 @@ class _FakeRunner:
                 raise
             return self._call_concrete(node, env)
 
-    def _call_fake(self, node: torch.fx.Node, env: dict[str, Any]) -> tuple[Any, int, int]:
+    def _call_fake(self, node: torch.fx.Node, env: dict[str, Any]) -> tuple[Any, tuple]:
         raw_args = torch.fx.node.map_arg(node.args, lambda n: env[n.name])
         raw_kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: env[n.name])
-        inputs = tensor_leaves((raw_args, raw_kwargs))
-        key = node_key(node, self.module, raw_args, raw_kwargs, self.ledger.param_keys)
-        if key is not None and key in self.memo:
-            return self._replay(self.memo[key], node.name, inputs)
+        flat, nesting = flatten_values(raw_args, raw_kwargs)
+        key = node_key(node, self.module, flat, nesting, self.ledger.param_keys)
+        recording = None if key is None else self.memo.get(key)
+        if recording is not None:
+            return self._replay(recording, node.name, _tensor_inputs(flat))
+        # This node runs, on FakeTensors: replayed inputs are built, and kept built in env so
+        # that whatever the node does to them (an in-place op) later readers see.
+        for source in node.all_input_nodes:
+            env[source.name] = build_replayed(env[source.name], self.fake_mode)
+        raw_args = torch.fx.node.map_arg(node.args, lambda n: env[n.name])
+        raw_kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: env[n.name])
+        inputs = _tensor_inputs(flatten_values(raw_args, raw_kwargs)[0])  # indexed as a replay's
         leaves: list[torch.Tensor] = []
         isolate = self._isolator(leaves)
         args, kwargs = pytree.tree_map(isolate, raw_args), pytree.tree_map(isolate, raw_kwargs)
@@ -199,23 +222,25 @@ class _FakeRunner:
         if key is not None:
             self.memo[key] = record(inputs, output, saved, self.ledger.resolve, self.ledger.param_keys,
                                     fwd_flops, bwd_flops)
-        return detach_tree(output), fwd_flops, bwd_flops
+        value = detach_tree(output)
+        return value, (tensor_metas(value), fwd_flops, bwd_flops)
 
-    def _replay(self, recording: Recording, node: str, inputs: list[torch.Tensor]) -> tuple[Any, int, int]:
+    def _replay(self, recording: Recording, node: str,
+                inputs: list[torch.Tensor | ReplayedTensor]) -> tuple[Any, tuple]:
         """An identical node was measured before: rebuild its outputs, re-attribute its saves."""
-        output = rebuild_output(recording, inputs)
-        outputs = tensor_leaves(output)
-        for tensor in outputs:
-            self.ledger.claim(tensor, node)
+        output, leaves = rebuild_output(recording, inputs)
+        for leaf in leaves:
+            if isinstance(leaf, ReplayedTensor):
+                self.ledger.claim(leaf, node)
         for ref in recording.saved:
             if ref.kind == "internal":
                 self.ledger.record_internal(ref.dtype, ref.nbytes, node)
             elif ref.kind != "param":
-                source = inputs[ref.index] if ref.kind == "input" else pytree.tree_leaves(output)[ref.index]
+                source = inputs[ref.index] if ref.kind == "input" else leaves[ref.index]
                 self.ledger.record_key(self.ledger.resolve(source), ref.dtype, ref.nbytes, node)
-        return output, recording.fwd_flops, recording.bwd_flops
+        return output, (recording.metas, recording.fwd_flops, recording.bwd_flops)
 
-    def _call_concrete(self, node: torch.fx.Node, env: dict[str, Any]) -> tuple[Any, int, int]:
+    def _call_concrete(self, node: torch.fx.Node, env: dict[str, Any]) -> tuple[Any, tuple]:
         """A leaf whose forward branches on values: run it once on real zero-valued CPU tensors.
 
         Only that module is materialised (its weights zero-filled when they live on the meta
@@ -246,7 +271,8 @@ class _FakeRunner:
             params = [p for p in submodule.parameters() if p.requires_grad]
             bwd_flops = _backward_flops(output, leaves + params)
             output = detach_tree(output)
-        return pytree.tree_map(self._to_fake, output), counter.get_total_flops(), bwd_flops
+        value = pytree.tree_map(self._to_fake, output)
+        return value, (tensor_metas(value), counter.get_total_flops(), bwd_flops)
 
     def _to_fake(self, value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
@@ -272,7 +298,7 @@ class _FakeRunner:
     def _callable(self, node: torch.fx.Node) -> tuple[Callable[..., Any], list[torch.Tensor]]:
         if node.op == "call_module":
             submodule = self.module.get_submodule(node.target)
-            local = {name: self.state[id(t)] for name, t in named_state(submodule)}
+            local = {name: self._fake_state(t) for name, t in named_state(submodule)}
             params = [t for t in dict.fromkeys(local.values()) if t.requires_grad]
 
             def call_module(*args: Any, **kwargs: Any) -> Any:
@@ -291,6 +317,11 @@ class _FakeRunner:
                 saved.append(tensor)
             return tensor
         return pack
+
+
+def _tensor_inputs(flat: list[Any]) -> list[Any]:
+    """The tensors (FakeTensors or ReplayedTensors) among a node's flattened values."""
+    return [leaf for leaf in flat if isinstance(leaf, (torch.Tensor, ReplayedTensor))]
 
 
 def _backward_flops(output: Any, inputs: list[torch.Tensor]) -> int:

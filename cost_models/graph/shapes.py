@@ -76,9 +76,17 @@ def fake_state(module: torch.nn.Module, device: torch.device | str = "cpu") -> d
     fakes: dict[int, torch.Tensor] = {}
     for _, tensor in named_state(module):
         if id(tensor) not in fakes:
-            fake = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device)
-            fakes[id(tensor)] = fake.requires_grad_(tensor.requires_grad)
+            fakes[id(tensor)] = fake_like(tensor, device)
     return fakes
+
+
+def fake_like(tensor: torch.Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A tensor with ``tensor``'s layout, dtype and requires_grad on ``device``.
+
+    Call it inside a FakeTensorMode to get a fake one (nothing allocated).
+    """
+    fake = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device)
+    return fake.requires_grad_(tensor.requires_grad)
 
 
 def concrete_copy(module: torch.nn.Module) -> torch.nn.Module:

@@ -93,16 +93,18 @@ def build_graph(captured: Capture, outputs: Mapping[str, tuple[TensorMeta, ...]]
     """
     module = captured.module
     canonical = _canonical_names(module)
+    state_under = _state_by_module(canonical)
     shapes = {name: (metas[0].shape if metas else ()) for name, metas in outputs.items()}
     work = work or {}
     nodes = tuple(_layer_node(node, module, outputs[node.name], work.get(node.name, NodeWork()),
-                              canonical, shapes)
+                              canonical, state_under, shapes)
                   for node in module.graph.nodes)
     return LayerGraph(nodes, _param_infos(module, nodes, canonical), captured.tracer)
 
 
 def _layer_node(node: torch.fx.Node, module: torch.fx.GraphModule, outputs: tuple[TensorMeta, ...],
-                work: NodeWork, canonical: dict[str, str], shapes: node_info.Shapes) -> LayerNode:
+                work: NodeWork, canonical: dict[str, str], state_under: dict[str, list[str]],
+                shapes: node_info.Shapes) -> LayerNode:
     window = node_info.geometry(node, module, shapes)
     return LayerNode(
         name=node.name,
@@ -111,7 +113,7 @@ def _layer_node(node: torch.fx.Node, module: torch.fx.GraphModule, outputs: tupl
         op_type=node_info.op_type(node, module),
         inputs=tuple(source.name for source in node.all_input_nodes),
         outputs=outputs,
-        param_names=_params_used(node, module, canonical),
+        param_names=_params_used(node, canonical, state_under),
         geometry=window,
         spatially_splittable=node_info.spatially_splittable(node, module, window, outputs),
         work=work,
@@ -129,14 +131,28 @@ def _canonical_names(module: nn.Module) -> dict[str, str]:
     return canonical
 
 
-def _params_used(node: torch.fx.Node, module: nn.Module, canonical: dict[str, str]) -> tuple[str, ...]:
+def _state_by_module(canonical: dict[str, str]) -> dict[str, list[str]]:
+    """For every module path, the canonical names of the parameters and buffers under it.
+
+    In the order that module's ``named_parameters()`` then ``named_buffers()`` (with
+    ``remove_duplicate=False``) give them: ``canonical`` lists the whole model's that way, and
+    a submodule's names are those under its path, in the same depth-first order. One pass
+    here instead of walking every call_module node's submodule (about 30 us each).
+    """
+    under: dict[str, list[str]] = {}
+    for name, first in canonical.items():
+        path = name
+        while "." in path:
+            path = path.rpartition(".")[0]
+            under.setdefault(path, []).append(first)
+    return under
+
+
+def _params_used(node: torch.fx.Node, canonical: dict[str, str],
+                 state_under: dict[str, list[str]]) -> tuple[str, ...]:
     names: list[str] = []
     if node.op == "call_module":
-        submodule = module.get_submodule(node.target)
-        prefix = f"{node.target}."
-        names = [canonical[prefix + name] for name, _ in
-                 [*submodule.named_parameters(remove_duplicate=False),
-                  *submodule.named_buffers(remove_duplicate=False)]]
+        names = list(state_under.get(node.target, ()))
     elif node.op == "get_attr" and node.target in canonical:
         names = [canonical[node.target]]
     for source in node.all_input_nodes:
