@@ -198,7 +198,10 @@ def _binding(best: Candidate, space: SearchSpace, simulated: SimResult) -> str:
 def _unproven(best: Candidate, result: SearchResult, space: SearchSpace) -> str:
     """Why the plan is not proven the best, if it is not ("" when it is)."""
     reasons = []
-    if best.status is SolveStatus.FEASIBLE:
+    if best.status is SolveStatus.FEASIBLE and best.seed:
+        reasons.append("the plan is its configuration's least-memory split, which no ILP improved or proved "
+                       "best in time")
+    elif best.status is SolveStatus.FEASIBLE:
         reasons.append(f"the solver stopped at the time limit ({space.time_limit_s:g} s) on the winning "
                        f"configuration")
     if result.configs_unexamined:

@@ -26,7 +26,7 @@ from planner.search.configs import Config, SearchSpace, configurations
 from planner.search.evaluate import Decisions, Evaluation, evaluate
 from planner.search.ilp import SolveStatus, solve_partition
 from planner.search.infeasible import capacity_error, infeasible_error
-from planner.search.oracle import check_exact, min_peak_partition
+from planner.search.oracle import OracleResult, check_exact, min_peak_partition
 from planner.search.problem import (
     ON_GPU,
     Coarsening,
@@ -75,6 +75,7 @@ class Candidate:
     gap: float
     binding: str
     local: bool = False  # memory decisions optimised with each cut in a window, not over every partition
+    seed: bool = False  # the search's first plan (Search.seed), not from an ILP
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,7 @@ class Search:
         self.progress = progress
         self._tables: dict[int, tuple[CostTable, Coarsening]] = {}
         self._setups: dict[Config, Setup] = {}
-        self._on_gpu: list[Candidate] = []  # solved plans that keep everything on the GPU
+        self._min_peaks: dict[tuple[Config, bool], OracleResult | None] = {}
 
     def costs(self, micro_batch_size: int) -> tuple[CostTable, Coarsening]:
         if micro_batch_size not in self._tables:
@@ -154,14 +155,19 @@ class Search:
         max_stages = len(self.costs(1)[1].units)
         configs = configurations(self.space, max_stages)
         ranked = sorted(configs, key=lambda config: round(self.lower_bound(config), 9))  # ties: listed order
-        solved: list[Candidate] = []
+        seed = self.seed(ranked)
+        solved: list[Candidate] = [seed] if seed is not None else []
         pending: list[tuple[int, Config, Candidate | None]] = []  # configurations to decide memory for
         solver_s, unexamined = 0.0, 0
         # First every configuration keeping each activation (exact and fast), then recompute and swap
         # where that plan is missing or binds, each cut off by the best plan of either pass.
         for index, config in enumerate(ranked):
             best = min((c.objective_ms for c in solved), default=None)
+            own_seed = seed if seed is not None and seed.setup.config == config else None
             if best is not None and self.lower_bound(config) >= best:
+                if own_seed is not None and self.lower_bound(config) >= own_seed.objective_ms:
+                    solved[solved.index(own_seed)] = dataclasses.replace(  # its bound proves the seed optimal
+                        own_seed, status=SolveStatus.OPTIMAL, gap=0.0)
                 continue
             remaining = self.space.time_limit_s - (time.perf_counter() - start)
             if remaining <= 0 and solved:
@@ -171,8 +177,10 @@ class Search:
                 continue
             self._report(ProgressEvent(Phase.SEARCHING, index, len(ranked), best,
                                        f"solving {config.describe()}"))
-            kept, decide, wall_s = self.solve_kept(config, max(1.0, remaining), best)
+            kept, decide, wall_s = self.solve_kept(config, max(1.0, remaining), best, own_seed)
             solver_s += wall_s
+            if own_seed is not None:
+                solved.remove(own_seed)  # kept is the ILP's better plan, or the seed itself
             if kept is not None:
                 solved.append(kept)
             if decide:
@@ -197,7 +205,8 @@ class Search:
             raise self.infeasible(configs)
         solved.sort(key=lambda c: (round(c.objective_ms, 9), c.setup.config.gpus,  # a tie: fewer GPUs
                                    c.evaluation.peak_mem_bytes))
-        on_gpu = min(self._on_gpu, key=lambda c: c.objective_ms, default=None)
+        on_gpu = min((c for c in solved if c.setup.config.state == ON_GPU and c.evaluation.decisions is None),
+                     key=lambda c: c.objective_ms, default=None)  # the best plan keeping everything on the GPU
         if on_gpu is not None and on_gpu.objective_ms <= (1 + OFFLOAD_MUST_GAIN) * solved[0].objective_ms:
             solved.remove(on_gpu)  # within the margin, a plan that offloads nothing is preferred
             solved.insert(0, on_gpu)
@@ -209,13 +218,24 @@ class Search:
         if self.progress is not None:
             self.progress(event)
 
-    def _kept_fits(self, setup: Setup) -> bool:
+    def _min_peak(self, config: Config, frugal: bool) -> OracleResult | None:
+        """The partition of ``config`` needing the least memory, keeping every activation or with every
+        decision at its most frugal (None where the DP does not apply: several stages share a slot)."""
+        key = (config, frugal)
+        if key not in self._min_peaks:
+            costs = self.setup(config).frugal_costs if frugal else self.setup(config).costs
+            try:
+                check_exact(costs, decisions_allowed=frugal)
+            except ValueError:
+                self._min_peaks[key] = None
+            else:
+                self._min_peaks[key] = min_peak_partition(costs)
+        return self._min_peaks[key]
+
+    def _kept_fits(self, config: Config) -> bool:
         """Whether some partition keeping every activation fits (exact by DP where it applies)."""
-        try:
-            check_exact(setup.costs)
-        except ValueError:
-            return True
-        return min_peak_partition(setup.costs).peak_bytes <= self.space.mem_bytes
+        lowest = self._min_peak(config, frugal=False)
+        return lowest is None or lowest.peak_bytes <= self.space.mem_bytes
 
     def fits(self, config: Config) -> bool:
         """Whether any partition of this configuration might fit the budget (by DP, where it applies:
@@ -225,24 +245,57 @@ class Search:
             check_exact(costs, decisions_allowed=True)
         except ValueError:
             return True  # several stages share a slot: the ILP decides
-        return (memory_floor(costs) <= self.space.mem_bytes
-                and min_peak_partition(costs).peak_bytes <= self.space.mem_bytes)
+        if memory_floor(costs) > self.space.mem_bytes:
+            return False
+        lowest = self._min_peak(config, frugal=True)
+        return lowest is not None and lowest.peak_bytes <= self.space.mem_bytes
 
-    def solve_kept(self, config: Config, time_limit_s: float,
-                   cutoff_ms: float | None) -> tuple[Candidate | None, bool, float]:
+    def seed(self, ranked: Sequence[Config]) -> Candidate | None:
+        """A first plan, before any ILP, to cut the first ILPs off: of the first SEED_CONFIGS
+        configurations (in order of their lower bound) that may fit, the fastest whose least-memory
+        partition keeping every activation fits. Not optimal; the ILP of its configuration then
+        improves it or proves that nothing does."""
+        best: Candidate | None = None
+        tried = 0
+        for config in ranked:
+            if tried == SEED_CONFIGS or best is not None and self.lower_bound(config) >= best.objective_ms:
+                break
+            if not self.fits(config):
+                continue
+            tried += 1
+            lowest = self._min_peak(config, frugal=False)
+            if lowest is None:
+                continue
+            evaluation = lowest.evaluation
+            if not (evaluation.fits(self.space.mem_bytes) and evaluation.capacity_fits):
+                continue
+            if best is None or evaluation.step_ms < best.objective_ms:
+                slot = max(range(len(evaluation.slot_peak_bytes)), key=lambda s: evaluation.slot_peak_bytes[s])
+                share = evaluation.slot_peak_bytes[slot] / self.space.mem_bytes
+                best = Candidate(self.setup(config), evaluation, evaluation.step_ms, SolveStatus.FEASIBLE,
+                                 "DP (least-memory split)", float("nan"), f"memory of slot {slot} ({share:.0%} of the budget)",
+                                 seed=True)
+        return best
+
+    def solve_kept(self, config: Config, time_limit_s: float, cutoff_ms: float | None,
+                   seed: Candidate | None = None) -> tuple[Candidate | None, bool, float]:
         """The best partition of ``config`` keeping every saved activation (None if none fits or beats
-        ``cutoff_ms``), whether recompute and swap should be decided for it (offload is on and that
-        plan is missing or its memory binds), and the seconds it took."""
+        ``cutoff_ms``; ``seed``, a plan of this configuration, if the ILP finds none better), whether
+        recompute and swap should be decided for it (offload is on and that plan is missing or its
+        memory binds), and the seconds it took."""
         setup = self.setup(config)
         start = time.perf_counter()
         kept = None
-        if setup.decided_problem is None or self._kept_fits(setup):
+        if setup.decided_problem is None or self._kept_fits(config):
             result = solve_partition(setup.costs, time_limit_s=time_limit_s, cutoff_ms=cutoff_ms)
-            kept = None if result.cuts is None else Candidate(
-                setup, evaluate(setup.costs, result.cuts), result.objective, result.status, result.solver,
-                result.gap, result.binding)
-        if kept is not None and config.state == ON_GPU:
-            self._on_gpu.append(kept)
+            if result.cuts is not None:
+                kept = Candidate(setup, evaluate(setup.costs, result.cuts), result.objective, result.status,
+                                 result.solver, result.gap, result.binding)
+            elif seed is not None and result.status is SolveStatus.INFEASIBLE and cutoff_ms is not None \
+                    and cutoff_ms >= seed.objective_ms:  # the ILP proved that nothing beats the seed
+                kept = dataclasses.replace(seed, status=SolveStatus.OPTIMAL, solver=result.solver, gap=0.0)
+            else:
+                kept = seed
         binds = kept is None or kept.evaluation.peak_mem_bytes >= DECIDE_WHEN_MEMORY_AT * self.space.mem_bytes
         return kept, setup.decided_problem is not None and binds, time.perf_counter() - start
 
@@ -339,6 +392,9 @@ DECISION_SOLVE_S = 2.0
 
 DECISION_S = 3.0
 """Time limit of all the ILPs with memory decisions of one configuration."""
+
+SEED_CONFIGS = 8
+"""How many configurations that may fit the search tries for a first plan before any ILP (Search.seed)."""
 
 DECISION_ROUNDS = 3
 """How many times the window of the ILP with memory decisions moves after the best plan's cuts."""
