@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from cost_models.devices import DeviceSpec
@@ -178,7 +179,8 @@ def _report(result: SearchResult, space: SearchSpace, simulated: SimResult,
     note = gpus_note(space, best.setup.config.gpus)
     why += (f"; {note}" if note else "") + (f"; {result.offload_note}" if result.offload_note else "")
     why += _unproven(best, result, space)
-    return SolverReport(best.solver, best.status.value, best.objective_ms, best.gap, result.wall_s,
+    gap = None if math.isnan(best.gap) else best.gap  # unknown: the solve stopped before proving a bound
+    return SolverReport(best.solver, best.status.value, best.objective_ms, gap, result.wall_s,
                         result.configs_total, why, _binding(best, space, simulated), runner,
                         result.configs_unexamined, best.local)
 

@@ -308,7 +308,7 @@ class SolverReport:
     name: str
     status: str
     objective: float
-    gap: float
+    gap: float | None  # None: unknown (the solve stopped before proving a bound)
     wall_s: float
     configs_tried: int
     why: str
@@ -326,8 +326,9 @@ class SolverReport:
     @classmethod
     def from_dict(cls, data: Any, path: str) -> SolverReport:
         return codec.fields(cls, data, path, {
-            "name": codec.string, "status": codec.string, "objective": codec.number, "gap": codec.number,
-            "wall_s": codec.number, "configs_tried": codec.integer, "why": codec.string,
+            "name": codec.string, "status": codec.string, "objective": codec.number,
+            "gap": codec.optional(codec.number), "wall_s": codec.number, "configs_tried": codec.integer,
+            "why": codec.string,
             "binding": codec.string, "runner_up": codec.optional(RunnerUp.from_dict),
             "configs_unexamined": codec.integer, "decisions_local": codec.boolean},
             optional=frozenset({"configs_unexamined", "decisions_local"}))
