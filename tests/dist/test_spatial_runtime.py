@@ -1,0 +1,75 @@
+"""A plan whose first stage runs on image tiles equals a single-process float64 run.
+
+ResNet-50 (width 4, 64x64 images, float64) with stage 0 = the stem and the first bottleneck
+block (7x7 stride-2 conv, batch-norm, max pool, a residual add with a projection shortcut) on
+spatial tiles, and the rest of the network as one ordinary stage: square 4 tiles + 1 rank,
+vertical 2 tiles + 1 rank (per-layer and fused halos), GPipe and 1F1B, and vertical 2 tiles + 1
+rank replicated twice (6 ranks). Losses, every gradient, the final weights and the batch-norm
+running statistics equal the reference at rtol 1e-10.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from planner.plan import Plan, SpatialSpec
+from tests.dist.harness import run_ranks
+from tests.dist.runtime_cases import Case, Outcome, reference, run_cases
+from tests.runtime_plans import RESNET, make_plan
+
+pytestmark = pytest.mark.dist
+
+RTOL, ATOL = 1e-10, 1e-12
+AFTER_FIRST_BLOCK = ["layer1_1_conv1"]
+
+
+def _spatial_plan(parts: int, slicing: str, schedule: str, *, halo: str = "per-layer",
+                  data_parallel: int = 1) -> str:
+    spec = SpatialSpec(parts, slicing, halo, height=64, width=64)
+    return make_plan(RESNET, AFTER_FIRST_BLOCK, schedule=schedule, data_parallel=data_parallel,
+                     microbatches=2 if data_parallel > 1 else 3, spatial={0: spec})
+
+
+def _check(case: Case, by_rank: list[Outcome]) -> None:
+    """Every rank's losses, and the gradients, weights and buffers of its stage, equal the reference."""
+    expected = reference(case)
+    replicas = Plan.from_dict(json.loads(case.plan_json)).data_parallel
+    seen: set[str] = set()
+    for rank, outcome in enumerate(by_rank):
+        np.testing.assert_allclose(outcome.losses, expected.losses, rtol=RTOL, atol=ATOL,
+                                   err_msg=f"rank {rank} losses")
+        for name, grad in outcome.grads.items():
+            np.testing.assert_allclose(grad, expected.grads[name], rtol=RTOL, atol=ATOL,
+                                       err_msg=f"rank {rank} gradient of {name}")
+            np.testing.assert_allclose(outcome.params[name], expected.params[name], rtol=RTOL, atol=ATOL,
+                                       err_msg=f"rank {rank} parameter {name}")
+        if replicas == 1:  # replicas see different samples: their running statistics differ
+            for name, buffer in outcome.buffers.items():
+                np.testing.assert_allclose(buffer, expected.buffers[name], rtol=RTOL, atol=ATOL,
+                                           err_msg=f"rank {rank} buffer {name}")
+        seen |= set(outcome.grads)
+    assert seen == set(expected.grads), f"parameters on no rank: {sorted(set(expected.grads) - seen)}"
+
+
+def _run(cases: list[Case], world_size: int) -> None:
+    outcomes = run_ranks(run_cases, world_size, cases, timeout_s=240)
+    for index, case in enumerate(cases):
+        _check(case, [outcomes[rank][index] for rank in range(world_size)])
+
+
+def test_vertical_two_tiles_and_one_stage_equal_a_single_process() -> None:
+    _run([Case(_spatial_plan(2, "vertical", "gpipe"), steps=2),
+          Case(_spatial_plan(2, "vertical", "1f1b"), steps=2),
+          Case(_spatial_plan(2, "vertical", "1f1b", halo="fused"), steps=2)], 3)
+
+
+def test_square_four_tiles_and_one_stage_equal_a_single_process() -> None:
+    _run([Case(_spatial_plan(4, "square", "gpipe"), steps=2),
+          Case(_spatial_plan(4, "square", "1f1b"), steps=2)], 5)
+
+
+def test_vertical_tiles_with_data_parallel_equal_a_single_process() -> None:
+    _run([Case(_spatial_plan(2, "vertical", "1f1b", data_parallel=2), steps=2)], 6)
