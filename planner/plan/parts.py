@@ -240,7 +240,7 @@ class StagePlan:
         return codec.fields(cls, data, path, {
             "index": codec.integer, "nodes": codec.tuple_of(codec.string),
             "predicted": StagePrediction.from_dict, "spatial": codec.optional(SpatialSpec.from_dict),
-            "offload": OffloadSpec.from_dict})
+            "offload": OffloadSpec.from_dict}, optional=frozenset({"spatial"}))
 
 
 @dataclass(frozen=True)
