@@ -10,18 +10,21 @@ import torch
 from torch import nn
 
 from cost_models.devices import DeviceSpec
-from cost_models.errors import InvalidArgument
+from cost_models.errors import InvalidArgument, PlanFileError
 from cost_models.estimation import model_precision
 from cost_models.graph.ir import LayerGraph
 from cost_models.graph.tracing import normalise_inputs, trace
 from cost_models.memory import Optimizer, Precision
 from planner.api import model_ref, validate_space
 from planner.assemble import build_plan
-from planner.plan import OffloadSpec, Plan, ScheduleKind
+from planner.plan import OffloadSpec, Plan, Prediction, ScheduleKind, SpatialSpec, check_invariants
+from planner.schedules import format_programs, generate, lower, simulate, validate
+from planner.schedules.swaps import insert_swaps
 from planner.search.evaluate import evaluate
 from planner.search.ilp import SolveStatus
 from planner.search.problem import group_units
 from planner.search.search import Candidate, Config, Search, SearchResult
+from planner.simulation import sim_costs
 
 
 def plan_with_split(model: nn.Module, *, example_inputs: torch.Tensor | Sequence[torch.Tensor],
@@ -32,7 +35,8 @@ def plan_with_split(model: nn.Module, *, example_inputs: torch.Tensor | Sequence
                     precision: str | Precision | None = None, builder: str | None = None,
                     builder_kwargs: Mapping[str, Any] | None = None,
                     graph: LayerGraph | None = None,
-                    offload: Sequence[OffloadSpec] | None = None) -> Plan:
+                    offload: Sequence[OffloadSpec] | None = None,
+                    spatial: Mapping[int, SpatialSpec] | None = None) -> Plan:
     """A plan whose stage s + 1 begins at node ``stage_starts[s]`` (stage 0 at the first node).
 
     Costs, programs and predictions are made exactly as for a solved plan, so a manual split
@@ -40,6 +44,9 @@ def plan_with_split(model: nn.Module, *, example_inputs: torch.Tensor | Sequence
     the stages' memory decisions (checkpoint regions, swapped nodes, ZeRO stage, tiers) instead of
     keeping everything on the GPU; they are recorded and executed as given, but the predictions stay
     those of the split with everything kept on the GPU (the search costs only its own decisions).
+    ``spatial`` (stage -> SpatialSpec) runs those stages on ``parts`` ranks each, one image tile per
+    rank (the plan needs that many more GPUs); the predictions stay those of the non-spatial split,
+    one rank per stage (the cost of tiles and halos is not modelled here yet).
 
     Example::
 
@@ -70,7 +77,37 @@ def plan_with_split(model: nn.Module, *, example_inputs: torch.Tensor | Sequence
         evaluation = dataclasses.replace(evaluation, forced=tuple(offload))
     candidate = Candidate(setup, evaluation, evaluation.step_ms, SolveStatus.OPTIMAL, "manual split", 0.0, "")
     result = SearchResult(candidate, None, 1, 1, 0.0)
-    return build_plan(graph, spec, space, result, model_ref(graph, inputs, space, builder, builder_kwargs))
+    made = build_plan(graph, spec, space, result, model_ref(graph, inputs, space, builder, builder_kwargs))
+    return _tiled(made, spatial) if spatial else made
+
+
+def _tiled(plan: Plan, spatial: Mapping[int, SpatialSpec]) -> Plan:
+    """The plan with ``spatial``'s stages on tiles: its layout and programs made again, re-simulated
+    on the same (non-spatial) stage costs, and checked like a plan file."""
+    stray = sorted(set(spatial) - set(range(plan.num_stages)))
+    if stray:
+        raise InvalidArgument(f"spatial names stages {stray} but the split has stages 0..{plan.num_stages - 1}")
+    tiles = tuple(spatial[stage].parts if stage in spatial else 1 for stage in range(plan.num_stages))
+    schedule = generate(plan.schedule.kind, plan.num_stages, plan.training.num_microbatches,
+                        data_parallel=plan.data_parallel, tiles=tiles)
+    layout = schedule.layout
+    stages = tuple(dataclasses.replace(stage, spatial=spatial.get(stage.index)) for stage in plan.stages)
+    edges = {(t.src_stage, t.dst_stage) for t in plan.transfers}
+    swapping = {stage.index for stage in stages if stage.offload.swap}
+    programs = layout.rank_programs(lower(insert_swaps(schedule.programs, swapping), layout, edges))
+    validate(programs, layout, edges=edges)
+    simulated = simulate(programs, layout, sim_costs(layout, stages, plan.transfers))
+    batch = plan.training.global_batch_size
+    tiled = dataclasses.replace(
+        plan, layout=layout, stages=stages, programs=format_programs(programs),
+        cluster=dataclasses.replace(plan.cluster, gpus=layout.world_size, gpus_available=layout.world_size),
+        predicted=Prediction(simulated.step_ms, batch / simulated.step_ms * 1e3, simulated.bubble_fraction,
+                             simulated.peak_mem_bytes))
+    try:
+        check_invariants(tiled)
+    except PlanFileError as error:
+        raise InvalidArgument(f"spatial {dict(spatial)} does not fit the split: {error}") from None
+    return tiled
 
 
 def _starts(graph: LayerGraph, stage_starts: Sequence[str]) -> list[int]:

@@ -34,11 +34,6 @@ def check_world_size(plan: Plan, world_size: int) -> None:
 def check_executable(plan: Plan) -> None:
     """Refuse what this runtime does not execute yet (each names the planner option that avoids it)."""
     layout = plan.layout
-    tiled = sorted({slot for slots in layout.slot_ranks for slot, ranks in enumerate(slots)
-                    if len(ranks) > 1})
-    if tiled:
-        raise RuntimeSetupError(f"slots {tiled} of the plan are split into spatial tiles, which this runtime "
-                                f"does not execute yet; re-plan without spatial parallelism")
     copies = [part for part in range(layout.num_parts) if len(layout.stages_of_part(part)) > 1]
     if layout.stage_part != tuple(range(layout.num_stages)) or copies:
         raise RuntimeSetupError(f"the plan runs parts {copies or list(layout.stage_part)} as several model "
@@ -46,6 +41,31 @@ def check_executable(plan: Plan) -> None:
                                 f"does not execute yet; re-plan with another schedule")
     for stage in plan.stages:
         _check_offload(stage.index, stage.offload)
+        if stage.spatial is not None:
+            _check_spatial(plan, stage.index)
+
+
+def _check_spatial(plan: Plan, stage: int) -> None:
+    """This runtime executes a spatial stage 0 on its own slot, followed by other stages, in fp32/fp64,
+    without memory decisions, with per-layer halos or one fused group for the whole stage."""
+    spec = plan.stages[stage].spatial
+    assert spec is not None
+    layout = plan.layout
+    if stage != 0 or plan.num_stages < 2 or len(layout.stages_on_slot(layout.slot(stage))) != 1:
+        raise RuntimeSetupError(f"stage {stage} runs on spatial tiles but is not the first of several stages "
+                                f"on a slot of its own, which this runtime does not execute yet; re-plan "
+                                f"with only stage 0 spatial")
+    if not plan.stages[stage].offload.is_default:
+        raise RuntimeSetupError(f"stage {stage} runs on spatial tiles and has memory decisions "
+                                f"({plan.stages[stage].offload.describe(len(plan.stages[stage].nodes))}), "
+                                f"which this runtime does not execute together yet; re-plan without them")
+    if plan.model.precision.master_weights:
+        raise RuntimeSetupError(f"stage {stage} runs on spatial tiles in {plan.model.precision.value}, which "
+                                f"this runtime does not execute yet; re-plan in fp32 or fp64")
+    if spec.fused_groups:
+        raise RuntimeSetupError(f"stage {stage} fuses its halos in {len(spec.fused_groups)} groups, which this "
+                                f"runtime does not execute yet; give no fused_groups (the whole stage is one "
+                                f"fused group) or per-layer halos")
 
 
 def _check_offload(stage: int, offload: OffloadSpec) -> None:

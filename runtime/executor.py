@@ -89,7 +89,7 @@ class Executor:
         self.segments, self.stage_ids, self.replica = ready.segments, ready.stage_ids, ready.replica
         self.traced, self.flow = ready.traced, ready.flow
         self.stages, self.groups, self.swaps = ready.stages, ready.groups, ready.swaps
-        self.mixed = ready.mixed
+        self.mixed, self.tiled = ready.mixed, ready.tiled
         self.p2p = P2P(None, self.device, timeout_s)
         self.sync = GradientSync(self.device, timeout_s)
         self.memory = MemoryTracker(self.device, self._model_state)
@@ -175,7 +175,10 @@ class Executor:
         if stage.index == self.flow.data_stage:
             if data.inputs is None:
                 raise ValueError(f"rank {self.rank} runs the first stage and needs the inputs")
-            micro.env.update(zip(self.flow.data_inputs, (self._to_device(x) for x in data.inputs)))
+            values = [self._to_device(x) for x in data.inputs]
+            if stage.index in self.tiled:  # every tile rank takes the micro-batch and keeps its tile
+                values = [self.tiled[stage.index].tile_input(x) for x in values]
+            micro.env.update(zip(self.flow.data_inputs, values))
         args = [self._input(stage, name, action.microbatch, state) for name in stage.io.inputs]
         micro.env.update(zip(stage.io.inputs, args))
         micro.env.update(state.inbox.pop(key, {}))  # received values the loss reads, not the stage
@@ -273,20 +276,40 @@ class Executor:
 
     # ---------------------------------------------------------- communication
     def _communicate(self, actions: tuple[Action, ...], state: StepState) -> None:
-        messages = [self._message(action, state) for action in actions]
-        self.p2p.exchange(messages)
-        for message in messages:
-            if not message.is_send:
-                self._deliver(message, state)
+        per_action = [self._messages(action, state) for action in actions]
+        self.p2p.exchange([message for messages in per_action for message in messages])
+        for action, messages in zip(actions, per_action):
+            if action.kind.is_recv:
+                self._deliver(action, messages, state)
 
-    def _message(self, action: Action, state: StepState) -> Message:
+    def _messages(self, action: Action, state: StepState) -> list[Message]:
+        """The action's messages: one per peer rank (a spatial peer's tiles: one per tile, in tile order)."""
         assert action.peer is not None and action.microbatch is not None
-        peer_rank = self.plan.layout.ranks_of(action.peer, self.replica)[0]
+        peer_ranks = self.plan.layout.ranks_of(action.peer, self.replica)
+        joining = self.tiled.get(action.peer)
+        if joining is None:
+            return [self._message(action, peer_ranks[0], state)]
+        kind = action.kind
+        if kind is ActionKind.RECV_F:  # a join: every tile of every value
+            names = self.flow.travelling((action.peer, action.stage))
+            return [Message(action, peer, [joining.tile_buffer(self.flow.specs[n], tile, self.device)
+                                           for n in names]) for tile, peer in enumerate(peer_ranks)]
+        assert kind is ActionKind.SEND_B, f"{action}: a spatial stage only feeds later stages"
+        names = self.flow.gradients((action.peer, action.stage))
+        grads = [state.micro(action.stage, action.microbatch).input_grads.pop(n) for n in names]
+        return [Message(action, peer, [joining.output_grids[n].tile(grad, tile).contiguous()
+                                       for n, grad in zip(names, grads)])
+                for tile, peer in enumerate(peer_ranks)]
+
+    def _message(self, action: Action, peer_rank: int, state: StepState) -> Message:
+        assert action.peer is not None and action.microbatch is not None
         micro = state.micro(action.stage, action.microbatch)
+        mine = self.tiled.get(action.stage)  # this rank holds one tile of its stage's values
         kind = action.kind
         if kind is ActionKind.SEND_F:
             names = self.flow.travelling((action.stage, action.peer))
-            tensors = [self.flow.specs[n].encode(micro.env[n], self.device) for n in names]
+            tensors = [micro.env[n].detach().contiguous() if mine else
+                       self.flow.specs[n].encode(micro.env[n], self.device) for n in names]
         elif kind is ActionKind.SEND_B:
             names = self.flow.gradients((action.peer, action.stage))
             tensors = [micro.input_grads.pop(n).contiguous() for n in names]
@@ -295,19 +318,22 @@ class Executor:
             tensors = [self.flow.specs[n].empty(self.device) for n in names]
         else:
             names = self.flow.gradients((action.stage, action.peer))
-            tensors = [self.flow.specs[n].empty(self.device) for n in names]
+            tensors = [mine.tile_buffer(self.flow.specs[n], mine.tile, self.device)  # type: ignore[arg-type]
+                       if mine else self.flow.specs[n].empty(self.device) for n in names]
         return Message(action, peer_rank, tensors)
 
-    def _deliver(self, message: Message, state: StepState) -> None:
-        action = message.action
+    def _deliver(self, action: Action, messages: list[Message], state: StepState) -> None:
         assert action.peer is not None and action.microbatch is not None
         if action.kind is ActionKind.RECV_F:
             box = state.mailbox(action.stage, action.microbatch)
-            for name, wire in zip(self.flow.travelling((action.peer, action.stage)), message.tensors):
+            joining = self.tiled.get(action.peer)
+            for index, name in enumerate(self.flow.travelling((action.peer, action.stage))):
+                wire = (messages[0].tensors[index] if joining is None else
+                        joining.output_grids[name].join([message.tensors[index] for message in messages]))
                 box[name] = self.flow.specs[name].decode(wire, self.device)
             return
         grads = state.micro(action.stage, action.microbatch).output_grads
-        for name, wire in zip(self.flow.gradients((action.stage, action.peer)), message.tensors):
+        for name, wire in zip(self.flow.gradients((action.stage, action.peer)), messages[0].tensors):
             _accumulate(grads, name, wire)
 
     # ------------------------------------------------------------- per stage

@@ -47,6 +47,8 @@ def offload_stage(module: torch.fx.GraphModule, spec: OffloadSpec, space: SwapSp
                   stage: int) -> torch.fx.GraphModule:
     """``module`` with its checkpoint regions recomputed and its swapped nodes' activations swapped
     (``module`` itself when the stage offloads no activations)."""
+    if not spec.recompute and not spec.swap:  # a spatial stage's module on tiles is no GraphModule
+        return module
     recomputed, swapped = recompute_regions(spec), swap_runs(module, spec)
     if not recomputed and not swapped:
         return module

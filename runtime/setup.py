@@ -42,6 +42,7 @@ from runtime.sharding import ShardGroup
 from runtime.stage_optimizer import StageOptimizer
 from runtime.stages import LocalStage, OptimizerFactory, local_stages, param_targets, stage_param_names
 from runtime.swap import SwapSpace
+from runtime.tiles import TiledStage, tile_module, tiled_stages
 from runtime.values import value_specs
 from runtime.weights import initialize
 
@@ -59,6 +60,7 @@ class RankSetup:
     groups: Groups
     swaps: SwapSpace  # the saved activations this rank's stages swap to the host
     mixed: MixedPrecision | None  # fp16/bf16: the fp32 masters and the loss scale
+    tiled: dict[int, TiledStage]  # every spatial stage (its tile and group where this rank runs it)
 
 
 def set_up(plan: Plan, model: nn.Module, optimizer_factory: OptimizerFactory, *, seed: int,
@@ -88,6 +90,10 @@ def set_up(plan: Plan, model: nn.Module, optimizer_factory: OptimizerFactory, *,
     materialise(model, modules, flow, stage_ids, seed, device)
     precision = plan.model.precision
     stages = local_stages(model, modules, flow, stage_ids)
+    tiled = tiled_stages(plan, modules, flow, rank, timeout_s)  # collective: the tile groups
+    for index, stage in stages.items():
+        if index in tiled:
+            stage.module = tile_module(stage.module, tiled[index], timeout_s)  # type: ignore[assignment]
     sources: dict[int, list[torch.Tensor]] = {}
     if precision.master_weights:
         sources = fp32_copies(stages)  # the masters' start, before the cast rounds the weights
@@ -103,7 +109,7 @@ def set_up(plan: Plan, model: nn.Module, optimizer_factory: OptimizerFactory, *,
         mixed = MixedPrecision(precision, {i: stage.state for i, stage in stages.items()}, stepped=stepped,
                                device=device, timeout_s=timeout_s, scaler=loss_scale)
     check_same_plan(plan)
-    return RankSetup(segments, stage_ids, replica, traced, flow, stages, groups, swaps, mixed)
+    return RankSetup(segments, stage_ids, replica, traced, flow, stages, groups, swaps, mixed, tiled)
 
 
 def offload_activations(plan: Plan, stages: Mapping[int, LocalStage], device: torch.device) -> SwapSpace:

@@ -17,9 +17,10 @@ RESNET = "examples/models/resnet.py:resnet50"
 def make_plan(builder: str, stage_starts: list[str], *, schedule: str, data_parallel: int = 1,
               optimizer: str = "momentum", microbatches: int = 4, micro_batch_size: int = 2,
               device: str = "V100-16GB", offload: list[Any] | None = None,
-              precision: str = "fp64") -> str:
+              precision: str = "fp64", spatial: dict[int, Any] | None = None) -> str:
     """A plan (as JSON; float64 unless ``precision`` says otherwise) for one of the test models with
-    the given cut; ``offload`` (one planner.plan.OffloadSpec per stage) forces memory decisions.
+    the given cut; ``offload`` (one planner.plan.OffloadSpec per stage) forces memory decisions,
+    ``spatial`` (stage -> planner.plan.SpatialSpec) runs stages on image tiles.
 
     A mixed-precision plan (fp16, bf16) is of the model built in float32, as the runtime rebuilds
     it (planner.preflight.build_dtype: float32 masters, a 16-bit copy computes)."""
@@ -36,7 +37,7 @@ def make_plan(builder: str, stage_starts: list[str], *, schedule: str, data_para
                                micro_batch_size=micro_batch_size, data_parallel=data_parallel,
                                schedule=schedule, device=device, optimizer=optimizer,
                                precision=precision, builder=builder, builder_kwargs=kwargs,
-                               offload=offload)
+                               offload=offload, spatial=spatial)
     return plan.to_json()
 
 

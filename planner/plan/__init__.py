@@ -25,9 +25,10 @@ from planner.plan.parts import (
                                 TrainingSpec,
                                 Transfer,
 )
+from planner.plan.spatial import HaloMode, Slicing, SpatialSpec
 from planner.plan.upgrade import SCHEMA_VERSION
 
-__all__ = ["SCHEMA_VERSION", "ClusterSpec", "InputMeta", "LayerRow", "Layout", "ModelRef",
+__all__ = ["SCHEMA_VERSION", "ClusterSpec", "HaloMode", "InputMeta", "LayerRow", "Layout", "ModelRef",
            "OffloadSpec", "ParamTier", "Plan", "Prediction", "RankPlace", "RunnerUp", "ScheduleKind",
-           "ScheduleSpec", "SolverReport", "StagePlan", "StagePrediction", "StateTier", "TrainingSpec",
+           "ScheduleSpec", "Slicing", "SolverReport", "SpatialSpec", "StagePlan", "StagePrediction", "StateTier", "TrainingSpec",
            "Transfer", "check_invariants", "freeze"]

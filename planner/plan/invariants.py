@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from cost_models.errors import PlanFileError
+from planner.plan.spatial import HaloMode, SpatialSpec
 
 if TYPE_CHECKING:
     from planner.plan.document import Plan
@@ -110,5 +111,42 @@ def _offload(plan: Plan) -> Iterator[str]:
                        f"in their order")
 
 
+def _spatial(plan: Plan) -> Iterator[str]:
+    """A spatial part runs on as many ranks per slot as it has tiles, on a grid its image can fill;
+    every other part on one rank per slot."""
+    layout = plan.layout
+    for part, stage in enumerate(plan.stages):
+        path, spec = f"stages[{part}].spatial", stage.spatial
+        ranks = {len(layout.ranks_of(s, 0)) for s in layout.stages_of_part(part)} if part < layout.num_parts else {1}
+        if spec is None:
+            if ranks != {1}:
+                yield (f"{path} is null but the layout runs part {part} on {sorted(ranks)} ranks per slot; "
+                       f"give it a spatial section or one rank per slot")
+            continue
+        yield from _spatial_spec(path, spec, ranks, stage.nodes)
+
+
+def _spatial_spec(path: str, spec: SpatialSpec, ranks: set[int], nodes: tuple[str, ...]) -> Iterator[str]:
+    rows, cols = spec.grid_shape
+    if spec.parts < 2:
+        yield f"{path}.parts is {spec.parts}; a spatial stage needs at least 2 tiles (or spatial null)"
+    elif ranks != {spec.parts}:
+        yield (f"{path}.parts is {spec.parts} but the layout runs the part on {sorted(ranks)} ranks per slot; "
+               f"they must be equal")
+    elif not rows:
+        yield (f"{path}.parts is {spec.parts}, which square slicing cannot cut (it needs a square number "
+               f"such as 4 or 9); use vertical or horizontal slicing")
+    elif spec.height < rows or spec.width < cols:
+        yield (f"{path} image {spec.height}x{spec.width} cannot be cut into {rows}x{cols} tiles of at "
+               f"least one pixel; use fewer tiles or another slicing")
+    if spec.fused_groups and spec.halo is not HaloMode.FUSED:
+        yield f"{path}.fused_groups is given but halo is {spec.halo.value!r}; groups need halo 'fused'"
+    named = [node for group in spec.fused_groups for node in group]
+    strangers = sorted({node for node in named if node not in nodes} | {n for n in named if named.count(n) > 1})
+    if strangers or any(not group for group in spec.fused_groups):
+        yield (f"{path}.fused_groups names nodes {strangers} that are not the stage's or repeats them "
+               f"(or has an empty group); give runs of the stage's own nodes, each once")
+
+
 _CHECKS: tuple[Callable[[Plan], Iterator[str]], ...] = (_positive_counts, _budget, _batch, _sizes, _stages,
-                                                       _transfers, _offload)
+                                                       _transfers, _offload, _spatial)

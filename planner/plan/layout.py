@@ -64,9 +64,15 @@ class Layout:
 
     # ------------------------------------------------------------ constructors
     @classmethod
-    def pipeline(cls, num_stages: int, data_parallel: int = 1) -> Layout:
-        """Stage s on its own slot, computing part s (GPipe, 1F1B), replicated ``data_parallel`` times."""
-        return cls.replicated(tuple(range(num_stages)), data_parallel)
+    def pipeline(cls, num_stages: int, data_parallel: int = 1, tiles: Sequence[int] | None = None) -> Layout:
+        """Stage s on its own slot, computing part s (GPipe, 1F1B), replicated ``data_parallel`` times;
+        ``tiles[s]`` ranks run stage s's spatial tiles (default one each), a replica's tiles on
+        consecutive ranks.
+
+        >>> Layout.pipeline(2, data_parallel=2, tiles=(2, 1)).slot_ranks
+        (((0, 1), (4,)), ((2, 3), (5,)))
+        """
+        return cls.replicated(tuple(range(num_stages)), data_parallel, tiles=tiles)
 
     @classmethod
     def replicated(cls, stage_slot: Sequence[int], data_parallel: int = 1, *,

@@ -14,6 +14,7 @@ from typing import Any
 from cost_models.memory import Optimizer, Precision
 from planner.plan import codec
 from planner.plan.kinds import ScheduleKind
+from planner.plan.spatial import SpatialSpec
 
 
 class StateTier(str, Enum):
@@ -222,20 +223,24 @@ class StagePrediction:
 
 @dataclass(frozen=True)
 class StagePlan:
-    """One part of the model: what a stage computes (where it runs is the plan's layout)."""
+    """One part of the model: what a stage computes (where it runs is the plan's layout).
+
+    ``spatial`` (None for an ordinary stage) cuts the part's input image into tiles, one per rank
+    of the slot that runs it (planner/plan/spatial.py).
+    """
 
     index: int
     nodes: tuple[str, ...]
     predicted: StagePrediction
-    spatial: Mapping[str, Any] | None = None
+    spatial: SpatialSpec | None = None
     offload: OffloadSpec = field(default_factory=OffloadSpec)
 
     @classmethod
     def from_dict(cls, data: Any, path: str) -> StagePlan:
         return codec.fields(cls, data, path, {
             "index": codec.integer, "nodes": codec.tuple_of(codec.string),
-            "predicted": StagePrediction.from_dict, "spatial": codec.optional(codec.json_object),
-            "offload": OffloadSpec.from_dict})
+            "predicted": StagePrediction.from_dict, "spatial": codec.optional(SpatialSpec.from_dict),
+            "offload": OffloadSpec.from_dict}, optional=frozenset({"spatial"}))
 
 
 @dataclass(frozen=True)

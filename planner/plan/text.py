@@ -34,9 +34,17 @@ def format_plan(model: ModelRef, cluster: ClusterSpec, training: TrainingSpec, s
         if index == 0:
             lines.append("-" * len(lines[-1]))
     lines.append("-" * len(lines[1]))
+    lines.extend(_spatial(parts, layout))
     lines.extend(_memory_decisions(cluster, parts, layout))
     lines.extend(_summary(predicted, solver, cluster.usable_mem_bytes, layout.num_stages))
     return "\n".join(lines)
+
+
+def _spatial(parts: tuple[StagePlan, ...], layout: Layout) -> list[str]:
+    """Per spatial stage, e.g. "stage 0: 4 tiles (square), per-layer halos, ranks 0-3"."""
+    return [f"stage {stage}: {parts[layout.part(stage)].spatial.describe()}, ranks "  # type: ignore[union-attr]
+            f"{layout.describe_ranks(stage)}" for stage in range(layout.num_stages)
+            if parts[layout.part(stage)].spatial is not None]
 
 
 def _memory_decisions(cluster: ClusterSpec, parts: tuple[StagePlan, ...], layout: Layout) -> list[str]:

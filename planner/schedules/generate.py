@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -31,8 +31,11 @@ ScheduleGenerator = Callable[..., Schedule]
 counts the model's parts; later kinds add keyword options."""
 
 
-def gpipe(num_stages: int, num_microbatches: int, *, data_parallel: int = 1) -> Schedule:
+def gpipe(num_stages: int, num_microbatches: int, *, data_parallel: int = 1,
+          tiles: Sequence[int] | None = None) -> Schedule:
     """GPipe: every stage runs all forwards, then all backwards (in micro-batch order).
+
+    ``tiles[s]`` ranks split stage s spatially (default one each); they all run its program.
 
     >>> [str(a) for a in gpipe(2, 2).programs[1]]
     ['1F0', '1F1', '1B0', '1B1']
@@ -40,19 +43,22 @@ def gpipe(num_stages: int, num_microbatches: int, *, data_parallel: int = 1) -> 
     _check_sizes(num_stages, num_microbatches)
     programs = tuple(_forwards(stage, range(num_microbatches)) + _backwards(stage, range(num_microbatches))
                      for stage in range(num_stages))
-    layout = Layout.pipeline(num_stages, data_parallel)
+    layout = Layout.pipeline(num_stages, data_parallel, tiles)
     return Schedule(ScheduleKind.GPIPE, num_microbatches, layout, programs)
 
 
-def one_f_one_b(num_stages: int, num_microbatches: int, *, data_parallel: int = 1) -> Schedule:
+def one_f_one_b(num_stages: int, num_microbatches: int, *, data_parallel: int = 1,
+                tiles: Sequence[int] | None = None) -> Schedule:
     """Non-interleaved 1F1B: ``min(M, S - s)`` warm-up forwards, then B/F pairs, then the remaining Bs.
+
+    ``tiles[s]`` ranks split stage s spatially (default one each); they all run its program.
 
     >>> [str(a) for a in one_f_one_b(2, 3).programs[0]]
     ['0F0', '0F1', '0B0', '0F2', '0B1', '0B2']
     """
     _check_sizes(num_stages, num_microbatches)
     programs = tuple(_one_f_one_b_stage(stage, num_stages, num_microbatches) for stage in range(num_stages))
-    return Schedule(ScheduleKind.ONE_F_ONE_B, num_microbatches, Layout.pipeline(num_stages, data_parallel),
+    return Schedule(ScheduleKind.ONE_F_ONE_B, num_microbatches, Layout.pipeline(num_stages, data_parallel, tiles),
                     programs)
 
 

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from cost_models.errors import RuntimeSetupError
-from planner.plan import Layout, Plan
+from planner.plan import Layout, OffloadSpec, Plan, SpatialSpec
 from planner.plan.layout import layout_from_dict
 from planner.schedules import (
     Action,
@@ -102,7 +102,9 @@ def spanning_plan() -> Plan:
                + tuple(Action(stage, ActionKind.B, m) for stage in (2, 1) for m in microbatches))
     edges = {(t.src_stage, t.dst_stage) for t in plan.transfers}
     programs = layout.rank_programs(lower(compute, layout, edges))
-    return dataclasses.replace(plan, layout=layout, programs=format_programs(programs),
+    stages = (dataclasses.replace(plan.stages[0], spatial=SpatialSpec(2, "vertical", "per-layer", 32, 32)),
+              *plan.stages[1:])
+    return dataclasses.replace(plan, layout=layout, programs=format_programs(programs), stages=stages,
                                cluster=dataclasses.replace(plan.cluster, gpus=3))
 
 
@@ -127,9 +129,13 @@ def test_the_runtime_set_up_checks_accept_it_and_name_what_it_does_not_execute_y
     checks.check_world_size(spanning_plan, 3)
     assert checks.my_stages(spanning_plan, 2) == ((1, 2), 0) and checks.my_stages(spanning_plan, 1) == ((0,), 0)
     assert all(checks.rank_program(spanning_plan, rank) for rank in range(3))
-    with pytest.raises(RuntimeSetupError, match=r"slots \[0\] of the plan are split into spatial tiles"):
-        checks.check_executable(spanning_plan)
-    looped = dataclasses.replace(spanning_plan, layout=Layout.replicated((0, 1, 1)),
+    checks.check_executable(spanning_plan)  # a leading spatial stage is executed today
+    offloaded = (dataclasses.replace(spanning_plan.stages[0], offload=OffloadSpec(recompute=(("wte",),))),
+                 *spanning_plan.stages[1:])
+    with pytest.raises(RuntimeSetupError, match=r"stage 0 runs on spatial tiles and has memory decisions"):
+        checks.check_executable(dataclasses.replace(spanning_plan, stages=offloaded))
+    unspatial = (dataclasses.replace(spanning_plan.stages[0], spatial=None), *spanning_plan.stages[1:])
+    looped = dataclasses.replace(spanning_plan, layout=Layout.replicated((0, 1, 1)), stages=unspatial,
                                  programs=spanning_plan.programs[1:], cluster=spanning_plan.cluster.__class__(
                                      2, 2, spanning_plan.cluster.device, spanning_plan.cluster.mem_bytes))
     checks.check_plan(looped)

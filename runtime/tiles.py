@@ -1,0 +1,113 @@
+"""Spatial stages at run time: their tile groups, their modules on tiles, and the join at their edges.
+
+A spatial stage (the plan's ``stages[p].spatial``) runs on the ranks of its slot, one image tile
+each: tile ``t`` of a replica is ``layout.ranks_of(stage, replica)[t]``, at row ``t // cols`` and
+column ``t % cols`` of the tile grid. Every tile rank takes the same micro-batch and keeps its tile
+of the image, runs the stage's module through runtime.spatial (halos exchanged on the tile
+group), and sends its output tile of every value to the consumer stage's rank, which joins the
+tiles (one receive per tile rank, in tile order, in the same batch) and, in the backward, sends
+each tile rank its slice of the gradient. Replicated weights' gradients are summed by the
+part's ``ALLREDUCE`` over every copy (tiles and replicas in one group, runtime/grads.py).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.fx
+from torch import nn
+
+from cost_models.errors import RuntimeSetupError
+from planner.plan import HaloMode, Plan
+from runtime.dataflow import Dataflow
+from runtime.spatial import FusedHaloBlock, TileGrid, spatialize
+from runtime.spatial.graph import analyse, trace_spatial
+from runtime.values import ValueKind, ValueSpec
+
+
+@dataclass(frozen=True)
+class TiledStage:
+    """One spatial stage as every rank sees it; ``tile`` and ``group`` are set on its tile ranks only."""
+
+    stage: int
+    halo: HaloMode
+    grid: TileGrid  # of the stage's input image
+    output_grids: Mapping[str, TileGrid]  # the tile grid of every value the stage sends
+    tile: int | None
+    group: dist.ProcessGroup | None
+
+    def tile_input(self, value: torch.Tensor) -> torch.Tensor:
+        """This rank's tile of a full input image (a copy)."""
+        assert self.tile is not None
+        return self.grid.tile(value, self.tile).contiguous()
+
+    def tile_buffer(self, spec: ValueSpec, tile: int, device: torch.device) -> torch.Tensor:
+        """A receive buffer for tile ``tile`` of an output value (or of its gradient)."""
+        shape = (*spec.shape[:-2], *self.output_grids[spec.name].tile_shape(tile))
+        return torch.empty(shape, dtype=spec.dtype, device=device)
+
+
+def tiled_stages(plan: Plan, modules: Mapping[int, torch.fx.GraphModule], flow: Dataflow, rank: int,
+                 timeout_s: float) -> dict[int, TiledStage]:
+    """Every spatial stage, its grids checked against the dataflow; creates the tile groups (collective:
+    every rank creates every group, replica by replica, in stage order)."""
+    found = {}
+    timeout = datetime.timedelta(seconds=timeout_s)
+    for part in plan.stages:
+        spec = part.spatial
+        if spec is None:
+            continue
+        grid = TileGrid.build(spec.parts, spec.slicing.value, spec.height, spec.width)
+        _check_inputs(part.index, grid, flow)
+        outputs = _output_grids(part.index, modules[part.index], grid, flow)
+        tile, mine = None, None
+        for replica in range(plan.data_parallel):
+            ranks = plan.layout.ranks_of(part.index, replica)
+            group = dist.new_group(list(ranks), timeout=timeout)
+            if rank in ranks:
+                tile, mine = ranks.index(rank), group
+        found[part.index] = TiledStage(part.index, spec.halo, grid, outputs, tile, mine)
+    return found
+
+
+def tile_module(module: nn.Module, tiled: TiledStage, timeout_s: float) -> nn.Module:
+    """The stage's module on this rank's tile: halos per layer (spatialize) or one fused halo."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if tiled.halo is HaloMode.FUSED:
+        return FusedHaloBlock(module, tiled.grid, tiled.group, timeout=timeout)
+    return spatialize(module, tiled.grid, tiled.group, timeout=timeout)
+
+
+def _check_inputs(stage: int, grid: TileGrid, flow: Dataflow) -> None:
+    if flow.data_stage != stage:
+        raise RuntimeSetupError(f"stage {stage} is spatial but the model's inputs enter on stage "
+                                f"{flow.data_stage}; re-plan with the first stage spatial")
+    for name in flow.data_inputs:
+        shape = flow.specs[name].shape
+        if len(shape) != 4 or tuple(shape[-2:]) != (grid.height, grid.width):
+            raise RuntimeSetupError(f"stage {stage} tiles a {grid.height}x{grid.width} image but input "
+                                    f"{name} has shape {shape}; make the spatial section's height and width "
+                                    f"those of the (N, C, H, W) input")
+
+
+def _output_grids(stage: int, module: torch.fx.GraphModule, grid: TileGrid,
+                  flow: Dataflow) -> dict[str, TileGrid]:
+    """The grid of every value the stage sends (the spatial analysis of its module's output)."""
+    graph = analyse(trace_spatial(module), grid)
+    outputs = list(dict.fromkeys(graph.output.inputs))
+    if len(outputs) != len(flow.stages[stage].outputs):
+        raise RuntimeSetupError(f"stage {stage}'s module returns {len(outputs)} tiles but the dataflow "
+                                f"expects {len(flow.stages[stage].outputs)} values")
+    grids = {}
+    for name, traced_name in zip(flow.stages[stage].outputs, outputs):
+        node_grid = graph[traced_name].grid
+        spec = flow.specs[name]
+        if node_grid is None or spec.kind is not ValueKind.TENSOR or len(spec.shape) != 4:
+            raise RuntimeSetupError(f"spatial stage {stage} sends {name} ({spec.kind.value} {spec.shape}), "
+                                    f"which is not an (N, C, H, W) image tile; end the stage before it")
+        grids[name] = node_grid
+    return grids
