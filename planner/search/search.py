@@ -117,6 +117,7 @@ class Search:
         self._tables: dict[int, tuple[CostTable, Coarsening]] = {}
         self._setups: dict[Config, Setup] = {}
         self._min_peaks: dict[tuple[Config, bool], OracleResult | None] = {}
+        self._schedules: dict[tuple, Schedule] = {}
 
     def costs(self, micro_batch_size: int) -> tuple[CostTable, Coarsening]:
         if micro_batch_size not in self._tables:
@@ -133,8 +134,11 @@ class Search:
             return self._setups[config]
         table, default = self.costs(config.micro_batch_size)
         units = coarse or default
-        schedule = generate(config.schedule, config.num_stages, config.num_microbatches,
-                            data_parallel=config.data_parallel)
+        key = (config.schedule, config.num_stages, config.num_microbatches, config.data_parallel)
+        if key not in self._schedules:  # alike for every state mode
+            self._schedules[key] = generate(config.schedule, config.num_stages, config.num_microbatches,
+                                            data_parallel=config.data_parallel)
+        schedule = self._schedules[key]
         layout, per_node = schedule.layout, self.space.gpus_per_node
         problem = PipelineProblem(
             units.units, units.boundary_bytes, units.shared, layout, config.schedule, config.num_microbatches,
