@@ -117,7 +117,9 @@ def solve_partition(costs: CostModel, solver: Any | None = None,
     """Build the ILP of ``costs`` (a configuration's cost terms) and solve it with ``solver``
     (default: HiGHS or CBC). Recompute and swap shares are continuous (a share of a unit's nodes)
     unless ``integral`` (whole units only: exact, slower). ``window`` restricts each cut to a range
-    of units (a neighbourhood of a known partition), which keeps models with memory decisions small."""
+    of units (a neighbourhood of a known partition), which keeps models with memory decisions small.
+    With ``cutoff_ms`` only a plan strictly faster is returned: otherwise INFEASIBLE (proven that none
+    is) or NO_SOLUTION (the time limit came first)."""
     model = build_model(costs, integral, window)
     # pulp hands HiGHS the objective without its constant: the cutoff is on that objective
     offset = model.problem.objective.constant
@@ -130,6 +132,10 @@ def solve_partition(costs: CostModel, solver: Any | None = None,
         return IlpResult(status, None, None, solver.name, wall_s, float("nan"), "")
     cuts = _cuts(costs, model)
     objective = pulp.value(model.problem.objective)
+    if cutoff_ms is not None and objective >= cutoff_ms:
+        # HiGHS prunes with the cutoff but still reports a worse plan its heuristics met: none beats it
+        status = SolveStatus.INFEASIBLE if status is SolveStatus.OPTIMAL else SolveStatus.NO_SOLUTION
+        return IlpResult(status, None, None, solver.name, wall_s, float("nan"), "")
     return IlpResult(status, cuts, float(objective), solver.name, wall_s,
                      _gap(model.problem), _binding(model), model.variables.decisions(cuts))
 
