@@ -39,7 +39,7 @@ def plan(model: nn.Module, gpus: int, mem: str | int, *, batch_size: int,
          graph: LayerGraph | None = None, reserve: str | int | Reserve = DEFAULT_RESERVE,
          progress: Progress | None = None, data_parallel: Sequence[int] | None = None,
          offload: bool | Sequence[str] = True, host_mem: str | int | None = None,
-         nvme: str | int | None = None) -> Plan:
+         nvme: str | int | None = None, spatial: bool = True) -> Plan:
     """Choose the fastest pipeline x data-parallel plan of ``model`` that fits ``mem`` per GPU.
 
     ``batch_size`` is the global batch per step; ``example_inputs`` only fix shapes (any batch
@@ -61,6 +61,10 @@ def plan(model: nn.Module, gpus: int, mem: str | int, *, batch_size: int,
     memory and NVMe capacity (default: the device preset's node); ``offload=False`` keeps
     everything on the GPU, and a list of "recompute", "swap", "zero", "host", "nvme" allows only those.
 
+    An image model's first stage may run on P image tiles (P ranks per replica, halos exchanged
+    between them, joined before the next stage), cut square or in strips: chosen where it is
+    faster or the only way to fit; ``spatial=False`` never tiles.
+
     Example::
 
         p = plan(resnet50(), gpus=16, mem="16GB", batch_size=256,
@@ -72,7 +76,7 @@ def plan(model: nn.Module, gpus: int, mem: str | int, *, batch_size: int,
     space, spec = validate_space(gpus, mem, batch_size, device, gpus_per_node, optimizer,
                                  mode or Precision.FP32, schedules, micro_batch_sizes, time_limit_s, num_stages,
                                  reserve, data_parallel=data_parallel, offload=offload, host_mem=host_mem,
-                                 nvme=nvme)
+                                 nvme=nvme, spatial=spatial)
     _warn_above_device(space, spec)
     report = progress or (lambda event: None)
     if graph is None:
@@ -102,7 +106,7 @@ def validate_space(gpus: int, mem: str | int, batch_size: int, device: str | Dev
                    reserve: str | int | Reserve = DEFAULT_RESERVE, *,
                    data_parallel: Sequence[int] | None = None, offload: bool | Sequence[str] = True,
                    host_mem: str | int | None = None, nvme: str | int | None = None,
-                   ) -> tuple[SearchSpace, DeviceSpec]:
+                   spatial: bool = True) -> tuple[SearchSpace, DeviceSpec]:
     """Validate every argument before any tracing, with messages that name the value and fix."""
     _check_whole("gpus", gpus)
     _check_whole("batch_size", batch_size)
@@ -119,7 +123,8 @@ def validate_space(gpus: int, mem: str | int, batch_size: int, device: str | Dev
                               f"give e.g. --time-limit 60 (plan(time_limit_s=60))")
     if micro_batch_sizes is not None and (not micro_batch_sizes or min(micro_batch_sizes) < 1):
         raise InvalidArgument(f"micro_batch_sizes must be positive, got {list(micro_batch_sizes)}")
-    _check_divisors("num_stages", num_stages, gpus)
+    if not (spatial and num_stages and all(1 <= v <= gpus for v in num_stages)):
+        _check_divisors("num_stages", num_stages, gpus)  # with stage 0 on P tiles, S need not divide the GPUs
     _check_divisors("data_parallel", data_parallel, gpus)
     spec = get_device(device)
     mem_bytes, kept = parse_mem_bytes(mem), parse_reserve(reserve)
@@ -132,7 +137,7 @@ def validate_space(gpus: int, mem: str | int, batch_size: int, device: str | Dev
                         data_parallel=tuple(data_parallel) if data_parallel else None,
                         offload=Offload.parse(offload),
                         host_mem_bytes=None if host_mem is None else parse_mem_bytes(host_mem),
-                        nvme_bytes=None if nvme is None else parse_mem_bytes(nvme))
+                        nvme_bytes=None if nvme is None else parse_mem_bytes(nvme), spatial=spatial)
     return space, spec
 
 

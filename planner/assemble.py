@@ -10,6 +10,7 @@ from cost_models.graph.ir import LayerGraph, NodeKind
 from cost_models.units import format_ms, plural
 from planner.plan import (
     ClusterSpec,
+    HaloMode,
     LayerRow,
     ModelRef,
     OffloadSpec,
@@ -18,6 +19,7 @@ from planner.plan import (
     RunnerUp,
     ScheduleSpec,
     SolverReport,
+    SpatialSpec,
     StagePlan,
     StagePrediction,
     TrainingSpec,
@@ -126,7 +128,18 @@ def _stage_plan(best: Candidate, index: int, nodes: tuple[str, ...], graph: Laye
         part.fwd_ms, part.bwd_ms, sum(best.setup.table[name].param_bytes for name in nodes),
         part.static_bytes + part.recompute_bytes, part.activation_bytes,
         part.allreduce_ms, part.optimizer_ms, part.swap_bytes, part.swap_ms, part.host_bytes, part.nvme_bytes),
-        offload=_offload(best, index, graph))
+        spatial=_spatial(best, index), offload=_offload(best, index, graph))
+
+
+def _spatial(best: Candidate, index: int) -> SpatialSpec | None:
+    """Part ``index``'s tiles (part 0 of a spatial configuration), with the halo bytes each tile sends."""
+    spatial = best.setup.problem.spatial
+    if spatial is None or index != 0:
+        return None
+    part = best.evaluation.parts[0]
+    halo = [sum(column) for column in zip(*spatial.halo_bytes[part.first_unit:part.last_unit + 1])]
+    return SpatialSpec(spatial.choice.parts, spatial.choice.slicing, HaloMode.PER_LAYER, spatial.height,
+                       spatial.width, halo_bytes=tuple(halo))
 
 
 def _offload(best: Candidate, index: int, graph: LayerGraph) -> OffloadSpec:
@@ -178,6 +191,7 @@ def _report(result: SearchResult, space: SearchSpace, simulated: SimResult,
             f"could not fit the memory or could not beat it (lower bound)")
     note = gpus_note(space, best.setup.config.gpus)
     why += (f"; {note}" if note else "") + (f"; {result.offload_note}" if result.offload_note else "")
+    why += f"; {result.tiles_note}" if result.tiles_note else ""
     why += _unproven(best, result, space)
     gap = None if math.isnan(best.gap) else best.gap  # unknown: the solve stopped before proving a bound
     return SolverReport(best.solver, best.status.value, best.objective_ms, gap, result.wall_s,

@@ -36,6 +36,7 @@ class PlanRequest:
     offload: bool = True  # decide recompute, swap and where model state lives
     host_mem: str | None = None  # per node, with a unit (None: the device preset's node)
     nvme: str | None = None
+    spatial: bool = True  # may the first stage run on image tiles
 
 
 def run_plan(request: PlanRequest, search_root: Path | None = None,
@@ -78,7 +79,8 @@ def _plan_and_save(request: PlanRequest, search_root: Path | None, progress: Pro
                   builder=request.model, builder_kwargs=kwargs, leaf_modules=request.leaf_modules,
                   progress=progress, offload=request.offload,
                   host_mem=None if request.host_mem is None else parse_mem_bytes(request.host_mem, unit_required=True),
-                  nvme=None if request.nvme is None else parse_mem_bytes(request.nvme, unit_required=True))
+                  nvme=None if request.nvme is None else parse_mem_bytes(request.nvme, unit_required=True),
+                  spatial=request.spatial)
     if request.output is not None:
         result.save(request.output)
     return str(result) + (f"\nplan written to {request.output}" if request.output else "")

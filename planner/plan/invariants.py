@@ -139,6 +139,9 @@ def _spatial_spec(path: str, spec: SpatialSpec, ranks: set[int], nodes: tuple[st
     elif spec.height < rows or spec.width < cols:
         yield (f"{path} image {spec.height}x{spec.width} cannot be cut into {rows}x{cols} tiles of at "
                f"least one pixel; use fewer tiles or another slicing")
+    if spec.halo_bytes and (len(spec.halo_bytes) != spec.parts or min(spec.halo_bytes) < 0):
+        yield (f"{path}.halo_bytes has {len(spec.halo_bytes)} entries {list(spec.halo_bytes)[:4]}; give one "
+               f"count >= 0 per tile ({spec.parts}) or none")
     if spec.fused_groups and spec.halo is not HaloMode.FUSED:
         yield f"{path}.fused_groups is given but halo is {spec.halo.value!r}; groups need halo 'fused'"
     named = [node for group in spec.fused_groups for node in group]

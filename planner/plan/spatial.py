@@ -34,6 +34,18 @@ class HaloMode(str, Enum):
     FUSED = "fused"
 
 
+def grid_shape(parts: int, slicing: Slicing) -> tuple[int, int]:
+    """(rows, cols) of ``parts`` tiles cut as ``slicing``; (0, 0) when ``parts`` is not valid for it."""
+    if parts < 1:
+        return 0, 0
+    if slicing is Slicing.VERTICAL:
+        return 1, parts
+    if slicing is Slicing.HORIZONTAL:
+        return parts, 1
+    side = isqrt(parts)
+    return (side, side) if side * side == parts else (0, 0)
+
+
 @dataclass(frozen=True)
 class SpatialSpec:
     """A spatial stage: ``parts`` tiles of the ``height`` x ``width`` input image, one per rank of the slot.
@@ -50,23 +62,18 @@ class SpatialSpec:
     height: int  # of the stage's input image, in pixels
     width: int
     fused_groups: tuple[tuple[str, ...], ...] = ()
+    halo_bytes: tuple[int, ...] = ()  # predicted, per tile: halo bytes it sends per micro-batch (forward + backward)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "slicing", Slicing(self.slicing))
         object.__setattr__(self, "halo", HaloMode(self.halo))
         object.__setattr__(self, "fused_groups", tuple(tuple(group) for group in self.fused_groups))
+        object.__setattr__(self, "halo_bytes", tuple(self.halo_bytes))
 
     @property
     def grid_shape(self) -> tuple[int, int]:
         """(rows, cols) of the tile grid; (0, 0) when ``parts`` is not valid for the slicing."""
-        if self.parts < 1:
-            return 0, 0
-        if self.slicing is Slicing.VERTICAL:
-            return 1, self.parts
-        if self.slicing is Slicing.HORIZONTAL:
-            return self.parts, 1
-        side = isqrt(self.parts)
-        return (side, side) if side * side == self.parts else (0, 0)
+        return grid_shape(self.parts, self.slicing)
 
     def describe(self) -> str:
         """E.g. "4 tiles (square), per-layer halos" or "2 tiles (vertical), fused halos (3 groups)"."""
@@ -80,5 +87,6 @@ class SpatialSpec:
         return codec.fields(cls, data, path, {
             "parts": codec.integer, "slicing": codec.enum_of(Slicing), "halo": codec.enum_of(HaloMode),
             "height": codec.integer, "width": codec.integer,
-            "fused_groups": codec.tuple_of(codec.tuple_of(codec.string))},
-            optional=frozenset({"fused_groups"}))
+            "fused_groups": codec.tuple_of(codec.tuple_of(codec.string)),
+            "halo_bytes": codec.tuple_of(codec.integer)},
+            optional=frozenset({"fused_groups", "halo_bytes"}))

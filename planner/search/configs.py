@@ -1,7 +1,7 @@
 """The search space: a request's knobs, and every configuration (stages x replicas x micro-batching
-x schedule x where model state lives).
+x schedule x where model state lives x whether stage 0 runs on image tiles).
 
-A configuration uses S x D GPUs. It normally uses all G it is given; when the global batch B is
+A configuration uses S x D GPUs, or (S - 1 + P) x D with stage 0 on P tiles per replica. It normally uses all G it is given; when the global batch B is
 smaller than G, at most B GPUs can work at once (each sample is in one place at a time), so plans
 on fewer GPUs (every divisor of G) are considered too and win when they are at least as fast.
 """
@@ -15,7 +15,7 @@ from cost_models.memory import Optimizer, Precision
 from cost_models.units import plural
 from planner.budget import Reserve
 from planner.plan.kinds import ScheduleKind
-from planner.search.problem import ON_GPU, Offload, StateMode, state_modes
+from planner.search.problem import ON_GPU, Offload, SpatialChoice, StateMode, state_modes
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,7 @@ class SearchSpace:
     offload: frozenset[Offload] = frozenset(Offload)  # the memory decisions the search may make
     host_mem_bytes: int | None = None  # per node (None: the device's share times gpus_per_node)
     nvme_bytes: int | None = None  # per node (None: likewise)
+    spatial: bool = True  # whether stage 0 may run on image tiles (where the model and precision allow)
 
 
 @dataclass(frozen=True)
@@ -49,14 +50,21 @@ class Config:
     num_microbatches: int
     schedule: ScheduleKind
     state: StateMode = ON_GPU  # where every stage keeps its model state
+    spatial: SpatialChoice | None = None  # stage 0 on image tiles
 
     @property
     def gpus(self) -> int:
-        return self.num_stages * self.data_parallel
+        return (self.num_stages - 1 + self.tiles) * self.data_parallel
+
+    @property
+    def tiles(self) -> int:
+        """Ranks of stage 0 per replica."""
+        return self.spatial.parts if self.spatial else 1
 
     def describe(self) -> str:
         where = self.state.describe()
-        return (f"{plural(self.num_stages, 'stage')} x {plural(self.data_parallel, 'replica')}, "
+        tiles = f" ({self.spatial.describe()})" if self.spatial else ""
+        return (f"{plural(self.num_stages, 'stage')}{tiles} x {plural(self.data_parallel, 'replica')}, "
                 f"{plural(self.num_microbatches, 'micro-batch', 'micro-batches')} of "
                 f"{self.micro_batch_size}, {self.schedule.value}" + (f", {where}" if where else ""))
 
@@ -74,8 +82,11 @@ def gpu_counts(space: SearchSpace) -> list[int]:
     return sorted(counts)
 
 
-def configurations(space: SearchSpace, max_stages: int) -> list[Config]:
-    """Every (S, D, micro-batch, schedule) on a GPU count of :func:`gpu_counts` that divides the batch."""
+def configurations(space: SearchSpace, max_stages: int,
+                   tilings: tuple[SpatialChoice, ...] = ()) -> list[Config]:
+    """Every (S, D, micro-batch, schedule) on a GPU count of :func:`gpu_counts` that divides the batch;
+    and with each of ``tilings`` (the tile grids the model's image allows) for stage 0, every
+    (S, D) with (S - 1 + P) x D such a count and S >= 2."""
     configs = []
     for gpus in gpu_counts(space):
         for stages in divisors(gpus):
@@ -86,17 +97,35 @@ def configurations(space: SearchSpace, max_stages: int) -> list[Config]:
                     space.data_parallel and replicas not in space.data_parallel):
                 continue
             configs.extend(_micro_batchings(space, stages, replicas))
+        for tiling in tilings:
+            configs.extend(_spatial_configs(space, gpus, tiling, max_stages))
     if not configs:
         raise InvalidArgument(_batch_message(space))
     return configs
 
 
-def _micro_batchings(space: SearchSpace, stages: int, replicas: int) -> list[Config]:
+def _spatial_configs(space: SearchSpace, gpus: int, tiling: SpatialChoice, max_stages: int) -> list[Config]:
+    """``tiling``'s configurations on ``gpus``: its P tiles plus S - 1 >= 1 more stages, per replica."""
+    configs: list[Config] = []
+    for replicas in divisors(gpus):
+        stages = gpus // replicas - tiling.parts + 1
+        if stages < 2 or stages > max_stages or space.global_batch_size % replicas:
+            continue
+        if (space.num_stages and stages not in space.num_stages) or (
+                space.data_parallel and replicas not in space.data_parallel):
+            continue
+        configs.extend(_micro_batchings(space, stages, replicas, tiling))
+    return configs
+
+
+def _micro_batchings(space: SearchSpace, stages: int, replicas: int,
+                     spatial: SpatialChoice | None = None) -> list[Config]:
     per_replica = space.global_batch_size // replicas
     sizes = space.micro_batch_sizes or tuple(divisors(per_replica))
-    return [Config(stages, replicas, micro, per_replica // micro, schedule, state)
+    modes = (ON_GPU,) if spatial else state_modes(space.offload, replicas > 1)  # tiles keep their state
+    return [Config(stages, replicas, micro, per_replica // micro, schedule, state, spatial)
             for micro in sizes if per_replica % micro == 0 for schedule in space.schedules
-            for state in state_modes(space.offload, replicas > 1)]
+            for state in modes]
 
 
 def _batch_message(space: SearchSpace) -> str:

@@ -7,6 +7,7 @@ only between units, at points where few bytes cross. Every number the cost terms
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
@@ -25,9 +26,11 @@ from cost_models.errors import InvalidArgument
 from cost_models.estimation import CostTable
 from cost_models.graph.ir import LayerGraph, NodeKind
 from cost_models.memory import Optimizer, Precision, model_state_bytes
+from cost_models.spatial import TileCost, TileGeometry
 from planner.plan.kinds import ScheduleKind
 from planner.plan.layout import Layout
 from planner.plan.parts import StateTier
+from planner.plan.spatial import Slicing, grid_shape
 
 if TYPE_CHECKING:
     from planner.search.configs import SearchSpace
@@ -173,6 +176,66 @@ GPU_ONLY = MemoryTiers(False, False, ON_GPU, FREE_LINK, FREE_LINK, 0.0, 0.0, 4, 
 
 
 @dataclass(frozen=True)
+class SpatialChoice:
+    """Part 0 on ``parts`` image tiles per replica, cut as ``slicing`` (planner/plan/spatial.py Slicing)."""
+
+    parts: int
+    slicing: Slicing
+
+    @property
+    def grid_shape(self) -> tuple[int, int]:
+        """(rows, cols) of the tile grid."""
+        return grid_shape(self.parts, self.slicing)
+
+    def describe(self) -> str:
+        return f"stage 0 on {self.parts} tiles ({self.slicing.value})"
+
+
+@dataclass(frozen=True)
+class SpatialPart:
+    """Part 0 on image tiles: the problem's units as the slowest tile runs them (planner/search/terms.py
+    writes part 0's terms from these), and how far a spatial part may reach.
+
+    Only the first ``tileable_units`` units can run on tiles (``stop`` says what ends them).
+    """
+
+    choice: SpatialChoice
+    height: int  # of the input image, in pixels
+    width: int
+    units: tuple[Unit, ...]  # per unit of the problem, on the slowest tile (untileable ones as they are)
+    tileable_units: int
+    halo_bytes: tuple[tuple[int, ...], ...]  # per unit, per tile: halo bytes sent per micro-batch (forward + backward)
+    stop: str
+
+
+def spatial_part(choice: SpatialChoice, coarse: Coarsening, geometry: TileGeometry,
+                 tiles: dict[str, TileCost]) -> SpatialPart:
+    """``coarse``'s units on ``choice``'s tiles, from each tileable node's cost on the slowest tile."""
+    units, halos = [], []
+    tileable = None
+    for index, unit in enumerate(coarse.units):
+        on_tiles = [tiles[name] for name in unit.nodes if name in tiles]
+        computing = [name for name in unit.nodes if name not in geometry.passive]
+        if tileable is None and len(on_tiles) < len(computing):
+            tileable = index
+        if tileable is not None:
+            units.append(unit)
+            halos.append((0,) * choice.parts)
+            continue
+        saved = sum(cost.saved_bytes for cost in on_tiles)
+        first = on_tiles[0] if on_tiles else None
+        units.append(dataclasses.replace(
+            unit, fwd_ms=sum(cost.fwd_ms for cost in on_tiles), bwd_ms=sum(cost.bwd_ms for cost in on_tiles),
+            activation_bytes=round(saved), offloadable_bytes=round(saved),
+            transient_bytes=round(max((cost.transient_bytes for cost in on_tiles), default=0.0)),
+            input_bytes=round(min(saved, unit.input_bytes * (first.share if first else 1.0)))))
+        halos.append(tuple(sum(column) for column in zip(*(cost.halo_bytes for cost in on_tiles),
+                                                          (0,) * choice.parts)))
+    return SpatialPart(choice, geometry.height, geometry.width, tuple(units),
+                       len(coarse.units) if tileable is None else tileable, tuple(halos), geometry.stop)
+
+
+@dataclass(frozen=True)
 class PipelineProblem:
     """One outer configuration: partition ``units`` into the layout's parts, contiguously.
 
@@ -190,6 +253,7 @@ class PipelineProblem:
     allreduce: tuple[LinearCost, ...]  # per part: its gradient all-reduce, per gradient byte
     mem_bytes: int
     tiers: MemoryTiers = GPU_ONLY
+    spatial: SpatialPart | None = None  # part 0 on image tiles
 
     def __post_init__(self) -> None:
         assert len(self.boundary_bytes) == len(self.units) - 1

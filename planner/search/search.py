@@ -11,18 +11,22 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from math import isqrt
 
+from cost_models.comm import p2p_link, ring_allreduce_coefficients
 from cost_models.devices import DeviceSpec
-from cost_models.errors import PlanInfeasible
+from cost_models.errors import PlanInfeasible, SpatialError
 from cost_models.estimation import CostTable, estimate
 from cost_models.graph.ir import LayerGraph
+from cost_models.spatial import TileGeometry, image_input, tile_costs, tile_geometry
 from cost_models.units import format_bytes
 from planner.plan.parts import StateTier
+from planner.plan.spatial import Slicing
 from planner.progress import Phase, Progress, ProgressEvent
 from planner.schedules.generate import Schedule, generate, max_in_flight
-from planner.search.configs import Config, SearchSpace, configurations
+from planner.search.configs import Config, SearchSpace, configurations, gpu_counts
 from planner.search.evaluate import Decisions, Evaluation, evaluate
 from planner.search.ilp import SolveStatus, solve_partition
 from planner.search.infeasible import capacity_error, infeasible_error
@@ -32,10 +36,13 @@ from planner.search.problem import (
     Coarsening,
     Offload,
     PipelineProblem,
+    SpatialChoice,
+    SpatialPart,
     coarsen,
     memory_tiers,
     part_allreduces,
     part_links,
+    spatial_part,
 )
 from planner.search.terms import CostModel, cost_model, lower_bound, memory_floor
 
@@ -89,6 +96,8 @@ class SearchResult:
     notes: tuple[str, ...] = field(default_factory=tuple)
     configs_unexamined: int = 0  # could still have won when the time limit ended the search
     best_on_gpu: Candidate | None = None  # the best plan found keeping every activation and all state on the GPU
+    best_untiled: Candidate | None = None  # the best plan found without image tiles
+    spatial_note: str = ""  # why no plan tiles the image, when the search could not consider any
 
     @property
     def offload_note(self) -> str:
@@ -104,6 +113,20 @@ class SearchResult:
         return (f"{' and '.join(said)} bought the speed: {other.objective_ms / best.objective_ms:.2f}x the "
                 f"best plan keeping everything on the GPU ({other.setup.config.describe()})")
 
+    @property
+    def tiles_note(self) -> str:
+        """What tiling the image bought the winner, or why no plan tiles it ("" when neither applies)."""
+        spatial = self.best.setup.config.spatial
+        if spatial is None:
+            return self.spatial_note
+        stop = self.best.setup.problem.spatial.stop  # type: ignore[union-attr]
+        reach = f" (a spatial stage ends by the first layer that cannot be tiled: {stop})" if stop else ""
+        if self.best_untiled is None:
+            return f"{spatial.describe()} bought the fit: no plan without tiles fits{reach}"
+        other = self.best_untiled
+        return (f"{spatial.describe()} bought the speed: {other.objective_ms / self.best.objective_ms:.2f}x the "
+                f"best plan without tiles ({other.setup.config.describe()}){reach}")
+
 
 class Search:
     """Costs per micro-batch size, and each configuration's setup, are computed once and shared."""
@@ -118,6 +141,9 @@ class Search:
         self._setups: dict[Config, Setup] = {}
         self._min_peaks: dict[tuple[Config, bool], OracleResult | None] = {}
         self._schedules: dict[tuple, Schedule] = {}
+        self._geometries: dict[SpatialChoice, TileGeometry] = {}
+        self._spatial: dict[tuple[int, SpatialChoice], SpatialPart] = {}
+        self.spatial_note = ""  # why no plan may tile the image (set by tilings())
 
     def costs(self, micro_batch_size: int) -> tuple[CostTable, Coarsening]:
         if micro_batch_size not in self._tables:
@@ -134,17 +160,19 @@ class Search:
             return self._setups[config]
         table, default = self.costs(config.micro_batch_size)
         units = coarse or default
-        key = (config.schedule, config.num_stages, config.num_microbatches, config.data_parallel)
+        key = (config.schedule, config.num_stages, config.num_microbatches, config.data_parallel, config.tiles)
         if key not in self._schedules:  # alike for every state mode
+            tiles = (config.tiles,) + (1,) * (config.num_stages - 1)
             self._schedules[key] = generate(config.schedule, config.num_stages, config.num_microbatches,
-                                            data_parallel=config.data_parallel)
+                                            data_parallel=config.data_parallel, tiles=tiles)
         schedule = self._schedules[key]
         layout, per_node = schedule.layout, self.space.gpus_per_node
         problem = PipelineProblem(
             units.units, units.boundary_bytes, units.shared, layout, config.schedule, config.num_microbatches,
             max_in_flight(schedule), part_links(self.device, layout, per_node),
             part_allreduces(self.device, layout, per_node), self.space.mem_bytes,
-            memory_tiers(self.device, self.space, config.state, activations=False))
+            memory_tiers(self.device, self.space, config.state, activations=False),
+            self._spatial_part(config, units, table) if config.spatial else None)
         decided = None
         if {Offload.RECOMPUTE, Offload.SWAP} & self.space.offload:
             tiers = memory_tiers(self.device, self.space, config.state, activations=True)
@@ -154,10 +182,64 @@ class Search:
             self._setups[config] = setup
         return setup
 
+    def tilings(self) -> tuple[SpatialChoice, ...]:
+        """The tile grids stage 0 may use: P (2 <= P < a GPU count) a power of two or dividing the count,
+        square where P is a square, vertical strips, and horizontal ones for a non-square image, each
+        where the model's image input and first layers can be cut so (SpatialError else: ``spatial_note``
+        says why when none can)."""
+        if not self.space.spatial:
+            return ()
+        if self.space.precision.master_weights:
+            self.spatial_note = (f"no plan tiles the image: the runtime runs spatial stages in fp32 or fp64, "
+                                 f"not {self.space.precision.value}")
+            return ()
+        try:
+            _, _, height, width = image_input(self.graph).output_shape  # type: ignore[misc]
+        except SpatialError:
+            return ()  # not an image model: nothing to say
+        counts = sorted({parts for gpus in gpu_counts(self.space) for parts in range(2, gpus)
+                         if gpus % parts == 0 or parts & (parts - 1) == 0})
+        choices = []
+        errors = []
+        for parts in counts:
+            slicings = ([Slicing.SQUARE] if isqrt(parts) ** 2 == parts else []) + [Slicing.VERTICAL] + (
+                [Slicing.HORIZONTAL] if height != width else [])
+            for slicing in slicings:
+                choice = SpatialChoice(parts, slicing)
+                try:
+                    self._geometry(choice)
+                except SpatialError as error:
+                    errors.append(str(error))
+                    continue
+                choices.append(choice)
+        if not choices and errors:
+            self.spatial_note = f"no plan tiles the image: {errors[0]}"
+        return tuple(choices)
+
+    def _geometry(self, choice: SpatialChoice) -> TileGeometry:
+        if choice not in self._geometries:
+            self._geometries[choice] = tile_geometry(self.graph, *choice.grid_shape)
+        return self._geometries[choice]
+
+    def _spatial_part(self, config: Config, units: Coarsening, table: CostTable) -> SpatialPart:
+        """``config``'s stage 0 on its tiles (cached for the search's own units)."""
+        choice = config.spatial
+        assert choice is not None
+        key = (config.micro_batch_size, choice)
+        if key in self._spatial and units is self.costs(config.micro_batch_size)[1]:
+            return self._spatial[key]
+        link = p2p_link(self.device, same_node=True)  # a replica's tiles are consecutive ranks of one node
+        geometry = self._geometry(choice)
+        part = spatial_part(choice, units, geometry,
+                            tile_costs(geometry, table, link, ring_allreduce_coefficients(choice.parts, link)))
+        if units is self.costs(config.micro_batch_size)[1]:
+            self._spatial[key] = part
+        return part
+
     def run(self) -> SearchResult:
         start = time.perf_counter()
         max_stages = len(self.costs(1)[1].units)
-        configs = configurations(self.space, max_stages)
+        configs = configurations(self.space, max_stages, self.tilings())
         ranked = sorted(configs, key=lambda config: round(self.lower_bound(config), 9))  # ties: listed order
         seed = self.seed(ranked)
         solved: list[Candidate] = [seed] if seed is not None else []
@@ -214,9 +296,15 @@ class Search:
         if on_gpu is not None and on_gpu.objective_ms <= (1 + OFFLOAD_MUST_GAIN) * solved[0].objective_ms:
             solved.remove(on_gpu)  # within the margin, a plan that offloads nothing is preferred
             solved.insert(0, on_gpu)
+        untiled = min((c for c in solved if c.setup.config.spatial is None), key=lambda c: c.objective_ms,
+                      default=None)
+        if untiled is not None and untiled.objective_ms <= (1 + TILES_MUST_GAIN) * solved[0].objective_ms:
+            solved.remove(untiled)  # within the margin, a plan without tiles is preferred
+            solved.insert(0, untiled)
         return SearchResult(solved[0], solved[1] if len(solved) > 1 else None, len(configs),
                             len(solved), time.perf_counter() - start, solver_s,
-                            configs_unexamined=unexamined, best_on_gpu=on_gpu)
+                            configs_unexamined=unexamined, best_on_gpu=on_gpu, best_untiled=untiled,
+                            spatial_note=self.spatial_note)
 
     def _report(self, event: ProgressEvent) -> None:
         if self.progress is not None:
@@ -238,6 +326,8 @@ class Search:
 
     def _kept_fits(self, config: Config) -> bool:
         """Whether some partition keeping every activation fits (exact by DP where it applies)."""
+        if memory_floor(self.setup(config).costs) > self.space.mem_bytes:
+            return False
         lowest = self._min_peak(config, frugal=False)
         return lowest is None or lowest.peak_bytes <= self.space.mem_bytes
 
@@ -257,8 +347,12 @@ class Search:
     def seed(self, ranked: Sequence[Config]) -> Candidate | None:
         """A first plan, before any ILP, to cut the first ILPs off: of the first SEED_CONFIGS
         configurations (in order of their lower bound) that may fit, the fastest whose least-memory
-        partition keeping every activation fits. Not optimal; the ILP of its configuration then
+        partition keeping every activation fits; if none does, the fastest whose most frugal partition
+        fits with every unit recomputed (or swapped). Not optimal; the ILP of its configuration then
         improves it or proves that nothing does."""
+        return self._seed(ranked, self._kept_seed) or self._seed(ranked, self._frugal_seed)
+
+    def _seed(self, ranked: Sequence[Config], plan_of: Callable[[Config], Candidate | None]) -> Candidate | None:
         best: Candidate | None = None
         tried = 0
         for config in ranked:
@@ -267,19 +361,37 @@ class Search:
             if not self.fits(config):
                 continue
             tried += 1
-            lowest = self._min_peak(config, frugal=False)
-            if lowest is None:
-                continue
-            evaluation = lowest.evaluation
-            if not (evaluation.fits(self.space.mem_bytes) and evaluation.capacity_fits):
-                continue
-            if best is None or evaluation.step_ms < best.objective_ms:
-                slot = max(range(len(evaluation.slot_peak_bytes)), key=lambda s: evaluation.slot_peak_bytes[s])
-                share = evaluation.slot_peak_bytes[slot] / self.space.mem_bytes
-                best = Candidate(self.setup(config), evaluation, evaluation.step_ms, SolveStatus.FEASIBLE,
-                                 "DP (least-memory split)", float("nan"), f"memory of slot {slot} ({share:.0%} of the budget)",
-                                 seed=True)
+            candidate = plan_of(config)
+            if candidate is not None and (best is None or candidate.objective_ms < best.objective_ms):
+                best = candidate
         return best
+
+    def _kept_seed(self, config: Config) -> Candidate | None:
+        """``config``'s least-memory partition keeping every activation, if it fits."""
+        lowest = self._min_peak(config, frugal=False)
+        return None if lowest is None else self._seed_candidate(config, lowest.evaluation, "DP (least-memory split)")
+
+    def _frugal_seed(self, config: Config) -> Candidate | None:
+        """``config``'s most frugal partition with every unit recomputed (or, without recompute, swapped),
+        if that fits."""
+        costs = self.setup(config).decided
+        lowest = self._min_peak(config, frugal=True)
+        if costs is None or lowest is None:
+            return None
+        every, none = (1.0,) * costs.num_units, (0.0,) * costs.num_units
+        tiers = costs.problem.tiers
+        decisions = Decisions(every, none) if tiers.recompute else Decisions(none, every)
+        how = "recomputed" if tiers.recompute else "swapped"
+        return self._seed_candidate(config, evaluate(costs, lowest.cuts, decisions),
+                                    f"DP (least-memory split, every unit {how})")
+
+    def _seed_candidate(self, config: Config, evaluation: Evaluation, solver: str) -> Candidate | None:
+        if not (evaluation.fits(self.space.mem_bytes) and evaluation.capacity_fits):
+            return None
+        slot = max(range(len(evaluation.slot_peak_bytes)), key=lambda s: evaluation.slot_peak_bytes[s])
+        share = evaluation.slot_peak_bytes[slot] / self.space.mem_bytes
+        return Candidate(self.setup(config), evaluation, evaluation.step_ms, SolveStatus.FEASIBLE, solver,
+                         float("nan"), f"memory of slot {slot} ({share:.0%} of the budget)", seed=True)
 
     def solve_kept(self, config: Config, time_limit_s: float, cutoff_ms: float | None,
                    seed: Candidate | None = None) -> tuple[Candidate | None, bool, float]:
@@ -386,6 +498,11 @@ class Search:
 OFFLOAD_MUST_GAIN = 0.01
 """A plan with memory decisions wins over the best plan keeping everything on the GPU only when it is
 predicted at least this much faster (a 0.3% gain is not worth sharded state or host copies)."""
+
+TILES_MUST_GAIN = 0.05
+"""A plan tiling the image wins over the best plan without tiles only when it is predicted at least this
+much faster: the roofline sees neither the lower efficiency of kernels on small tiles nor the launch
+cost of one halo exchange per layer beyond its latency."""
 
 DECIDE_WHEN_MEMORY_AT = 0.97
 """Recompute and swap are decided for a configuration whose best plan keeping every activation uses at

@@ -30,6 +30,7 @@ nowhere else. :func:`cost_model` is the only function that writes cost formulas.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,7 +41,7 @@ import numpy as np
 
 from planner.plan.kinds import ScheduleKind
 from planner.plan.parts import StateTier
-from planner.search.problem import MemoryTiers, PipelineProblem, StateMode, block_of
+from planner.search.problem import MemoryTiers, PipelineProblem, StateMode, Unit, block_of
 
 
 @dataclass(frozen=True, eq=False)
@@ -57,6 +58,7 @@ class Term:
     per_recompute: tuple[float, ...] = ()
     per_swap: tuple[float, ...] = ()
     per_start: tuple[float, ...] = ()
+    family: str = ""  # what the term is ("fwd_ms"): a spatial part's differs in coefficients, not in kind
 
     def plus(self, other: Term, weight: float = 1.0) -> Term:
         """``self + weight * other`` (at most one of them may take a maximum over units)."""
@@ -103,7 +105,7 @@ class Term:
         cheapest = tuple(min(0.0, r, w) for r, w in zip(self.per_recompute or (0.0,) * count,
                                                          self.per_swap or (0.0,) * count))
         return Term(self.constant, _add(self.per_unit, cheapest, 1.0), self.ends_after, self.starts_after,
-                    self.per_shared, self.unit_max, self.max_name)
+                    self.per_shared, self.unit_max, self.max_name, family=self.family)
 
     @functools.cached_property
     def unit_prefix(self) -> tuple[float, ...]:
@@ -287,16 +289,18 @@ def cost_model(problem: PipelineProblem) -> CostModel:
     (added to the unit holding the graph's output in planner/search/problem.py). Each node's host
     memory and NVMe hold what its ranks' modes and swaps put there.
     """
-    shared = _shared_terms(problem)
+    shared = _shared_terms(problem, problem.units)
+    tiled = _tiled_terms(problem, shared)
     states: dict[int, dict[str, Term]] = {}  # the state terms per number of copies: alike for such parts
-    parts = tuple(_part_terms(problem, part, shared, states) for part in range(problem.num_parts))
+    parts = tuple(_part_terms(problem, part, tiled if part == 0 and tiled else shared, states)
+                  for part in range(problem.num_parts))
     return CostModel(problem, parts, _objective(problem, parts), _memory_rows(problem, parts),
                      _next_use(problem), _capacity_rows(problem, parts))
 
 
-def _shared_terms(problem: PipelineProblem) -> dict[str, Term]:
-    """The terms every part has alike (per-unit sums), built once and shared by all parts."""
-    units, shared, tiers = problem.units, problem.shared, problem.tiers
+def _shared_terms(problem: PipelineProblem, units: tuple[Unit, ...]) -> dict[str, Term]:
+    """The terms every part has alike (per-unit sums over ``units``), built once and shared by all parts."""
+    shared, tiers = problem.shared, problem.tiers
     recompute, swap = tiers.recompute, tiers.swap
     terms = {
         "fwd_ms": Term(per_unit=tuple(u.fwd_ms for u in units)),
@@ -319,7 +323,24 @@ def _shared_terms(problem: PipelineProblem) -> dict[str, Term]:
     terms["swap_ms"] = terms["swap_bytes"].scaled(tiers.host_link.ms_per_byte)
     terms["compute_ms"] = terms["fwd_ms"].plus(terms["bwd_ms"])
     terms["activation_bytes"] = terms["saved_bytes"].plus(terms["received_bytes"])
-    return terms
+    return {name: dataclasses.replace(term, family=name) for name, term in terms.items()}
+
+
+def _tiled_terms(problem: PipelineProblem, shared: dict[str, Term]) -> dict[str, Term] | None:
+    """Part 0's shared terms when it runs on image tiles: the same formulas over the units as the slowest
+    tile runs them; a unit that cannot be tiled weighs more than the budget in its static memory, so no
+    partition puts it on part 0 (the ILP's memory row, the DP and the evaluator all read it)."""
+    spatial = problem.spatial
+    if spatial is None:
+        return None
+    tiled = _shared_terms(problem, spatial.units)
+    beyond = float(problem.mem_bytes + 1)
+    untileable = Term(per_unit=tuple(0.0 if unit < spatial.tileable_units else beyond
+                                     for unit in range(len(problem.units))))
+    tiled["untileable_bytes"] = untileable
+    # a tile sends its share of every value crossing the join; the receiver takes them all
+    tiled["sent_bytes"] = shared["sent_bytes"]
+    return tiled
 
 
 def _block_bytes(units: tuple) -> tuple[float, ...]:
@@ -381,12 +402,14 @@ def _part_terms(problem: PipelineProblem, part: int, shared: dict[str, Term],
         states[copies] = _state_terms(problem, copies)
     state = states[copies]
     working = shared["transient_bytes"] if is_last else shared["transient_bytes"].plus(shared["sent_bytes"])
+    if "untileable_bytes" in shared:
+        working = working.plus(shared["untileable_bytes"])
     terms["static_bytes"] = state["state_bytes"].plus(working)  # + one send buffer
     terms.update({name: state[name] for name in ("host_bytes", "nvme_bytes", "optimizer_ms")})
     terms["activation_bytes"] = shared["saved_bytes" if is_first else "activation_bytes"]  # + received inputs
     terms["send_ms"] = Term(ends_after=() if is_last else tuple(problem.links[part].ms(b) for b in boundary))
-    terms["allreduce_ms"] = Term(constant=allreduce.fixed_ms).plus(shared["grad_bytes"],
-                                                                   allreduce.ms_per_byte)
+    terms["allreduce_ms"] = dataclasses.replace(
+        Term(constant=allreduce.fixed_ms).plus(shared["grad_bytes"], allreduce.ms_per_byte), family="allreduce_ms")
     if problem.schedule is ScheduleKind.ONE_F_ONE_B and not is_first:
         round_trip = tuple(2 * problem.links[part - 1].ms(b) for b in boundary)
         terms["round_trip_ms"] = shared["compute_ms"].plus(Term(starts_after=round_trip))
@@ -527,7 +550,7 @@ def _units_floor(term: Term) -> Term:
     if term.unit_only or min((*term.ends_after, *term.starts_after, *term.per_shared, *term.unit_max),
                              default=0.0) < 0:
         return term
-    return Term(term.constant, term.per_unit)
+    return Term(term.constant, term.per_unit, family=term.family)
 
 
 def _aggregate_lower_bound(aggregate: Aggregate, num_parts: int) -> float:
@@ -544,27 +567,82 @@ def _sum_lower_bound(aggregate: Aggregate, num_parts: int) -> float:
 
 
 def _family_sums(aggregate: Aggregate, num_parts: int) -> list[float]:
-    """For each unit-only term that every part has (same per-unit coefficients), its sum over the
-    parts less their constants: every unit counted once, whatever the cuts."""
-    families: dict[tuple[float, ...], set[int]] = {}
+    """For each family of unit-only terms that every part has, the least its sum over the parts (less
+    their constants) can be, whatever the cuts."""
+    return [family.sum_bound() for family in _families(aggregate, num_parts)]
+
+
+@dataclass(frozen=True)
+class _Family:
+    """One kind of unit-only term on every part: ``first`` is part 0's per-unit coefficients, ``rest``
+    every other part's (alike), or ``cheapest`` each unit's least coefficient when parts differ more."""
+
+    constant: float  # the least constant over the parts
+    num_parts: int
+    first: tuple[float, ...]
+    rest: tuple[float, ...] | None = None  # None: every part has ``first``
+    cheapest: tuple[float, ...] | None = None  # set when the parts differ beyond part 0
+
+    def _splits(self) -> list[tuple[float, float, float]]:
+        """For every first cut (part 0 = units 0..k, k < U - 1): (part 0's sum, the other parts' sum, the
+        largest unit after the cut)."""
+        assert self.rest is not None
+        count = len(self.first)
+        suffix_max = [0.0] * (count + 1)
+        for unit in range(count - 1, -1, -1):
+            suffix_max[unit] = max(self.rest[unit], suffix_max[unit + 1])
+        total, head, done = sum(self.rest), 0.0, 0.0
+        splits = []
+        for unit in range(count - 1):
+            head += self.first[unit]
+            done += self.rest[unit]
+            splits.append((head, total - done, suffix_max[unit + 1]))
+        return splits
+
+    def sum_bound(self) -> float:
+        if self.cheapest is not None:
+            return sum(self.cheapest)
+        if self.rest is None or self.num_parts == 1 or len(self.first) < 2:
+            return sum(self.first)
+        return min(head + tail for head, tail, _ in self._splits())
+
+    def max_bound(self) -> float:
+        """The largest part is at least the larger of the average part and the largest unit (with part 0's
+        own coefficients for what it holds)."""
+        if self.cheapest is not None:
+            return self.constant + max(sum(self.cheapest) / self.num_parts, max(self.cheapest))
+        if self.rest is None or self.num_parts == 1 or len(self.first) < 2:
+            return self.constant + max(sum(self.first) / self.num_parts, max(self.first))
+        others = self.num_parts - 1
+        return self.constant + min(max(head, tail / others, largest) for head, tail, largest in self._splits())
+
+
+def _families(aggregate: Aggregate, num_parts: int) -> list[_Family]:
+    """The families of unit-only terms (one kind, or the same per-unit coefficients) on every part."""
+    families: dict[object, dict[int, Term]] = {}
     for part, term in aggregate.members:
         if term.unit_only and term.per_unit:
-            families.setdefault(term.per_unit, set()).add(part)
-    return [sum(per_unit) for per_unit, parts in families.items() if len(parts) == num_parts]
+            families.setdefault(term.family or term.per_unit, {})[part] = term
+    found = []
+    for members in families.values():
+        if len(members) != num_parts:
+            continue
+        constant = min(t.constant for t in members.values())
+        first = members[0].per_unit
+        others = [members[part].per_unit for part in range(1, num_parts)]
+        if all(per_unit == first for per_unit in others):
+            found.append(_Family(constant, num_parts, first))
+        elif all(per_unit == others[0] for per_unit in others[1:]):
+            found.append(_Family(constant, num_parts, first, others[0]))
+        else:
+            cheapest = tuple(min(values) for values in zip(first, *others))
+            found.append(_Family(constant, num_parts, first, cheapest=cheapest))
+    return found
 
 
 def _max_lower_bound(aggregate: Aggregate, num_parts: int) -> float:
-    """Over unit-only terms with the same per-unit coefficients on every part: the smallest constant
-    plus the larger of the average part and the largest unit."""
-    best = 0.0
-    groups: dict[tuple[float, ...], dict[int, float]] = {}
-    for part, term in aggregate.members:
-        if term.unit_only and term.per_unit:
-            groups.setdefault(term.per_unit, {})[part] = term.constant
-    for per_unit, constants in groups.items():
-        if len(constants) == num_parts:
-            best = max(best, min(constants.values()) + max(sum(per_unit) / num_parts, max(per_unit)))
-    return best
+    """Over each family of unit-only terms on every part: its largest part at least (see _Family)."""
+    return max((family.max_bound() for family in _families(aggregate, num_parts)), default=0.0)
 
 
 def memory_floor(costs: CostModel) -> float:

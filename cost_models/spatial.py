@@ -1,0 +1,216 @@
+"""What the leading nodes of a convolutional graph cost on P image tiles (a spatial stage).
+
+A spatial stage runs a leading run of the graph's nodes on ``rows x cols`` tiles of its input image,
+one per rank; every tile rank computes its share of each node, exchanges halos before every
+convolution and pooling layer, and synchronises batch-norm statistics (runtime/spatial). This
+module gives, per node of that run, what the slowest tile spends and holds, and the halo bytes
+each tile sends: the planner's spatial terms (planner/search/problem.py) are sums of these.
+
+The tile grids follow the runtime's: the input is cut by cost_models.halo.balanced_edges, and every
+window layer's output grid is cost_models.halo.output_edges of its input's, so the predicted halo
+bytes are the bytes the runtime sends. Per node (``share`` = the largest tile's share of the node's
+output image):
+
+    fwd_ms  = fwd_ms x share + halo exchange (window layers) + statistics all-reduce (batch-norm)
+    bwd_ms  = bwd_ms x share + the same exchange of halo gradients + the same all-reduce
+    saved   = saved x share + the halo it received (a window layer saves its padded input)
+
+The exchange overlapping interior compute (as the runtime's blocks do) is not credited: a bound.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+from cost_models.comm import halo_exchange_ms
+from cost_models.device_spec import LinkSpec
+from cost_models.errors import SpatialError
+from cost_models.estimation import CostTable
+from cost_models.graph.ir import LayerGraph, LayerNode, NodeKind
+from cost_models.halo import (
+    Region,
+    balanced_edges,
+    halo_transfers,
+    layer_needed_regions,
+    output_edges,
+    tile_region,
+    windows_of,
+)
+
+Edges = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Grid:
+    """A tile grid by its edges (cost_models.halo.TileEdges)."""
+
+    row_edges: Edges
+    col_edges: Edges
+
+    @property
+    def parts(self) -> int:
+        return (len(self.row_edges) - 1) * (len(self.col_edges) - 1)
+
+    @functools.cached_property
+    def largest_share(self) -> float:
+        """The largest tile's share of the image."""
+        area = self.row_edges[-1] * self.col_edges[-1]
+        return max(tile_region(self, rank).area for rank in range(self.parts)) / area
+
+
+@dataclass(frozen=True)
+class NodeTiles:
+    """One node of the tileable run on its tile grid: the largest tile's share of its output and, for a
+    window layer, the halo pixels each tile sends and receives (per neighbour, in peer order)."""
+
+    name: str
+    share: float
+    sent_pixels: tuple[tuple[int, ...], ...] = ()  # per tile rank, per neighbour
+    received_pixels: tuple[tuple[int, ...], ...] = ()
+    pixel_source: str = ""  # the node whose output the halo is cut from (its pixels' bytes)
+    source_pixels: int = 1  # that output's height x width
+    stats_bytes: int = 0  # a batch-norm's statistics (mean and variance per channel), all-reduced over the tiles
+
+
+@dataclass(frozen=True)
+class TileGeometry:
+    """The graph's tileable leading run on a ``rows x cols`` grid of its ``height x width`` input."""
+
+    rows: int
+    cols: int
+    height: int
+    width: int
+    nodes: tuple[NodeTiles, ...]  # the leading run of nodes (parameters and the input excluded)
+    stop: str  # why the run ends where it does ("" if nothing stops it)
+    passive: frozenset[str]  # the graph's input and parameter nodes (they compute nothing on tiles)
+
+    @property
+    def parts(self) -> int:
+        return self.rows * self.cols
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(node.name for node in self.nodes)
+
+
+def image_input(graph: LayerGraph) -> LayerNode:
+    """The graph's one input, an (N, C, H, W) image; SpatialError when there is none."""
+    inputs = [node for node in graph if node.kind is NodeKind.INPUT]
+    if len(inputs) != 1 or len(inputs[0].output_shape or ()) != 4:
+        shapes = [node.output_shape for node in inputs]
+        raise SpatialError(f"spatial tiles need one (N, C, H, W) image input; the model takes {shapes}")
+    return inputs[0]
+
+
+def tile_geometry(graph: LayerGraph, rows: int, cols: int) -> TileGeometry:
+    """The leading nodes that can run on a ``rows x cols`` grid, with their halos; SpatialError when
+    the model has no image input, its image cannot be cut so, or its first layer cannot be tiled."""
+    source = image_input(graph)
+    _, _, height, width = source.output_shape  # type: ignore[misc]
+    grids = {source.name: Grid(balanced_edges(height, rows), balanced_edges(width, cols))}
+    halos: dict[tuple, tuple[Grid, tuple, tuple]] = {}  # (grid, geometry) -> (output grid, sent, received)
+    nodes: list[NodeTiles] = []
+    stop = ""
+    for node in graph:
+        if node.kind in (NodeKind.INPUT, NodeKind.PARAM):
+            continue
+        try:
+            placed = _place(graph, node, grids, halos)
+        except SpatialError as error:
+            stop = str(error)
+            break
+        nodes.append(placed)
+    if not nodes:
+        raise SpatialError(f"the model's first layer cannot run on {rows}x{cols} tiles: {stop}")
+    passive = frozenset(node.name for node in graph if node.kind in (NodeKind.INPUT, NodeKind.PARAM))
+    return TileGeometry(rows, cols, height, width, tuple(nodes), stop, passive)
+
+
+def _place(graph: LayerGraph, node: LayerNode, grids: dict[str, Grid],
+           halos: dict[tuple, tuple[Grid, tuple, tuple]]) -> NodeTiles:
+    """``node`` on the grid of its inputs (recorded in ``grids``), or SpatialError saying why not
+    (``halos`` memoises each window's exchange by input grid and geometry: deep networks repeat them)."""
+    label = f"layer {node.name!r} ({node.op_type})"
+    tensors = [name for name in node.inputs if graph.node(name).kind is not NodeKind.PARAM]
+    if node.kind is NodeKind.OUTPUT or not node.spatially_splittable or "dropout" in node.op_type.lower() \
+            or (node.geometry is not None and node.geometry.op == "conv_transpose"):
+        raise SpatialError(f"{label} cannot run on tiles; a spatial stage ends before it")
+    if not tensors or any(name not in grids for name in tensors):
+        raise SpatialError(f"{label} reads a tensor computed after the tiles were joined")
+    inputs = {grids[name] for name in tensors}
+    if len(inputs) != 1:
+        raise SpatialError(f"{label} combines tensors tiled differently")
+    grid = inputs.pop()
+    if node.geometry is None:
+        grids[node.name] = grid
+        return NodeTiles(node.name, grid.largest_share, stats_bytes=_stats_bytes(node))
+    key = (grid, node.geometry)
+    if key not in halos:
+        windows = windows_of(node.geometry, layer=node.name)
+        out = Grid(output_edges(grid.row_edges, windows[0], layer=node.name),
+                   output_edges(grid.col_edges, windows[1], layer=node.name))
+        needed = layer_needed_regions(grid, windows, layer=node.name)
+        moves = [halo_transfers(grid, needed, rank) for rank in range(grid.parts)]
+        halos[key] = (out, tuple(tuple(_area(region) for _, region in sends) for sends, _ in moves),
+                      tuple(tuple(_area(region) for _, region in receives) for _, receives in moves))
+    out, sent, received = halos[key]
+    grids[node.name] = out
+    return NodeTiles(node.name, out.largest_share, sent, received, tensors[0],
+                     grid.row_edges[-1] * grid.col_edges[-1])
+
+
+def _stats_bytes(node: LayerNode) -> int:
+    """A batch-norm's two statistics per channel, in its dtype (at least float32); 0 for other nodes."""
+    if "batchnorm" not in node.op_type.lower().replace("_", ""):
+        return 0
+    meta = node.outputs[0]
+    itemsize = meta.nbytes // max(1, math.prod(meta.shape))
+    return 2 * meta.shape[1] * max(4, itemsize)
+
+
+def _area(region: Region) -> int:
+    return region.area
+
+
+@dataclass(frozen=True)
+class TileCost:
+    """One node on the slowest tile, per micro-batch; ``halo_bytes`` per tile rank (forward and backward)."""
+
+    share: float  # the largest tile's share of the node's output
+    fwd_ms: float
+    bwd_ms: float
+    saved_bytes: float
+    transient_bytes: float
+    halo_bytes: tuple[int, ...]
+
+
+def tile_costs(geometry: TileGeometry, table: CostTable, link: LinkSpec,
+               allreduce: tuple[float, float]) -> dict[str, TileCost]:
+    """Per node of the run, what the slowest tile spends (``table`` gives the whole image's costs at
+    the micro-batch size; ``link`` joins the tiles; ``allreduce``: (fixed ms, ms per byte) of an
+    all-reduce over them)."""
+    costs = {}
+    for node in geometry.nodes:
+        whole = table[node.name]
+        fwd_ms, bwd_ms = whole.fwd_ms * node.share, whole.bwd_ms * node.share
+        saved = whole.saved_activation_bytes * node.share
+        transient = 2 * whole.output_bytes * node.share
+        halo: tuple[int, ...] = (0,) * geometry.parts
+        if node.sent_pixels:
+            pixel_bytes = table[node.pixel_source].output_bytes / node.source_pixels  # channels x dtype x batch
+            sent = [[round(p * pixel_bytes) for p in peers] for peers in node.sent_pixels]
+            received = [[round(p * pixel_bytes) for p in peers] for peers in node.received_pixels]
+            exchange_ms = max(max(halo_exchange_ms(s, link), halo_exchange_ms(r, link))
+                              for s, r in zip(sent, received))
+            fwd_ms, bwd_ms = fwd_ms + exchange_ms, bwd_ms + exchange_ms
+            most_received = max(sum(r) for r in received)
+            saved, transient = saved + most_received, transient + most_received
+            halo = tuple(2 * sum(s) for s in sent)  # the halo forward, its gradient backward
+        if node.stats_bytes:
+            stats_ms = allreduce[0] + allreduce[1] * node.stats_bytes
+            fwd_ms, bwd_ms = fwd_ms + stats_ms, bwd_ms + stats_ms
+        costs[node.name] = TileCost(node.share, fwd_ms, bwd_ms, saved, transient, halo)
+    return costs
+

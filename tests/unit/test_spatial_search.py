@@ -1,0 +1,162 @@
+"""Spatial stages in the search: part 0 on P image tiles, costed from its tile and chosen by the ILP.
+
+The ILP over a spatial problem equals a brute force over every cut and keep/recompute/swap choice,
+and the pruning bound stays below every plan; a unit that cannot run on tiles is never on part 0.
+Through plan(): the halo bytes a planned tile sends equal a count by hand; spatial=False and
+--no-spatial never tile; a low-resolution ResNet-50 is not tiled; a model whose first layer or image
+cannot be tiled falls back to plans without tiles and says why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from examples.models.resnet import resnet50
+from planner import plan
+from planner.cli import main
+from planner.plan import Layout, ScheduleKind, Slicing
+from planner.search.evaluate import evaluate
+from planner.search.ilp import solve_partition
+from planner.search.problem import LinearCost, PipelineProblem, SpatialChoice, SpatialPart, Unit
+from planner.search.terms import cost_model, lower_bound
+from tests.unit.test_memory_tiers import _brute_force, _every_plan, decided_problems
+
+
+@st.composite
+def spatial_problems(draw) -> PipelineProblem:
+    """A decided problem of at least two parts whose part 0 runs on 2 tiles: each unit there costs a
+    drawn share of its time and saved bytes, and only the first ``tileable`` units can be tiled."""
+    problem = draw(decided_problems().filter(lambda p: p.num_parts >= 2))
+    units = []
+    for unit in problem.units:
+        share = draw(st.floats(0.3, 1.0))
+        saved = round(unit.activation_bytes * share)
+        units.append(dataclasses.replace(unit, fwd_ms=unit.fwd_ms * share, bwd_ms=unit.bwd_ms * share,
+                                         activation_bytes=saved, offloadable_bytes=saved,
+                                         input_bytes=min(saved, unit.input_bytes)))
+    tileable = draw(st.integers(1, len(units) - 1))
+    tiles = SpatialPart(SpatialChoice(2, Slicing.VERTICAL), 8, 8, tuple(units), tileable,
+                        tuple((0, 0) for _ in units), "")
+    layout = Layout.pipeline(problem.num_parts, tiles=(2,) + (1,) * (problem.num_parts - 1))
+    return dataclasses.replace(problem, layout=layout, spatial=tiles)
+
+
+@settings(max_examples=40, deadline=None)
+@given(spatial_problems())
+def test_spatial_ilp_equals_brute_force_and_keeps_untileable_units_off_the_tiles(problem: PipelineProblem) -> None:
+    costs = cost_model(problem)
+    assert problem.spatial is not None
+    expected = _brute_force(costs)
+    result = solve_partition(costs, integral=True)
+    if expected is None:
+        assert result.cuts is None
+        return
+    assert result.objective == pytest.approx(expected, rel=1e-6, abs=1e-6)
+    assert result.cuts[0] < problem.spatial.tileable_units
+
+
+@settings(max_examples=40, deadline=None)
+@given(spatial_problems())
+def test_the_lower_bound_holds_for_spatial_problems(problem: PipelineProblem) -> None:
+    """Part 0's cheaper tile coefficients enter the bound through its first cut (terms._Family)."""
+    costs = cost_model(problem)
+    bound = lower_bound(costs)
+    for evaluation in _every_plan(costs):
+        assert bound <= evaluation.step_ms + 1e-9
+
+
+def test_the_tile_is_costed_with_its_share_and_an_untileable_unit_cannot_be_on_it() -> None:
+    whole = Unit(("a",), 4.0, 8.0, 0, 0, 1000, 0, (), 0, 0, 0, 1000, 0)
+    tile = dataclasses.replace(whole, fwd_ms=2.5, bwd_ms=4.5, activation_bytes=600, offloadable_bytes=600)
+    free = LinearCost(0.0, 0.0)
+    problem = PipelineProblem((whole, whole, whole), (10, 10), (), Layout.pipeline(2, tiles=(2, 1)),
+                              ScheduleKind.GPIPE, 1, (1, 1), (free,), (free, free), 10**6,
+                              spatial=SpatialPart(SpatialChoice(2, Slicing.VERTICAL), 8, 8, (tile, tile, whole), 2,
+                                                  ((1, 1),) * 3, ""))
+    costs = cost_model(problem)
+    one, two = evaluate(costs, (0,)), evaluate(costs, (1,))
+    assert (one.parts[0].fwd_ms, one.parts[0].bwd_ms, two.parts[0].fwd_ms) == (2.5, 4.5, 5.0)
+    assert (one.parts[1].fwd_ms, one.parts[0].activation_bytes) == (8.0, 600)  # the rest runs whole
+    assert one.fits(problem.mem_bytes) and two.fits(problem.mem_bytes)
+    untiled = dataclasses.replace(problem, spatial=dataclasses.replace(problem.spatial, tileable_units=1))
+    assert not evaluate(cost_model(untiled), (1,)).fits(problem.mem_bytes)  # unit 1 cannot be tiled
+
+
+class _TwoConvs(nn.Module):
+    """Two 3x3 convolutions (3 -> 4 -> 4 channels) and a classifier: halos are hand-countable."""
+
+    def __init__(self, size: int = 16) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 4, 3, padding=1)
+        self.conv2 = nn.Conv2d(4, 4, 3, padding=1)
+        self.head = nn.Linear(4 * size * size, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.conv2(torch.relu(self.conv1(x)))).flatten(1))
+
+
+def _forced(model: nn.Module, size: int, **options) -> object:
+    """A plan on 3 GPUs with 2 stages: only stage 0 on 2 tiles + 1 rank uses them all."""
+    return plan(model.double(), gpus=3, mem="16GB", batch_size=4, micro_batch_sizes=(2,), num_stages=(2,),
+                data_parallel=(1,), schedules=("gpipe",), precision="fp64", offload=False,
+                example_inputs=torch.empty(1, 3, size, size, dtype=torch.float64), **options)
+
+
+def test_the_planned_halo_bytes_equal_a_count_by_hand() -> None:
+    """Vertical strips of a 16x16 image: a 3x3 convolution's tile sends its border column, 16 rows x
+    C_in channels x 8 bytes x 2 samples, forward, and the same back as the halo's gradient."""
+    result = _forced(_TwoConvs(), 16)
+    spec = result.stages[0].spatial
+    assert spec is not None and (spec.parts, spec.slicing, spec.height, spec.width) == (2, Slicing.VERTICAL, 16, 16)
+    channels = {"conv1": 3, "conv2": 4}
+    expected = sum(2 * 16 * channels[name] * 8 * 2 for name in channels if name in result.stages[0].nodes)
+    assert expected > 0
+    assert spec.halo_bytes == (expected, expected)
+    assert "stage 0: 2 tiles (vertical), per-layer halos, ranks 0-1" in str(result)
+    assert "stage 0 on 2 tiles (vertical) bought the fit: no plan without tiles fits" in result.solver.why
+
+
+def test_spatial_false_and_no_spatial_never_tile(capsys) -> None:
+    assert _forced(_TwoConvs(), 16).stages[0].spatial is not None
+    untiled = plan(_TwoConvs().double(), gpus=3, mem="16GB", batch_size=4, precision="fp64", offload=False,
+                   spatial=False, example_inputs=torch.empty(1, 3, 16, 16, dtype=torch.float64))
+    assert all(stage.spatial is None for stage in untiled.stages)
+    command = ["plan", "examples/models/resnet.py:resnet50", "--model-arg", "width=4", "--input", "3x64x64",
+               "--gpus", "3", "--mem", "16GB", "--batch-size", "4", "--num-stages", "2", "--data-parallel", "1",
+               "--precision", "fp32", "--no-offload", "-q"]
+    assert main(command) == 0
+    assert "tiles (vertical)" in capsys.readouterr().out
+    assert main([*command, "--no-spatial"]) != 0  # only tiles use 3 GPUs in 2 stages of 1 replica
+    assert "num_stages [2] must divide gpus=3" in capsys.readouterr().err
+
+
+def test_a_low_resolution_resnet_is_not_tiled() -> None:
+    result = plan(resnet50(), gpus=8, mem="16GB", batch_size=64,
+                  example_inputs=torch.empty(1, 3, 224, 224, device="meta"))
+    assert all(stage.spatial is None for stage in result.stages)
+
+
+class _FlattenFirst(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(3 * 16 * 16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x.flatten(1))
+
+
+def test_an_untileable_first_layer_or_image_falls_back_and_says_why() -> None:
+    flat = plan(_FlattenFirst(), gpus=4, mem="16GB", batch_size=4, offload=False,
+                example_inputs=torch.empty(1, 3, 16, 16))
+    assert all(stage.spatial is None for stage in flat.stages)
+    assert "no plan tiles the image: the model's first layer cannot run on" in flat.solver.why
+    tiny = plan(_TwoConvs(1), gpus=4, mem="16GB", batch_size=4, offload=False,
+                example_inputs=torch.empty(1, 3, 1, 1))
+    assert all(stage.spatial is None for stage in tiny.stages)
+    assert "no plan tiles the image: cannot split 1 pixels into 2 tiles" in tiny.solver.why
