@@ -174,7 +174,8 @@ class Search:
             memory_tiers(self.device, self.space, config.state, activations=False),
             self._spatial_part(config, units, table) if config.spatial else None)
         decided = None
-        if {Offload.RECOMPUTE, Offload.SWAP} & self.space.offload:
+        # the runtime does not recompute or swap on image tiles yet: a spatial configuration keeps them all
+        if {Offload.RECOMPUTE, Offload.SWAP} & self.space.offload and config.spatial is None:
             tiers = memory_tiers(self.device, self.space, config.state, activations=True)
             decided = dataclasses.replace(problem, tiers=tiers)
         setup = Setup(config, schedule, problem, cost_model(problem), units, table, decided)
