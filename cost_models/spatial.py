@@ -13,7 +13,9 @@ output image):
 
     fwd_ms  = fwd_ms x share + halo exchange (window layers) + statistics all-reduce (batch-norm)
     bwd_ms  = bwd_ms x share + the same exchange of halo gradients + the same all-reduce
-    saved   = saved x share + the halo it received (a window layer saves its padded input)
+    saved   = saved x share, plus for a batch-norm its centred and normalised tile (two outputs' worth),
+              plus for a window layer its input tile padded with the halo it received
+              (a new tensor the layer saves for its backward, where one process saves its input in place)
 
 The exchange overlapping interior compute (as the runtime's blocks do) is not credited: a bound.
 """
@@ -206,11 +208,16 @@ def tile_costs(geometry: TileGeometry, table: CostTable, link: LinkSpec,
                               for s, r in zip(sent, received))
             fwd_ms, bwd_ms = fwd_ms + exchange_ms, bwd_ms + exchange_ms
             most_received = max(sum(r) for r in received)
-            saved, transient = saved + most_received, transient + most_received
+            # the layer reads (and saves for its backward) a new tensor, its input tile padded with the halo
+            padded = table[node.pixel_source].output_bytes * node.share + most_received
+            saved, transient = saved + padded, transient + padded
             halo = tuple(2 * sum(s) for s in sent)  # the halo forward, its gradient backward
         if node.stats_bytes:
             stats_ms = allreduce[0] + allreduce[1] * node.stats_bytes
             fwd_ms, bwd_ms = fwd_ms + stats_ms, bwd_ms + stats_ms
+            # composed of element-wise ops (runtime/spatial/batchnorm.py), it also keeps its centred and
+            # its normalised tile for the backward
+            saved += 2 * whole.output_bytes * node.share
         costs[node.name] = TileCost(node.share, fwd_ms, bwd_ms, saved, transient, halo)
     return costs
 

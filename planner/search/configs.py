@@ -100,6 +100,10 @@ def configurations(space: SearchSpace, max_stages: int,
         for tiling in tilings:
             configs.extend(_spatial_configs(space, gpus, tiling, max_stages))
     if not configs:
+        stray = [stages for stages in space.num_stages or () if space.gpus % stages]
+        if stray and not tilings:  # only stage 0 on tiles could have used such a stage count
+            raise InvalidArgument(f"num_stages {stray} must divide gpus={space.gpus} for a model whose input "
+                                  f"cannot be cut into image tiles; choose from {divisors(space.gpus)}")
         raise InvalidArgument(_batch_message(space))
     return configs
 

@@ -122,7 +122,8 @@ class SearchResult:
         stop = self.best.setup.problem.spatial.stop  # type: ignore[union-attr]
         reach = f" (a spatial stage ends by the first layer that cannot be tiled: {stop})" if stop else ""
         if self.best_untiled is None:
-            return f"{spatial.describe()} bought the fit: no plan without tiles fits{reach}"
+            return (f"{spatial.describe()} bought the fit: no plan without tiles fits the memory and the stage "
+                    f"and replica counts asked for{reach}")
         other = self.best_untiled
         return (f"{spatial.describe()} bought the speed: {other.objective_ms / self.best.objective_ms:.2f}x the "
                 f"best plan without tiles ({other.setup.config.describe()}){reach}")
@@ -441,7 +442,7 @@ class Search:
         deadline = time.perf_counter() + time_limit_s
         if cuts is None:
             cuts = min_peak_partition(costs).cuts
-        width = max(2, costs.num_units // (2 * costs.num_parts))
+        width = max(2, min(DECISION_WINDOW_UNITS, costs.num_units // (2 * costs.num_parts)))
         best: Candidate | None = None
         for _ in range(DECISION_ROUNDS):
             window = tuple((max(-1, cut - width), min(costs.num_units - 2, cut + width)) for cut in cuts)
@@ -517,6 +518,10 @@ DECISION_S = 3.0
 
 SEED_CONFIGS = 8
 """How many configurations that may fit the search tries for a first plan before any ILP (Search.seed)."""
+
+DECISION_WINDOW_UNITS = 8
+"""How far (in units) each cut may move either way in one ILP with memory decisions: wider windows
+found no better plans on the zoo but let one ILP run into its time limit on deep networks."""
 
 DECISION_ROUNDS = 3
 """How many times the window of the ILP with memory decisions moves after the best plan's cuts."""
