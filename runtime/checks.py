@@ -9,6 +9,8 @@ execute yet.
 
 from __future__ import annotations
 
+import dataclasses
+
 from cost_models.errors import RuntimeSetupError
 from planner.plan import OffloadSpec, ParamTier, Plan
 from planner.preflight import check_plan, programs
@@ -47,7 +49,8 @@ def check_executable(plan: Plan) -> None:
 
 def _check_spatial(plan: Plan, stage: int) -> None:
     """This runtime executes a spatial stage 0 on its own slot, followed by other stages, in fp32/fp64,
-    without memory decisions, with per-layer halos or one fused group for the whole stage."""
+    with recomputation and activation swapping as its only memory decisions (its model state stays
+    whole on the GPU), with per-layer halos or one fused group for the whole stage."""
     spec = plan.stages[stage].spatial
     assert spec is not None
     layout = plan.layout
@@ -55,10 +58,12 @@ def _check_spatial(plan: Plan, stage: int) -> None:
         raise RuntimeSetupError(f"stage {stage} runs on spatial tiles but is not the first of several stages "
                                 f"on a slot of its own, which this runtime does not execute yet; re-plan "
                                 f"with only stage 0 spatial")
-    if not plan.stages[stage].offload.is_default:
+    offload = plan.stages[stage].offload
+    state = dataclasses.replace(offload, recompute=(), swap=())  # recompute and swap run on tiles
+    if not state.is_default:
         raise RuntimeSetupError(f"stage {stage} runs on spatial tiles and has memory decisions "
-                                f"({plan.stages[stage].offload.describe(len(plan.stages[stage].nodes))}), "
-                                f"which this runtime does not execute together yet; re-plan without them")
+                                f"({state.describe(len(plan.stages[stage].nodes))}), which this runtime "
+                                f"does not execute together yet; re-plan with only recompute and swap there")
     if plan.model.precision.master_weights:
         raise RuntimeSetupError(f"stage {stage} runs on spatial tiles in {plan.model.precision.value}, which "
                                 f"this runtime does not execute yet; re-plan in fp32 or fp64")

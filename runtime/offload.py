@@ -3,7 +3,8 @@
 Both act on runs of the stage's nodes, so the stage is cut once (runtime/regions.py): each
 checkpoint region becomes a :class:`runtime.recompute.Checkpointed` submodule, each run of
 consecutive swapped nodes a :class:`runtime.swap.Swapped` one; all other nodes run as before.
-ZeRO and the parameter/optimizer tiers are not handled here (runtime/checks.py refuses them).
+ZeRO and the parameter/optimizer tiers are not handled here. A spatial stage is cut together
+with its fused halo groups (runtime/spatial_stage.py, which uses the same region labels).
 """
 
 from __future__ import annotations
@@ -47,8 +48,6 @@ def offload_stage(module: torch.fx.GraphModule, spec: OffloadSpec, space: SwapSp
                   stage: int) -> torch.fx.GraphModule:
     """``module`` with its checkpoint regions recomputed and its swapped nodes' activations swapped
     (``module`` itself when the stage offloads no activations)."""
-    if not spec.recompute and not spec.swap:  # a spatial stage's module on tiles is no GraphModule
-        return module
     recomputed, swapped = recompute_regions(spec), swap_runs(module, spec)
     if not recomputed and not swapped:
         return module

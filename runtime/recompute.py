@@ -8,6 +8,14 @@ Recomputation runs the region's modules again in training mode, so a batch-norm 
 update its running statistics a second time with the same batch. The recomputation therefore runs
 with every buffer of the region restored afterwards to what it held before it: running statistics
 change once per forward, as without recomputation.
+
+A region that communicates (a spatial stage's halo exchanges and synchronised batch-norms) is
+recomputed whole (``communicates=True``). By default the recomputation stops once it has
+recomputed every tensor the backward needs, and where that happens depends on the rank: a tile at
+the image border pads and saves different tensors than its neighbour. One tile would then stop
+before a halo exchange that its neighbour, recomputing further, posts and waits for, and both
+hang. Recomputed whole, every tile of the group runs the same exchanges and all-reduces in the
+same order as in the forward.
 """
 
 from __future__ import annotations
@@ -19,21 +27,24 @@ from typing import Any
 import torch
 import torch.fx
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from runtime.regions import cut
 
 
 class Checkpointed(nn.Module):
-    """Runs ``region`` under non-reentrant activation checkpointing (see the module docstring)."""
+    """Runs ``region`` under non-reentrant activation checkpointing (see the module docstring);
+    ``communicates``: the region exchanges halos or all-reduces, so it is recomputed whole."""
 
-    def __init__(self, region: nn.Module) -> None:
+    def __init__(self, region: nn.Module, *, communicates: bool = False) -> None:
         super().__init__()
         self.region = region
+        self.communicates = communicates
 
     def forward(self, *args: Any) -> Any:
-        return checkpoint(self.region, *args, use_reentrant=False, preserve_rng_state=True,
-                          context_fn=self._contexts)
+        with set_checkpoint_early_stop(not self.communicates):
+            return checkpoint(self.region, *args, use_reentrant=False, preserve_rng_state=True,
+                              context_fn=self._contexts)
 
     def _contexts(self) -> tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]:
         """(around the forward, around the recomputation)."""

@@ -24,10 +24,17 @@ _INPLACE_OPERATORS = frozenset({operator.iadd, operator.isub, operator.imul, ope
                                 operator.ior, operator.ixor, operator.ilshift, operator.irshift})
 
 
-def check(module: torch.fx.GraphModule, regions: Mapping[str, Sequence[str]], *, stage: int) -> None:
+def compute_nodes(module: torch.fx.GraphModule) -> tuple[str, ...]:
+    """The names of the nodes the stage computes (not its inputs, attributes or output), in order."""
+    return tuple(node.name for node in module.graph.nodes if node.op not in _NOT_COMPUTE)
+
+
+def check(module: torch.fx.GraphModule, regions: Mapping[str, Sequence[str]], *, stage: int,
+          section: str = "offload") -> None:
     """Refuse, naming the region, runs the stage cannot cut into a submodule of their own.
 
-    ``regions`` maps a label used in messages (``"recompute[0]"``) to node names. Each run must
+    ``regions`` maps a label used in messages (``"recompute[0]"``) to node names; ``section`` is
+    the part of the plan's stage that names them (``offload``, ``spatial``). Each run must
     name computation nodes of the stage (not its inputs), consecutive in the stage's order,
     disjoint from the other runs, and must not modify its own inputs in place (a recomputed or
     swapped run would then read the modified values).
@@ -38,7 +45,7 @@ def check(module: torch.fx.GraphModule, regions: Mapping[str, Sequence[str]], *,
     claimed: dict[str, str] = {}
     for label, nodes in regions.items():
         def refuse(reason: str, label: str = label, nodes: Sequence[str] = nodes) -> RuntimeSetupError:
-            return RuntimeSetupError(f"stage {stage}'s offload {label} {list(nodes)} cannot be cut out of "
+            return RuntimeSetupError(f"stage {stage}'s {section} {label} {list(nodes)} cannot be cut out of "
                                      f"the stage: {reason}; re-plan without it")
 
         outside = [name for name in nodes if name in inputs]
@@ -60,7 +67,7 @@ def check(module: torch.fx.GraphModule, regions: Mapping[str, Sequence[str]], *,
 
 
 def cut(module: torch.fx.GraphModule, regions: Mapping[str, Sequence[str]], *,
-        stage: int) -> tuple[torch.fx.GraphModule, dict[str, str]]:
+        stage: int, section: str = "offload") -> tuple[torch.fx.GraphModule, dict[str, str]]:
     """``module`` with each region as one submodule; returns it and each label's submodule name.
 
     Example::
@@ -68,7 +75,7 @@ def cut(module: torch.fx.GraphModule, regions: Mapping[str, Sequence[str]], *,
         split, names = cut(stage_module, {"recompute[0]": ("ln_2", "mlp_fc")}, stage=0)
         split.get_submodule(names["recompute[0]"])      # a GraphModule of ln_2 and mlp_fc
     """
-    check(module, regions, stage=stage)
+    check(module, regions, stage=stage, section=section)
     region_of = {name: label for label, nodes in regions.items() for name in nodes}
     partition_of: dict[str, int] = {}
     partition = -1

@@ -2,14 +2,15 @@
 
 Order (no collective runs before the checks that every rank makes alike):
 plan layout and world size -> this rank's program -> rebuild check (fingerprint) -> split ->
-every stage's checkpoint regions and swapped nodes -> dataflow at the micro-batch size -> the NVMe
-directory (if the plan pages optimizer state) -> materialise this rank's stages -> under mixed
-precision: fp32 copies of the weights, then the model cast to 16 bits and the value specs taken
-again, so that 16-bit activations travel -> recompute and swap wrapped around this rank's stages
--> process groups -> optimizers (runtime/stage_optimizer.py: masters on the plan's tier, ZeRO
-shards over the data-parallel groups; under mixed precision the fp32 masters start from those
-copies, and MixedPrecision holds the loss scale) -> a world-wide check that every rank loaded the
-same plan.
+every stage's checkpoint regions and swapped nodes, a spatial stage's fused groups -> dataflow at
+the micro-batch size -> the NVMe directory (if the plan pages optimizer state) -> materialise this
+rank's stages -> the spatial stages' tile groups -> under mixed precision: fp32 copies of the
+weights, then the model cast to 16 bits and the value specs taken again, so that 16-bit
+activations travel -> recompute and swap wrapped around this rank's stages (a spatial stage put
+on its tile in the same pass) -> process groups -> optimizers (runtime/stage_optimizer.py: masters
+on the plan's tier, ZeRO shards over the data-parallel groups; under mixed precision the fp32
+masters start from those copies, and MixedPrecision holds the loss scale) -> a world-wide check
+that every rank loaded the same plan.
 """
 
 from __future__ import annotations
@@ -39,10 +40,11 @@ from runtime.nvme import PagedFile
 from runtime.offload import check_offload, offload_stage
 from runtime.precision import MixedPrecision, ScalerOptions, cast_model, compute_dtype, fp32_copies
 from runtime.sharding import ShardGroup
+from runtime.spatial_stage import check_spatial_stage, tile_stage
 from runtime.stage_optimizer import StageOptimizer
 from runtime.stages import LocalStage, OptimizerFactory, local_stages, param_targets, stage_param_names
 from runtime.swap import SwapSpace
-from runtime.tiles import TiledStage, tile_module, tiled_stages
+from runtime.tiles import TiledStage, tiled_stages
 from runtime.values import value_specs
 from runtime.weights import initialize
 
@@ -82,6 +84,9 @@ def set_up(plan: Plan, model: nn.Module, optimizer_factory: OptimizerFactory, *,
     modules = build.split_stages(traced, model, plan)
     for stage, module in modules.items():
         check_offload(module, plan.stages[stage].offload, stage=stage)
+        spatial = plan.stages[stage].spatial
+        if spatial is not None:
+            check_spatial_stage(module, spatial, plan.stages[stage].offload, stage=stage)
     inputs = [(meta.shape, getattr(torch, meta.dtype)) for meta in plan.model.example_inputs]
     specs = value_specs(traced, inputs, plan.training.micro_batch_size)
     flow = dataflow(traced, modules, plan.part_of(), specs)
@@ -91,14 +96,12 @@ def set_up(plan: Plan, model: nn.Module, optimizer_factory: OptimizerFactory, *,
     precision = plan.model.precision
     stages = local_stages(model, modules, flow, stage_ids)
     tiled = tiled_stages(plan, modules, flow, rank, timeout_s)  # collective: the tile groups
-    for index, stage in stages.items():
-        if index in tiled:
-            stage.module = tile_module(stage.module, tiled[index], timeout_s)  # type: ignore[assignment]
     sources: dict[int, list[torch.Tensor]] = {}
     if precision.master_weights:
         sources = fp32_copies(stages)  # the masters' start, before the cast rounds the weights
         flow = to_16_bits(model, traced, flow, plan, inputs)
-    swaps = offload_activations(plan, stages, device)  # after the cast: it keys the parameters' storages
+    swaps = offload_activations(plan, stages, tiled, device, timeout_s)  # after the cast: it keys the
+    # parameters' storages
     groups = create_groups(plan.layout, rank, stage_params, timeout_s)
     for stage in stages.values():
         stage.state = stage_optimizer(plan, stage, optimizer_factory, groups, device=device,
@@ -112,14 +115,23 @@ def set_up(plan: Plan, model: nn.Module, optimizer_factory: OptimizerFactory, *,
     return RankSetup(segments, stage_ids, replica, traced, flow, stages, groups, swaps, mixed, tiled)
 
 
-def offload_activations(plan: Plan, stages: Mapping[int, LocalStage], device: torch.device) -> SwapSpace:
+def offload_activations(plan: Plan, stages: Mapping[int, LocalStage], tiled: Mapping[int, TiledStage],
+                        device: torch.device, timeout_s: float) -> SwapSpace:
     """Wrap recompute and swap around this rank's stage modules (after materialisation, so the
-    swap hooks know the real parameters and buffers, which are never swapped)."""
+    swap hooks know the real parameters and buffers, which are never swapped); a spatial stage's
+    module is put on this rank's tile in the same pass (runtime/spatial_stage.py)."""
     state = [t for stage in stages.values() for t in [*stage.module.parameters(), *stage.module.buffers(),
                                                        *stage.attrs.values()]]
     swaps = SwapSpace(device, {storage_key(t) for t in state})
     for stage in stages.values():
-        stage.module = offload_stage(stage.module, plan.stages[stage.index].offload, swaps, stage=stage.index)
+        part = plan.stages[stage.index]
+        if stage.index in tiled:
+            assert part.spatial is not None
+            on_tile = tile_stage(stage.module, tiled[stage.index], part.spatial, part.offload, swaps,
+                                 timeout_s=timeout_s)
+            stage.module = on_tile  # type: ignore[assignment]
+        else:
+            stage.module = offload_stage(stage.module, part.offload, swaps, stage=stage.index)
     return swaps
 
 

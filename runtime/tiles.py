@@ -13,7 +13,7 @@ part's ``ALLREDUCE`` over every copy (tiles and replicas in one group, runtime/g
 from __future__ import annotations
 
 import datetime
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -24,14 +24,15 @@ from torch import nn
 from cost_models.errors import RuntimeSetupError
 from planner.plan import HaloMode, Plan
 from runtime.dataflow import Dataflow
-from runtime.spatial import FusedHaloBlock, TileGrid, spatialize
+from runtime.spatial import TileGrid, count_messages
 from runtime.spatial.graph import analyse, trace_spatial
 from runtime.values import ValueKind, ValueSpec
 
 
 @dataclass(frozen=True)
 class TiledStage:
-    """One spatial stage as every rank sees it; ``tile`` and ``group`` are set on its tile ranks only."""
+    """One spatial stage as every rank sees it; ``tile`` and ``group`` are set on its tile ranks only
+    (its module on the tile: runtime/spatial_stage.py)."""
 
     stage: int
     halo: HaloMode
@@ -74,12 +75,11 @@ def tiled_stages(plan: Plan, modules: Mapping[int, torch.fx.GraphModule], flow: 
     return found
 
 
-def tile_module(module: nn.Module, tiled: TiledStage, timeout_s: float) -> nn.Module:
-    """The stage's module on this rank's tile: halos per layer (spatialize) or one fused halo."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if tiled.halo is HaloMode.FUSED:
-        return FusedHaloBlock(module, tiled.grid, tiled.group, timeout=timeout)
-    return spatialize(module, tiled.grid, tiled.group, timeout=timeout)
+def halo_bytes_sent(modules: Iterable[nn.Module]) -> int:
+    """Bytes the halo exchanges inside ``modules`` have sent so far: forward halos (recomputed ones
+    again) and the halo gradients sent back to their owners in the backward (MessageCounter)."""
+    counts = [count_messages(module) for module in modules]
+    return sum(count.forward_bytes + count.backward_bytes for count in counts)
 
 
 def _check_inputs(stage: int, grid: TileGrid, flow: Dataflow) -> None:

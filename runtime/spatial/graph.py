@@ -98,8 +98,11 @@ def trace_spatial(module: nn.Module) -> fx.GraphModule:
     """Symbolically trace ``module`` with torch.nn layers as leaves; SpatialError if it cannot be traced.
 
     A lone torch.nn layer is traced inside a one-layer Sequential (named after its class), so it
-    stays a leaf and errors name it.
+    stays a leaf and errors name it. A GraphModule (a pipeline stage cut from the planner's trace)
+    is its own trace: its node names stay the plan's, which fused groups and offload regions name.
     """
+    if isinstance(module, fx.GraphModule):
+        return module
     if fx.Tracer().is_leaf_module(module, ""):
         module = nn.Sequential(OrderedDict([(type(module).__name__, module)]))
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -50,11 +51,19 @@ def _tiled_layer(module: nn.Module, name: str, grid: TileGrid, group: dist.Proce
     return module
 
 
-def _input_grids(graph: SpatialGraph) -> dict[str, tuple[int, TileGrid]]:
-    """Each conv/pool/batch-norm layer's input grid and a tag (its first call's index); shared layers checked."""
+def _input_grids(graph: SpatialGraph, keep: Collection[str]) -> dict[str, tuple[int, TileGrid]]:
+    """Each conv/pool/batch-norm layer's input grid and a tag (its first call's index among them),
+    the layers of the ``keep`` nodes left out; shared layers checked."""
     found: dict[str, tuple[int, TileGrid]] = {}
     layers = [node for node in graph.nodes if node.role in (Role.WINDOW, Role.BATCH_NORM)]
+    kept = {node.layer: node.name for node in layers if node.name in keep}
     for tag, node in enumerate(layers):
+        if node.name in keep:
+            continue
+        if node.layer in kept:
+            raise SpatialError(f"layer {node.layer!r} is called by node {node.name!r} and by node "
+                               f"{kept[node.layer]!r}, which is tiled apart (a fused group); give each call "
+                               f"its own layer")
         grid = graph[node.inputs[0]].grid
         assert grid is not None
         if found.setdefault(node.layer, (tag, grid))[1] != grid:
@@ -64,7 +73,8 @@ def _input_grids(graph: SpatialGraph) -> dict[str, tuple[int, TileGrid]]:
 
 
 def spatialize(module: nn.Module, grid: TileGrid, group: dist.ProcessGroup | None, *, sync_bn: bool = True,
-               overlap: bool = True, timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> nn.Module:
+               overlap: bool = True, timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+               keep: Collection[str] = ()) -> nn.Module:
     """A copy of ``module`` that runs on tiles of ``grid``, every halo exchanged per layer.
 
     The copy shares parameters and buffers with ``module``; its Conv2d / MaxPool2d / AvgPool2d
@@ -73,6 +83,11 @@ def spatialize(module: nn.Module, grid: TileGrid, group: dist.ProcessGroup | Non
     input of ``module`` is one tile of ``grid``; outputs are tiles of ``output_grid(module, grid)``.
     Raises SpatialError naming the first layer that cannot be tiled exactly (global pooling,
     flatten, ceil_mode pools, non-zero padding modes, ...), before any communication.
+
+    Layer k of the module's conv/pool/batch-norm calls (in trace order) exchanges its halos under
+    tag k, so tags from the number of traced nodes on are free for other exchanges on ``group``.
+    The layers of the nodes named in ``keep`` stay as they are: the caller tiles those nodes
+    otherwise (runtime/spatial_stage.py fuses their halos). A GraphModule keeps its node names.
 
     Example::
 
@@ -85,7 +100,7 @@ def spatialize(module: nn.Module, grid: TileGrid, group: dist.ProcessGroup | Non
     if fx.Tracer().is_leaf_module(module, ""):  # a lone layer
         return _tiled_layer(module, type(module).__name__, grid, group, 0, options)
     tiled = _sharing_copy(module)
-    for layer, (tag, input_grid) in _input_grids(graph).items():
+    for layer, (tag, input_grid) in _input_grids(graph, keep).items():
         _replace(tiled, layer, _tiled_layer(tiled.get_submodule(layer), layer, input_grid, group, tag, options))
     return tiled
 

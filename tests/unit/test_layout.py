@@ -10,7 +10,7 @@ import json
 import pytest
 
 from cost_models.errors import RuntimeSetupError
-from planner.plan import Layout, OffloadSpec, Plan, SpatialSpec
+from planner.plan import Layout, OffloadSpec, Plan, SpatialSpec, StateTier
 from planner.plan.layout import layout_from_dict
 from planner.schedules import (
     Action,
@@ -130,10 +130,16 @@ def test_the_runtime_set_up_checks_accept_it_and_name_what_it_does_not_execute_y
     assert checks.my_stages(spanning_plan, 2) == ((1, 2), 0) and checks.my_stages(spanning_plan, 1) == ((0,), 0)
     assert all(checks.rank_program(spanning_plan, rank) for rank in range(3))
     checks.check_executable(spanning_plan)  # a leading spatial stage is executed today
-    offloaded = (dataclasses.replace(spanning_plan.stages[0], offload=OffloadSpec(recompute=(("wte",),))),
-                 *spanning_plan.stages[1:])
-    with pytest.raises(RuntimeSetupError, match=r"stage 0 runs on spatial tiles and has memory decisions"):
-        checks.check_executable(dataclasses.replace(spanning_plan, stages=offloaded))
+    def offloaded(spec: OffloadSpec) -> Plan:
+        stages = (dataclasses.replace(spanning_plan.stages[0], offload=spec), *spanning_plan.stages[1:])
+        return dataclasses.replace(spanning_plan, stages=stages)
+
+    checks.check_executable(offloaded(OffloadSpec(recompute=(("wte",),), swap=("drop",))))  # run on tiles
+    for refused, named in ((OffloadSpec(recompute=(("wte",),), zero_stage=1), r"model state sharded \(ZeRO-1\)"),
+                           (OffloadSpec(optimizer_state=StateTier.HOST), "optimizer on host")):
+        with pytest.raises(RuntimeSetupError, match=rf"^stage 0 runs on spatial tiles and has memory decisions "
+                                                    rf"\({named}\), .* re-plan with only recompute and swap"):
+            checks.check_executable(offloaded(refused))
     unspatial = (dataclasses.replace(spanning_plan.stages[0], spatial=None), *spanning_plan.stages[1:])
     looped = dataclasses.replace(spanning_plan, layout=Layout.replicated((0, 1, 1)), stages=unspatial,
                                  programs=spanning_plan.programs[1:], cluster=spanning_plan.cluster.__class__(
