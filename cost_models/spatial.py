@@ -178,7 +178,8 @@ def _area(region: Region) -> int:
 
 @dataclass(frozen=True)
 class TileCost:
-    """One node on the slowest tile, per micro-batch; ``halo_bytes`` per tile rank (forward and backward)."""
+    """One node on the slowest tile, per micro-batch; ``halo_bytes``: what each tile rank's forward halo
+    exchange sends (its backward sends the same bytes of halo gradients back)."""
 
     share: float  # the largest tile's share of the node's output
     fwd_ms: float
@@ -211,7 +212,7 @@ def tile_costs(geometry: TileGeometry, table: CostTable, link: LinkSpec,
             # the layer reads (and saves for its backward) a new tensor, its input tile padded with the halo
             padded = table[node.pixel_source].output_bytes * node.share + most_received
             saved, transient = saved + padded, transient + padded
-            halo = tuple(2 * sum(s) for s in sent)  # the halo forward, its gradient backward
+            halo = tuple(sum(s) for s in sent)
         if node.stats_bytes:
             stats_ms = allreduce[0] + allreduce[1] * node.stats_bytes
             fwd_ms, bwd_ms = fwd_ms + stats_ms, bwd_ms + stats_ms

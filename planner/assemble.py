@@ -132,12 +132,18 @@ def _stage_plan(best: Candidate, index: int, nodes: tuple[str, ...], graph: Laye
 
 
 def _spatial(best: Candidate, index: int) -> SpatialSpec | None:
-    """Part ``index``'s tiles (part 0 of a spatial configuration), with the halo bytes each tile sends."""
+    """Part ``index``'s tiles (part 0 of a spatial configuration), with the halo bytes each tile sends per
+    micro-batch: every unit's forward exchanges, the same bytes of halo gradients in the backward, and
+    once more where the unit is recomputed (its forward runs again, exchanges included)."""
     spatial = best.setup.problem.spatial
     if spatial is None or index != 0:
         return None
     part = best.evaluation.parts[0]
-    halo = [sum(column) for column in zip(*spatial.halo_bytes[part.first_unit:part.last_unit + 1])]
+    recompute = best.evaluation.decisions.recompute if best.evaluation.decisions else None
+    halo = [0] * spatial.choice.parts
+    for unit in range(part.first_unit, part.last_unit + 1):
+        times = 2 + (1 if recompute is not None and recompute[unit] > 0.5 else 0)
+        halo = [total + times * sent for total, sent in zip(halo, spatial.halo_bytes[unit])]
     return SpatialSpec(spatial.choice.parts, spatial.choice.slicing, HaloMode.PER_LAYER, spatial.height,
                        spatial.width, halo_bytes=tuple(halo))
 

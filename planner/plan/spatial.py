@@ -62,7 +62,8 @@ class SpatialSpec:
     height: int  # of the stage's input image, in pixels
     width: int
     fused_groups: tuple[tuple[str, ...], ...] = ()
-    halo_bytes: tuple[int, ...] = ()  # predicted, per tile: halo bytes it sends per micro-batch (forward + backward)
+    halo_bytes: tuple[int, ...] = ()  # predicted, per tile: halo bytes it sends per micro-batch (forward,
+    # recomputed forward and backward exchanges)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "slicing", Slicing(self.slicing))

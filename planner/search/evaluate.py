@@ -54,9 +54,9 @@ def term_matrix(model: CostModel, term: Term) -> np.ndarray:
     for coefficient, next_use in zip(term.per_shared, model.next_use_arrays):
         if coefficient:
             values = values + np.where(next_use[firsts] <= lasts, coefficient, 0.0)
-    if term.unit_max:
-        values = values + np.stack([np.concatenate((np.zeros(first), np.maximum.accumulate(unit_max[first:])))
-                                    for first in range(count)])
+    if term.unit_max:  # row first: the running maximum from unit first on (0 before it)
+        running = np.where(lasts >= firsts, unit_max[None, :], -np.inf)
+        values = values + np.where(lasts >= firsts, np.maximum.accumulate(running, axis=1), 0.0)
     return values
 
 

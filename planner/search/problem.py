@@ -204,7 +204,7 @@ class SpatialPart:
     width: int
     units: tuple[Unit, ...]  # per unit of the problem, on the slowest tile (untileable ones as they are)
     tileable_units: int
-    halo_bytes: tuple[tuple[int, ...], ...]  # per unit, per tile: halo bytes sent per micro-batch (forward + backward)
+    halo_bytes: tuple[tuple[int, ...], ...]  # per unit, per tile: what its forward halo exchanges send per micro-batch
     stop: str
 
 

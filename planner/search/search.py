@@ -122,8 +122,8 @@ class SearchResult:
         stop = self.best.setup.problem.spatial.stop  # type: ignore[union-attr]
         reach = f" (a spatial stage ends by the first layer that cannot be tiled: {stop})" if stop else ""
         if self.best_untiled is None:
-            return (f"{spatial.describe()} bought the fit: no plan without tiles fits the memory and the stage "
-                    f"and replica counts asked for{reach}")
+            return (f"{spatial.describe()} bought the fit or the speed: no plan without tiles fits, or could beat "
+                    f"it (its configuration's lower bound){reach}")
         other = self.best_untiled
         return (f"{spatial.describe()} bought the speed: {other.objective_ms / self.best.objective_ms:.2f}x the "
                 f"best plan without tiles ({other.setup.config.describe()}){reach}")
@@ -175,8 +175,7 @@ class Search:
             memory_tiers(self.device, self.space, config.state, activations=False),
             self._spatial_part(config, units, table) if config.spatial else None)
         decided = None
-        # the runtime does not recompute or swap on image tiles yet: a spatial configuration keeps them all
-        if {Offload.RECOMPUTE, Offload.SWAP} & self.space.offload and config.spatial is None:
+        if {Offload.RECOMPUTE, Offload.SWAP} & self.space.offload:
             tiers = memory_tiers(self.device, self.space, config.state, activations=True)
             decided = dataclasses.replace(problem, tiers=tiers)
         setup = Setup(config, schedule, problem, cost_model(problem), units, table, decided)

@@ -125,15 +125,15 @@ class Term:
         """max(unit_max[first..last]) in O(1) (a sparse table built on first use)."""
         level = (last - first + 1).bit_length() - 1
         table = self._max_table
-        return max(table[level][first], table[level][last - (1 << level) + 1])
+        return float(max(table[level][first], table[level][last - (1 << level) + 1]))
 
     @functools.cached_property
-    def _max_table(self) -> list[tuple[float, ...]]:
-        table = [tuple(self.unit_max)]
+    def _max_table(self) -> list[np.ndarray]:
+        table = [np.asarray(self.unit_max, dtype=float)]
         width = 1
         while 2 * width <= len(self.unit_max):
             previous = table[-1]
-            table.append(tuple(max(previous[i], previous[i + width]) for i in range(len(previous) - width)))
+            table.append(np.maximum(previous[:-width], previous[width:]))
             width *= 2
         return table
 
