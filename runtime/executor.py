@@ -38,6 +38,7 @@ from runtime.seeding import seeded
 from runtime.setup import set_up
 from runtime.stages import LocalStage, OptimizerFactory
 from runtime.state import MicrobatchState, StepState
+from runtime.tiles import halo_bytes_sent
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 _HANDLERS = {ActionKind.F: "_forward", ActionKind.B: "_backward", ActionKind.ALLREDUCE: "_allreduce",
@@ -94,6 +95,7 @@ class Executor:
         self.sync = GradientSync(self.device, timeout_s)
         self.memory = MemoryTracker(self.device, self._model_state)
         self.steps_done = 0
+        self.halo_bytes_sent = 0  # by this rank's halo exchanges in the last step (runtime/tiles.py)
 
     def _model_state(self) -> list[torch.Tensor]:
         """Parameters, buffers, gradients, fp32 masters and optimizer state of this rank's stages."""
@@ -146,6 +148,7 @@ class Executor:
     def _run(self, microbatches: Sequence[Microbatch]) -> float:
         state = StepState(tuple(microbatches))
         self.swaps.new_step()
+        halo_before = self._halo_bytes()
         for segment in self.segments:
             if isinstance(segment, tuple):
                 self._communicate(segment, state)
@@ -154,8 +157,13 @@ class Executor:
             if self.memory.active:
                 self.memory.sample([*state.held(), *self.p2p.in_flight()])
         self.p2p.finish()
+        self.halo_bytes_sent = self._halo_bytes() - halo_before
         self.steps_done += 1
         return self._global_loss(state)
+
+    def _halo_bytes(self) -> int:
+        """Bytes this rank's spatial stages have sent through halo exchanges so far."""
+        return halo_bytes_sent(stage.module for index, stage in self.stages.items() if index in self.tiled)
 
     def _global_loss(self, state: StepState) -> float:
         scale = self.plan.training.num_microbatches * self.plan.data_parallel

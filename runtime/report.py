@@ -1,4 +1,4 @@
-"""Gather every rank's step times, losses, peak memory and swapped bytes into the run report
+"""Gather every rank's step times, losses, peak memory, swapped and halo bytes into the run report
 (planner.reports.run_report)."""
 
 from __future__ import annotations
@@ -16,24 +16,26 @@ MEMORY_MEASURES = {
 
 def gather_report(step_ms: list[float], losses: list[float], peak_bytes: int, held_bytes: int, *,
                   fingerprint: str, device: torch.device, global_batch_size: int,
-                  start_step: int, host_swap_bytes: int = 0,
+                  start_step: int, host_swap_bytes: int = 0, halo_bytes_sent: int = 0,
                   optimizer_bytes: tuple[int, int] = (0, 0)) -> RunReport:
     """Combine every rank's measurements (collective); every rank gets the same report.
 
     ``host_swap_bytes``: this rank's saved activations copied to the host in its last step.
+    ``halo_bytes_sent``: what this rank's halo exchanges sent in its last step (Executor.halo_bytes_sent:
+    forward halos, recomputed ones again, and halo gradients; 0 on a rank without a spatial stage).
     ``optimizer_bytes``: this rank's (host, NVMe) bytes of master weights and optimizer state
     after its last step (runtime/stage_optimizer.py), recorded when any rank holds some.
     """
     times = torch.tensor(step_ms or [0.0], dtype=torch.float64, device=device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    peaks = _gather_ints([peak_bytes, held_bytes, host_swap_bytes, *optimizer_bytes], device)
+    peaks = _gather_ints([peak_bytes, held_bytes, host_swap_bytes, *optimizer_bytes, halo_bytes_sent], device)
     offloaded = any(p[3] or p[4] for p in peaks)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return RunReport(fingerprint, dist.get_world_size(), name, global_batch_size, start_step,
                      tuple(times.tolist()) if step_ms else (), tuple(losses),
                      tuple(p[0] for p in peaks), MEMORY_MEASURES[device.type],
                      tuple(p[1] for p in peaks) if device.type != "cuda" else (),
-                     host_swap_bytes=tuple(p[2] for p in peaks),
+                     host_swap_bytes=tuple(p[2] for p in peaks), halo_bytes_sent=tuple(p[5] for p in peaks),
                      optimizer_host_bytes=tuple(p[3] for p in peaks) if offloaded else (),
                      optimizer_nvme_bytes=tuple(p[4] for p in peaks) if offloaded else ())
 

@@ -76,8 +76,15 @@ def tiled_stages(plan: Plan, modules: Mapping[int, torch.fx.GraphModule], flow: 
 
 
 def halo_bytes_sent(modules: Iterable[nn.Module]) -> int:
-    """Bytes the halo exchanges inside ``modules`` have sent so far: forward halos (recomputed ones
-    again) and the halo gradients sent back to their owners in the backward (MessageCounter)."""
+    """Bytes the halo exchanges inside ``modules`` have sent so far (their MessageCounters).
+
+    Per micro-batch, each exchange sends forward the pixels of this rank's tile that its neighbours
+    read (a per-layer conv/pool: cost_models.halo.halo_cost's ``bytes_sent``; a fused group: one
+    exchange per value it reads, for a chain chain_halo_cost's) and, in the backward, the gradient
+    of every halo it received (``recv_bytes``), except for a value that needs no gradient (the input
+    image). An exchange inside a recomputed region sends its forward halo once more in the backward.
+    Not counted: the tile join and the pipeline's other sends, and batch-norm all-reduces.
+    """
     counts = [count_messages(module) for module in modules]
     return sum(count.forward_bytes + count.backward_bytes for count in counts)
 

@@ -72,7 +72,7 @@ def run(plan: Plan, options: RunOptions, device: torch.device) -> RunReport:
     return gather_report(step_ms, losses, executor.memory.peak_bytes, executor.memory.held_bytes,
                          fingerprint=plan.model.fingerprint, device=device,
                          global_batch_size=plan.training.global_batch_size, start_step=start,
-                         host_swap_bytes=executor.swaps.step_bytes,
+                         host_swap_bytes=executor.swaps.step_bytes, halo_bytes_sent=executor.halo_bytes_sent,
                          optimizer_bytes=(sum(s.host_bytes for s in states), sum(s.nvme_bytes for s in states)))
 
 

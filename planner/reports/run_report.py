@@ -39,6 +39,9 @@ class RunReport:
     memory_measure: str
     held_mem_bytes: tuple[int, ...] = ()  # per rank, CPU: what the runtime holds (runtime/memory.py)
     host_swap_bytes: tuple[int, ...] = ()  # per rank: saved activations copied to the host in the last step
+    # per rank: bytes its spatial halo exchanges sent in the last step, forward halos (those of
+    # recomputed regions twice) and halo gradients back to their owners; 0 without a spatial stage
+    halo_bytes_sent: tuple[int, ...] = ()
     warmup_steps: int = 1
     # per rank, when any stage offloads its optimizer: master weights and optimizer state held in
     # host memory and in --nvme-dir after the last step (runtime/stage_optimizer.py)

@@ -49,6 +49,7 @@ class Outcome:
     buffers: dict[str, np.ndarray] = field(default_factory=dict)
     checkpointed: int = 0  # Checkpointed regions in this rank's stage modules
     swapped_bytes: int = 0  # saved activations this rank copied to the host in the last step
+    halo_bytes_sent: int = 0  # what this rank's halo exchanges sent in the last step (the run report's)
 
 
 def _recording(name: str, lr: float, grads: dict[int, torch.Tensor]) -> Any:
@@ -139,7 +140,7 @@ def _outcome(exe: Executor, losses: list[float], grads: dict[int, torch.Tensor])
                for name, t in stage_state_tensors(exe.model, stage).items() if name in model_buffers}
     outcome = Outcome(losses, {}, {}, {name: t.detach().numpy().copy() for name, t in buffers.items()},
                       sum(isinstance(m, Checkpointed) for stage in exe.stages.values() for m in stage.module.modules()),
-                      exe.swaps.step_bytes)
+                      exe.swaps.step_bytes, exe.halo_bytes_sent)
     for stage in sorted(exe.stages.values(), key=lambda local: local.index):
         if stage.state is None:
             continue

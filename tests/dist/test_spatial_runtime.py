@@ -19,11 +19,15 @@ batch and the optimizer, so cases that share those share one reference run.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
 
-from planner.plan import OffloadSpec, Plan, SpatialSpec
+from cost_models.graph.ir import Geometry
+from cost_models.halo import HaloCost, balanced_edges, chain_halo_cost, halo_cost, output_edges, windows_of
+from cost_models.presets import PRESETS
+from planner.plan import HaloMode, OffloadSpec, Plan, SpatialSpec
 from tests.dist.harness import run_ranks
 from tests.dist.runtime_cases import Case, Outcome, reference, run_cases
 from tests.runtime_plans import RESNET, make_plan
@@ -41,6 +45,78 @@ RECOMPUTED_1F1B = (("maxpool", "layer1_0_conv1"),
                    ("layer1_0_conv3", "layer1_0_bn3", "layer1_0_shortcut_0", "layer1_0_shortcut_1", "add"))
 SWAPPED = OffloadSpec(recompute=(("layer1_0_conv3", "layer1_0_bn3"),),
                       swap=("conv1", "bn1", "relu", "maxpool", "layer1_0_conv2", "layer1_0_bn2"))
+
+
+def _conv(kernel: int, padding: int) -> Geometry:
+    return Geometry("conv", (kernel, kernel), (1, 1), (padding, padding), (1, 1))
+
+
+@dataclass(frozen=True)
+class _Window:
+    """A conv or pool layer of stage 0: its geometry, input channels and the tiling it reads."""
+
+    geometry: Geometry
+    channels: int
+    level: int  # 0: the 64x64 image, 1: after conv1 (32x32), 2: after the max pool (16x16)
+
+
+# Stage 0's conv and pool layers (ResNet-50 width 4), written out apart from the runtime's tiling.
+WINDOWS = {"conv1": _Window(Geometry("conv", (7, 7), (2, 2), (3, 3), (1, 1)), 3, 0),
+           "maxpool": _Window(Geometry("max_pool", (3, 3), (2, 2), (1, 1), (1, 1)), 4, 1),
+           "layer1_0_conv1": _Window(_conv(1, 0), 4, 2), "layer1_0_conv2": _Window(_conv(3, 1), 4, 2),
+           "layer1_0_conv3": _Window(_conv(1, 0), 4, 2), "layer1_0_shortcut_0": _Window(_conv(1, 0), 4, 2)}
+SKIP_PATH = frozenset({"layer1_0_shortcut_0"})  # a 1x1 branch: a fused group's halo is its main path's
+
+
+@dataclass(frozen=True)
+class _Edges:
+    row_edges: tuple[int, ...]
+    col_edges: tuple[int, ...]
+
+
+def _level_edges(spec: SpatialSpec) -> list[_Edges]:
+    """The tile edges of the image, after conv1 and after the max pool."""
+    rows, cols = spec.grid_shape
+    levels = [_Edges(balanced_edges(spec.height, rows), balanced_edges(spec.width, cols))]
+    for name in ("conv1", "maxpool"):
+        row, col = windows_of(WINDOWS[name].geometry)
+        levels.append(_Edges(output_edges(levels[-1].row_edges, row), output_edges(levels[-1].col_edges, col)))
+    return levels
+
+
+def _predicted_halo_bytes(plan: Plan, tile: int) -> int:
+    """What tile ``tile``'s halo exchanges send in one step, from the planner's cost_models.halo.
+
+    Per micro-batch, each exchange sends forward the pixels of its tile that its neighbours read
+    (``bytes_sent``) and, in the backward, the gradient of every halo it received (``recv_bytes``),
+    except where it exchanged the input image itself, which needs no gradient; a recomputed region
+    sends its forward halos again. A per-layer conv/pool is one exchange; a fused group one
+    exchange of its main path's wide halo (chain_halo_cost).
+    """
+    spec, offload = plan.stages[0].spatial, plan.stages[0].offload
+    assert spec is not None
+    levels, batch = _level_edges(spec), plan.training.micro_batch_size
+    common = {"dtype_bytes": 8, "batch": batch, "link": PRESETS["V100-16GB"].intra_node}
+    groups = spec.fused_groups or ((plan.stages[0].nodes,) if spec.halo is HaloMode.FUSED else ())
+    total = 0
+    for group in groups:
+        chain = [WINDOWS[name] for name in group if name in WINDOWS and name not in SKIP_PATH]
+        cost = chain_halo_cost([window.geometry for window in chain], levels[chain[0].level], tile,
+                               channels=chain[0].channels, **common)  # type: ignore[arg-type]
+        total += cost.bytes_sent + _gradient_bytes(cost, chain[0])
+    grouped = {name for group in groups for name in group}
+    for name, window in WINDOWS.items():
+        if name not in grouped:
+            cost = halo_cost(window.geometry, levels[window.level], tile, channels=window.channels,
+                             **common)  # type: ignore[arg-type]
+            forwards = 2 if name in offload.recomputed_nodes else 1
+            total += forwards * cost.bytes_sent + _gradient_bytes(cost, window)
+    return total * plan.training.num_microbatches
+
+
+def _gradient_bytes(cost: HaloCost, reader: _Window) -> int:
+    """The halo gradients sent back in the backward: none for the input image (level 0)."""
+    return sum(nbytes for _, nbytes in cost.recv_bytes) if reader.level > 0 else 0
 
 
 def _spatial_plan(parts: int, slicing: str, schedule: str, *, halo: str = "per-layer",
@@ -79,6 +155,18 @@ def _check(case: Case, expected: Outcome, by_rank: list[Outcome]) -> None:
     for rank in plan.layout.part_ranks(0):
         assert by_rank[rank].checkpointed == len(offload.recompute), f"rank {rank} checkpointed regions"
         assert (by_rank[rank].swapped_bytes > 0) == bool(offload.swap), f"rank {rank} swapped bytes"
+    _check_halo_bytes(plan, by_rank)
+
+
+def _check_halo_bytes(plan: Plan, by_rank: list[Outcome]) -> None:
+    """Each tile rank's halo bytes in the step (the run report's) are the cost model's; others send none."""
+    tiles = {rank: tile for replica in range(plan.data_parallel)
+             for tile, rank in enumerate(plan.layout.ranks_of(0, replica))}
+    for rank, outcome in enumerate(by_rank):
+        predicted = _predicted_halo_bytes(plan, tiles[rank]) if rank in tiles else 0
+        assert predicted > 0 or rank not in tiles
+        assert outcome.halo_bytes_sent == predicted, f"rank {rank} sent {outcome.halo_bytes_sent} halo bytes, " \
+                                                     f"the cost model says {predicted}"
 
 
 def _reference_key(case: Case) -> str:
