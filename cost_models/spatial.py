@@ -73,6 +73,7 @@ class NodeTiles:
     received_pixels: tuple[tuple[int, ...], ...] = ()
     pixel_source: str = ""  # the node whose output the halo is cut from (its pixels' bytes)
     source_pixels: int = 1  # that output's height x width
+    reads_image: bool = False  # the node reads the graph's input image (no gradient flows back to it)
     stats_bytes: int = 0  # a batch-norm's statistics (mean and variance per channel), all-reduced over the tiles
 
 
@@ -160,7 +161,7 @@ def _place(graph: LayerGraph, node: LayerNode, grids: dict[str, Grid],
     out, sent, received = halos[key]
     grids[node.name] = out
     return NodeTiles(node.name, out.largest_share, sent, received, tensors[0],
-                     grid.row_edges[-1] * grid.col_edges[-1])
+                     grid.row_edges[-1] * grid.col_edges[-1], graph.node(tensors[0]).kind is NodeKind.INPUT)
 
 
 def _stats_bytes(node: LayerNode) -> int:
@@ -178,8 +179,9 @@ def _area(region: Region) -> int:
 
 @dataclass(frozen=True)
 class TileCost:
-    """One node on the slowest tile, per micro-batch; ``halo_bytes``: what each tile rank's forward halo
-    exchange sends (its backward sends the same bytes of halo gradients back)."""
+    """One node on the slowest tile, per micro-batch; per tile rank, what its forward halo exchange sends
+    (``halo_bytes``) and what its backward sends back: the gradient of every halo it received
+    (``halo_gradient_bytes``; none where the halo is of the input image, which needs no gradient)."""
 
     share: float  # the largest tile's share of the node's output
     fwd_ms: float
@@ -187,6 +189,7 @@ class TileCost:
     saved_bytes: float
     transient_bytes: float
     halo_bytes: tuple[int, ...]
+    halo_gradient_bytes: tuple[int, ...]
 
 
 def tile_costs(geometry: TileGeometry, table: CostTable, link: LinkSpec,
@@ -200,7 +203,7 @@ def tile_costs(geometry: TileGeometry, table: CostTable, link: LinkSpec,
         fwd_ms, bwd_ms = whole.fwd_ms * node.share, whole.bwd_ms * node.share
         saved = whole.saved_activation_bytes * node.share
         transient = 2 * whole.output_bytes * node.share
-        halo: tuple[int, ...] = (0,) * geometry.parts
+        halo = gradient = (0,) * geometry.parts
         if node.sent_pixels:
             pixel_bytes = table[node.pixel_source].output_bytes / node.source_pixels  # channels x dtype x batch
             sent = [[round(p * pixel_bytes) for p in peers] for peers in node.sent_pixels]
@@ -213,12 +216,13 @@ def tile_costs(geometry: TileGeometry, table: CostTable, link: LinkSpec,
             padded = table[node.pixel_source].output_bytes * node.share + most_received
             saved, transient = saved + padded, transient + padded
             halo = tuple(sum(s) for s in sent)
+            gradient = (0,) * geometry.parts if node.reads_image else tuple(sum(r) for r in received)
         if node.stats_bytes:
             stats_ms = allreduce[0] + allreduce[1] * node.stats_bytes
             fwd_ms, bwd_ms = fwd_ms + stats_ms, bwd_ms + stats_ms
             # composed of element-wise ops (runtime/spatial/batchnorm.py), it also keeps its centred and
             # its normalised tile for the backward
             saved += 2 * whole.output_bytes * node.share
-        costs[node.name] = TileCost(node.share, fwd_ms, bwd_ms, saved, transient, halo)
+        costs[node.name] = TileCost(node.share, fwd_ms, bwd_ms, saved, transient, halo, gradient)
     return costs
 

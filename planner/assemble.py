@@ -133,8 +133,8 @@ def _stage_plan(best: Candidate, index: int, nodes: tuple[str, ...], graph: Laye
 
 def _spatial(best: Candidate, index: int) -> SpatialSpec | None:
     """Part ``index``'s tiles (part 0 of a spatial configuration), with the halo bytes each tile sends per
-    micro-batch: every unit's forward exchanges, the same bytes of halo gradients in the backward, and
-    once more where the unit is recomputed (its forward runs again, exchanges included)."""
+    micro-batch: every unit's forward exchanges (twice where the unit is recomputed: its forward runs
+    again, exchanges included) and the halo gradients of its backward."""
     spatial = best.setup.problem.spatial
     if spatial is None or index != 0:
         return None
@@ -142,8 +142,9 @@ def _spatial(best: Candidate, index: int) -> SpatialSpec | None:
     recompute = best.evaluation.decisions.recompute if best.evaluation.decisions else None
     halo = [0] * spatial.choice.parts
     for unit in range(part.first_unit, part.last_unit + 1):
-        times = 2 + (1 if recompute is not None and recompute[unit] > 0.5 else 0)
-        halo = [total + times * sent for total, sent in zip(halo, spatial.halo_bytes[unit])]
+        forwards = 2 if recompute is not None and recompute[unit] > 0.5 else 1
+        halo = [total + forwards * sent + back for total, sent, back
+                in zip(halo, spatial.halo_bytes[unit], spatial.halo_gradient_bytes[unit])]
     return SpatialSpec(spatial.choice.parts, spatial.choice.slicing, HaloMode.PER_LAYER, spatial.height,
                        spatial.width, halo_bytes=tuple(halo))
 

@@ -205,13 +205,14 @@ class SpatialPart:
     units: tuple[Unit, ...]  # per unit of the problem, on the slowest tile (untileable ones as they are)
     tileable_units: int
     halo_bytes: tuple[tuple[int, ...], ...]  # per unit, per tile: what its forward halo exchanges send per micro-batch
+    halo_gradient_bytes: tuple[tuple[int, ...], ...]  # likewise, the halo gradients its backward sends
     stop: str
 
 
 def spatial_part(choice: SpatialChoice, coarse: Coarsening, geometry: TileGeometry,
                  tiles: dict[str, TileCost]) -> SpatialPart:
     """``coarse``'s units on ``choice``'s tiles, from each tileable node's cost on the slowest tile."""
-    units, halos = [], []
+    units, halos, gradients = [], [], []
     tileable = None
     for index, unit in enumerate(coarse.units):
         on_tiles = [tiles[name] for name in unit.nodes if name in tiles]
@@ -221,6 +222,7 @@ def spatial_part(choice: SpatialChoice, coarse: Coarsening, geometry: TileGeomet
         if tileable is not None:
             units.append(unit)
             halos.append((0,) * choice.parts)
+            gradients.append((0,) * choice.parts)
             continue
         saved = sum(cost.saved_bytes for cost in on_tiles)
         first = on_tiles[0] if on_tiles else None
@@ -231,8 +233,11 @@ def spatial_part(choice: SpatialChoice, coarse: Coarsening, geometry: TileGeomet
             input_bytes=round(min(saved, unit.input_bytes * (first.share if first else 1.0)))))
         halos.append(tuple(sum(column) for column in zip(*(cost.halo_bytes for cost in on_tiles),
                                                           (0,) * choice.parts)))
+        gradients.append(tuple(sum(column) for column in zip(*(cost.halo_gradient_bytes for cost in on_tiles),
+                                                              (0,) * choice.parts)))
     return SpatialPart(choice, geometry.height, geometry.width, tuple(units),
-                       len(coarse.units) if tileable is None else tileable, tuple(halos), geometry.stop)
+                       len(coarse.units) if tileable is None else tileable, tuple(halos), tuple(gradients),
+                       geometry.stop)
 
 
 @dataclass(frozen=True)

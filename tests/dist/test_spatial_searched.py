@@ -1,39 +1,71 @@
-"""A plan whose spatial stage the search chose (plan(), not a hand-made split) runs and equals a
+"""Plans whose spatial stage the search chose (plan(), not a hand-made split) run and equal a
 single-process float64 run: ResNet-50 (width 4, 64x64) on 3 ranks in 2 stages of 1 replica, which
-only stage 0 on 2 tiles + 1 rank can use; wherever the ILP ends the tiles, GPipe and 1F1B.
+only stage 0 on 2 tiles + 1 rank can use, wherever the ILP ends the tiles: GPipe and 1F1B keeping
+every activation, and GPipe under a budget that makes the search recompute on the tiles. Each tile
+rank's halo bytes in the step (the run report's count) equal the plan's prediction exactly.
 """
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
+from cost_models.errors import PlanInfeasible
 from cost_models.graph.model_spec import build_model, load_builder
 from planner import plan
 from planner.plan import Plan, Slicing
 from runtime.build import default_dtype
-from tests.dist.runtime_cases import Case
-from tests.dist.test_spatial_runtime import _run
+from tests.dist.harness import run_ranks
+from tests.dist.runtime_cases import Case, reference, run_cases
+from tests.dist.test_spatial_runtime import ATOL, RTOL, _close
 from tests.runtime_plans import RESNET
 
 pytestmark = pytest.mark.dist
 
+KWARGS = {"width": 4, "num_classes": 10}
 
-def _searched(schedule: str) -> str:
-    kwargs = {"width": 4, "num_classes": 10}
+
+def _searched(schedule: str, *, budget_share: float | None = None) -> str:
+    """The search's plan; with ``budget_share``, for that share of the least memory keeping everything."""
     with default_dtype(torch.float64):
-        model = build_model(load_builder(RESNET), kwargs, "meta")
-    return plan(model, gpus=3, mem="16GB", batch_size=4, micro_batch_sizes=(2,), num_stages=(2,),
-                data_parallel=(1,), schedules=(schedule,), precision="fp64", optimizer="momentum", offload=False,
-                example_inputs=torch.empty(1, 3, 64, 64, dtype=torch.float64, device="meta"), builder=RESNET,
-                builder_kwargs=kwargs).to_json()
+        model = build_model(load_builder(RESNET), KWARGS, "meta")
+    common = dict(gpus=3, batch_size=4, micro_batch_sizes=(2,), num_stages=(2,), data_parallel=(1,),
+                  schedules=(schedule,), precision="fp64", optimizer="momentum", reserve=0,
+                  example_inputs=torch.empty(1, 3, 64, 64, dtype=torch.float64, device="meta"), builder=RESNET,
+                  builder_kwargs=KWARGS)
+    if budget_share is None:
+        return plan(model, mem="16GB", offload=False, **common).to_json()
+    try:
+        plan(model, mem=1, offload=False, **common)
+        raise AssertionError("a 1-byte budget fitted")
+    except PlanInfeasible as error:
+        need = error.min_mem_bytes
+    return plan(model, mem=int(need * budget_share), offload=("recompute",), **common).to_json()
 
 
-def test_a_searched_spatial_plan_equals_a_single_process() -> None:
-    plans = [_searched("gpipe"), _searched("1f1b")]
-    for plan_json in plans:
-        spatial = Plan.from_dict(json.loads(plan_json)).stages[0].spatial
+def test_searched_spatial_plans_equal_a_single_process_and_send_the_predicted_halos() -> None:
+    cases = [Case(_searched("gpipe"), steps=1), Case(_searched("1f1b"), steps=1),
+             Case(_searched("gpipe", budget_share=0.8), steps=1)]
+    plans = [Plan.from_dict(json.loads(case.plan_json)) for case in cases]
+    for each in plans:
+        spatial = each.stages[0].spatial
         assert spatial is not None and (spatial.parts, spatial.slicing) == (2, Slicing.VERTICAL)
-    _run([Case(plan_json, steps=1) for plan_json in plans], 3)
+    assert plans[2].stages[0].offload.recompute, "the tight budget should make the search recompute on the tiles"
+    outcomes = run_ranks(run_cases, 3, cases, timeout_s=240)
+    expected = reference(cases[0])  # same model, batches and optimizer for every case
+    for index, each in enumerate(plans):
+        by_rank = [outcomes[rank][index] for rank in range(3)]
+        for rank, outcome in enumerate(by_rank):
+            np.testing.assert_allclose(outcome.losses, expected.losses, rtol=RTOL, atol=ATOL)
+            for name, grad in outcome.grads.items():
+                _close(grad, expected.grads[name], f"case {index} rank {rank} gradient of {name}")
+                _close(outcome.params[name], expected.params[name], f"case {index} rank {rank} parameter {name}")
+            for name, buffer in outcome.buffers.items():
+                _close(buffer, expected.buffers[name], f"case {index} rank {rank} buffer {name}")
+        assert set().union(*(outcome.grads for outcome in by_rank)) == set(expected.grads)
+        halo = each.stages[0].spatial.halo_bytes  # type: ignore[union-attr]
+        predicted = [count * each.training.num_microbatches for count in halo] + [0]
+        assert [outcome.halo_bytes_sent for outcome in by_rank] == predicted, f"case {index}"

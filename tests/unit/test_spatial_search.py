@@ -42,7 +42,7 @@ def spatial_problems(draw) -> PipelineProblem:
                                          input_bytes=min(saved, unit.input_bytes)))
     tileable = draw(st.integers(1, len(units) - 1))
     tiles = SpatialPart(SpatialChoice(2, Slicing.VERTICAL), 8, 8, tuple(units), tileable,
-                        tuple((0, 0) for _ in units), "")
+                        tuple((0, 0) for _ in units), tuple((0, 0) for _ in units), "")
     layout = Layout.pipeline(problem.num_parts, tiles=(2,) + (1,) * (problem.num_parts - 1))
     return dataclasses.replace(problem, layout=layout, spatial=tiles)
 
@@ -78,7 +78,7 @@ def test_the_tile_is_costed_with_its_share_and_an_untileable_unit_cannot_be_on_i
     problem = PipelineProblem((whole, whole, whole), (10, 10), (), Layout.pipeline(2, tiles=(2, 1)),
                               ScheduleKind.GPIPE, 1, (1, 1), (free,), (free, free), 10**6,
                               spatial=SpatialPart(SpatialChoice(2, Slicing.VERTICAL), 8, 8, (tile, tile, whole), 2,
-                                                  ((1, 1),) * 3, ""))
+                                                  ((1, 1),) * 3, ((1, 1),) * 3, ""))
     costs = cost_model(problem)
     one, two = evaluate(costs, (0,)), evaluate(costs, (1,))
     assert (one.parts[0].fwd_ms, one.parts[0].bwd_ms, two.parts[0].fwd_ms) == (2.5, 4.5, 5.0)
@@ -110,12 +110,14 @@ def _forced(model: nn.Module, size: int, **options) -> object:
 
 def test_the_planned_halo_bytes_equal_a_count_by_hand() -> None:
     """Vertical strips of a 16x16 image: a 3x3 convolution's tile sends its border column, 16 rows x
-    C_in channels x 8 bytes x 2 samples, forward, and the same back as the halo's gradient."""
+    C_in channels x 8 bytes x 2 samples, forward, and the same back as the gradient of the halo it
+    received, except the first convolution, whose halo is of the input image (no gradient)."""
     result = _forced(_TwoConvs(), 16)
     spec = result.stages[0].spatial
     assert spec is not None and (spec.parts, spec.slicing, spec.height, spec.width) == (2, Slicing.VERTICAL, 16, 16)
     channels = {"conv1": 3, "conv2": 4}
-    expected = sum(2 * 16 * channels[name] * 8 * 2 for name in channels if name in result.stages[0].nodes)
+    expected = sum((1 if name == "conv1" else 2) * 16 * channels[name] * 8 * 2 for name in channels
+                   if name in result.stages[0].nodes)
     assert expected > 0
     assert spec.halo_bytes == (expected, expected)
     assert "stage 0: 2 tiles (vertical), per-layer halos, ranks 0-1" in str(result)
