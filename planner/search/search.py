@@ -260,7 +260,9 @@ class Search:
             if remaining <= 0 and solved:
                 unexamined = sum(1 for c in ranked[index:] if self.lower_bound(c) < best)
                 break
-            if not self.fits(config):
+            if not self._kept_fits(config):  # only memory decisions could fit it: whether they may is
+                if self.setup(config).decided_problem is not None:  # checked when (if) its turn comes
+                    pending.append((index, config, own_seed))
                 continue
             self._report(ProgressEvent(Phase.SEARCHING, index, len(ranked), best,
                                        f"solving {config.describe()}"))
@@ -280,6 +282,8 @@ class Search:
             if remaining <= 0 and solved:
                 unexamined += sum(1 for _, c, _ in pending[position:] if self.lower_bound(c) < best)
                 break
+            if not self.fits(config):
+                continue
             self._report(ProgressEvent(Phase.SEARCHING, index, len(ranked), best,
                                        f"deciding memory of {config.describe()}"))
             decided, wall_s = self.solve_decided(config, kept, min(max(1.0, remaining), DECISION_S), best)
