@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 from cost_models.comm import halo_exchange_ms
@@ -108,27 +109,60 @@ def image_input(graph: LayerGraph) -> LayerNode:
 
 
 def tile_geometry(graph: LayerGraph, rows: int, cols: int) -> TileGeometry:
-    """The leading nodes that can run on a ``rows x cols`` grid, with their halos; SpatialError when
-    the model has no image input, its image cannot be cut so, or its first layer cannot be tiled."""
+    """The leading nodes that can run on a ``rows x cols`` grid of the input image, with their halos;
+    SpatialError when the model has no image input, its image cannot be cut so, or its first layer
+    cannot be tiled."""
     source = image_input(graph)
     _, _, height, width = source.output_shape  # type: ignore[misc]
     grids = {source.name: Grid(balanced_edges(height, rows), balanced_edges(width, cols))}
+    found = _walk(graph, (node for node in graph if node.kind not in (NodeKind.INPUT, NodeKind.PARAM)), grids)
+    if not found.nodes:
+        raise SpatialError(f"the model's first layer cannot run on {rows}x{cols} tiles: {found.stop}")
+    return TileGeometry(rows, cols, height, width, found.nodes, found.stop, found.passive)
+
+
+def stage_geometry(graph: LayerGraph, rows: int, cols: int, stage: Sequence[str]) -> TileGeometry:
+    """The nodes ``stage`` on a ``rows x cols`` grid of each value it receives (cut over that value's own
+    height and width, as a spatial stage after the first receives them); ``height`` and ``width`` are
+    those of its first received value. SpatialError when a node of the stage cannot run on tiles."""
+    members = set(stage)
+    computing = [graph.node(name) for name in stage
+                 if graph.node(name).kind not in (NodeKind.INPUT, NodeKind.PARAM)]
+    received = list(dict.fromkeys(name for node in computing for name in node.inputs
+                                  if name not in members and graph.node(name).kind is not NodeKind.PARAM))
+    grids = {}
+    for name in received:
+        shape = graph.node(name).output_shape or ()
+        if len(shape) != 4:
+            raise SpatialError(f"the stage receives {name!r} of shape {list(shape)}, not an (N, C, H, W) image")
+        grids[name] = Grid(balanced_edges(shape[2], rows), balanced_edges(shape[3], cols))
+    found = _walk(graph, iter(computing), grids)
+    if found.stop:
+        raise SpatialError(found.stop)
+    _, _, height, width = graph.node(received[0]).output_shape  # type: ignore[misc]
+    return TileGeometry(rows, cols, height, width, found.nodes, "", found.passive)
+
+
+@dataclass(frozen=True)
+class _Walk:
+    nodes: tuple[NodeTiles, ...]
+    stop: str
+    passive: frozenset[str]
+
+
+def _walk(graph: LayerGraph, nodes: Iterator[LayerNode], grids: dict[str, Grid]) -> _Walk:
+    """Place ``nodes`` in order on the grids of what they read, until one cannot be (``stop`` says why)."""
     halos: dict[tuple, tuple[Grid, tuple, tuple]] = {}  # (grid, geometry) -> (output grid, sent, received)
-    nodes: list[NodeTiles] = []
+    placed: list[NodeTiles] = []
     stop = ""
-    for node in graph:
-        if node.kind in (NodeKind.INPUT, NodeKind.PARAM):
-            continue
+    for node in nodes:
         try:
-            placed = _place(graph, node, grids, halos)
+            placed.append(_place(graph, node, grids, halos))
         except SpatialError as error:
             stop = str(error)
             break
-        nodes.append(placed)
-    if not nodes:
-        raise SpatialError(f"the model's first layer cannot run on {rows}x{cols} tiles: {stop}")
     passive = frozenset(node.name for node in graph if node.kind in (NodeKind.INPUT, NodeKind.PARAM))
-    return TileGeometry(rows, cols, height, width, tuple(nodes), stop, passive)
+    return _Walk(tuple(placed), stop, passive)
 
 
 def _place(graph: LayerGraph, node: LayerNode, grids: dict[str, Grid],
@@ -179,17 +213,13 @@ def _area(region: Region) -> int:
 
 @dataclass(frozen=True)
 class TileCost:
-    """One node on the slowest tile, per micro-batch; per tile rank, what its forward halo exchange sends
-    (``halo_bytes``) and what its backward sends back: the gradient of every halo it received
-    (``halo_gradient_bytes``; none where the halo is of the input image, which needs no gradient)."""
+    """One node on the slowest tile, per micro-batch."""
 
     share: float  # the largest tile's share of the node's output
     fwd_ms: float
     bwd_ms: float
     saved_bytes: float
     transient_bytes: float
-    halo_bytes: tuple[int, ...]
-    halo_gradient_bytes: tuple[int, ...]
 
 
 def tile_costs(geometry: TileGeometry, table: CostTable, link: LinkSpec,
@@ -203,11 +233,8 @@ def tile_costs(geometry: TileGeometry, table: CostTable, link: LinkSpec,
         fwd_ms, bwd_ms = whole.fwd_ms * node.share, whole.bwd_ms * node.share
         saved = whole.saved_activation_bytes * node.share
         transient = 2 * whole.output_bytes * node.share
-        halo = gradient = (0,) * geometry.parts
         if node.sent_pixels:
-            pixel_bytes = table[node.pixel_source].output_bytes / node.source_pixels  # channels x dtype x batch
-            sent = [[round(p * pixel_bytes) for p in peers] for peers in node.sent_pixels]
-            received = [[round(p * pixel_bytes) for p in peers] for peers in node.received_pixels]
+            sent, received = _exchange(node, table)
             exchange_ms = max(max(halo_exchange_ms(s, link), halo_exchange_ms(r, link))
                               for s, r in zip(sent, received))
             fwd_ms, bwd_ms = fwd_ms + exchange_ms, bwd_ms + exchange_ms
@@ -215,14 +242,38 @@ def tile_costs(geometry: TileGeometry, table: CostTable, link: LinkSpec,
             # the layer reads (and saves for its backward) a new tensor, its input tile padded with the halo
             padded = table[node.pixel_source].output_bytes * node.share + most_received
             saved, transient = saved + padded, transient + padded
-            halo = tuple(sum(s) for s in sent)
-            gradient = (0,) * geometry.parts if node.reads_image else tuple(sum(r) for r in received)
         if node.stats_bytes:
             stats_ms = allreduce[0] + allreduce[1] * node.stats_bytes
             fwd_ms, bwd_ms = fwd_ms + stats_ms, bwd_ms + stats_ms
             # composed of element-wise ops (runtime/spatial/batchnorm.py), it also keeps its centred and
             # its normalised tile for the backward
             saved += 2 * whole.output_bytes * node.share
-        costs[node.name] = TileCost(node.share, fwd_ms, bwd_ms, saved, transient, halo, gradient)
+        costs[node.name] = TileCost(node.share, fwd_ms, bwd_ms, saved, transient)
     return costs
+
+
+def _exchange(node: NodeTiles, table: CostTable) -> tuple[list[list[int]], list[list[int]]]:
+    """A window layer's halo exchange in bytes at ``table``'s micro-batch: per tile, per neighbour, what
+    it sends and what it receives."""
+    pixel_bytes = table[node.pixel_source].output_bytes / node.source_pixels  # channels x dtype x batch
+    return ([[round(p * pixel_bytes) for p in peers] for peers in node.sent_pixels],
+            [[round(p * pixel_bytes) for p in peers] for peers in node.received_pixels])
+
+
+def halo_bytes(geometry: TileGeometry, table: CostTable, stage: Collection[str],
+               recomputed: Collection[str] = ()) -> tuple[int, ...]:
+    """Per tile, the halo bytes the exchanges of the nodes ``stage`` send per micro-batch: each forward
+    exchange (twice for a node in ``recomputed``: its forward runs again in the backward, exchanges
+    included), and in the backward the gradient of every halo it received (none for halos of the input
+    image, which needs no gradient)."""
+    members, again = set(stage), set(recomputed)
+    total = [0] * geometry.parts
+    for node in geometry.nodes:
+        if node.name not in members or not node.sent_pixels:
+            continue
+        sent, received = _exchange(node, table)
+        forwards = 2 if node.name in again else 1
+        for tile in range(geometry.parts):
+            total[tile] += forwards * sum(sent[tile]) + (0 if node.reads_image else sum(received[tile]))
+    return tuple(total)
 

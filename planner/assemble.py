@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from cost_models.devices import DeviceSpec
 from cost_models.graph.ir import LayerGraph, NodeKind
+from cost_models.spatial import halo_bytes, stage_geometry, tile_geometry
 from cost_models.units import format_ms, plural
 from planner.plan import (
     ClusterSpec,
@@ -124,29 +125,28 @@ def _transfers(best: Candidate, graph: LayerGraph, part_nodes: list[tuple[str, .
 
 def _stage_plan(best: Candidate, index: int, nodes: tuple[str, ...], graph: LayerGraph) -> StagePlan:
     part = best.evaluation.parts[index]
+    offload = _offload(best, index, graph)
     return StagePlan(index, nodes, StagePrediction(
         part.fwd_ms, part.bwd_ms, sum(best.setup.table[name].param_bytes for name in nodes),
         part.static_bytes + part.recompute_bytes, part.activation_bytes,
         part.allreduce_ms, part.optimizer_ms, part.swap_bytes, part.swap_ms, part.host_bytes, part.nvme_bytes),
-        spatial=_spatial(best, index), offload=_offload(best, index, graph))
+        spatial=_spatial(best, index, nodes, graph, offload), offload=offload)
 
 
-def _spatial(best: Candidate, index: int) -> SpatialSpec | None:
-    """Part ``index``'s tiles (part 0 of a spatial configuration), with the halo bytes each tile sends per
-    micro-batch: every unit's forward exchanges (twice where the unit is recomputed: its forward runs
-    again, exchanges included) and the halo gradients of its backward."""
+def _spatial(best: Candidate, index: int, nodes: tuple[str, ...], graph: LayerGraph,
+             offload: OffloadSpec) -> SpatialSpec | None:
+    """Part ``index``'s tiles (a leading part of a spatial configuration), with the halo bytes each tile
+    sends per micro-batch (cost_models.spatial.halo_bytes: its recompute regions exchange again). The
+    first part's grid cuts the input image; a later one's cuts each value it receives."""
     spatial = best.setup.problem.spatial
-    if spatial is None or index != 0:
+    if index >= len(spatial):
         return None
-    part = best.evaluation.parts[0]
-    recompute = best.evaluation.decisions.recompute if best.evaluation.decisions else None
-    halo = [0] * spatial.choice.parts
-    for unit in range(part.first_unit, part.last_unit + 1):
-        forwards = 2 if recompute is not None and recompute[unit] > 0.5 else 1
-        halo = [total + forwards * sent + back for total, sent, back
-                in zip(halo, spatial.halo_bytes[unit], spatial.halo_gradient_bytes[unit])]
-    return SpatialSpec(spatial.choice.parts, spatial.choice.slicing, HaloMode.PER_LAYER, spatial.height,
-                       spatial.width, halo_bytes=tuple(halo))
+    choice = spatial[index].choice
+    rows, cols = choice.grid_shape
+    geometry = tile_geometry(graph, rows, cols) if index == 0 else stage_geometry(graph, rows, cols, nodes)
+    halo = halo_bytes(geometry, best.setup.table, nodes, offload.recomputed_nodes)
+    return SpatialSpec(choice.parts, choice.slicing, HaloMode.PER_LAYER, geometry.height, geometry.width,
+                       halo_bytes=halo)
 
 
 def _offload(best: Candidate, index: int, graph: LayerGraph) -> OffloadSpec:

@@ -15,7 +15,7 @@ from cost_models.memory import Optimizer, Precision
 from cost_models.units import plural
 from planner.budget import Reserve
 from planner.plan.kinds import ScheduleKind
-from planner.search.problem import ON_GPU, Offload, SpatialChoice, StateMode, state_modes
+from planner.search.problem import ON_GPU, Offload, SpatialChoice, StateMode, describe_tiles, state_modes
 
 
 @dataclass(frozen=True)
@@ -50,20 +50,20 @@ class Config:
     num_microbatches: int
     schedule: ScheduleKind
     state: StateMode = ON_GPU  # where every stage keeps its model state
-    spatial: SpatialChoice | None = None  # stage 0 on image tiles
+    spatial: tuple[SpatialChoice, ...] = ()  # the leading stages on image tiles, one tiling each
 
     @property
     def gpus(self) -> int:
-        return (self.num_stages - 1 + self.tiles) * self.data_parallel
+        return sum(self.stage_tiles) * self.data_parallel
 
     @property
-    def tiles(self) -> int:
-        """Ranks of stage 0 per replica."""
-        return self.spatial.parts if self.spatial else 1
+    def stage_tiles(self) -> tuple[int, ...]:
+        """Ranks of each stage per replica."""
+        return tuple(choice.parts for choice in self.spatial) + (1,) * (self.num_stages - len(self.spatial))
 
     def describe(self) -> str:
         where = self.state.describe()
-        tiles = f" ({self.spatial.describe()})" if self.spatial else ""
+        tiles = f" ({describe_tiles(self.spatial)})" if self.spatial else ""
         return (f"{plural(self.num_stages, 'stage')}{tiles} x {plural(self.data_parallel, 'replica')}, "
                 f"{plural(self.num_microbatches, 'micro-batch', 'micro-batches')} of "
                 f"{self.micro_batch_size}, {self.schedule.value}" + (f", {where}" if where else ""))
@@ -85,8 +85,8 @@ def gpu_counts(space: SearchSpace) -> list[int]:
 def configurations(space: SearchSpace, max_stages: int,
                    tilings: tuple[SpatialChoice, ...] = ()) -> list[Config]:
     """Every (S, D, micro-batch, schedule) on a GPU count of :func:`gpu_counts` that divides the batch;
-    and with each of ``tilings`` (the tile grids the model's image allows) for stage 0, every
-    (S, D) with (S - 1 + P) x D such a count and S >= 2."""
+    and with each of ``tilings`` (the tile grids the model's image allows) for stage 0, or one for stage 0
+    and one of half its tiles for stage 1, every (S, D) using such a count with an ordinary stage after."""
     configs = []
     for gpus in gpu_counts(space):
         for stages in divisors(gpus):
@@ -98,7 +98,10 @@ def configurations(space: SearchSpace, max_stages: int,
                 continue
             configs.extend(_micro_batchings(space, stages, replicas))
         for tiling in tilings:
-            configs.extend(_spatial_configs(space, gpus, tiling, max_stages))
+            configs.extend(_spatial_configs(space, gpus, (tiling,), max_stages))
+            for then in tilings:  # two consecutive spatial stages, the second on half the tiles
+                if 2 * then.parts == tiling.parts:
+                    configs.extend(_spatial_configs(space, gpus, (tiling, then), max_stages))
     if not configs:
         stray = [stages for stages in space.num_stages or () if space.gpus % stages]
         if stray and not tilings:  # only stage 0 on tiles could have used such a stage count
@@ -108,22 +111,24 @@ def configurations(space: SearchSpace, max_stages: int,
     return configs
 
 
-def _spatial_configs(space: SearchSpace, gpus: int, tiling: SpatialChoice, max_stages: int) -> list[Config]:
-    """``tiling``'s configurations on ``gpus``: its P tiles plus S - 1 >= 1 more stages, per replica."""
+def _spatial_configs(space: SearchSpace, gpus: int, tilings: tuple[SpatialChoice, ...],
+                     max_stages: int) -> list[Config]:
+    """The configurations on ``gpus`` whose leading stages run on ``tilings``, followed by at least one
+    ordinary stage, per replica."""
     configs: list[Config] = []
     for replicas in divisors(gpus):
-        stages = gpus // replicas - tiling.parts + 1
-        if stages < 2 or stages > max_stages or space.global_batch_size % replicas:
+        stages = gpus // replicas - sum(tiling.parts for tiling in tilings) + len(tilings)
+        if stages <= len(tilings) or stages > max_stages or space.global_batch_size % replicas:
             continue
         if (space.num_stages and stages not in space.num_stages) or (
                 space.data_parallel and replicas not in space.data_parallel):
             continue
-        configs.extend(_micro_batchings(space, stages, replicas, tiling))
+        configs.extend(_micro_batchings(space, stages, replicas, tilings))
     return configs
 
 
 def _micro_batchings(space: SearchSpace, stages: int, replicas: int,
-                     spatial: SpatialChoice | None = None) -> list[Config]:
+                     spatial: tuple[SpatialChoice, ...] = ()) -> list[Config]:
     per_replica = space.global_batch_size // replicas
     sizes = space.micro_batch_sizes or tuple(divisors(per_replica))
     modes = (ON_GPU,) if spatial else state_modes(space.offload, replicas > 1)  # tiles keep their state

@@ -188,31 +188,34 @@ class SpatialChoice:
         return grid_shape(self.parts, self.slicing)
 
     def describe(self) -> str:
-        return f"stage 0 on {self.parts} tiles ({self.slicing.value})"
+        return f"{self.parts} tiles ({self.slicing.value})"
+
+
+def describe_tiles(choices: tuple[SpatialChoice, ...]) -> str:
+    """E.g. "stage 0 on 4 tiles (square), stage 1 on 2 tiles (vertical)"."""
+    return ", ".join(f"stage {stage} on {choice.describe()}" for stage, choice in enumerate(choices))
 
 
 @dataclass(frozen=True)
 class SpatialPart:
-    """Part 0 on image tiles: the problem's units as the slowest tile runs them (planner/search/terms.py
-    writes part 0's terms from these), and how far a spatial part may reach.
+    """A part on image tiles: the problem's units as its slowest tile runs them (planner/search/terms.py
+    writes the part's terms from these), and how far a spatial part may reach.
 
-    Only the first ``tileable_units`` units can run on tiles (``stop`` says what ends them).
+    Only the first ``tileable_units`` units can run on tiles (``stop`` says what ends them). A part
+    after the first is costed on the tiles its grid gives the whole image's layers (cut as it is, a
+    value it receives splits the same way where image sizes halve evenly).
     """
 
     choice: SpatialChoice
-    height: int  # of the input image, in pixels
-    width: int
     units: tuple[Unit, ...]  # per unit of the problem, on the slowest tile (untileable ones as they are)
     tileable_units: int
-    halo_bytes: tuple[tuple[int, ...], ...]  # per unit, per tile: what its forward halo exchanges send per micro-batch
-    halo_gradient_bytes: tuple[tuple[int, ...], ...]  # likewise, the halo gradients its backward sends
     stop: str
 
 
 def spatial_part(choice: SpatialChoice, coarse: Coarsening, geometry: TileGeometry,
                  tiles: dict[str, TileCost]) -> SpatialPart:
     """``coarse``'s units on ``choice``'s tiles, from each tileable node's cost on the slowest tile."""
-    units, halos, gradients = [], [], []
+    units = []
     tileable = None
     for index, unit in enumerate(coarse.units):
         on_tiles = [tiles[name] for name in unit.nodes if name in tiles]
@@ -221,8 +224,6 @@ def spatial_part(choice: SpatialChoice, coarse: Coarsening, geometry: TileGeomet
             tileable = index
         if tileable is not None:
             units.append(unit)
-            halos.append((0,) * choice.parts)
-            gradients.append((0,) * choice.parts)
             continue
         saved = sum(cost.saved_bytes for cost in on_tiles)
         first = on_tiles[0] if on_tiles else None
@@ -231,13 +232,8 @@ def spatial_part(choice: SpatialChoice, coarse: Coarsening, geometry: TileGeomet
             activation_bytes=round(saved), offloadable_bytes=round(saved),
             transient_bytes=round(max((cost.transient_bytes for cost in on_tiles), default=0.0)),
             input_bytes=round(min(saved, unit.input_bytes * (first.share if first else 1.0)))))
-        halos.append(tuple(sum(column) for column in zip(*(cost.halo_bytes for cost in on_tiles),
-                                                          (0,) * choice.parts)))
-        gradients.append(tuple(sum(column) for column in zip(*(cost.halo_gradient_bytes for cost in on_tiles),
-                                                              (0,) * choice.parts)))
-    return SpatialPart(choice, geometry.height, geometry.width, tuple(units),
-                       len(coarse.units) if tileable is None else tileable, tuple(halos), tuple(gradients),
-                       geometry.stop)
+    return SpatialPart(choice, tuple(units),
+                       len(coarse.units) if tileable is None else tileable, geometry.stop)
 
 
 @dataclass(frozen=True)
@@ -258,7 +254,7 @@ class PipelineProblem:
     allreduce: tuple[LinearCost, ...]  # per part: its gradient all-reduce, per gradient byte
     mem_bytes: int
     tiers: MemoryTiers = GPU_ONLY
-    spatial: SpatialPart | None = None  # part 0 on image tiles
+    spatial: tuple[SpatialPart, ...] = ()  # the leading parts on image tiles
 
     def __post_init__(self) -> None:
         assert len(self.boundary_bytes) == len(self.units) - 1

@@ -39,6 +39,7 @@ from planner.search.problem import (
     SpatialChoice,
     SpatialPart,
     coarsen,
+    describe_tiles,
     memory_tiers,
     part_allreduces,
     part_links,
@@ -117,15 +118,16 @@ class SearchResult:
     def tiles_note(self) -> str:
         """What tiling the image bought the winner, or why no plan tiles it ("" when neither applies)."""
         spatial = self.best.setup.config.spatial
-        if spatial is None:
+        if not spatial:
             return self.spatial_note
-        stop = self.best.setup.problem.spatial.stop  # type: ignore[union-attr]
+        stop = self.best.setup.problem.spatial[-1].stop
         reach = f" (a spatial stage ends by the first layer that cannot be tiled: {stop})" if stop else ""
+        tiles = describe_tiles(spatial)
         if self.best_untiled is None:
-            return (f"{spatial.describe()} bought the fit or the speed: no plan without tiles fits, or could beat "
+            return (f"{tiles} bought the fit or the speed: no plan without tiles fits, or could beat "
                     f"it (its configuration's lower bound){reach}")
         other = self.best_untiled
-        return (f"{spatial.describe()} bought the speed: {other.objective_ms / self.best.objective_ms:.2f}x the "
+        return (f"{tiles} bought the speed: {other.objective_ms / self.best.objective_ms:.2f}x the "
                 f"best plan without tiles ({other.setup.config.describe()}){reach}")
 
 
@@ -161,11 +163,11 @@ class Search:
             return self._setups[config]
         table, default = self.costs(config.micro_batch_size)
         units = coarse or default
-        key = (config.schedule, config.num_stages, config.num_microbatches, config.data_parallel, config.tiles)
+        key = (config.schedule, config.num_stages, config.num_microbatches, config.data_parallel,
+               config.stage_tiles)
         if key not in self._schedules:  # alike for every state mode
-            tiles = (config.tiles,) + (1,) * (config.num_stages - 1)
             self._schedules[key] = generate(config.schedule, config.num_stages, config.num_microbatches,
-                                            data_parallel=config.data_parallel, tiles=tiles)
+                                            data_parallel=config.data_parallel, tiles=config.stage_tiles)
         schedule = self._schedules[key]
         layout, per_node = schedule.layout, self.space.gpus_per_node
         problem = PipelineProblem(
@@ -173,7 +175,7 @@ class Search:
             max_in_flight(schedule), part_links(self.device, layout, per_node),
             part_allreduces(self.device, layout, per_node), self.space.mem_bytes,
             memory_tiers(self.device, self.space, config.state, activations=False),
-            self._spatial_part(config, units, table) if config.spatial else None)
+            tuple(self._spatial_part(choice, config.micro_batch_size, units, table) for choice in config.spatial))
         decided = None
         if {Offload.RECOMPUTE, Offload.SWAP} & self.space.offload:
             tiers = memory_tiers(self.device, self.space, config.state, activations=True)
@@ -222,18 +224,18 @@ class Search:
             self._geometries[choice] = tile_geometry(self.graph, *choice.grid_shape)
         return self._geometries[choice]
 
-    def _spatial_part(self, config: Config, units: Coarsening, table: CostTable) -> SpatialPart:
-        """``config``'s stage 0 on its tiles (cached for the search's own units)."""
-        choice = config.spatial
-        assert choice is not None
-        key = (config.micro_batch_size, choice)
-        if key in self._spatial and units is self.costs(config.micro_batch_size)[1]:
+    def _spatial_part(self, choice: SpatialChoice, micro_batch_size: int, units: Coarsening,
+                      table: CostTable) -> SpatialPart:
+        """A part on ``choice``'s tiles (cached for the search's own units)."""
+        key = (micro_batch_size, choice)
+        own = units is self.costs(micro_batch_size)[1]
+        if key in self._spatial and own:
             return self._spatial[key]
         link = p2p_link(self.device, same_node=True)  # a replica's tiles are consecutive ranks of one node
         geometry = self._geometry(choice)
         part = spatial_part(choice, units, geometry,
                             tile_costs(geometry, table, link, ring_allreduce_coefficients(choice.parts, link)))
-        if units is self.costs(config.micro_batch_size)[1]:
+        if own:
             self._spatial[key] = part
         return part
 
@@ -301,7 +303,7 @@ class Search:
         if on_gpu is not None and on_gpu.objective_ms <= (1 + OFFLOAD_MUST_GAIN) * solved[0].objective_ms:
             solved.remove(on_gpu)  # within the margin, a plan that offloads nothing is preferred
             solved.insert(0, on_gpu)
-        untiled = min((c for c in solved if c.setup.config.spatial is None), key=lambda c: c.objective_ms,
+        untiled = min((c for c in solved if not c.setup.config.spatial), key=lambda c: c.objective_ms,
                       default=None)
         if untiled is not None and untiled.objective_ms <= (1 + TILES_MUST_GAIN) * solved[0].objective_ms:
             solved.remove(untiled)  # within the margin, a plan without tiles is preferred

@@ -41,7 +41,7 @@ import numpy as np
 
 from planner.plan.kinds import ScheduleKind
 from planner.plan.parts import StateTier
-from planner.search.problem import MemoryTiers, PipelineProblem, StateMode, Unit, block_of
+from planner.search.problem import MemoryTiers, PipelineProblem, SpatialPart, StateMode, Unit, block_of
 
 
 @dataclass(frozen=True, eq=False)
@@ -290,9 +290,9 @@ def cost_model(problem: PipelineProblem) -> CostModel:
     memory and NVMe hold what its ranks' modes and swaps put there.
     """
     shared = _shared_terms(problem, problem.units)
-    tiled = _tiled_terms(problem, shared)
+    tiled = [_tiled_terms(problem, spatial, shared) for spatial in problem.spatial]
     states: dict[int, dict[str, Term]] = {}  # the state terms per number of copies: alike for such parts
-    parts = tuple(_part_terms(problem, part, tiled if part == 0 and tiled else shared, states)
+    parts = tuple(_part_terms(problem, part, tiled[part] if part < len(tiled) else shared, states)
                   for part in range(problem.num_parts))
     return CostModel(problem, parts, _objective(problem, parts), _memory_rows(problem, parts),
                      _next_use(problem), _capacity_rows(problem, parts))
@@ -326,13 +326,10 @@ def _shared_terms(problem: PipelineProblem, units: tuple[Unit, ...]) -> dict[str
     return {name: dataclasses.replace(term, family=name) for name, term in terms.items()}
 
 
-def _tiled_terms(problem: PipelineProblem, shared: dict[str, Term]) -> dict[str, Term] | None:
-    """Part 0's shared terms when it runs on image tiles: the same formulas over the units as the slowest
-    tile runs them; a unit that cannot be tiled weighs more than the budget in its static memory, so no
-    partition puts it on part 0 (the ILP's memory row, the DP and the evaluator all read it)."""
-    spatial = problem.spatial
-    if spatial is None:
-        return None
+def _tiled_terms(problem: PipelineProblem, spatial: SpatialPart, shared: dict[str, Term]) -> dict[str, Term]:
+    """A spatial part's shared terms: the same formulas over the units as its slowest tile runs them; a
+    unit that cannot be tiled weighs more than the budget in its static memory, so no partition puts it
+    on that part (the ILP's memory row, the DP and the evaluator all read it)."""
     tiled = _shared_terms(problem, spatial.units)
     beyond = float(problem.mem_bytes + 1)
     untileable = Term(per_unit=tuple(0.0 if unit < spatial.tileable_units else beyond

@@ -41,24 +41,22 @@ def spatial_problems(draw) -> PipelineProblem:
                                          activation_bytes=saved, offloadable_bytes=saved,
                                          input_bytes=min(saved, unit.input_bytes)))
     tileable = draw(st.integers(1, len(units) - 1))
-    tiles = SpatialPart(SpatialChoice(2, Slicing.VERTICAL), 8, 8, tuple(units), tileable,
-                        tuple((0, 0) for _ in units), tuple((0, 0) for _ in units), "")
+    tiles = SpatialPart(SpatialChoice(2, Slicing.VERTICAL), tuple(units), tileable, "")
     layout = Layout.pipeline(problem.num_parts, tiles=(2,) + (1,) * (problem.num_parts - 1))
-    return dataclasses.replace(problem, layout=layout, spatial=tiles)
+    return dataclasses.replace(problem, layout=layout, spatial=(tiles,))
 
 
 @settings(max_examples=40, deadline=None)
 @given(spatial_problems())
 def test_spatial_ilp_equals_brute_force_and_keeps_untileable_units_off_the_tiles(problem: PipelineProblem) -> None:
     costs = cost_model(problem)
-    assert problem.spatial is not None
     expected = _brute_force(costs)
     result = solve_partition(costs, integral=True)
     if expected is None:
         assert result.cuts is None
         return
     assert result.objective == pytest.approx(expected, rel=1e-6, abs=1e-6)
-    assert result.cuts[0] < problem.spatial.tileable_units
+    assert result.cuts[0] < problem.spatial[0].tileable_units
 
 
 @settings(max_examples=40, deadline=None)
@@ -77,14 +75,13 @@ def test_the_tile_is_costed_with_its_share_and_an_untileable_unit_cannot_be_on_i
     free = LinearCost(0.0, 0.0)
     problem = PipelineProblem((whole, whole, whole), (10, 10), (), Layout.pipeline(2, tiles=(2, 1)),
                               ScheduleKind.GPIPE, 1, (1, 1), (free,), (free, free), 10**6,
-                              spatial=SpatialPart(SpatialChoice(2, Slicing.VERTICAL), 8, 8, (tile, tile, whole), 2,
-                                                  ((1, 1),) * 3, ((1, 1),) * 3, ""))
+                              spatial=(SpatialPart(SpatialChoice(2, Slicing.VERTICAL), (tile, tile, whole), 2, ""),))
     costs = cost_model(problem)
     one, two = evaluate(costs, (0,)), evaluate(costs, (1,))
     assert (one.parts[0].fwd_ms, one.parts[0].bwd_ms, two.parts[0].fwd_ms) == (2.5, 4.5, 5.0)
     assert (one.parts[1].fwd_ms, one.parts[0].activation_bytes) == (8.0, 600)  # the rest runs whole
     assert one.fits(problem.mem_bytes) and two.fits(problem.mem_bytes)
-    untiled = dataclasses.replace(problem, spatial=dataclasses.replace(problem.spatial, tileable_units=1))
+    untiled = dataclasses.replace(problem, spatial=(dataclasses.replace(problem.spatial[0], tileable_units=1),))
     assert not evaluate(cost_model(untiled), (1,)).fits(problem.mem_bytes)  # unit 1 cannot be tiled
 
 
@@ -162,3 +159,17 @@ def test_an_untileable_first_layer_or_image_falls_back_and_says_why() -> None:
                 example_inputs=torch.empty(1, 3, 1, 1))
     assert all(stage.spatial is None for stage in tiny.stages)
     assert "no plan tiles the image: cannot split 1 pixels into 2 tiles" in tiny.solver.why
+
+
+def test_two_consecutive_spatial_stages_are_planned_with_half_the_tiles_after() -> None:
+    """7 GPUs in 3 stages of 1 replica: only 4 tiles, then 2, then one rank use them all (now-dl's
+    --num-spatial-parts 4,2); stage 1's grid cuts the values it receives (their own size)."""
+    result = plan(resnet50(width=4, num_classes=10), gpus=7, mem="16GB", batch_size=4, micro_batch_sizes=(2,),
+                  num_stages=(3,), data_parallel=(1,), precision="fp32", offload=False,
+                  example_inputs=torch.empty(1, 3, 64, 64, device="meta"))
+    first, second = result.stages[0].spatial, result.stages[1].spatial
+    assert first is not None and second is not None and result.stages[2].spatial is None
+    assert (first.parts, second.parts, [len(result.layout.ranks_of(s, 0)) for s in range(3)]) == (4, 2, [4, 2, 1])
+    assert (first.height, first.width) == (64, 64) and second.height == second.width < 64
+    assert len(second.halo_bytes) == 2 and min(second.halo_bytes) > 0
+    assert "stage 1: 2 tiles" in str(result) and "stage 1 on 2 tiles" in result.solver.why
