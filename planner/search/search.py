@@ -145,6 +145,7 @@ class Search:
         self._min_peaks: dict[tuple[Config, bool], OracleResult | None] = {}
         self._schedules: dict[tuple, Schedule] = {}
         self._geometries: dict[SpatialChoice, TileGeometry] = {}
+        self._bounds: dict[Config, float] = {}
         self._spatial: dict[tuple[int, SpatialChoice], SpatialPart] = {}
         self.spatial_note = ""  # why no plan may tile the image (set by tilings())
 
@@ -479,8 +480,10 @@ class Search:
         return best
 
     def lower_bound(self, config: Config) -> float:
-        """Step time no partition of this configuration can beat (planner/search/terms.py)."""
-        return lower_bound(self.setup(config).costs)
+        """Step time no partition of this configuration can beat (planner/search/terms.py; cached)."""
+        if config not in self._bounds:
+            self._bounds[config] = lower_bound(self.setup(config).costs)
+        return self._bounds[config]
 
     def infeasible(self, configs: Sequence[Config]) -> PlanInfeasible:
         """The error for a budget nothing fits: the smallest memory the most frugal layout needs."""
