@@ -50,7 +50,8 @@ def check_executable(plan: Plan) -> None:
 def _check_spatial(plan: Plan, stage: int) -> None:
     """This runtime executes a spatial stage 0 on its own slot, followed by other stages, in fp32/fp64,
     with recomputation and activation swapping as its only memory decisions (its model state stays
-    whole on the GPU), with per-layer halos or one fused group for the whole stage."""
+    whole on the GPU), with per-layer halos or fused groups (runtime/spatial_stage.py checks those
+    against the stage's graph)."""
     spec = plan.stages[stage].spatial
     assert spec is not None
     layout = plan.layout
@@ -67,10 +68,6 @@ def _check_spatial(plan: Plan, stage: int) -> None:
     if plan.model.precision.master_weights:
         raise RuntimeSetupError(f"stage {stage} runs on spatial tiles in {plan.model.precision.value}, which "
                                 f"this runtime does not execute yet; re-plan in fp32 or fp64")
-    if spec.fused_groups:
-        raise RuntimeSetupError(f"stage {stage} fuses its halos in {len(spec.fused_groups)} groups, which this "
-                                f"runtime does not execute yet; give no fused_groups (the whole stage is one "
-                                f"fused group) or per-layer halos")
 
 
 def _check_offload(stage: int, offload: OffloadSpec) -> None:

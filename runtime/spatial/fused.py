@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
-from cost_models.halo import Region, needed_region
 from cost_models.errors import SpatialError
+from cost_models.halo import Region, needed_region
 from runtime.spatial.batchnorm import batch_norm_tiles
 from runtime.spatial.graph import Role, SpatialGraph, SpatialNode, analyse, trace_spatial
 from runtime.spatial.halo import DEFAULT_TIMEOUT, ExchangePlan, HaloExchange

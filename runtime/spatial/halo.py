@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cost_models.halo import Region, halo_transfers
 from cost_models.errors import SpatialError
+from cost_models.halo import Region, halo_transfers
 from runtime.spatial.tiling import TileGrid
 from runtime.streams import AnyStream, Event, current_stream, keep_alive, new_stream, use_stream
 

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cost_models.halo import Region, Window, layer_needed_regions
 from cost_models.errors import SpatialError
+from cost_models.halo import Region, Window, layer_needed_regions
 from runtime.spatial.halo import DEFAULT_TIMEOUT, ExchangePlan, HaloExchange
 from runtime.spatial.tiling import TileGrid
 from runtime.spatial.window import WindowSpec, compute_region, window_spec

@@ -10,8 +10,8 @@ from math import isqrt
 
 import torch
 
-from cost_models.halo import Region, Window, balanced_edges, output_edges, tile_region
 from cost_models.errors import SpatialError
+from cost_models.halo import Region, Window, balanced_edges, output_edges, tile_region
 
 Edges = tuple[int, ...]
 

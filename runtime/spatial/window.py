@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cost_models.halo import Region, Window
 from cost_models.errors import SpatialError
 from cost_models.graph.ir import Geometry
+from cost_models.halo import Region, Window
 
 WINDOW_MODULES = (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d)
 

@@ -4,9 +4,10 @@ ResNet-50 (width 4, 64x64 images, float64) with stage 0 = the stem and the first
 block (7x7 stride-2 conv, batch-norm, max pool, a residual add with a projection shortcut) on
 spatial tiles, and the rest of the network as one ordinary stage: square 4 tiles + 1 rank,
 vertical 2 tiles + 1 rank (per-layer and fused halos), GPipe and 1F1B, vertical 2 tiles + 1
-rank replicated twice (6 ranks), and vertical 2 tiles recomputing or swapping activations of
-stage 0 (recomputation re-runs halo exchanges and batch-norm all-reduces in the backward, and must
-update the running statistics once). Losses, every gradient, the final weights and the batch-norm
+rank replicated twice (6 ranks), vertical 2 tiles recomputing or swapping activations of stage 0
+(recomputation re-runs halo exchanges and batch-norm all-reduces in the backward, and must update
+the running statistics once), and vertical 2 tiles with two fused halo groups and per-layer halos
+between them. Every rank's halo bytes equal cost_models.halo's count. Losses, every gradient, the final weights and the batch-norm
 running statistics equal the reference to 1e-10 of each tensor's largest entry: tiles sum batch-norm
 statistics and weight gradients in another order than one process, and ResNet-50's 53 batch-norms
 amplify those float64 roundings to ~1e-12 of a tensor's scale, so entries near zero miss an
@@ -43,6 +44,12 @@ AFTER_FIRST_BLOCK = ["layer1_1_conv1"]
 RECOMPUTED_GPIPE = (("conv1", "bn1", "relu"), ("maxpool",), ("layer1_0_conv2", "layer1_0_bn2", "layer1_0_relu2"))
 RECOMPUTED_1F1B = (("maxpool", "layer1_0_conv1"),
                    ("layer1_0_conv3", "layer1_0_bn3", "layer1_0_shortcut_0", "layer1_0_shortcut_1", "add"))
+# Two fused groups (the stem; the block's first two convolutions), the rest per layer; the second
+# group and a run outside the groups recomputed.
+FUSED_GROUPS = (("conv1", "bn1", "relu", "maxpool"),
+                ("layer1_0_conv1", "layer1_0_bn1", "layer1_0_relu1", "layer1_0_conv2", "layer1_0_bn2",
+                 "layer1_0_relu2"))
+RECOMPUTED_GROUP = OffloadSpec(recompute=(FUSED_GROUPS[1], ("layer1_0_conv3", "layer1_0_bn3")))
 SWAPPED = OffloadSpec(recompute=(("layer1_0_conv3", "layer1_0_bn3"),),
                       swap=("conv1", "bn1", "relu", "maxpool", "layer1_0_conv2", "layer1_0_bn2"))
 
@@ -103,7 +110,8 @@ def _predicted_halo_bytes(plan: Plan, tile: int) -> int:
         chain = [WINDOWS[name] for name in group if name in WINDOWS and name not in SKIP_PATH]
         cost = chain_halo_cost([window.geometry for window in chain], levels[chain[0].level], tile,
                                channels=chain[0].channels, **common)  # type: ignore[arg-type]
-        total += cost.bytes_sent + _gradient_bytes(cost, chain[0])
+        forwards = 2 if set(group) <= offload.recomputed_nodes else 1
+        total += forwards * cost.bytes_sent + _gradient_bytes(cost, chain[0])
     grouped = {name for group in groups for name in group}
     for name, window in WINDOWS.items():
         if name not in grouped:
@@ -120,8 +128,9 @@ def _gradient_bytes(cost: HaloCost, reader: _Window) -> int:
 
 
 def _spatial_plan(parts: int, slicing: str, schedule: str, *, halo: str = "per-layer",
-                  data_parallel: int = 1, offload: OffloadSpec | None = None) -> str:
-    spec = SpatialSpec(parts, slicing, halo, height=64, width=64)
+                  data_parallel: int = 1, offload: OffloadSpec | None = None,
+                  fused_groups: tuple[tuple[str, ...], ...] = ()) -> str:
+    spec = SpatialSpec(parts, slicing, halo, height=64, width=64, fused_groups=fused_groups)
     return make_plan(RESNET, AFTER_FIRST_BLOCK, schedule=schedule, data_parallel=data_parallel,
                      microbatches=2 if data_parallel > 1 else 3, spatial={0: spec},
                      offload=None if offload is None else [offload, OffloadSpec()])
@@ -188,13 +197,16 @@ def _run(cases: list[Case], world_size: int) -> None:
 
 
 def test_vertical_two_tiles_and_one_stage_equal_a_single_process() -> None:
-    """Per-layer and fused halos; recompute regions under GPipe and 1F1B; swapped runs."""
+    """Per-layer and fused halos; recompute regions under GPipe and 1F1B; swapped runs; two fused
+    groups, one of them recomputed."""
     _run([Case(_spatial_plan(2, "vertical", "gpipe"), steps=1),
           Case(_spatial_plan(2, "vertical", "1f1b"), steps=1),
           Case(_spatial_plan(2, "vertical", "1f1b", halo="fused"), steps=1),
           Case(_spatial_plan(2, "vertical", "gpipe", offload=OffloadSpec(recompute=RECOMPUTED_GPIPE)), steps=1),
           Case(_spatial_plan(2, "vertical", "1f1b", offload=OffloadSpec(recompute=RECOMPUTED_1F1B)), steps=1),
-          Case(_spatial_plan(2, "vertical", "1f1b", offload=SWAPPED), steps=1)], 3)
+          Case(_spatial_plan(2, "vertical", "1f1b", offload=SWAPPED), steps=1),
+          Case(_spatial_plan(2, "vertical", "gpipe", halo="fused", fused_groups=FUSED_GROUPS,
+                             offload=RECOMPUTED_GROUP), steps=1)], 3)
 
 
 def test_square_four_tiles_and_one_stage_equal_a_single_process() -> None:
