@@ -62,7 +62,9 @@ class Executor:
     precision is fp16 or bf16 (runtime/stage_optimizer.py, runtime/precision.py; ``loss_scale`` sets
     fp16's dynamic loss scale, ``exe.mixed.loss_scale`` reads it; a stage paging its optimizer state
     to NVMe needs ``nvme_dir``). Peak memory is in
-    ``exe.memory.peak_bytes`` (on CPU, of the steps run with ``run(..., profile_memory=True)``).
+    ``exe.memory.peak_bytes`` (on CPU, of the steps run with ``run(..., profile_memory=True)``), the
+    bytes this rank's halo exchanges sent in the last step in ``exe.halo_bytes_sent``
+    (runtime/tiles.py says which).
 
     Example (a script started with ``torchrun --nproc-per-node N script.py``)::
 
