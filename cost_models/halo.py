@@ -38,6 +38,8 @@ __all__ = [
     "TileEdges",
     "Window",
     "balanced_edges",
+    "ceil_mode_refusal",
+    "ceil_rounds_up",
     "chain_halo_cost",
     "chain_needed_regions",
     "halo_cost",
@@ -151,6 +153,14 @@ class Window:
                                f"the padded input must be at least {self.span} pixels")
         return count
 
+    def ceil_output_length(self, length: int) -> int:
+        """Outputs along a dimension of ``length`` inputs in ceil mode (PyTorch's rule: the last window
+        must start inside the input or its left padding)."""
+        count = -(-(length + 2 * self.padding - self.span) // self.stride) + 1
+        if (count - 1) * self.stride >= length + self.padding:
+            count -= 1
+        return count
+
     def output_edge(self, edge: int, length: int) -> int:
         """The first output owned by the tile starting at input pixel ``edge`` (the ownership rule)."""
         outputs = self.output_length(length)
@@ -170,21 +180,37 @@ class Window:
 WindowPair = tuple[Window, Window]
 
 
-def windows_of(geometry: Geometry, *, layer: str = "window") -> WindowPair:
-    """The (row, column) windows of a 2-d conv or pool Geometry; SpatialError if it cannot be tiled."""
+def windows_of(geometry: Geometry, *, layer: str = "window", lengths: tuple[int, int] | None = None) -> WindowPair:
+    """The (row, column) windows of a 2-d conv or pool Geometry; SpatialError if it cannot be tiled.
+
+    A ceil-mode pool tiles as its floor-mode twin where the input's ``lengths`` (height, width) give
+    both the same output size (every even size through a 2x2 stride-2 pool): pass them to allow it."""
     if geometry.op not in ("conv", "max_pool", "avg_pool"):
         raise SpatialError(f"layer {layer!r}: a {geometry.op} layer cannot run on tiles; only conv, max_pool and "
                            f"avg_pool windows can (join the tiles before it)")
     if geometry.padding_mode != "zeros":
         raise SpatialError(f"layer {layer!r}: padding_mode={geometry.padding_mode!r} cannot be tiled exactly; "
                            f"use padding_mode='zeros' or join the tiles before this layer")
-    if geometry.ceil_mode:
-        raise SpatialError(f"layer {layer!r}: ceil_mode=True cannot be tiled exactly; use ceil_mode=False "
-                           f"(pad the input instead) or join the tiles before this layer")
     if len(geometry.kernel) != 2:
         raise SpatialError(f"layer {layer!r}: only 2-d windows can be tiled, got kernel {geometry.kernel}")
-    return tuple(Window(k, s, p, d) for k, s, p, d in  # type: ignore[return-value]
-                 zip(geometry.kernel, geometry.stride, geometry.padding, geometry.dilation))
+    windows = tuple(Window(k, s, p, d) for k, s, p, d in
+                    zip(geometry.kernel, geometry.stride, geometry.padding, geometry.dilation))
+    if geometry.ceil_mode and (lengths is None or ceil_rounds_up(windows, lengths)):  # type: ignore[arg-type]
+        raise SpatialError(f"layer {layer!r}: {ceil_mode_refusal(lengths)}")
+    return windows  # type: ignore[return-value]
+
+
+def ceil_rounds_up(windows: WindowPair, lengths: tuple[int, int]) -> bool:
+    """Whether ceil mode gives more outputs than floor mode at these input (height, width): only then
+    does a ceil-mode pool differ from its floor-mode twin, which is what tiles compute."""
+    return any(window.ceil_output_length(length) != window.output_length(length)
+               for window, length in zip(windows, lengths))
+
+
+def ceil_mode_refusal(lengths: tuple[int, int] | None) -> str:
+    """Why a ceil-mode window cannot be tiled (the message's tail, after the layer's name)."""
+    return (f"ceil_mode=True rounds up at input size {lengths}, which tiles cannot reproduce; use "
+            f"ceil_mode=False, an input size where it does not round up, or join the tiles before this layer")
 
 
 def balanced_edges(length: int, parts: int) -> Edges:
@@ -350,14 +376,19 @@ def halo_cost(geometry: Geometry, grid: TileEdges, rank: int, *, channels: int, 
         halo_cost(Geometry("conv", (3, 3), (1, 1), (1, 1), (1, 1)), grid, 0, channels=4,
                   dtype_bytes=4, batch=1, link=link).send_bytes == ((1, 128),)
     """
-    needed = layer_needed_regions(grid, windows_of(geometry, layer=layer), layer=layer)
+    windows = windows_of(geometry, layer=layer, lengths=(grid.row_edges[-1], grid.col_edges[-1]))
+    needed = layer_needed_regions(grid, windows, layer=layer)
     return _cost_of(grid, needed, rank, _pixel_bytes(channels, dtype_bytes, batch), link)
 
 
 def chain_halo_cost(geometries: Sequence[Geometry], grid: TileEdges, rank: int, *, channels: int,
                     dtype_bytes: int, batch: int, link: LinkSpec) -> HaloCost:
     """The one wide halo a fused chain of conv/pool layers exchanges before its first layer."""
-    chain = [windows_of(geometry, layer=str(index)) for index, geometry in enumerate(geometries)]
+    chain: list[WindowPair] = []
+    lengths = (grid.row_edges[-1], grid.col_edges[-1])
+    for index, geometry in enumerate(geometries):
+        chain.append(windows_of(geometry, layer=str(index), lengths=lengths))
+        lengths = (chain[-1][0].output_length(lengths[0]), chain[-1][1].output_length(lengths[1]))
     needed = chain_needed_regions(grid, chain)
     return _cost_of(grid, needed, rank, _pixel_bytes(channels, dtype_bytes, batch), link)
 

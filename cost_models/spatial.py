@@ -185,7 +185,7 @@ def _place(graph: LayerGraph, node: LayerNode, grids: dict[str, Grid],
         return NodeTiles(node.name, grid.largest_share, stats_bytes=_stats_bytes(node))
     key = (grid, node.geometry)
     if key not in halos:
-        windows = windows_of(node.geometry, layer=node.name)
+        windows = windows_of(node.geometry, layer=node.name, lengths=(grid.row_edges[-1], grid.col_edges[-1]))
         out = Grid(output_edges(grid.row_edges, windows[0], layer=node.name),
                    output_edges(grid.col_edges, windows[1], layer=node.name))
         needed = layer_needed_regions(grid, windows, layer=node.name)

@@ -73,8 +73,8 @@ def spatially_splittable(node: torch.fx.Node, root: nn.Module, window: Geometry 
     """True when tiles of the image can compute this node exactly (halo exchange for windows)."""
     if len(outputs) != 1 or len(outputs[0].shape) != 4:
         return False
-    if window is not None:
-        return window.padding_mode == "zeros" and not window.ceil_mode
+    if window is not None:  # a ceil-mode pool, where its input size lets it (cost_models.halo.windows_of)
+        return window.padding_mode == "zeros"
     if node.op == "call_module":
         return isinstance(root.get_submodule(node.target), _POINTWISE_MODULES)
     if node.op == "call_method":

@@ -186,6 +186,7 @@ def _output_grid(node: fx.Node, role: Role, spec: WindowSpec | None, grids: dict
         return inputs[0] if inputs else None
     if role is Role.WINDOW:
         assert spec is not None
+        spec.check_size(inputs[0].height, inputs[0].width, _layer_name(node))  # type: ignore[union-attr]
         return inputs[0].after(spec.rows, spec.cols, layer=_layer_name(node))  # type: ignore[union-attr]
     if any(other != inputs[0] for other in inputs[1:]):
         shapes = sorted({(g.row_edges, g.col_edges) for g in inputs if g is not None})

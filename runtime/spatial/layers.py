@@ -138,8 +138,9 @@ class SpatialMaxPool2d(SpatialWindowLayer):
     def from_module(cls, pool: nn.MaxPool2d, grid: TileGrid, group: dist.ProcessGroup | None, *,
                     name: str = "max_pool", tag: int = 0, overlap: bool = True,
                     timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> SpatialMaxPool2d:
-        """Tile ``pool`` over ``grid`` (ceil_mode and return_indices are rejected)."""
+        """Tile ``pool`` over ``grid`` (return_indices is rejected, ceil_mode where it rounds up at this size)."""
         spec = window_spec(pool, name)
+        spec.check_size(grid.height, grid.width, name)
         layer = cls()
         layer._bind(spec, grid, group, name, tag, overlap, timeout)
         return layer
@@ -158,8 +159,9 @@ class SpatialAvgPool2d(SpatialWindowLayer):
     def from_module(cls, pool: nn.AvgPool2d, grid: TileGrid, group: dist.ProcessGroup | None, *,
                     name: str = "avg_pool", tag: int = 0, overlap: bool = True,
                     timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> SpatialAvgPool2d:
-        """Tile ``pool`` over ``grid`` (ceil_mode is rejected)."""
+        """Tile ``pool`` over ``grid`` (ceil_mode is rejected where it rounds up at this size)."""
         spec = window_spec(pool, name)
+        spec.check_size(grid.height, grid.width, name)
         layer = cls()
         layer.count_include_pad, layer.divisor_override = pool.count_include_pad, pool.divisor_override
         layer._bind(spec, grid, group, name, tag, overlap, timeout)

@@ -82,7 +82,7 @@ def spatialize(module: nn.Module, grid: TileGrid, group: dist.ProcessGroup | Non
     (strided layers shrink it), its BatchNorm2d become SpatialBatchNorm2d (``sync_bn``). Every
     input of ``module`` is one tile of ``grid``; outputs are tiles of ``output_grid(module, grid)``.
     Raises SpatialError naming the first layer that cannot be tiled exactly (global pooling,
-    flatten, ceil_mode pools, non-zero padding modes, ...), before any communication.
+    flatten, ceil_mode pools where they round up, non-zero padding modes, ...), before any communication.
 
     Layer k of the module's conv/pool/batch-norm calls (in trace order) exchanges its halos under
     tag k, so tags from the number of traced nodes on are free for other exchanges on ``group``.

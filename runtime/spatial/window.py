@@ -18,7 +18,7 @@ from torch import nn
 
 from cost_models.errors import SpatialError
 from cost_models.graph.ir import Geometry
-from cost_models.halo import Region, Window
+from cost_models.halo import Region, Window, ceil_mode_refusal, ceil_rounds_up
 
 WINDOW_MODULES = (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d)
 
@@ -36,6 +36,7 @@ class WindowSpec:
     kind: WindowKind
     rows: Window
     cols: Window
+    ceil_mode: bool = False  # a ceil-mode pool: tiled only at input sizes where it rounds as floor mode does
 
     @property
     def pad_value(self) -> float:
@@ -50,7 +51,14 @@ class WindowSpec:
         """The planner's description of the same window (for cost_models.halo)."""
         rows, cols = self.rows, self.cols
         return Geometry(self.kind.value, (rows.kernel, cols.kernel), (rows.stride, cols.stride),
-                        (rows.padding, cols.padding), (rows.dilation, cols.dilation))
+                        (rows.padding, cols.padding), (rows.dilation, cols.dilation), ceil_mode=self.ceil_mode)
+
+    def check_size(self, height: int, width: int, name: str) -> None:
+        """SpatialError unless a ceil-mode window rounds as floor mode at this input size (the tiles compute
+        floor mode; cost_models.halo decides, for the planner too)."""
+        if self.ceil_mode and ceil_rounds_up((self.rows, self.cols), (height, width)):
+            kind = {WindowKind.MAX_POOL: "MaxPool2d", WindowKind.AVG_POOL: "AvgPool2d"}[self.kind]
+            raise SpatialError(f"layer {name!r} ({kind}): {ceil_mode_refusal((height, width))}")
 
 
 def _pair(value: int | tuple[int, ...]) -> tuple[int, int]:
@@ -82,9 +90,6 @@ def _check_conv(conv: nn.Conv2d, name: str) -> None:
 
 def _check_pool(pool: nn.MaxPool2d | nn.AvgPool2d, name: str) -> None:
     kind = type(pool).__name__
-    if pool.ceil_mode:
-        raise SpatialError(f"layer {name!r} ({kind}): ceil_mode=True cannot be tiled exactly; use "
-                           f"ceil_mode=False (pad the input instead) or join the tiles before this layer")
     if getattr(pool, "return_indices", False):
         raise SpatialError(f"layer {name!r} ({kind}): return_indices=True gives tile-local indices; "
                            f"use return_indices=False")
@@ -107,7 +112,7 @@ def window_spec(module: nn.Module, name: str) -> WindowSpec:
     else:
         raise SpatialError(f"layer {name!r} ({type(module).__name__}) is not a Conv2d, MaxPool2d or AvgPool2d")
     rows, cols = (Window(k, s, p, d) for k, s, p, d in zip(kernel, stride, padding, dilation))
-    return WindowSpec(kind, rows, cols)
+    return WindowSpec(kind, rows, cols, ceil_mode=bool(getattr(module, "ceil_mode", False)))
 
 
 def _clip(lo: int, hi: int, length: int) -> tuple[int, int, int, int]:

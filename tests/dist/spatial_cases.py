@@ -113,6 +113,7 @@ def _pool_cases() -> list[LayerCase]:
         LayerCase("avgpool k3 s2 p1 exclude pad", lambda: nn.AvgPool2d(3, 2, 1, count_include_pad=False), 36, 41),
         LayerCase("avgpool k5 s2 p2 divisor 7", lambda: nn.AvgPool2d(5, 2, 2, divisor_override=7), 41, 36),
         LayerCase("avgpool k3 s2 p0", lambda: nn.AvgPool2d(3, 2), 36, 41),
+        LayerCase("maxpool k2 s2 ceil mode, even size", lambda: nn.MaxPool2d(2, 2, ceil_mode=True), 36, 40),
     ]
 
 

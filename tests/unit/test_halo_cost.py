@@ -10,7 +10,7 @@ import pytest
 
 from cost_models.comm import halo_message_count
 from cost_models.devices import LinkSpec
-from cost_models.halo import balanced_edges, chain_halo_cost, halo_cost, tile_join_cost
+from cost_models.halo import Window, balanced_edges, chain_halo_cost, halo_cost, tile_join_cost
 from cost_models.errors import SpatialError
 from cost_models.graph.ir import Geometry
 
@@ -102,12 +102,24 @@ def test_tile_join_gathers_every_other_tile() -> None:
 @pytest.mark.parametrize(("geometry", "message"), [
     (Geometry("conv_transpose", (2, 2), (2, 2), (0, 0), (1, 1)), r"layer 'up': a conv_transpose layer cannot"),
     (Geometry("conv", (3, 3), (1, 1), (1, 1), (1, 1), padding_mode="reflect"), r"'up': padding_mode='reflect'"),
-    (Geometry("max_pool", (2, 2), (2, 2), (0, 0), (1, 1), ceil_mode=True), r"'up': ceil_mode=True"),
+    (Geometry("max_pool", (3, 3), (2, 2), (0, 0), (1, 1), ceil_mode=True), r"'up': ceil_mode=True rounds up at input size \(8, 8\)"),
     (Geometry("conv", (3,), (1,), (1,), (1,)), r"'up': only 2-d windows"),
 ])
 def test_untileable_geometries_are_named(geometry: Geometry, message: str) -> None:
     with pytest.raises(SpatialError, match=message):
         halo_cost(geometry, Grid((0, 8), (0, 4, 8)), 0, channels=1, dtype_bytes=4, batch=1, link=LINK, layer="up")
+
+
+def test_a_ceil_mode_pool_tiles_where_it_rounds_as_floor_mode() -> None:
+    """PyTorch's ceil mode by hand: 2x2 stride 2 over 7 pixels gives 4 outputs (floor 3), over 8 gives 4
+    (floor 4); 3x3 stride 2 padding 1 gives 4 over 7 either way, and 5 over 8 (floor 4)."""
+    two, three = Window(2, 2, 0, 1), Window(3, 2, 1, 1)
+    assert (two.ceil_output_length(7), two.output_length(7), two.ceil_output_length(8)) == (4, 3, 4)
+    assert (three.ceil_output_length(7), three.output_length(7), three.ceil_output_length(8)) == (4, 4, 5)
+    pool = Geometry("max_pool", (2, 2), (2, 2), (0, 0), (1, 1), ceil_mode=True)
+    assert halo_cost(pool, Grid((0, 8), (0, 4, 8)), 0, channels=1, dtype_bytes=4, batch=1, link=LINK).send_bytes == ()
+    with pytest.raises(SpatialError, match=r"rounds up at input size \(7, 8\)"):
+        halo_cost(pool, Grid((0, 7), (0, 4, 8)), 0, channels=1, dtype_bytes=4, batch=1, link=LINK)
 
 
 def test_counts_must_be_positive() -> None:
