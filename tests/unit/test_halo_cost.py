@@ -10,9 +10,9 @@ import pytest
 
 from cost_models.comm import halo_message_count
 from cost_models.devices import LinkSpec
-from cost_models.halo import Window, balanced_edges, chain_halo_cost, halo_cost, tile_join_cost
 from cost_models.errors import SpatialError
 from cost_models.graph.ir import Geometry
+from cost_models.halo import Window, balanced_edges, chain_halo_cost, halo_cost, tile_join_cost
 
 # 10 GB/s and 5 us: alpha = 0.005 ms, 1e-7 ms per byte.
 LINK = LinkSpec("test link", bandwidth_gb_per_s=10.0, latency_us=5.0)
