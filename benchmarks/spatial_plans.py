@@ -69,7 +69,9 @@ def _row(name: str, size: int, model: torch.nn.Module, gpus: int, batch: int) ->
     planned_s = time.perf_counter() - start
     pipeline = _plan(model, graph, size, gpus, batch, spatial=False)
     layer = _plan(model, graph, size, gpus, batch, spatial=False, data_parallel=(1,), micro_batch_sizes=(batch,))
-    chosen = "-" if tiled is None else (tiled.stages[0].spatial.describe() if tiled.stages[0].spatial else "no tiles")
+    tiles = [] if tiled is None else [f"stage {stage.index}: {stage.spatial.describe()}" for stage in tiled.stages
+                                      if stage.spatial is not None]
+    chosen = "-" if tiled is None else "; ".join(tiles) or "no tiles"
     print(f"{name:<12} {size:>5} {_step(tiled):>10} {_step(pipeline):>10} {_step(layer):>10} "
           f"{_ratio(tiled, pipeline):>15} {_ratio(tiled, layer):>15} {planned_s:>8.1f}  {chosen}", flush=True)
 
@@ -79,7 +81,7 @@ def main() -> None:
     print(f"16 x V100-16GB, batch 4, fp32; Hy-Fi's claims: {HY_FI['pipeline']}x over pipeline, "
           f"{HY_FI['layer']}x over layer parallelism")
     header = (f"{'model':<12} {'size':>5} {'tiles':>10} {'pipeline':>10} {'layer':>10} {'vs pipeline':>15} "
-              f"{'vs layer':>15} {'plan (s)':>8}  stage 0 of the tiles plan")
+              f"{'vs layer':>15} {'plan (s)':>8}  spatial stages of the tiles plan")
     print(header)
     print("-" * len(header))
     for name, factory in MODELS.items():
