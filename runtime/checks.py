@@ -48,17 +48,13 @@ def check_executable(plan: Plan) -> None:
 
 
 def _check_spatial(plan: Plan, stage: int) -> None:
-    """This runtime executes a spatial stage 0 on its own slot, followed by other stages, in fp32/fp64,
-    with recomputation and activation swapping as its only memory decisions (its model state stays
-    whole on the GPU), with per-layer halos or fused groups (runtime/spatial_stage.py checks those
-    against the stage's graph)."""
+    """This runtime executes spatial stages as the leading stages 0..k-1, each on its own slot,
+    followed by ordinary stages, in fp32/fp64, with recomputation and activation swapping as their
+    only memory decisions (their model state stays whole on the GPU), with per-layer halos or fused
+    groups (runtime/spatial_stage.py checks those against the stage's graph)."""
     spec = plan.stages[stage].spatial
     assert spec is not None
-    layout = plan.layout
-    if stage != 0 or plan.num_stages < 2 or len(layout.stages_on_slot(layout.slot(stage))) != 1:
-        raise RuntimeSetupError(f"stage {stage} runs on spatial tiles but is not the first of several stages "
-                                f"on a slot of its own, which this runtime does not execute yet; re-plan "
-                                f"with only stage 0 spatial")
+    _check_leading(plan, stage)
     offload = plan.stages[stage].offload
     state = dataclasses.replace(offload, recompute=(), swap=())  # recompute and swap run on tiles
     if not state.is_default:
@@ -68,6 +64,26 @@ def _check_spatial(plan: Plan, stage: int) -> None:
     if plan.model.precision.master_weights:
         raise RuntimeSetupError(f"stage {stage} runs on spatial tiles in {plan.model.precision.value}, which "
                                 f"this runtime does not execute yet; re-plan in fp32 or fp64")
+
+
+def _check_leading(plan: Plan, stage: int) -> None:
+    """Spatial stage ``stage`` is one of the leading stages 0..k-1, on a slot of its own, and an ordinary
+    stage follows them (it joins the last tiles)."""
+    layout = plan.layout
+    ordinary = [part.index for part in plan.stages[:stage] if part.spatial is None]
+    if ordinary:
+        raise RuntimeSetupError(f"stage {stage} runs on spatial tiles after stage {ordinary[0]}, which does not; "
+                                f"this runtime executes spatial stages only as the leading stages 0..k-1; "
+                                f"re-plan with the spatial stages first")
+    sharing = layout.stages_on_slot(layout.slot(stage))
+    if len(sharing) != 1:
+        raise RuntimeSetupError(f"stage {stage} runs on spatial tiles but shares slot {layout.slot(stage)} with "
+                                f"stages {[s for s in sharing if s != stage]}, which this runtime does not "
+                                f"execute yet; re-plan with each spatial stage on a slot of its own")
+    if plan.stages[-1].spatial is not None:
+        raise RuntimeSetupError(f"stage {stage} runs on spatial tiles and so does every later stage up to the "
+                                f"last ({plan.num_stages - 1}); this runtime needs an ordinary stage after the "
+                                f"spatial ones to join their tiles; re-plan with a non-spatial last stage")
 
 
 def _check_offload(stage: int, offload: OffloadSpec) -> None:

@@ -9,7 +9,9 @@ fp16/bf16 runtime/precision.py scales the loss and defers the step of the fp32 m
 last stage) and ``SWAP_OUT``/``SWAP_IN`` move a micro-batch's swapped activations to the host and back
 (runtime/swap.py; recomputation happens inside the stage modules, runtime/recompute.py). A rank
 that runs several stages (interleaved, WPipe, GEMS programs) looks each stage up by the
-action's stage id; values between two stages on the same rank are handed over in memory.
+action's stage id; values between two stages on the same rank are handed over in memory. A spatial
+stage's tiles are joined by a later ordinary stage's receive, and re-tiled onto a later spatial
+stage's tiles (runtime/retiling.py).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from runtime.launch import join_group
 from runtime.memory import MemoryTracker
 from runtime.microbatch import Microbatch, Targets, split_batch
 from runtime.precision import ScalerOptions
+from runtime.retiling import Retiling
 from runtime.seeding import seeded
 from runtime.setup import set_up
 from runtime.stages import LocalStage, OptimizerFactory
@@ -293,12 +296,15 @@ class Executor:
                 self._deliver(action, messages, state)
 
     def _messages(self, action: Action, state: StepState) -> list[Message]:
-        """The action's messages: one per peer rank (a spatial peer's tiles: one per tile, in tile order)."""
+        """The action's messages: one per peer rank (a spatial peer's tiles: one per tile, in tile order;
+        between two spatial stages: one per re-tiled piece, runtime/retiling.py)."""
         assert action.peer is not None and action.microbatch is not None
         peer_ranks = self.plan.layout.ranks_of(action.peer, self.replica)
         joining = self.tiled.get(action.peer)
         if joining is None:
             return [self._message(action, peer_ranks[0], state)]
+        if action.stage in self.tiled:
+            return self._retiled_messages(action, peer_ranks, state)
         kind = action.kind
         if kind is ActionKind.RECV_F:  # a join: every tile of every value
             names = self.flow.travelling((action.peer, action.stage))
@@ -310,6 +316,30 @@ class Executor:
         return [Message(action, peer, [joining.output_grids[n].tile(grad, tile).contiguous()
                                        for n, grad in zip(names, grads)])
                 for tile, peer in enumerate(peer_ranks)]
+
+    def _retiled_messages(self, action: Action, peer_ranks: Sequence[int], state: StepState) -> list[Message]:
+        assert action.microbatch is not None
+        retiling = Retiling.of(action, self.flow, self.tiled, peer_ranks)
+        micro = state.micro(action.stage, action.microbatch)
+        tiles: dict[str, torch.Tensor] = {}  # what a send cuts its pieces from: this rank's tile of each value
+        if action.kind is ActionKind.SEND_F:
+            tiles = {name: micro.env[name] for name in retiling.names}
+        elif action.kind is ActionKind.SEND_B:
+            tiles = {name: micro.input_grads.pop(name) for name in retiling.names}
+        return retiling.messages(tiles, self.flow.specs, self.device)
+
+    def _deliver_retiled(self, action: Action, messages: list[Message], state: StepState) -> None:
+        """This rank's tile of every value (RECV_F) or of its gradient (RECV_B), put together from its pieces."""
+        assert action.peer is not None and action.microbatch is not None
+        peer_ranks = self.plan.layout.ranks_of(action.peer, self.replica)
+        tiles = Retiling.of(action, self.flow, self.tiled, peer_ranks).assemble(messages)
+        if action.kind is ActionKind.RECV_F:
+            box = state.mailbox(action.stage, action.microbatch)
+            box.update((name, self.flow.specs[name].decode(tile, self.device)) for name, tile in tiles.items())
+            return
+        grads = state.micro(action.stage, action.microbatch).output_grads
+        for name, tile in tiles.items():
+            _accumulate(grads, name, tile)
 
     def _message(self, action: Action, peer_rank: int, state: StepState) -> Message:
         assert action.peer is not None and action.microbatch is not None
@@ -334,6 +364,9 @@ class Executor:
 
     def _deliver(self, action: Action, messages: list[Message], state: StepState) -> None:
         assert action.peer is not None and action.microbatch is not None
+        if action.stage in self.tiled and action.peer in self.tiled:
+            self._deliver_retiled(action, messages, state)
+            return
         if action.kind is ActionKind.RECV_F:
             box = state.mailbox(action.stage, action.microbatch)
             joining = self.tiled.get(action.peer)

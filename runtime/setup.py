@@ -2,15 +2,15 @@
 
 Order (no collective runs before the checks that every rank makes alike):
 plan layout and world size -> this rank's program -> rebuild check (fingerprint) -> split ->
-every stage's checkpoint regions and swapped nodes, a spatial stage's fused groups -> dataflow at
-the micro-batch size -> the NVMe directory (if the plan pages optimizer state) -> materialise this
-rank's stages -> the spatial stages' tile groups -> under mixed precision: fp32 copies of the
-weights, then the model cast to 16 bits and the value specs taken again, so that 16-bit
-activations travel -> recompute and swap wrapped around this rank's stages (a spatial stage put
-on its tile in the same pass) -> process groups -> optimizers (runtime/stage_optimizer.py: masters
-on the plan's tier, ZeRO shards over the data-parallel groups; under mixed precision the fp32
-masters start from those copies, and MixedPrecision holds the loss scale) -> a world-wide check
-that every rank loaded the same plan.
+dataflow at the micro-batch size -> every stage's checkpoint regions and swapped nodes, a spatial
+stage's fused groups (on the tiling of the images it receives) -> the NVMe directory (if the plan
+pages optimizer state) -> materialise this rank's stages -> the spatial stages' tile groups ->
+under mixed precision: fp32 copies of the weights, then the model cast to 16 bits and the value
+specs taken again, so that 16-bit activations travel -> recompute and swap wrapped around this
+rank's stages (a spatial stage put on its tile in the same pass) -> process groups -> optimizers
+(runtime/stage_optimizer.py: masters on the plan's tier, ZeRO shards over the data-parallel
+groups; under mixed precision the fp32 masters start from those copies, and MixedPrecision holds
+the loss scale) -> a world-wide check that every rank loaded the same plan.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from runtime.spatial_stage import check_spatial_stage, tile_stage
 from runtime.stage_optimizer import StageOptimizer
 from runtime.stages import LocalStage, OptimizerFactory, local_stages, param_targets, stage_param_names
 from runtime.swap import SwapSpace
-from runtime.tiles import TiledStage, tiled_stages
+from runtime.tiles import TiledStage, input_grids, tiled_stages
 from runtime.values import value_specs
 from runtime.weights import initialize
 
@@ -82,14 +82,15 @@ def set_up(plan: Plan, model: nn.Module, optimizer_factory: OptimizerFactory, *,
     check_nvme_dir(plan, nvme_dir, stage_ids)
     traced = build.trace_checked(model, plan, leaf_modules)
     modules = build.split_stages(traced, model, plan)
+    inputs = [(meta.shape, getattr(torch, meta.dtype)) for meta in plan.model.example_inputs]
+    specs = value_specs(traced, inputs, plan.training.micro_batch_size)
+    flow = dataflow(traced, modules, plan.part_of(), specs)
     for stage, module in modules.items():
         check_offload(module, plan.stages[stage].offload, stage=stage)
         spatial = plan.stages[stage].spatial
         if spatial is not None:
-            check_spatial_stage(module, spatial, plan.stages[stage].offload, stage=stage)
-    inputs = [(meta.shape, getattr(torch, meta.dtype)) for meta in plan.model.example_inputs]
-    specs = value_specs(traced, inputs, plan.training.micro_batch_size)
-    flow = dataflow(traced, modules, plan.part_of(), specs)
+            check_spatial_stage(module, spatial, plan.stages[stage].offload, input_grids(plan, stage, flow),
+                                stage=stage)
     check_edges(flow, {(t.src_stage, t.dst_stage) for t in plan.transfers})
     stage_params = stage_param_names(model, modules, flow)
     materialise(model, modules, flow, stage_ids, seed, device)

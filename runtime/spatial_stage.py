@@ -105,15 +105,16 @@ def _swap_runs(module: torch.fx.GraphModule, offload: OffloadSpec,
     return {f"swap[{index}]": tuple(run) for index, run in enumerate(runs)}
 
 
-def check_spatial_stage(module: torch.fx.GraphModule, spec: SpatialSpec, offload: OffloadSpec, *,
-                        stage: int) -> None:
+def check_spatial_stage(module: torch.fx.GraphModule, spec: SpatialSpec, offload: OffloadSpec,
+                        input_grids: Mapping[str, TileGrid], *, stage: int) -> None:
     """Refuse, before any communication and alike on every rank, fused groups the stage cannot run
     and recompute or swap regions that cut into them (the offload regions themselves are checked
-    by runtime.offload.check_offload)."""
+    by runtime.offload.check_offload). ``input_grids``: the tiling of the images the stage
+    receives (runtime.tiles.input_grids)."""
     groups = fused_groups(module, spec)
     regions.check(module, groups, stage=stage, section="spatial")
     pieces(module, spec, offload, stage=stage)
-    graph = analyse(module, _grid(spec))
+    graph = analyse(module, _grid(spec), input_grids)
     for label, nodes in groups.items():
         _input_grid(graph, label, nodes, stage)
     _check_layers_apart(graph, groups, stage)
@@ -164,11 +165,12 @@ def tile_stage(module: torch.fx.GraphModule, tiled: TiledStage, spec: SpatialSpe
     timeout = datetime.timedelta(seconds=timeout_s)
     cut = pieces(module, spec, offload, stage=tiled.stage)
     fused = {node for piece in cut.values() if piece.fused for node in piece.nodes}
-    on_tiles = spatialize(module, tiled.grid, tiled.group, timeout=timeout, keep=fused)
+    on_tiles = spatialize(module, tiled.grid, tiled.group, timeout=timeout, keep=fused,
+                          input_grids=tiled.input_grids)
     if not cut:
         return on_tiles
     assert isinstance(on_tiles, torch.fx.GraphModule)
-    graph = analyse(module, tiled.grid)
+    graph = analyse(module, tiled.grid, tiled.input_grids)
     split, names = regions.cut(on_tiles, {label: piece.nodes for label, piece in cut.items()},
                                stage=tiled.stage, section="spatial")
     tag = len(graph.nodes)  # above every per-layer tag (see the module docstring)

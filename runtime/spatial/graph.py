@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import operator
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -178,9 +178,9 @@ def _role(node: fx.Node, modules: dict[str, nn.Module]) -> tuple[Role, WindowSpe
 
 
 def _output_grid(node: fx.Node, role: Role, spec: WindowSpec | None, grids: dict[str, TileGrid | None],
-                 grid: TileGrid) -> TileGrid | None:
+                 grid: TileGrid, input_grids: Mapping[str, TileGrid]) -> TileGrid | None:
     if role is Role.INPUT:
-        return grid
+        return input_grids.get(node.name, grid)
     inputs = [grids[name] for name in _tensor_args(node)]
     if role is Role.OUTPUT:
         return inputs[0] if inputs else None
@@ -195,13 +195,18 @@ def _output_grid(node: fx.Node, role: Role, spec: WindowSpec | None, grids: dict
     return inputs[0]
 
 
-def analyse(traced: fx.GraphModule, grid: TileGrid) -> SpatialGraph:
-    """Give every node its role and tile grid, every input tiled by ``grid``; SpatialError at the first misfit."""
+def analyse(traced: fx.GraphModule, grid: TileGrid,
+            input_grids: Mapping[str, TileGrid] | None = None) -> SpatialGraph:
+    """Give every node its role and tile grid; SpatialError at the first misfit.
+
+    Every input (placeholder) is tiled by ``grid`` unless ``input_grids`` gives it its own (a later
+    spatial stage receives each value tiled over that value's own height and width).
+    """
     modules = dict(traced.named_modules())
     grids: dict[str, TileGrid | None] = {}
     nodes = []
     for node in traced.graph.nodes:
         role, spec = _role(node, modules)
-        grids[node.name] = _output_grid(node, role, spec, grids, grid)
+        grids[node.name] = _output_grid(node, role, spec, grids, grid, input_grids or {})
         nodes.append(SpatialNode(node.name, _layer_name(node), role, _tensor_args(node), grids[node.name], spec))
     return SpatialGraph(traced, tuple(nodes))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import datetime
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -74,13 +74,14 @@ def _input_grids(graph: SpatialGraph, keep: Collection[str]) -> dict[str, tuple[
 
 def spatialize(module: nn.Module, grid: TileGrid, group: dist.ProcessGroup | None, *, sync_bn: bool = True,
                overlap: bool = True, timeout: datetime.timedelta = DEFAULT_TIMEOUT,
-               keep: Collection[str] = ()) -> nn.Module:
+               keep: Collection[str] = (), input_grids: Mapping[str, TileGrid] | None = None) -> nn.Module:
     """A copy of ``module`` that runs on tiles of ``grid``, every halo exchanged per layer.
 
     The copy shares parameters and buffers with ``module``; its Conv2d / MaxPool2d / AvgPool2d
     become SpatialConv2d / SpatialMaxPool2d / SpatialAvgPool2d bound to the tile grid they see
     (strided layers shrink it), its BatchNorm2d become SpatialBatchNorm2d (``sync_bn``). Every
     input of ``module`` is one tile of ``grid``; outputs are tiles of ``output_grid(module, grid)``.
+    ``input_grids`` gives named inputs (placeholders) a grid of their own instead of ``grid``.
     Raises SpatialError naming the first layer that cannot be tiled exactly (global pooling,
     flatten, ceil_mode pools where they round up, non-zero padding modes, ...), before any communication.
 
@@ -96,7 +97,7 @@ def spatialize(module: nn.Module, grid: TileGrid, group: dist.ProcessGroup | Non
         y_tile = stem(grid.tile(x, dist.get_rank(group)))
     """
     options = _Options(sync_bn, overlap, timeout)
-    graph = analyse(trace_spatial(module), grid)
+    graph = analyse(trace_spatial(module), grid, input_grids)
     if fx.Tracer().is_leaf_module(module, ""):  # a lone layer
         return _tiled_layer(module, type(module).__name__, grid, group, 0, options)
     tiled = _sharing_copy(module)
