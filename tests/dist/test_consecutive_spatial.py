@@ -3,14 +3,16 @@
 ResNet-50 (width 4, 64x64 images, float64): stage 0 = the stem and layer1 on 4 square tiles,
 stage 1 = layer2 and layer3's first block on 2 vertical strips, then the rest as one ordinary
 stage (7 ranks), under GPipe and 1F1B (recomputing and swapping on the strips); stage 1 receives
-layer1's 16x16 output re-tiled from the square tiles onto strips. And a cut inside a residual block with three spatial stages (2
-horizontal, 2 vertical, 2 horizontal tiles, 1F1B): layer1's output skips stage 1 to the shortcut
+layer1's 16x16 output re-tiled from the square tiles onto strips. And a cut inside a residual
+block with three spatial stages (2 horizontal, 2 vertical, 2 horizontal tiles, 1F1B): layer1's output skips stage 1 to the shortcut
 on stage 2, which takes it as 16x16 strips beside stage 1's 8x8 output (two images, each tiled
 over its own size). Losses, every gradient, the final weights and the batch-norm running
 statistics equal the reference to 1e-10 of each tensor's largest entry (as
 tests/dist/test_spatial_runtime.py explains), and every rank's halo bytes are what
 cost_models.halo gives for its stage's conv and pool layers on its tile: the re-tiling between
-spatial stages is not halo traffic.
+spatial stages is not halo traffic. A fourth case is the search's own plan for 7 ranks in 3 stages
+(4 tiles, then 2, then one rank, wherever the ILP cuts): it equals the reference too, and each
+tile's halo bytes are the plan's prediction.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from cost_models.graph.ir import Geometry
 from cost_models.halo import Edges, balanced_edges, halo_cost, output_edges, windows_of
 from cost_models.presets import PRESETS
 from planner.plan import OffloadSpec, Plan, SpatialSpec
-from runtime.build import rebuild_model, trace_checked
+from runtime.build import default_dtype, rebuild_model, trace_checked
 from runtime.values import ValueSpec, value_specs
 from tests.dist.harness import run_ranks
 from tests.dist.runtime_cases import Case, Outcome, reference, run_cases
@@ -142,7 +144,7 @@ def test_spatial_stages_one_after_another_equal_a_single_process() -> None:
     three spatial stages with a value skipping one."""
     cases = [Case(_plan(FOUR_THEN_TWO, "gpipe"), steps=1),
              Case(_plan(FOUR_THEN_TWO, "1f1b", offload=[OffloadSpec(), ON_STRIPS, OffloadSpec()]), steps=1),
-             Case(_plan(SKIPPING, "1f1b"), steps=1)]
+             Case(_plan(SKIPPING, "1f1b"), steps=1), Case(_searched(), steps=1)]
     outcomes = run_ranks(run_cases, 7, cases, timeout_s=240)
     expected = reference(cases[0])  # the model, batch and optimizer are the same in every case
     plans = [Plan.from_dict(json.loads(case.plan_json)) for case in cases]
@@ -152,3 +154,25 @@ def test_spatial_stages_one_after_another_equal_a_single_process() -> None:
     for index, plan in enumerate(plans):
         _check(plan, expected, [outcomes[rank][index] for rank in range(7)],
                _predicted_halo_bytes(plan, traced, shapes))
+    searched = plans[-1]  # the planner's own prediction of every tile's halo bytes is the runtime's count too
+    assert [stage.spatial.parts for stage in searched.stages[:2]] == [4, 2]  # type: ignore[union-attr]
+    predicted = [0] * 7
+    for stage in searched.stages[:2]:
+        for tile, rank in enumerate(searched.layout.ranks_of(stage.index, 0)):
+            predicted[rank] = stage.spatial.halo_bytes[tile] * searched.training.num_microbatches  # type: ignore[union-attr]
+    assert [outcomes[rank][3].halo_bytes_sent for rank in range(7)] == predicted
+
+
+def _searched() -> str:
+    """The search's plan for 7 GPUs in 3 stages of 1 replica, which only 4 tiles, then 2, then one rank
+    can use (planner.plan(), float64, the batches and optimizer of make_plan's plans)."""
+    from cost_models.graph.model_spec import build_model, load_builder
+    from planner import plan
+
+    kwargs = {"width": 4, "num_classes": 10}
+    with default_dtype(torch.float64):
+        model = build_model(load_builder(RESNET), kwargs, "meta")
+    return plan(model, gpus=7, mem="16GB", batch_size=4, micro_batch_sizes=(2,), num_stages=(3,), data_parallel=(1,),
+                schedules=("1f1b",), precision="fp64", optimizer="momentum", offload=False, builder=RESNET,
+                builder_kwargs=kwargs,
+                example_inputs=torch.empty(1, 3, 64, 64, dtype=torch.float64, device="meta")).to_json()
