@@ -21,7 +21,6 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import numpy as np
 import pytest
 import torch
 import torch.fx
@@ -35,11 +34,12 @@ from runtime.build import default_dtype, rebuild_model, trace_checked
 from runtime.values import ValueSpec, value_specs
 from tests.dist.harness import run_ranks
 from tests.dist.runtime_cases import Case, Outcome, reference, run_cases
+from tests.dist.test_spatial_runtime import assert_rank_equals
 from tests.runtime_plans import RESNET, make_plan
 
 pytestmark = pytest.mark.dist
 
-RTOL, ATOL = 1e-10, 1e-12
+
 Cut = tuple[list[str], dict[int, SpatialSpec]]  # stage starts, spatial sections
 FOUR_THEN_TWO: Cut = (["layer2_0_conv1", "layer3_1_conv1"],
                       {0: SpatialSpec(4, "square", "per-layer", height=64, width=64),
@@ -63,25 +63,12 @@ def _plan(cut: Cut, schedule: str, offload: list[OffloadSpec] | None = None) -> 
     return make_plan(RESNET, cut[0], schedule=schedule, microbatches=2, spatial=cut[1], offload=offload)
 
 
-def _close(actual: np.ndarray, expected: np.ndarray, what: str) -> None:
-    """Equal to RTOL of the tensor's largest entry (norm-wise relative error in the max norm)."""
-    error = float(np.abs(np.asarray(actual) - np.asarray(expected)).max(initial=0.0))
-    scale = float(np.abs(np.asarray(expected)).max(initial=0.0))
-    assert error <= RTOL * scale + ATOL, f"{what}: max error {error:.3g} against largest entry {scale:.3g}"
-
-
 def _check(plan: Plan, expected: Outcome, by_rank: list[Outcome], halo_bytes: list[int]) -> None:
     """Every rank's losses, and the gradients, weights and buffers of its stage, equal the reference;
     its stage recomputed and swapped what the plan says; its halo bytes are ``halo_bytes``."""
     seen: set[str] = set()
     for rank, outcome in enumerate(by_rank):
-        np.testing.assert_allclose(outcome.losses, expected.losses, rtol=RTOL, atol=ATOL,
-                                   err_msg=f"rank {rank} losses")
-        for name, grad in outcome.grads.items():
-            _close(grad, expected.grads[name], f"rank {rank} gradient of {name}")
-            _close(outcome.params[name], expected.params[name], f"rank {rank} parameter {name}")
-        for name, buffer in outcome.buffers.items():
-            _close(buffer, expected.buffers[name], f"rank {rank} buffer {name}")
+        assert_rank_equals(rank, outcome, expected)
         seen |= set(outcome.grads)
         offload = plan.stages[plan.layout.stages_of_rank(rank)[0]].offload
         assert outcome.checkpointed == len(offload.recompute), f"rank {rank} checkpointed regions"

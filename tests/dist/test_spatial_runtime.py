@@ -143,6 +143,17 @@ def _close(actual: np.ndarray, expected: np.ndarray, what: str) -> None:
     assert error <= RTOL * scale + ATOL, f"{what}: max error {error:.3g} against largest entry {scale:.3g}"
 
 
+def assert_rank_equals(rank: int, outcome: Outcome, expected: Outcome, *, buffers: bool = True) -> None:
+    """The rank's losses, and the gradients, weights and (if ``buffers``) batch-norm running statistics
+    of its stage, equal the reference."""
+    np.testing.assert_allclose(outcome.losses, expected.losses, rtol=RTOL, atol=ATOL, err_msg=f"rank {rank} losses")
+    for name, grad in outcome.grads.items():
+        _close(grad, expected.grads[name], f"rank {rank} gradient of {name}")
+        _close(outcome.params[name], expected.params[name], f"rank {rank} parameter {name}")
+    for name, buffer in outcome.buffers.items() if buffers else ():
+        _close(buffer, expected.buffers[name], f"rank {rank} buffer {name}")
+
+
 def _check(case: Case, expected: Outcome, by_rank: list[Outcome]) -> None:
     """Every rank's losses, and the gradients, weights and buffers of its stage, equal the reference;
     the tile ranks recomputed and swapped what the plan says."""
@@ -150,14 +161,8 @@ def _check(case: Case, expected: Outcome, by_rank: list[Outcome]) -> None:
     replicas = plan.data_parallel
     seen: set[str] = set()
     for rank, outcome in enumerate(by_rank):
-        np.testing.assert_allclose(outcome.losses, expected.losses, rtol=RTOL, atol=ATOL,
-                                   err_msg=f"rank {rank} losses")
-        for name, grad in outcome.grads.items():
-            _close(grad, expected.grads[name], f"rank {rank} gradient of {name}")
-            _close(outcome.params[name], expected.params[name], f"rank {rank} parameter {name}")
-        if replicas == 1:  # replicas see different samples: their running statistics differ
-            for name, buffer in outcome.buffers.items():
-                _close(buffer, expected.buffers[name], f"rank {rank} buffer {name}")
+        # replicas see different samples: their running statistics differ
+        assert_rank_equals(rank, outcome, expected, buffers=replicas == 1)
         seen |= set(outcome.grads)
     assert seen == set(expected.grads), f"parameters on no rank: {sorted(set(expected.grads) - seen)}"
     offload = plan.stages[0].offload

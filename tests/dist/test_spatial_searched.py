@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 
@@ -20,7 +19,7 @@ from planner.plan import Plan, Slicing
 from runtime.build import default_dtype
 from tests.dist.harness import run_ranks
 from tests.dist.runtime_cases import Case, reference, run_cases
-from tests.dist.test_spatial_runtime import ATOL, RTOL, _close
+from tests.dist.test_spatial_runtime import assert_rank_equals
 from tests.runtime_plans import RESNET
 
 pytestmark = pytest.mark.dist
@@ -59,12 +58,7 @@ def test_searched_spatial_plans_equal_a_single_process_and_send_the_predicted_ha
     for index, each in enumerate(plans):
         by_rank = [outcomes[rank][index] for rank in range(3)]
         for rank, outcome in enumerate(by_rank):
-            np.testing.assert_allclose(outcome.losses, expected.losses, rtol=RTOL, atol=ATOL)
-            for name, grad in outcome.grads.items():
-                _close(grad, expected.grads[name], f"case {index} rank {rank} gradient of {name}")
-                _close(outcome.params[name], expected.params[name], f"case {index} rank {rank} parameter {name}")
-            for name, buffer in outcome.buffers.items():
-                _close(buffer, expected.buffers[name], f"case {index} rank {rank} buffer {name}")
+            assert_rank_equals(rank, outcome, expected)
         assert set().union(*(outcome.grads for outcome in by_rank)) == set(expected.grads)
         halo = each.stages[0].spatial.halo_bytes  # type: ignore[union-attr]
         predicted = [count * each.training.num_microbatches for count in halo] + [0]

@@ -27,7 +27,7 @@ from planner.schedules.lower import lower
 from planner.schedules.simulate import SimCosts, StageCosts, simulate
 from planner.schedules.swaps import insert_swaps
 from planner.search.evaluate import Decisions, Evaluation, evaluate
-from planner.search.ilp import solve_partition
+from planner.search.ilp import IlpResult, solve_partition
 from planner.search.problem import (
     ON_GPU,
     LinearCost,
@@ -88,16 +88,25 @@ def _brute_force(costs: CostModel) -> float | None:
     return best
 
 
-@settings(max_examples=40, deadline=None)
-@given(decided_problems())
-def test_ilp_with_whole_unit_decisions_equals_brute_force(problem: PipelineProblem) -> None:
-    costs = cost_model(problem)
+def ilp_equals_brute_force(costs: CostModel) -> IlpResult | None:
+    """The whole-unit ILP's plan, after checking its step equals the brute force's (None: nothing fits,
+    and the ILP says so)."""
     expected = _brute_force(costs)
     result = solve_partition(costs, integral=True)
     if expected is None:
         assert result.cuts is None
-        return
+        return None
     assert result.objective == pytest.approx(expected, rel=1e-6, abs=1e-6)
+    return result
+
+
+@settings(max_examples=40, deadline=None)
+@given(decided_problems())
+def test_ilp_with_whole_unit_decisions_equals_brute_force(problem: PipelineProblem) -> None:
+    costs = cost_model(problem)
+    result = ilp_equals_brute_force(costs)
+    if result is None:
+        return
     evaluation = evaluate(costs, result.cuts, result.decisions)
     assert evaluation.step_ms == pytest.approx(result.objective, rel=1e-6, abs=1e-6)
     assert evaluation.fits(problem.mem_bytes)

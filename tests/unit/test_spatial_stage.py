@@ -37,7 +37,7 @@ def test_fused_groups_recompute_and_swap_are_cut_once(stem_stage: torch.fx.Graph
         "fused_groups[1]": Piece(CONVS, fused=True, recomputed=True),
         "recompute[1]": Piece(("layer1_0_conv3", "layer1_0_bn3"), recomputed=True),
         "swap[1]": Piece(("layer1_0_shortcut_0", "layer1_0_shortcut_1"), swapped=True)}
-    check_spatial_stage(stem_stage, FUSED, offload, stage=0)
+    check_spatial_stage(stem_stage, FUSED, offload, {}, stage=0)  # stage 0: every input is the image
     whole = SpatialSpec(2, "vertical", "fused", 64, 64)  # no groups listed: the whole stage is one
     assert pieces(stem_stage, whole, OffloadSpec(), stage=0) == {
         "fused_groups[0]": Piece((*STEM, *CONVS, "layer1_0_conv3", "layer1_0_bn3", "layer1_0_shortcut_0",
@@ -95,5 +95,5 @@ def test_groups_and_regions_the_runtime_cannot_run_are_refused_in_one_line(
         offload: OffloadSpec, message: str) -> None:
     graph = stem_stage if module is None else torch.fx.symbolic_trace(module())
     with pytest.raises(RuntimeSetupError, match=message) as refused:
-        check_spatial_stage(graph, spec, offload, stage=0)
+        check_spatial_stage(graph, spec, offload, {}, stage=0)
     assert "\n" not in str(refused.value)
