@@ -94,10 +94,6 @@ class TileGeometry:
     def parts(self) -> int:
         return self.rows * self.cols
 
-    @property
-    def names(self) -> frozenset[str]:
-        return frozenset(node.name for node in self.nodes)
-
 
 def image_input(graph: LayerGraph) -> LayerNode:
     """The graph's one input, an (N, C, H, W) image; SpatialError when there is none."""

@@ -290,7 +290,7 @@ def cost_model(problem: PipelineProblem) -> CostModel:
     memory and NVMe hold what its ranks' modes and swaps put there.
     """
     shared = _shared_terms(problem, problem.units)
-    tiled = [_tiled_terms(problem, spatial, shared) for spatial in problem.spatial]
+    tiled = [_tiled_terms(problem, spatial) for spatial in problem.spatial]
     states: dict[int, dict[str, Term]] = {}  # the state terms per number of copies: alike for such parts
     parts = tuple(_part_terms(problem, part, tiled[part] if part < len(tiled) else shared, states)
                   for part in range(problem.num_parts))
@@ -326,17 +326,16 @@ def _shared_terms(problem: PipelineProblem, units: tuple[Unit, ...]) -> dict[str
     return {name: dataclasses.replace(term, family=name) for name, term in terms.items()}
 
 
-def _tiled_terms(problem: PipelineProblem, spatial: SpatialPart, shared: dict[str, Term]) -> dict[str, Term]:
-    """A spatial part's shared terms: the same formulas over the units as its slowest tile runs them; a
-    unit that cannot be tiled weighs more than the budget in its static memory, so no partition puts it
-    on that part (the ILP's memory row, the DP and the evaluator all read it)."""
+def _tiled_terms(problem: PipelineProblem, spatial: SpatialPart) -> dict[str, Term]:
+    """A spatial part's shared terms: the same formulas over the units as its slowest tile runs them (the
+    values crossing its cuts count whole, a bound on a tile's share); a unit that cannot be tiled weighs
+    more than the budget in its static memory, so no partition puts it on that part (the ILP's memory
+    row, the DP and the evaluator all read it)."""
     tiled = _shared_terms(problem, spatial.units)
     beyond = float(problem.mem_bytes + 1)
     untileable = Term(per_unit=tuple(0.0 if unit < spatial.tileable_units else beyond
                                      for unit in range(len(problem.units))))
     tiled["untileable_bytes"] = untileable
-    # a tile sends its share of every value crossing the join; the receiver takes them all
-    tiled["sent_bytes"] = shared["sent_bytes"]
     return tiled
 
 
