@@ -177,7 +177,7 @@ GPU_ONLY = MemoryTiers(False, False, ON_GPU, FREE_LINK, FREE_LINK, 0.0, 0.0, 4, 
 
 @dataclass(frozen=True)
 class SpatialChoice:
-    """Part 0 on ``parts`` image tiles per replica, cut as ``slicing`` (planner/plan/spatial.py Slicing)."""
+    """A spatial stage on ``parts`` image tiles per replica, cut as ``slicing`` (planner/plan/spatial.py Slicing)."""
 
     parts: int
     slicing: Slicing
