@@ -20,7 +20,7 @@ Pure functions of integers; imports the standard library and cost_models only.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -303,6 +303,45 @@ def chain_needed_regions(grid: TileEdges, chain: Sequence[WindowPair]) -> tuple[
             need = need.hull(tile_region(grids[level], rank))
         regions.append(need)
     return tuple(regions)
+
+
+_NOTHING = Region(0, 0, 0, 0)
+
+
+@dataclass(frozen=True)
+class GroupNode:
+    """One node of a fused group, for :func:`group_needed_regions`: the values it reads and, for a
+    window layer, its windows (None: it reads each input over its own output region)."""
+
+    name: str
+    inputs: tuple[str, ...]
+    windows: WindowPair | None = None
+
+
+def group_needed_regions(nodes: Sequence[GroupNode], kept: Iterable[str], own: Callable[[str], Region],
+                         image: Callable[[str], Region]) -> dict[str, Region]:
+    """For one rank, the region every value of a fused group must cover (its inputs included: what
+    their one wide halo exchange fills), so the values ``kept`` (read after the group) are exact on
+    the rank's own tile.
+
+    Walking ``nodes`` (in execution order) backwards, a node covers its own tile (``own(name)``: each
+    activation is computed by its owner, so batch-norm statistics count owned pixels once) hulled
+    with what later nodes read of it; a window layer reads its output region widened by
+    :func:`needed_region` and clamped to its input's ``image(name)``, any other node reads its
+    inputs over its own region. The planner's fused-halo costs and the runtime's FusedHaloBlock
+    both use this walk.
+    """
+    required = {name: own(name) for name in kept}
+    needed: dict[str, Region] = {}
+    for node in reversed(nodes):
+        need = own(node.name).hull(required.get(node.name, _NOTHING))
+        needed[node.name] = need
+        for source in node.inputs:
+            reads = need if node.windows is None else needed_region(node.windows, need, image(source))
+            required[source] = required.get(source, _NOTHING).hull(reads)
+    for source, reads in required.items():
+        needed.setdefault(source, own(source).hull(reads))
+    return needed
 
 
 Transfer = tuple[int, Region]

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from cost_models.comm import halo_exchange_ms
 from cost_models.device_spec import LinkSpec
@@ -89,6 +90,7 @@ class TileGeometry:
     nodes: tuple[NodeTiles, ...]  # the leading run of nodes (parameters and the input excluded)
     stop: str  # why the run ends where it does ("" if nothing stops it)
     passive: frozenset[str]  # the graph's input and parameter nodes (they compute nothing on tiles)
+    grids: Mapping[str, Grid]  # every tiled value's grid, the inputs' too
 
     @property
     def parts(self) -> int:
@@ -114,7 +116,8 @@ def tile_geometry(graph: LayerGraph, rows: int, cols: int) -> TileGeometry:
     found = _walk(graph, (node for node in graph if node.kind not in (NodeKind.INPUT, NodeKind.PARAM)), grids)
     if not found.nodes:
         raise SpatialError(f"the model's first layer cannot run on {rows}x{cols} tiles: {found.stop}")
-    return TileGeometry(rows, cols, height, width, found.nodes, found.stop, found.passive)
+    return TileGeometry(rows, cols, height, width, found.nodes, found.stop, found.passive,
+                        MappingProxyType(grids))
 
 
 def stage_geometry(graph: LayerGraph, rows: int, cols: int, stage: Sequence[str]) -> TileGeometry:
@@ -136,7 +139,7 @@ def stage_geometry(graph: LayerGraph, rows: int, cols: int, stage: Sequence[str]
     if found.stop:
         raise SpatialError(found.stop)
     _, _, height, width = graph.node(received[0]).output_shape  # type: ignore[misc]
-    return TileGeometry(rows, cols, height, width, found.nodes, "", found.passive)
+    return TileGeometry(rows, cols, height, width, found.nodes, "", found.passive, MappingProxyType(grids))
 
 
 @dataclass(frozen=True)
@@ -256,20 +259,34 @@ def _exchange(node: NodeTiles, table: CostTable) -> tuple[list[list[int]], list[
             [[round(p * pixel_bytes) for p in peers] for peers in node.received_pixels])
 
 
+@dataclass(frozen=True)
+class GroupExchange:
+    """A fused group's halo exchanges (cost_models.fused): per tile, per micro-batch."""
+
+    nodes: tuple[str, ...]  # its members
+    sent_bytes: tuple[int, ...]  # by its forward exchange, one per input
+    gradient_bytes: tuple[int, ...]  # sent back in the backward: the received halos' gradients (not the image's)
+
+
 def halo_bytes(geometry: TileGeometry, table: CostTable, stage: Collection[str],
-               recomputed: Collection[str] = ()) -> tuple[int, ...]:
+               recomputed: Collection[str] = (), fused: Sequence[GroupExchange] = ()) -> tuple[int, ...]:
     """Per tile, the halo bytes the exchanges of the nodes ``stage`` send per micro-batch: each forward
     exchange (twice for a node in ``recomputed``: its forward runs again in the backward, exchanges
     included), and in the backward the gradient of every halo it received (none for halos of the input
-    image, which needs no gradient)."""
+    image, which needs no gradient). A node of a ``fused`` group exchanges nothing itself; the group
+    exchanges once per input (again when recomputed: it is recomputed whole)."""
     members, again = set(stage), set(recomputed)
+    grouped = {name for group in fused for name in group.nodes}
     total = [0] * geometry.parts
     for node in geometry.nodes:
-        if node.name not in members or not node.sent_pixels:
+        if node.name not in members or node.name in grouped or not node.sent_pixels:
             continue
         sent, received = _exchange(node, table)
         forwards = 2 if node.name in again else 1
         for tile in range(geometry.parts):
             total[tile] += forwards * sum(sent[tile]) + (0 if node.reads_image else sum(received[tile]))
+    for group in fused:
+        forwards = 2 if again.intersection(group.nodes) else 1
+        for tile in range(geometry.parts):
+            total[tile] += forwards * group.sent_bytes[tile] + group.gradient_bytes[tile]
     return tuple(total)
-

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from cost_models.devices import DeviceSpec
 from cost_models.graph.ir import LayerGraph, NodeKind
+from cost_models.fused import FusedHalos
 from cost_models.spatial import halo_bytes, stage_geometry, tile_geometry
 from cost_models.units import format_ms, plural
 from planner.plan import (
@@ -144,8 +145,13 @@ def _spatial(best: Candidate, index: int, nodes: tuple[str, ...], graph: LayerGr
     choice = spatial[index].choice
     rows, cols = choice.grid_shape
     geometry = tile_geometry(graph, rows, cols) if index == 0 else stage_geometry(graph, rows, cols, nodes)
-    halo = halo_bytes(geometry, best.setup.table, nodes, offload.recomputed_nodes)
-    return SpatialSpec(choice.parts, choice.slicing, HaloMode.PER_LAYER, geometry.height, geometry.width,
+    members = set(nodes)
+    groups = tuple(group for group in spatial[index].fused_groups if members.issuperset(group))
+    fused = FusedHalos(graph, geometry)
+    exchanges = tuple(fused.exchange(group, best.setup.table) for group in groups)
+    halo = halo_bytes(geometry, best.setup.table, nodes, offload.recomputed_nodes, exchanges)
+    return SpatialSpec(choice.parts, choice.slicing, HaloMode.FUSED if groups else HaloMode.PER_LAYER,
+                       geometry.height, geometry.width, fused_groups=tuple(exchange.nodes for exchange in exchanges),
                        halo_bytes=halo)
 
 

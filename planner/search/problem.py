@@ -8,7 +8,7 @@ only between units, at points where few bytes cross. Every number the cost terms
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING
@@ -210,11 +210,13 @@ class SpatialPart:
     units: tuple[Unit, ...]  # per unit of the problem, on the slowest tile (untileable ones as they are)
     tileable_units: int
     stop: str
+    fused_groups: tuple[tuple[str, ...], ...] = ()  # runs of nodes costed as fused halo groups (cost_models.fused)
 
 
 def spatial_part(choice: SpatialChoice, coarse: Coarsening, geometry: TileGeometry,
-                 tiles: dict[str, TileCost]) -> SpatialPart:
-    """``coarse``'s units on ``choice``'s tiles, from each tileable node's cost on the slowest tile."""
+                 tiles: Mapping[str, TileCost], fused_groups: tuple[tuple[str, ...], ...] = ()) -> SpatialPart:
+    """``coarse``'s units on ``choice``'s tiles, from each tileable node's cost on the slowest tile (a
+    member of ``fused_groups`` costed as its group runs it)."""
     units = []
     tileable = None
     for index, unit in enumerate(coarse.units):
@@ -233,7 +235,7 @@ def spatial_part(choice: SpatialChoice, coarse: Coarsening, geometry: TileGeomet
             transient_bytes=round(max((cost.transient_bytes for cost in on_tiles), default=0.0)),
             input_bytes=round(min(saved, unit.input_bytes * (first.share if first else 1.0)))))
     return SpatialPart(choice, tuple(units),
-                       len(coarse.units) if tileable is None else tileable, geometry.stop)
+                       len(coarse.units) if tileable is None else tileable, geometry.stop, fused_groups)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from cost_models.comm import p2p_link, ring_allreduce_coefficients
 from cost_models.devices import DeviceSpec
 from cost_models.errors import PlanInfeasible, SpatialError
 from cost_models.estimation import CostTable, estimate
+from cost_models.fused import FusedHalos
 from cost_models.graph.ir import LayerGraph
 from cost_models.spatial import TileGeometry, image_input, tile_costs, tile_geometry
 from cost_models.units import format_bytes
@@ -145,6 +146,7 @@ class Search:
         self._min_peaks: dict[tuple[Config, bool], OracleResult | None] = {}
         self._schedules: dict[tuple, Schedule] = {}
         self._geometries: dict[SpatialChoice, TileGeometry] = {}
+        self._fused: dict[SpatialChoice, FusedHalos] = {}  # each geometry's fused-halo costing (memoised walks)
         self._bounds: dict[Config, float] = {}
         self._spatial: dict[tuple[int, SpatialChoice], SpatialPart] = {}
         self.spatial_note = ""  # why no plan may tile the image (set by tilings())
@@ -223,6 +225,7 @@ class Search:
     def _geometry(self, choice: SpatialChoice) -> TileGeometry:
         if choice not in self._geometries:
             self._geometries[choice] = tile_geometry(self.graph, *choice.grid_shape)
+            self._fused[choice] = FusedHalos(self.graph, self._geometries[choice])
         return self._geometries[choice]
 
     def _spatial_part(self, choice: SpatialChoice, micro_batch_size: int, units: Coarsening,
@@ -234,8 +237,11 @@ class Search:
             return self._spatial[key]
         link = p2p_link(self.device, same_node=True)  # a replica's tiles are consecutive ranks of one node
         geometry = self._geometry(choice)
-        part = spatial_part(choice, units, geometry,
-                            tile_costs(geometry, table, link, ring_allreduce_coefficients(choice.parts, link)))
+        allreduce = ring_allreduce_coefficients(choice.parts, link)
+        tiles = tile_costs(geometry, table, link, allreduce)
+        fused = self._fused[choice].choose([unit.nodes for unit in units.units], table, link, allreduce, tiles)
+        tiles.update((name, cost) for group in fused for name, cost in group.costs.items())
+        part = spatial_part(choice, units, geometry, tiles, tuple(group.nodes for group in fused))
         if own:
             self._spatial[key] = part
         return part

@@ -23,35 +23,30 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from cost_models.errors import SpatialError
-from cost_models.halo import Region, needed_region
+from cost_models.halo import GroupNode, Region, WindowPair, group_needed_regions
 from runtime.spatial.batchnorm import batch_norm_tiles
 from runtime.spatial.graph import Role, SpatialGraph, SpatialNode, analyse, trace_spatial
 from runtime.spatial.halo import DEFAULT_TIMEOUT, ExchangePlan, HaloExchange
 from runtime.spatial.tiling import TileGrid
 from runtime.spatial.window import compute_region
 
-EMPTY = Region(0, 0, 0, 0)
 Located = tuple[torch.Tensor, Region]  # a tensor and the image region it covers
 
 
 def needed_regions(graph: SpatialGraph, rank: int) -> dict[str, Region]:
-    """For one rank, the region every node's output must cover so the group's output tile is exact."""
-    required: dict[str, Region] = {}
-    needed: dict[str, Region] = {}
-    for node in reversed(graph.nodes):
-        if node.role is Role.OUTPUT:
-            for name in node.inputs:
-                required[name] = required.get(name, EMPTY).hull(_own(graph[name], rank))
-            continue
-        need = _own(node, rank).hull(required.get(node.name, EMPTY))
-        needed[node.name] = need
-        for name in node.inputs:
-            reads = need
-            if node.role is Role.WINDOW:
-                assert node.spec is not None
-                reads = needed_region((node.spec.rows, node.spec.cols), need, _grid(graph[name]).image)
-            required[name] = required.get(name, EMPTY).hull(reads)
-    return needed
+    """For one rank, the region every node's output must cover so the group's output tile is exact
+    (cost_models.halo.group_needed_regions over the group's nodes, the planner's walk too)."""
+    nodes = [GroupNode(node.name, node.inputs, _windows(node))
+             for node in graph.nodes if node.role is not Role.OUTPUT]
+    return group_needed_regions(nodes, graph.output.inputs, lambda name: _own(graph[name], rank),
+                                lambda name: _grid(graph[name]).image)
+
+
+def _windows(node: SpatialNode) -> WindowPair | None:
+    if node.role is not Role.WINDOW:
+        return None
+    assert node.spec is not None
+    return node.spec.rows, node.spec.cols
 
 
 def _grid(node: SpatialNode) -> TileGrid:

@@ -1,0 +1,264 @@
+"""Fused halo groups on a spatial stage: what a run of tiled nodes costs when it exchanges one wide
+halo per input instead of one per window layer, and which runs pay for it (now-dl's "design 2").
+
+The runtime runs a fused group as one FusedHaloBlock (runtime/spatial/fused.py): each value the
+group reads from outside is exchanged once, over the region cost_models.halo.group_needed_regions
+gives; inside, every node computes its needed region (its own tile plus the border that later
+layers of the group read), so each node's share of the image grows with the depth of the group
+behind it, and its windows pad only at the image border. Per node, on the slowest tile (``share``:
+the largest needed region's share of the node's output image):
+
+    fwd_ms = fwd_ms x share (+ the group's exchanges, on its first node; + statistics all-reduce for
+             a batch norm, as per layer)
+    bwd_ms = bwd_ms x share (+ the exchange of the received halos' gradients, on its first node; + the
+             same all-reduce)
+    saved  = saved x share (+ a window layer's input block, padded at the image border: a new tensor
+             it saves; + a batch norm's centred and normalised outputs, as per layer)
+
+A group pays when its nodes' fwd + bwd on the slowest tile is below their per-layer cost
+(cost_models.spatial.tile_costs): fewer messages (their latency) against redundant border compute.
+Groups repeat in deep networks, so the region walk is memoised by the group's shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from cost_models.comm import halo_exchange_ms
+from cost_models.device_spec import LinkSpec
+from cost_models.errors import SpatialError
+from cost_models.estimation import CostTable
+from cost_models.graph.ir import LayerGraph, LayerNode, NodeKind
+from cost_models.halo import (
+    GroupNode,
+    Region,
+    WindowPair,
+    group_needed_regions,
+    halo_transfers,
+    tile_region,
+    windows_of,
+)
+from cost_models.spatial import Grid, GroupExchange, TileCost, TileGeometry
+
+Bytes = list[list[list[int]]]  # per input, per tile, per neighbour
+MAX_GROUP_BLOCKS = 4  # the longest fused group, in runs between single-value cuts
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """A group's region walk on the tile grid (alike for every group of the same shape)."""
+
+    shares: tuple[float, ...]  # per member: the largest tile's needed region over its image
+    read_pixels: tuple[int, ...]  # per member: a window's largest input block (padding included); 0 else
+    sent_pixels: tuple[tuple[tuple[int, ...], ...], ...]  # per input, per tile, per neighbour
+    received_pixels: tuple[tuple[tuple[int, ...], ...], ...]
+
+
+@dataclass(frozen=True)
+class FusedGroup:
+    """A run of a spatial stage's nodes that exchanges one wide halo per input, and its costs."""
+
+    exchange: GroupExchange  # its members and the bytes each tile sends
+    costs: Mapping[str, TileCost]  # per member, on the slowest tile, per micro-batch
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        return self.exchange.nodes
+
+    @property
+    def step_ms(self) -> float:
+        """Forward plus backward of the whole group on the slowest tile."""
+        return sum(cost.fwd_ms + cost.bwd_ms for cost in self.costs.values())
+
+
+class FusedHalos:
+    """Fused groups of one tile geometry: their costs, and the choice of those that pay.
+
+    ``graph`` is the traced model, ``geometry`` its tiled run (its grids place every value).
+    """
+
+    def __init__(self, graph: LayerGraph, geometry: TileGeometry) -> None:
+        self.graph, self.geometry = graph, geometry
+        self._shapes: dict[tuple, _Shape | None] = {}
+        self._targets: dict[str, int] = {}
+        for tiles in geometry.nodes:
+            target = graph.node(tiles.name).target
+            self._targets[target] = self._targets.get(target, 0) + 1
+
+    def choose(self, units: Sequence[Sequence[str]], table: CostTable, link: LinkSpec,
+               allreduce: tuple[float, float], per_layer: Mapping[str, TileCost]) -> tuple[FusedGroup, ...]:
+        """The fused groups that make the tiled run fastest: runs of whole ``units`` (the planner's,
+        so its recompute and swap decisions never cut a group), each between two points where one
+        value alone crosses, of at most ``MAX_GROUP_BLOCKS`` such blocks; every other node exchanges
+        per layer (``per_layer``: cost_models.spatial.tile_costs at ``table``'s micro-batch).
+
+        Exact over those segmentations (a shortest path over the unit boundaries): the slowest
+        tile's fwd + bwd of the run is the sum of its nodes' (fused or per layer).
+        """
+        run = []
+        for unit in units:
+            names = [name for name in unit if name not in self.geometry.passive]
+            if any(name not in per_layer for name in names):
+                break
+            run.append(tuple(unit))
+        cuts = self._single_value_cuts(run)
+        best: list[tuple[float, tuple[FusedGroup, ...]]] = [(0.0, ())]
+        for end in range(1, len(run) + 1):
+            step = sum(per_layer[name].fwd_ms + per_layer[name].bwd_ms for name in run[end - 1] if name in per_layer)
+            options = [(best[end - 1][0] + step, best[end - 1][1])]
+            if end in cuts:
+                at = cuts.index(end)
+                for start in cuts[max(0, at - MAX_GROUP_BLOCKS):at]:
+                    group = self.group([name for unit in run[start:end] for name in unit], table, link, allreduce)
+                    if group is not None:
+                        options.append((best[start][0] + group.step_ms, (*best[start][1], group)))
+            best.append(min(options, key=lambda option: option[0]))
+        return best[-1][1]
+
+    def _single_value_cuts(self, run: Sequence[Sequence[str]]) -> list[int]:
+        """Unit boundaries of ``run`` (0 and its end included) that exactly one computed value crosses."""
+        position = {name: index for index, unit in enumerate(run) for name in unit}
+        last_read: dict[str, int] = {}
+        for name, index in position.items():
+            users = self.graph.users[name]
+            last_read[name] = max((position.get(user, len(run)) for user in users), default=index)
+        crossing = [0] * (len(run) + 1)  # values alive across the boundary before unit i
+        for name, index in position.items():
+            if name in self.geometry.passive:
+                continue
+            for boundary in range(index + 1, last_read[name] + 1):
+                crossing[boundary] += 1
+        return [0] + [boundary for boundary in range(1, len(run) + 1) if crossing[boundary] == 1]
+
+    def group(self, names: Sequence[str], table: CostTable, link: LinkSpec,
+              allreduce: tuple[float, float]) -> FusedGroup | None:
+        """``names`` (the passive input and parameter nodes among them ignored) as one fused group, or
+        None when the runtime could not run them so or fusing cannot save a message: a node off the
+        tiles, inputs on different grids, a layer also called outside the group, fewer than two
+        window layers. ``table`` gives the whole image's costs at the micro-batch size, ``link``
+        joins the tiles, ``allreduce`` is (fixed ms, ms per byte) of an all-reduce over them."""
+        members = tuple(self.graph.node(name) for name in names if name not in self.geometry.passive)
+        shape = self._shape(members)
+        if shape is None:
+            return None
+        sent, received = self._messages(members, shape, table)
+        exchange_ms = max(sum(max(halo_exchange_ms(s[tile], link), halo_exchange_ms(r[tile], link))
+                              for s, r in zip(sent, received)) for tile in range(self.geometry.parts))
+        stats = {tiles.name: tiles.stats_bytes for tiles in self.geometry.nodes if tiles.stats_bytes}
+        costs = {}
+        for index, (node, share) in enumerate(zip(members, shape.shares)):
+            whole = table[node.name]
+            fwd_ms, bwd_ms = whole.fwd_ms * share, whole.bwd_ms * share
+            saved = whole.saved_activation_bytes * share
+            if shape.read_pixels[index]:
+                saved += shape.read_pixels[index] * self._pixel_bytes(self._tensors(node)[0], table)
+            if node.name in stats:
+                stats_ms = allreduce[0] + allreduce[1] * stats[node.name]
+                fwd_ms, bwd_ms = fwd_ms + stats_ms, bwd_ms + stats_ms
+                saved += 2 * whole.output_bytes * share
+            if index == 0:
+                fwd_ms, bwd_ms = fwd_ms + exchange_ms, bwd_ms + exchange_ms
+            costs[node.name] = TileCost(share, fwd_ms, bwd_ms, saved, 2 * whole.output_bytes * share)
+        return FusedGroup(self._exchange(members, sent, received), costs)
+
+    def exchange(self, names: Sequence[str], table: CostTable) -> GroupExchange:
+        """The halo bytes ``names``, run as one fused group, send per tile at ``table``'s micro-batch;
+        SpatialError when they cannot run so."""
+        members = tuple(self.graph.node(name) for name in names if name not in self.geometry.passive)
+        shape = self._shape(members)
+        if shape is None:
+            raise SpatialError(f"the nodes {list(names)[:3]}... cannot run as one fused halo group")
+        return self._exchange(members, *self._messages(members, shape, table))
+
+    def _messages(self, members: tuple[LayerNode, ...], shape: _Shape,
+                  table: CostTable) -> tuple[Bytes, Bytes]:
+        """Per input, per tile, per neighbour: the bytes sent and received."""
+        pixel_bytes = [self._pixel_bytes(name, table) for name in self._inputs(members)]
+        return ([[[round(p * b) for p in peers] for peers in tiles]
+                 for tiles, b in zip(shape.sent_pixels, pixel_bytes)],
+                [[[round(p * b) for p in peers] for peers in tiles]
+                 for tiles, b in zip(shape.received_pixels, pixel_bytes)])
+
+    def _exchange(self, members: tuple[LayerNode, ...], sent: Bytes, received: Bytes) -> GroupExchange:
+        inputs = self._inputs(members)
+        image = {name for name in inputs if self.graph.node(name).kind is NodeKind.INPUT}
+        tiles = range(self.geometry.parts)
+        return GroupExchange(tuple(node.name for node in members),
+                             tuple(sum(sum(s[tile]) for s in sent) for tile in tiles),
+                             tuple(sum(sum(r[tile]) for r, name in zip(received, inputs) if name not in image)
+                                   for tile in tiles))
+
+    def _pixel_bytes(self, name: str, table: CostTable) -> float:
+        """Bytes of one pixel (channels x dtype x batch) of value ``name`` at ``table``'s micro-batch."""
+        grid = self.geometry.grids[name]
+        return table[name].output_bytes / (grid.row_edges[-1] * grid.col_edges[-1])
+
+    def _shape(self, members: tuple[LayerNode, ...]) -> _Shape | None:
+        grids = self.geometry.grids
+        if not members or any(node.name not in grids or node.kind in (NodeKind.INPUT, NodeKind.PARAM)
+                              for node in members):
+            return None
+        inputs = self._inputs(members)
+        names = {node.name: index for index, node in enumerate(members)}
+        outside = {name for node in members for name in self.graph.users[node.name] if name not in names}
+        kept = tuple(node.name for node in members if set(self.graph.users[node.name]) & outside
+                     or not self.graph.users[node.name])
+        input_grids = {grids[name] for name in inputs}
+        windows = sum(1 for node in members if node.geometry is not None)
+        if len(input_grids) != 1 or windows < 2 or any(
+                self._targets.get(node.target, 0) > 1 for node in members if node.geometry is not None):
+            return None
+        wiring = tuple(tuple(names[name] if name in names else -1 - inputs.index(name)
+                             for name in self._tensors(node)) for node in members)
+        key = (tuple(node.geometry for node in members), wiring, tuple(node.name in kept for node in members),
+               input_grids.pop())
+        if key not in self._shapes:
+            self._shapes[key] = self._walk(members, inputs, kept)
+        return self._shapes[key]
+
+    def _walk(self, members: tuple[LayerNode, ...], inputs: tuple[str, ...], kept: tuple[str, ...]) -> _Shape:
+        grids = self.geometry.grids
+        steps = tuple(GroupNode(node.name, self._tensors(node), self._windows(node)) for node in members)
+        tiles = range(self.geometry.parts)
+        needed = [group_needed_regions(steps, kept, lambda name, t=tile: tile_region(grids[name], t),
+                                       lambda name: _image(grids[name])) for tile in tiles]
+        shares = tuple(max(needed[tile][node.name].area for tile in tiles) / _image(grids[node.name]).area
+                       for node in members)
+        read = tuple(max(_block(step.windows, needed[tile][step.name]) for tile in tiles) if step.windows
+                     else 0 for step in steps)
+        moves = [[halo_transfers(grids[name], [needed[tile][name] for tile in tiles], tile) for tile in tiles]
+                 for name in inputs]
+        return _Shape(shares, read,
+                      tuple(tuple(tuple(region.area for _, region in sends) for sends, _ in per_tile)
+                            for per_tile in moves),
+                      tuple(tuple(tuple(region.area for _, region in receives) for _, receives in per_tile)
+                            for per_tile in moves))
+
+    def _tensors(self, node: LayerNode) -> tuple[str, ...]:
+        """The values ``node`` reads, parameters left out (as cost_models.spatial places it)."""
+        return tuple(name for name in dict.fromkeys(node.inputs)
+                     if self.graph.node(name).kind is not NodeKind.PARAM)
+
+    def _inputs(self, members: Sequence[LayerNode]) -> tuple[str, ...]:
+        """The values a group reads from outside it, in first-read order."""
+        inside = {node.name for node in members}
+        return tuple(dict.fromkeys(name for node in members for name in self._tensors(node)
+                                   if name not in inside))
+
+    def _windows(self, node: LayerNode) -> WindowPair | None:
+        if node.geometry is None:
+            return None
+        grid = self.geometry.grids[self._tensors(node)[0]]
+        return windows_of(node.geometry, layer=node.name, lengths=(grid.row_edges[-1], grid.col_edges[-1]))
+
+
+def _image(grid: Grid) -> Region:
+    return Region(0, grid.row_edges[-1], 0, grid.col_edges[-1])
+
+
+def _block(windows: WindowPair, out_region: Region) -> int:
+    """Pixels of the input block a window layer reads for ``out_region``, border padding included."""
+    row_lo, row_hi = windows[0].input_span(out_region.row_lo, out_region.row_hi)
+    col_lo, col_hi = windows[1].input_span(out_region.col_lo, out_region.col_hi)
+    return (row_hi - row_lo) * (col_hi - col_lo)
