@@ -23,6 +23,7 @@ Groups repeat in deep networks, so the region walk is memoised by the group's sh
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+import dataclasses
 from dataclasses import dataclass
 
 from cost_models.comm import halo_exchange_ms
@@ -42,7 +43,7 @@ from cost_models.halo import (
 from cost_models.spatial import Grid, GroupExchange, TileCost, TileGeometry
 
 Bytes = list[list[list[int]]]  # per input, per tile, per neighbour
-MAX_GROUP_BLOCKS = 4  # the longest fused group, in runs between single-value cuts
+MAX_GROUP_BLOCKS = 2  # the longest fused group, in runs between single-value cuts
 
 
 @dataclass(frozen=True)
@@ -80,11 +81,15 @@ class FusedHalos:
 
     def __init__(self, graph: LayerGraph, geometry: TileGeometry) -> None:
         self.graph, self.geometry = graph, geometry
-        self._shapes: dict[tuple, _Shape | None] = {}
+        self._shapes: dict[tuple, _Shape] = {}
+        self._groups: dict[tuple, tuple[tuple[TileCost, ...], GroupExchange]] = {}  # by shape and costs
         self._targets: dict[str, int] = {}
         for tiles in geometry.nodes:
             target = graph.node(tiles.name).target
             self._targets[target] = self._targets.get(target, 0) + 1
+        self._stats = {tiles.name: tiles.stats_bytes for tiles in geometry.nodes if tiles.stats_bytes}
+        self._reads = {node.name: tuple(name for name in dict.fromkeys(node.inputs)
+                                        if graph.node(name).kind is not NodeKind.PARAM) for node in graph}
 
     def choose(self, units: Sequence[Sequence[str]], table: CostTable, link: LinkSpec,
                allreduce: tuple[float, float], per_layer: Mapping[str, TileCost]) -> tuple[FusedGroup, ...]:
@@ -138,38 +143,54 @@ class FusedHalos:
         tiles, inputs on different grids, a layer also called outside the group, fewer than two
         window layers. ``table`` gives the whole image's costs at the micro-batch size, ``link``
         joins the tiles, ``allreduce`` is (fixed ms, ms per byte) of an all-reduce over them."""
-        members = tuple(self.graph.node(name) for name in names if name not in self.geometry.passive)
-        shape = self._shape(members)
-        if shape is None:
+        members = self._members(names)
+        found = self._shape(members)
+        if found is None:
             return None
+        key, shape = found
+        rows = tuple(table[node.name] for node in members)
+        reads = tuple(self._pixel_bytes(self._tensors(node)[0], table) if pixels else 0.0
+                      for node, pixels in zip(members, shape.read_pixels))
+        inputs = self._inputs(members)
+        memo = (key, tuple((row.fwd_ms, row.bwd_ms, row.saved_activation_bytes, row.output_bytes) for row in rows),
+                reads, tuple(self._pixel_bytes(name, table) for name in inputs),
+                tuple(self.graph.node(name).kind is NodeKind.INPUT for name in inputs),
+                tuple(self._stats.get(node.name, 0) for node in members), link, allreduce)
+        if memo not in self._groups:  # deep networks repeat their blocks
+            self._groups[memo] = self._costs(members, shape, table, link, allreduce)
+        costs, exchange = self._groups[memo]
+        return FusedGroup(dataclasses.replace(exchange, nodes=tuple(node.name for node in members)),
+                          dict(zip((node.name for node in members), costs)))
+
+    def _costs(self, members: tuple[LayerNode, ...], shape: _Shape, table: CostTable, link: LinkSpec,
+               allreduce: tuple[float, float]) -> tuple[tuple[TileCost, ...], GroupExchange]:
         sent, received = self._messages(members, shape, table)
         exchange_ms = max(sum(max(halo_exchange_ms(s[tile], link), halo_exchange_ms(r[tile], link))
                               for s, r in zip(sent, received)) for tile in range(self.geometry.parts))
-        stats = {tiles.name: tiles.stats_bytes for tiles in self.geometry.nodes if tiles.stats_bytes}
-        costs = {}
+        costs = []
         for index, (node, share) in enumerate(zip(members, shape.shares)):
             whole = table[node.name]
             fwd_ms, bwd_ms = whole.fwd_ms * share, whole.bwd_ms * share
             saved = whole.saved_activation_bytes * share
             if shape.read_pixels[index]:
                 saved += shape.read_pixels[index] * self._pixel_bytes(self._tensors(node)[0], table)
-            if node.name in stats:
-                stats_ms = allreduce[0] + allreduce[1] * stats[node.name]
+            if node.name in self._stats:
+                stats_ms = allreduce[0] + allreduce[1] * self._stats[node.name]
                 fwd_ms, bwd_ms = fwd_ms + stats_ms, bwd_ms + stats_ms
                 saved += 2 * whole.output_bytes * share
             if index == 0:
                 fwd_ms, bwd_ms = fwd_ms + exchange_ms, bwd_ms + exchange_ms
-            costs[node.name] = TileCost(share, fwd_ms, bwd_ms, saved, 2 * whole.output_bytes * share)
-        return FusedGroup(self._exchange(members, sent, received), costs)
+            costs.append(TileCost(share, fwd_ms, bwd_ms, saved, 2 * whole.output_bytes * share))
+        return tuple(costs), self._exchange(members, sent, received)
 
     def exchange(self, names: Sequence[str], table: CostTable) -> GroupExchange:
         """The halo bytes ``names``, run as one fused group, send per tile at ``table``'s micro-batch;
         SpatialError when they cannot run so."""
-        members = tuple(self.graph.node(name) for name in names if name not in self.geometry.passive)
-        shape = self._shape(members)
-        if shape is None:
+        members = self._members(names)
+        found = self._shape(members)
+        if found is None:
             raise SpatialError(f"the nodes {list(names)[:3]}... cannot run as one fused halo group")
-        return self._exchange(members, *self._messages(members, shape, table))
+        return self._exchange(members, *self._messages(members, found[1], table))
 
     def _messages(self, members: tuple[LayerNode, ...], shape: _Shape,
                   table: CostTable) -> tuple[Bytes, Bytes]:
@@ -189,21 +210,30 @@ class FusedHalos:
                              tuple(sum(sum(r[tile]) for r, name in zip(received, inputs) if name not in image)
                                    for tile in tiles))
 
+    def _members(self, names: Sequence[str]) -> tuple[LayerNode, ...]:
+        """The computing nodes of ``names``; none when an input or parameter node sits among them (a
+        recompute region would split there, inside the group)."""
+        computing = [index for index, name in enumerate(names) if name not in self.geometry.passive]
+        if not computing or computing[-1] - computing[0] + 1 != len(computing):
+            return ()
+        return tuple(self.graph.node(names[index]) for index in computing)
+
     def _pixel_bytes(self, name: str, table: CostTable) -> float:
         """Bytes of one pixel (channels x dtype x batch) of value ``name`` at ``table``'s micro-batch."""
         grid = self.geometry.grids[name]
         return table[name].output_bytes / (grid.row_edges[-1] * grid.col_edges[-1])
 
-    def _shape(self, members: tuple[LayerNode, ...]) -> _Shape | None:
+    def _shape(self, members: tuple[LayerNode, ...]) -> tuple[tuple, _Shape] | None:
+        """The group's region walk and its memo key (its layers, wiring and input grid), or None when
+        the group cannot run fused or cannot save a message."""
         grids = self.geometry.grids
         if not members or any(node.name not in grids or node.kind in (NodeKind.INPUT, NodeKind.PARAM)
                               for node in members):
             return None
         inputs = self._inputs(members)
         names = {node.name: index for index, node in enumerate(members)}
-        outside = {name for node in members for name in self.graph.users[node.name] if name not in names}
-        kept = tuple(node.name for node in members if set(self.graph.users[node.name]) & outside
-                     or not self.graph.users[node.name])
+        kept = tuple(node.name for node in members if not self.graph.users[node.name]
+                     or any(user not in names for user in self.graph.users[node.name]))
         input_grids = {grids[name] for name in inputs}
         windows = sum(1 for node in members if node.geometry is not None)
         if len(input_grids) != 1 or windows < 2 or any(
@@ -215,7 +245,7 @@ class FusedHalos:
                input_grids.pop())
         if key not in self._shapes:
             self._shapes[key] = self._walk(members, inputs, kept)
-        return self._shapes[key]
+        return key, self._shapes[key]
 
     def _walk(self, members: tuple[LayerNode, ...], inputs: tuple[str, ...], kept: tuple[str, ...]) -> _Shape:
         grids = self.geometry.grids
@@ -237,8 +267,7 @@ class FusedHalos:
 
     def _tensors(self, node: LayerNode) -> tuple[str, ...]:
         """The values ``node`` reads, parameters left out (as cost_models.spatial places it)."""
-        return tuple(name for name in dict.fromkeys(node.inputs)
-                     if self.graph.node(name).kind is not NodeKind.PARAM)
+        return self._reads[node.name]
 
     def _inputs(self, members: Sequence[LayerNode]) -> tuple[str, ...]:
         """The values a group reads from outside it, in first-read order."""

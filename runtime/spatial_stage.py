@@ -16,8 +16,9 @@ and its offload section's recompute regions and swapped nodes. From it:
   every tile must run alike).
 
 A FusedHaloBlock computes its group as a whole from the wide halo, so no region can start or end
-inside it: a recompute region or swapped run is one whole group (the block is then recomputed or
-swapped) or shares no node with any. A group's inputs share one tile grid (the block exchanges
+inside it: a recompute region holds whole groups or none (each group one block inside the
+checkpointed region), and a swapped run is one whole group (the block is then swapped) or shares
+no node with any. A group's inputs share one tile grid (the block exchanges
 them over one grid). Tags keep exchanges apart on the tile group: layer k of the stage's
 conv/pool/batch-norm calls uses tag k (spatialize), and the fused groups' exchanges number on from
 the count of the stage's nodes.
@@ -52,6 +53,7 @@ class Piece:
     fused: bool = False  # one FusedHaloBlock
     recomputed: bool = False
     swapped: bool = False
+    groups: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # fused groups inside it
 
 
 def fused_groups(module: torch.fx.GraphModule, spec: SpatialSpec) -> dict[str, tuple[str, ...]]:
@@ -78,14 +80,20 @@ def pieces(module: torch.fx.GraphModule, spec: SpatialSpec, offload: OffloadSpec
     for label, nodes in offloaded.items():
         wrapping = {"recomputed": label in recomputed, "swapped": label not in recomputed}
         hit = sorted({group_of[node] for node in nodes if node in group_of})
+        inside = set(nodes)
         if not hit:
             found[label] = Piece(nodes, **wrapping)
-        elif len(hit) == 1 and set(groups[hit[0]]) == set(nodes):
+        elif len(hit) == 1 and set(groups[hit[0]]) == inside:
             found[hit[0]] = dataclasses.replace(found[hit[0]], **wrapping)
+        elif label in recomputed and all(inside.issuperset(groups[group]) for group in hit):
+            found[label] = Piece(nodes, recomputed=True, groups={group: groups[group] for group in hit})
+            for group in hit:
+                del found[group]
         else:
             raise RuntimeSetupError(f"stage {stage}'s offload {label} {list(nodes)} cuts into the spatial "
-                                    f"{', '.join(hit)} (a fused group runs as a whole); recompute or swap "
-                                    f"whole fused groups or nodes outside them, or re-plan without it")
+                                    f"{', '.join(hit)} (a fused group runs as a whole); recompute whole fused "
+                                    f"groups (alone or among other nodes), swap whole groups or nodes outside "
+                                    f"them, or re-plan without it")
     return found
 
 
@@ -165,6 +173,7 @@ def tile_stage(module: torch.fx.GraphModule, tiled: TiledStage, spec: SpatialSpe
     timeout = datetime.timedelta(seconds=timeout_s)
     cut = pieces(module, spec, offload, stage=tiled.stage)
     fused = {node for piece in cut.values() if piece.fused for node in piece.nodes}
+    fused.update(node for piece in cut.values() for nodes in piece.groups.values() for node in nodes)
     on_tiles = spatialize(module, tiled.grid, tiled.group, timeout=timeout, keep=fused,
                           input_grids=tiled.input_grids)
     if not cut:
@@ -180,6 +189,15 @@ def tile_stage(module: torch.fx.GraphModule, tiled: TiledStage, spec: SpatialSpe
             block = FusedHaloBlock(region, _input_grid(graph, label, piece.nodes, tiled.stage), tiled.group,
                                    tag=tag, timeout=timeout)
             region, tag = block, tag + len(block.halo_exchanges)
+        if piece.groups:  # a recompute region holding whole fused groups: each one block inside it
+            assert isinstance(region, torch.fx.GraphModule)
+            region, inner = regions.cut(region, piece.groups, stage=tiled.stage, section="spatial")
+            for group, nodes in piece.groups.items():
+                block = FusedHaloBlock(region.get_submodule(inner[group]),
+                                       _input_grid(graph, group, nodes, tiled.stage), tiled.group, tag=tag,
+                                       timeout=timeout)
+                setattr(region, inner[group], block)
+                tag += len(block.halo_exchanges)
         if piece.recomputed:
             region = Checkpointed(region, communicates=True)
         if piece.swapped:

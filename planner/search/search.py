@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -19,9 +20,9 @@ from cost_models.comm import p2p_link, ring_allreduce_coefficients
 from cost_models.devices import DeviceSpec
 from cost_models.errors import PlanInfeasible, SpatialError
 from cost_models.estimation import CostTable, estimate
-from cost_models.fused import FusedHalos
+from cost_models.fused import FusedGroup, FusedHalos
 from cost_models.graph.ir import LayerGraph
-from cost_models.spatial import TileGeometry, image_input, tile_costs, tile_geometry
+from cost_models.spatial import TileCost, TileGeometry, image_input, tile_costs, tile_geometry
 from cost_models.units import format_bytes
 from planner.plan.parts import StateTier
 from planner.plan.spatial import Slicing
@@ -41,6 +42,7 @@ from planner.search.problem import (
     SpatialPart,
     coarsen,
     describe_tiles,
+    group_units,
     memory_tiers,
     part_allreduces,
     part_links,
@@ -148,7 +150,9 @@ class Search:
         self._geometries: dict[SpatialChoice, TileGeometry] = {}
         self._fused: dict[SpatialChoice, FusedHalos] = {}  # each geometry's fused-halo costing (memoised walks)
         self._bounds: dict[Config, float] = {}
-        self._spatial: dict[tuple[int, SpatialChoice], SpatialPart] = {}
+        self._tiles: dict[tuple[int, SpatialChoice], tuple[dict[str, TileCost], tuple[FusedGroup, ...]]] = {}
+        self._merged: dict[tuple[int, tuple[SpatialChoice, ...]], Coarsening] = {}  # units of spatial configs
+        self._spatial: dict[tuple[int, SpatialChoice, int], SpatialPart] = {}
         self.spatial_note = ""  # why no plan may tile the image (set by tilings())
 
     def costs(self, micro_batch_size: int) -> tuple[CostTable, Coarsening]:
@@ -165,7 +169,8 @@ class Search:
         if coarse is None and config in self._setups:
             return self._setups[config]
         table, default = self.costs(config.micro_batch_size)
-        units = coarse or default
+        spatial_units = config.spatial and self._spatial_units(config.micro_batch_size, config.spatial)
+        units = coarse or spatial_units or default
         key = (config.schedule, config.num_stages, config.num_microbatches, config.data_parallel,
                config.stage_tiles)
         if key not in self._schedules:  # alike for every state mode
@@ -178,7 +183,7 @@ class Search:
             max_in_flight(schedule), part_links(self.device, layout, per_node),
             part_allreduces(self.device, layout, per_node), self.space.mem_bytes,
             memory_tiers(self.device, self.space, config.state, activations=False),
-            tuple(self._spatial_part(choice, config.micro_batch_size, units, table) for choice in config.spatial))
+            tuple(self._spatial_part(choice, config.micro_batch_size, units) for choice in config.spatial))
         decided = None
         if {Offload.RECOMPUTE, Offload.SWAP} & self.space.offload:
             tiers = memory_tiers(self.device, self.space, config.state, activations=True)
@@ -228,21 +233,45 @@ class Search:
             self._fused[choice] = FusedHalos(self.graph, self._geometries[choice])
         return self._geometries[choice]
 
-    def _spatial_part(self, choice: SpatialChoice, micro_batch_size: int, units: Coarsening,
-                      table: CostTable) -> SpatialPart:
-        """A part on ``choice``'s tiles (cached for the search's own units)."""
+    def _tile_costs(self, choice: SpatialChoice, micro_batch_size: int) -> tuple[dict[str, TileCost],
+                                                                                tuple[FusedGroup, ...]]:
+        """Per tiled node its cost on ``choice``'s slowest tile, and the fused halo groups that make the
+        tiled run fastest (chosen over the search's units; cached)."""
         key = (micro_batch_size, choice)
-        own = units is self.costs(micro_batch_size)[1]
-        if key in self._spatial and own:
+        if key not in self._tiles:
+            table, units = self.costs(micro_batch_size)
+            link = p2p_link(self.device, same_node=True)  # a replica's tiles are consecutive ranks of one node
+            allreduce = ring_allreduce_coefficients(choice.parts, link)
+            geometry = self._geometry(choice)
+            tiles = tile_costs(geometry, table, link, allreduce)
+            fused = self._fused[choice].choose([unit.nodes for unit in units.units], table, link, allreduce, tiles)
+            tiles.update((name, cost) for group in fused for name, cost in group.costs.items())
+            self._tiles[key] = (tiles, fused)
+        return self._tiles[key]
+
+    def _spatial_units(self, micro_batch_size: int, choices: tuple[SpatialChoice, ...]) -> Coarsening:
+        """The search's units with the units of each fused group of ``choices`` merged into one, so a
+        memory decision (made per unit) recomputes or swaps a fused group whole or not at all."""
+        key = (micro_batch_size, choices)
+        if key not in self._merged:
+            table, units = self.costs(micro_batch_size)
+            starts = list(itertools.accumulate((len(unit.nodes) for unit in units.units), initial=0))
+            unit_of = {name: index for index, unit in enumerate(units.units) for name in unit.nodes}
+            inside = {unit for choice in choices for group in self._tile_costs(choice, micro_batch_size)[1]
+                      for unit in range(unit_of[group.nodes[0]] + 1, unit_of[group.nodes[-1]] + 1)}
+            self._merged[key] = units if not inside else group_units(
+                self.graph, table, self.space.precision, self.space.optimizer,
+                [starts[unit] for unit in range(1, len(units.units)) if unit not in inside])
+        return self._merged[key]
+
+    def _spatial_part(self, choice: SpatialChoice, micro_batch_size: int, units: Coarsening) -> SpatialPart:
+        """A part on ``choice``'s tiles over ``units`` (cached for the units of spatial configurations)."""
+        key = (micro_batch_size, choice, id(units))
+        if key in self._spatial:
             return self._spatial[key]
-        link = p2p_link(self.device, same_node=True)  # a replica's tiles are consecutive ranks of one node
-        geometry = self._geometry(choice)
-        allreduce = ring_allreduce_coefficients(choice.parts, link)
-        tiles = tile_costs(geometry, table, link, allreduce)
-        fused = self._fused[choice].choose([unit.nodes for unit in units.units], table, link, allreduce, tiles)
-        tiles.update((name, cost) for group in fused for name, cost in group.costs.items())
-        part = spatial_part(choice, units, geometry, tiles, tuple(group.nodes for group in fused))
-        if own:
+        tiles, fused = self._tile_costs(choice, micro_batch_size)
+        part = spatial_part(choice, units, self._geometry(choice), tiles, tuple(group.nodes for group in fused))
+        if any(units is merged for merged in self._merged.values()):  # kept for the search's life: id() is its
             self._spatial[key] = part
         return part
 
