@@ -8,7 +8,7 @@ only between units, at points where few bytes cross. Every number the cost terms
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING
@@ -211,12 +211,15 @@ class SpatialPart:
     tileable_units: int
     stop: str
     fused_groups: tuple[tuple[str, ...], ...] = ()  # runs of nodes costed as fused halo groups (cost_models.fused)
+    boundary_bytes: tuple[float, ...] = ()  # per cut after a tileable unit: what crosses it on the largest tile
 
 
 def spatial_part(choice: SpatialChoice, coarse: Coarsening, geometry: TileGeometry,
-                 tiles: Mapping[str, TileCost], fused_groups: tuple[tuple[str, ...], ...] = ()) -> SpatialPart:
+                 tiles: Mapping[str, TileCost], fused_groups: tuple[tuple[str, ...], ...] = (),
+                 crossing: Mapping[str, float] | None = None) -> SpatialPart:
     """``coarse``'s units on ``choice``'s tiles, from each tileable node's cost on the slowest tile (a
-    member of ``fused_groups`` costed as its group runs it)."""
+    member of ``fused_groups`` costed as its group runs it); ``crossing[name]``: what crosses the cut
+    after node ``name`` on the largest tile (default: the values whole)."""
     units = []
     tileable = None
     for index, unit in enumerate(coarse.units):
@@ -234,8 +237,10 @@ def spatial_part(choice: SpatialChoice, coarse: Coarsening, geometry: TileGeomet
             activation_bytes=round(saved), offloadable_bytes=round(saved),
             transient_bytes=round(max((cost.transient_bytes for cost in on_tiles), default=0.0)),
             input_bytes=round(min(saved, unit.input_bytes * (first.share if first else 1.0)))))
-    return SpatialPart(choice, tuple(units),
-                       len(coarse.units) if tileable is None else tileable, geometry.stop, fused_groups)
+    reach = len(coarse.units) if tileable is None else tileable
+    boundary = tuple(float(whole) if crossing is None or cut >= reach else crossing[coarse.units[cut].nodes[-1]]
+                     for cut, whole in enumerate(coarse.boundary_bytes))
+    return SpatialPart(choice, tuple(units), reach, geometry.stop, fused_groups, boundary)
 
 
 @dataclass(frozen=True)
@@ -331,16 +336,21 @@ class _ParamState:
 
 def _crossing_bytes(graph: LayerGraph, table: CostTable) -> list[int]:
     """crossing[p]: bytes of activations produced at or before node p and read after it."""
+    return [round(nbytes) for nbytes in crossing_bytes(graph, lambda name: table[name].output_bytes)]
+
+
+def crossing_bytes(graph: LayerGraph, bytes_of: Callable[[str], float]) -> list[float]:
+    """crossing[p]: the ``bytes_of`` each activation produced at or before node p and read after it."""
     position = {node.name: index for index, node in enumerate(graph)}
-    delta = [0] * (len(graph) + 1)
+    delta = [0.0] * (len(graph) + 1)
     for node in graph:
         readers = graph.users[node.name]
         if node.kind is NodeKind.PARAM or not readers:
             continue
         start, end = position[node.name], position[readers[-1]]
-        delta[start] += table[node.name].output_bytes
-        delta[end] -= table[node.name].output_bytes
-    crossing, running = [], 0
+        delta[start] += bytes_of(node.name)
+        delta[end] -= bytes_of(node.name)
+    crossing, running = [], 0.0
     for index in range(len(graph)):
         running += delta[index]
         crossing.append(running)

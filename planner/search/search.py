@@ -41,6 +41,7 @@ from planner.search.problem import (
     SpatialChoice,
     SpatialPart,
     coarsen,
+    crossing_bytes,
     describe_tiles,
     group_units,
     memory_tiers,
@@ -49,6 +50,8 @@ from planner.search.problem import (
     spatial_part,
 )
 from planner.search.terms import CostModel, cost_model, lower_bound, memory_floor
+
+TiledCosts = tuple[dict[str, TileCost], tuple[FusedGroup, ...], dict[str, float]]
 
 
 @dataclass(frozen=True)
@@ -150,7 +153,7 @@ class Search:
         self._geometries: dict[SpatialChoice, TileGeometry] = {}
         self._fused: dict[SpatialChoice, FusedHalos] = {}  # each geometry's fused-halo costing (memoised walks)
         self._bounds: dict[Config, float] = {}
-        self._tiles: dict[tuple[int, SpatialChoice], tuple[dict[str, TileCost], tuple[FusedGroup, ...]]] = {}
+        self._tiles: dict[tuple[int, SpatialChoice], TiledCosts] = {}
         self._merged: dict[tuple[int, tuple[SpatialChoice, ...]], Coarsening] = {}  # units of spatial configs
         self._spatial: dict[tuple[int, SpatialChoice, int], SpatialPart] = {}
         self.spatial_note = ""  # why no plan may tile the image (set by tilings())
@@ -233,10 +236,10 @@ class Search:
             self._fused[choice] = FusedHalos(self.graph, self._geometries[choice])
         return self._geometries[choice]
 
-    def _tile_costs(self, choice: SpatialChoice, micro_batch_size: int) -> tuple[dict[str, TileCost],
-                                                                                tuple[FusedGroup, ...]]:
-        """Per tiled node its cost on ``choice``'s slowest tile, and the fused halo groups that make the
-        tiled run fastest (chosen over the search's units; cached)."""
+    def _tile_costs(self, choice: SpatialChoice, micro_batch_size: int) -> TiledCosts:
+        """Per tiled node its cost on ``choice``'s slowest tile, the fused halo groups that make the
+        tiled run fastest (chosen over the search's units), and per node what crosses the cut after it
+        on the largest tile (cached)."""
         key = (micro_batch_size, choice)
         if key not in self._tiles:
             table, units = self.costs(micro_batch_size)
@@ -246,7 +249,10 @@ class Search:
             tiles = tile_costs(geometry, table, link, allreduce)
             fused = self._fused[choice].choose([unit.nodes for unit in units.units], table, link, allreduce, tiles)
             tiles.update((name, cost) for group in fused for name, cost in group.costs.items())
-            self._tiles[key] = (tiles, fused)
+            grids = geometry.grids
+            crossing = crossing_bytes(self.graph, lambda name: table[name].output_bytes * (
+                grids[name].largest_share if name in grids else 1.0))
+            self._tiles[key] = (tiles, fused, {node.name: nbytes for node, nbytes in zip(self.graph, crossing)})
         return self._tiles[key]
 
     def _spatial_units(self, micro_batch_size: int, choices: tuple[SpatialChoice, ...]) -> Coarsening:
@@ -269,8 +275,9 @@ class Search:
         key = (micro_batch_size, choice, id(units))
         if key in self._spatial:
             return self._spatial[key]
-        tiles, fused = self._tile_costs(choice, micro_batch_size)
-        part = spatial_part(choice, units, self._geometry(choice), tiles, tuple(group.nodes for group in fused))
+        tiles, fused, crossing = self._tile_costs(choice, micro_batch_size)
+        part = spatial_part(choice, units, self._geometry(choice), tiles, tuple(group.nodes for group in fused),
+                            crossing)
         if any(units is merged for merged in self._merged.values()):  # kept for the search's life: id() is its
             self._spatial[key] = part
         return part

@@ -298,8 +298,11 @@ def cost_model(problem: PipelineProblem) -> CostModel:
                      _next_use(problem), _capacity_rows(problem, parts))
 
 
-def _shared_terms(problem: PipelineProblem, units: tuple[Unit, ...]) -> dict[str, Term]:
-    """The terms every part has alike (per-unit sums over ``units``), built once and shared by all parts."""
+def _shared_terms(problem: PipelineProblem, units: tuple[Unit, ...],
+                  boundary: tuple[float, ...] | None = None) -> dict[str, Term]:
+    """The terms every part has alike (per-unit sums over ``units``; ``boundary``: what crosses each cut,
+    default the problem's), built once and shared by all parts."""
+    crossing = problem.boundary_bytes if boundary is None else boundary
     shared, tiers = problem.shared, problem.tiers
     recompute, swap = tiers.recompute, tiers.swap
     terms = {
@@ -313,8 +316,8 @@ def _shared_terms(problem: PipelineProblem, units: tuple[Unit, ...]) -> dict[str
                             per_recompute=tuple(-float(u.offloadable_bytes) for u in units) if recompute else (),
                             per_swap=tuple(-float(u.offloadable_bytes) for u in units) if swap else (),
                             per_start=tuple(float(u.input_bytes) for u in units) if recompute else ()),
-        "sent_bytes": Term(ends_after=tuple(float(b) for b in problem.boundary_bytes)),
-        "received_bytes": Term(starts_after=tuple(float(b) for b in problem.boundary_bytes)),
+        "sent_bytes": Term(ends_after=tuple(float(b) for b in crossing)),
+        "received_bytes": Term(starts_after=tuple(float(b) for b in crossing)),
         "swap_bytes": Term(per_swap=tuple(float(u.offloadable_bytes) for u in units) if swap else ()),
         # while a region's backward runs its activations exist again: at most its block's, counted for
         # the part's largest block whether or not it recomputes, so no rounding of the shares exceeds it
@@ -328,10 +331,11 @@ def _shared_terms(problem: PipelineProblem, units: tuple[Unit, ...]) -> dict[str
 
 def _tiled_terms(problem: PipelineProblem, spatial: SpatialPart) -> dict[str, Term]:
     """A spatial part's shared terms: the same formulas over the units as its slowest tile runs them (the
-    values crossing its cuts count whole, a bound on a tile's share); a unit that cannot be tiled weighs
-    more than the budget in its static memory, so no partition puts it on that part (the ILP's memory
-    row, the DP and the evaluator all read it)."""
-    tiled = _shared_terms(problem, spatial.units)
+    values crossing its cuts as the largest tile holds them; their transfer times stay whole, as the
+    receiving rank's link carries them); a unit that cannot be tiled weighs more than the budget in its
+    static memory, so no partition puts it on that part (the ILP's memory row, the DP and the evaluator
+    all read it)."""
+    tiled = _shared_terms(problem, spatial.units, spatial.boundary_bytes or None)
     beyond = float(problem.mem_bytes + 1)
     untileable = Term(per_unit=tuple(0.0 if unit < spatial.tileable_units else beyond
                                      for unit in range(len(problem.units))))
