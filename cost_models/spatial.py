@@ -15,7 +15,8 @@ output image):
     bwd_ms  = bwd_ms x share + the same exchange of halo gradients + the same all-reduce
     saved   = saved x share, plus for a batch-norm its centred and normalised tile (two outputs' worth),
               plus for a window layer its input tile padded with the halo it received
-              (a new tensor the layer saves for its backward, where one process saves its input in place)
+              (a new tensor the layer saves for its backward, where one process saves its input in place);
+              for the input image, its tile (held from a micro-batch's forward to its backward)
 
 The exchange overlapping interior compute (as the runtime's blocks do) is not credited: a bound.
 """
@@ -193,6 +194,8 @@ def _place(graph: LayerGraph, node: LayerNode, grids: dict[str, Grid],
                       tuple(tuple(_area(region) for _, region in receives) for _, receives in moves))
     out, sent, received = halos[key]
     grids[node.name] = out
+    if not any(sent) and not any(received):  # a 1x1 window: no halo, and no padded copy of its input
+        return NodeTiles(node.name, out.largest_share, stats_bytes=_stats_bytes(node))
     return NodeTiles(node.name, out.largest_share, sent, received, tensors[0],
                      grid.row_edges[-1] * grid.col_edges[-1], graph.node(tensors[0]).kind is NodeKind.INPUT)
 
@@ -225,8 +228,10 @@ def tile_costs(geometry: TileGeometry, table: CostTable, link: LinkSpec,
                allreduce: tuple[float, float]) -> dict[str, TileCost]:
     """Per node of the run, what the slowest tile spends (``table`` gives the whole image's costs at
     the micro-batch size; ``link`` joins the tiles; ``allreduce``: (fixed ms, ms per byte) of an
-    all-reduce over them)."""
-    costs = {}
+    all-reduce over them). The input image's tile counts as saved: the runtime holds each micro-batch's
+    tile until its backward."""
+    costs = {name: TileCost(grid.largest_share, 0.0, 0.0, table[name].output_bytes * grid.largest_share, 0.0)
+             for name, grid in geometry.grids.items() if name in geometry.passive}
     for node in geometry.nodes:
         whole = table[node.name]
         fwd_ms, bwd_ms = whole.fwd_ms * node.share, whole.bwd_ms * node.share
