@@ -77,10 +77,13 @@ class SpatialSpec:
         return grid_shape(self.parts, self.slicing)
 
     def describe(self) -> str:
-        """E.g. "4 tiles (square), per-layer halos" or "2 tiles (vertical), fused halos (3 groups)"."""
+        """E.g. "4 tiles (square), per-layer halos" or "2 tiles (vertical), fused halos (3 groups, 36 nodes)"
+        (the nodes outside the groups exchange per layer)."""
         halo = "per-layer halos" if self.halo is HaloMode.PER_LAYER else "fused halos"
         if self.fused_groups:
-            halo += f" ({len(self.fused_groups)} group{'s' if len(self.fused_groups) != 1 else ''})"
+            count = len(self.fused_groups)
+            halo += (f" ({count} group{'s' if count != 1 else ''}, "
+                     f"{sum(len(group) for group in self.fused_groups)} nodes)")
         return f"{self.parts} tiles ({self.slicing.value}), {halo}"
 
     @classmethod
