@@ -1,0 +1,36 @@
+"""Models built from a configuration class (Hugging Face ``transformers``): ``transformers:GPT2LMHeadModel``.
+
+A model spec may name a class whose ``config_class`` takes the builder arguments (as every
+``transformers`` model class does): the model is ``cls(cls.config_class(**arguments))``, built from
+the configuration alone, so no weights are downloaded. Training needs no key/value cache, so
+``use_cache`` is off unless the arguments say otherwise (a cache object is not a tensor and cannot
+be captured as a graph output). An argument the configuration does not know is an error: the
+configuration classes would otherwise keep a misspelt name as an unused attribute.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+from cost_models.errors import ModelSpecError
+
+_TRAINING_DEFAULTS = {"use_cache": False}
+
+
+def is_config_model(builder: Any) -> bool:
+    """Whether ``builder`` is a model class built from a ``config_class`` (a transformers model)."""
+    return inspect.isclass(builder) and inspect.isclass(getattr(builder, "config_class", None))
+
+
+def build_from_config(model_class: type, kwargs: Mapping[str, Any]) -> Any:
+    """``model_class(config)`` with the configuration made from ``kwargs`` (see the module docstring)."""
+    config_class = model_class.config_class
+    known = set(config_class().to_dict()) | set(getattr(config_class, "attribute_map", {}))
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise ModelSpecError(f"{config_class.__name__} has no field {', '.join(map(repr, unknown))} "
+                             f"(arguments of {model_class.__name__}); use its fields, e.g. "
+                             f"{', '.join(sorted(known - {'transformers_version'})[:6])}")
+    return model_class(config_class(**{**_TRAINING_DEFAULTS, **kwargs}))
