@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import logging
 import sys
@@ -93,14 +94,18 @@ def _export(model: nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> torch
     batch of 1 would be specialised (torch.export treats sizes 0 and 1 as constants), so a batch
     of 1 is exported at 2. The pytree output (e.g. a Hugging Face ``ModelOutput``) is flattened:
     the graph returns its one tensor, or the tuple of its tensors in the output's field order.
+
+    The model is exported on the meta device (a copy of its modules, not of its weights): an
+    exported graph records strides, so it depends on the device's kernels (after CPU attention a
+    ``.contiguous()`` is a no-op and vanishes, after meta attention it stays), and the runtime's
+    model rebuilt on meta and a user's model with real weights must give the same graph.
     """
     from torch.export import Dim
 
-    device = _model_device(model)
-    inputs = tuple(_at_least_two(torch.empty_like(x, device=device) if device.type == "meta" else x)
+    inputs = tuple(torch.empty(_batch_at_least_two(x.shape), dtype=x.dtype, device="meta")
                    for x in example_inputs)
     dynamic = tuple((Dim.AUTO, *(Dim.STATIC,) * (x.dim() - 1)) if x.dim() else {} for x in inputs)
-    exported = torch.export.export(model, inputs, dynamic_shapes=dynamic, strict=False)
+    exported = torch.export.export(_meta_copy(model), inputs, dynamic_shapes=dynamic, strict=False)
     module = exported.module()
     for node in list(module.graph.nodes):
         guard = node.op == "call_module" and node.target == "_guards_fn"
@@ -109,13 +114,35 @@ def _export(model: nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> torch
             module.graph.erase_node(node)
     _return_plain_values(module.graph)
     _devices_from_inputs(module.graph)
+    _bind_state(module, model)
     module.recompile()
     return module
 
 
-def _at_least_two(example: torch.Tensor) -> torch.Tensor:
-    """``example`` with its batch dimension (the first) repeated to 2 if it is 1."""
-    return example.expand(2, *example.shape[1:]).contiguous() if example.dim() and len(example) == 1 else example
+def _batch_at_least_two(shape: torch.Size) -> tuple[int, ...]:
+    """``shape`` with its batch dimension (the first) raised to 2 if it is 1."""
+    return (max(shape[0], 2), *shape[1:]) if len(shape) else ()
+
+
+def _meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are empty meta tensors (nothing is allocated)."""
+    memo: dict[int, object] = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        meta = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+    return copy.deepcopy(model, memo)
+
+
+def _bind_state(module: nn.Module, model: nn.Module) -> None:
+    """Point the exported module's parameters and buffers back at ``model``'s (real or meta) tensors."""
+    modules = dict(module.named_modules())
+    for name, tensor in [*model.named_parameters(remove_duplicate=False),
+                         *model.named_buffers(remove_duplicate=False)]:
+        path, _, attr = name.rpartition(".")
+        owner = modules.get(path)
+        for table in (owner._parameters, owner._buffers) if owner is not None else ():
+            if attr in table:
+                table[attr] = tensor
 
 
 def _return_plain_values(graph: torch.fx.Graph) -> None:
@@ -140,14 +167,6 @@ def _devices_from_inputs(graph: torch.fx.Graph) -> None:
         node.args = tuple(device if isinstance(value, torch.device) else value for value in node.args)
         node.kwargs = {key: device if isinstance(value, torch.device) else value
                        for key, value in node.kwargs.items()}
-
-
-def _model_device(model: nn.Module) -> torch.device:
-    for tensor in model.parameters():
-        return tensor.device
-    for tensor in model.buffers():
-        return tensor.device
-    return torch.device("cpu")
 
 
 @contextlib.contextmanager
