@@ -18,7 +18,6 @@ import torch
 from tests.dist.harness import run_ranks
 from tests.dist.runtime_cases import Case, check_outcomes, reference, run_cases
 
-pytest.importorskip("transformers")
 pytestmark = pytest.mark.dist
 
 GPT2 = ("transformers:GPT2LMHeadModel",
