@@ -10,6 +10,7 @@ configuration classes would otherwise keep a misspelt name as an unused attribut
 
 from __future__ import annotations
 
+import difflib
 import inspect
 from collections.abc import Mapping
 from typing import Any
@@ -30,7 +31,9 @@ def build_from_config(model_class: type, kwargs: Mapping[str, Any]) -> Any:
     known = set(config_class().to_dict()) | set(getattr(config_class, "attribute_map", {}))
     unknown = sorted(set(kwargs) - known)
     if unknown:
-        raise ModelSpecError(f"{config_class.__name__} has no field {', '.join(map(repr, unknown))} "
-                             f"(arguments of {model_class.__name__}); use its fields, e.g. "
-                             f"{', '.join(sorted(known - {'transformers_version'})[:6])}")
+        close = difflib.get_close_matches(unknown[0], sorted(known), n=1)
+        hint = f"did you mean {close[0]!r}?" if close else "give a field of the configuration"
+        raise ModelSpecError(f"{config_class.__name__} has no field {unknown[0]!r} (an argument of "
+                             f"{model_class.__name__}); {hint} The fields are the keys of "
+                             f"{config_class.__name__}().to_dict()")
     return model_class(config_class(**{**_TRAINING_DEFAULTS, **kwargs}))

@@ -32,3 +32,4 @@ def test_an_unknown_config_field_is_one_error_line(capsys: pytest.CaptureFixture
     assert main(["plan", "transformers:GPT2LMHeadModel", "--model-arg", "n_layr=4", *PLAN]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "GPT2Config has no field 'n_layr'" in err, err
+    assert "did you mean 'n_layer'?" in err
