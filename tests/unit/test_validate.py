@@ -3,6 +3,7 @@ and the exit status under --tolerance (no processes)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -10,10 +11,10 @@ import pytest
 
 from cost_models.units import format_bytes
 from planner.cli import main
-from planner.plan import Plan
-from planner.reports.compare import WORST_MARK, checks, compare, verdict
+from planner.plan import Plan, SpatialSpec
+from planner.reports.compare import WORST_MARK, checks, compare, predicted_halo_bytes, verdict
 from planner.reports.run_report import RunReport
-from tests.runtime_plans import GPT, make_plan
+from tests.runtime_plans import GPT, RESNET, make_plan
 
 
 @pytest.fixture(scope="module")
@@ -69,3 +70,21 @@ def test_validate_exits_1_above_the_tolerance_only(plan: Plan, tmp_path: Path,
     assert main(["validate", *files, "--tolerance", "-5"]) == 2
     assert capsys.readouterr().err == ("tessera: error: --tolerance must be a percentage >= 0, got -5; "
                                        "e.g. --tolerance 10\n")
+
+
+def test_each_tiles_halo_bytes_are_checked_on_its_ranks() -> None:
+    """4 square tiles x 2 replicas (ranks 0-3 and 4-7), 2 micro-batches; the plan's per-tile halo
+    bytes set by hand, the runtime's counts doctored on rank 5."""
+    spec = SpatialSpec(4, "square", "per-layer", height=64, width=64)
+    tiled = Plan.from_dict(json.loads(make_plan(RESNET, ["layer1_1_conv1"], schedule="1f1b", data_parallel=2,
+                                                microbatches=2, spatial={0: spec})))
+    first = dataclasses.replace(tiled.stages[0], spatial=dataclasses.replace(spec, halo_bytes=(100, 200, 300, 400)))
+    tiled = dataclasses.replace(tiled, stages=(first, *tiled.stages[1:]))
+    assert predicted_halo_bytes(tiled) == (200, 400, 600, 800, 200, 400, 600, 800, 0, 0)
+    sent = (200, 400, 600, 800, 200, 500, 600, 800, 0, 0)
+    report = RunReport(tiled.model.fingerprint, 10, "cpu", tiled.training.global_batch_size, 0, (1.0,), (1.0,),
+                       tiled.predicted.peak_mem_bytes, "test", halo_bytes_sent=sent)
+    found = {check.label: check for check in checks(tiled, report) if check.metric == "halo bytes sent"}
+    assert sorted(found) == [f"rank {rank} halo bytes sent" for rank in range(8)]  # not ranks 8, 9: nothing sent
+    assert found["rank 5 halo bytes sent"].error_pct == pytest.approx(25.0)
+    assert verdict(list(found.values()), 20.0).startswith("rank 5 halo bytes sent is off by +25.0%")
