@@ -111,7 +111,8 @@ def _embedding_rows(traced: torch.fx.GraphModule, node: torch.fx.Node) -> list[i
                 rows.append(module.num_embeddings)
         elif user.op == "call_function" and user.target is F.embedding and user.args[0] is node:
             weight = user.args[1]
-        elif user.op == "call_function" and user.target is torch.ops.aten.embedding.default and user.args[1] is node:
+        elif (user.op == "call_function" and user.target is torch.ops.aten.embedding.default
+              and user.args[1] is node):
             weight = user.args[0]  # torch.export's form: (weight, indices)
         elif user.op == "call_function" and user.target in _RESHAPES and user.args[0] is node:
             rows += _embedding_rows(traced, user)

@@ -109,8 +109,12 @@ def _export(model: nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> torch
     module = exported.module()
     for node in list(module.graph.nodes):
         guard = node.op == "call_module" and node.target == "_guards_fn"
+        # checks that a .to() gave the traced dtype and device: false where the runtime computes in
+        # 16 bits or on another device
+        metadata_check = (node.op == "call_function"
+                          and node.target is torch.ops.aten._assert_tensor_metadata.default)
         unused_weight = node.op == "get_attr" and not node.users  # export lifts every weight
-        if guard or unused_weight:
+        if guard or metadata_check or unused_weight:
             module.graph.erase_node(node)
     _return_plain_values(module.graph)
     _devices_from_inputs(module.graph)
@@ -129,7 +133,8 @@ def _meta_copy(model: nn.Module) -> nn.Module:
     memo: dict[int, object] = {}
     for tensor in [*model.parameters(), *model.buffers()]:
         meta = torch.empty_like(tensor, device="meta")
-        memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+        is_parameter = isinstance(tensor, nn.Parameter)
+        memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if is_parameter else meta
     return copy.deepcopy(model, memo)
 
 

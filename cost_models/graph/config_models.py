@@ -28,8 +28,9 @@ def is_config_model(builder: Any) -> bool:
 def build_from_config(model_class: type, kwargs: Mapping[str, Any]) -> Any:
     """``model_class(config)`` with the configuration made from ``kwargs`` (see the module docstring)."""
     config_class = model_class.config_class
-    known = set(config_class().to_dict()) | set(getattr(config_class, "attribute_map", {}))
-    unknown = sorted(set(kwargs) - known)
+    default = config_class()
+    known = set(default.to_dict()) | set(getattr(config_class, "attribute_map", {}))
+    unknown = sorted(name for name in kwargs if name not in known and not hasattr(default, name))
     if unknown:
         close = difflib.get_close_matches(unknown[0], sorted(known), n=1)
         hint = f"did you mean {close[0]!r}?" if close else "give a field of the configuration"

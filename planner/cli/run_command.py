@@ -1,4 +1,4 @@
-"""`tessera run` (torchrun's agent, supervised) and `tessera validate` (predicted vs measured, with a verdict).
+"""`tessera run` (torchrun's agent, supervised) and `tessera validate` (predicted vs measured, a verdict).
 
 `tessera run` checks what it can before any process starts (the world size, the plan's
 consistency, the builder and the model's fingerprint: planner/preflight.py), then starts

@@ -48,7 +48,8 @@ def checks(plan: Plan, report: RunReport) -> tuple[Check, ...]:
     if report.plan_fingerprint != plan.model.fingerprint:
         raise PlanFileError(f"the run report is of model {report.plan_fingerprint[:12]}... but the "
                             f"plan is of {plan.model.fingerprint[:12]}...; give the plan that was run")
-    found = [Check("step time (slowest rank)", None, plan.predicted.step_ms, report.median_step_ms, format_ms),
+    found = [Check("step time (slowest rank)", None, plan.predicted.step_ms, report.median_step_ms,
+                   format_ms),
              Check("samples/s", None, plan.predicted.samples_per_s, report.samples_per_s, _per_second)]
     halos = predicted_halo_bytes(plan)
     for rank, peak_bytes in enumerate(plan.predicted.peak_mem_bytes):

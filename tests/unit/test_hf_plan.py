@@ -23,7 +23,8 @@ PLAN = ["--input", "32:int64", "--batch-size", "8", "--gpus", "2", "--mem", "1GB
 def test_a_transformers_model_class_plans_from_its_config(tmp_path: Path) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    assert main(["plan", "transformers:GPT2LMHeadModel", *GPT2_ARGS, *PLAN, "-o", str(tmp_path / "plan.json")]) == 0
+    output = ["-o", str(tmp_path / "plan.json")]
+    assert main(["plan", "transformers:GPT2LMHeadModel", *GPT2_ARGS, *PLAN, *output]) == 0
     plan = Plan.load(tmp_path / "plan.json")
     assert plan.model.builder == "transformers:GPT2LMHeadModel" and plan.model.builder_kwargs["n_layer"] == 4
     with torch.device("meta"):

@@ -34,7 +34,8 @@ def _measured(plan: Plan, peak_scale: float = 1.0, rank_1_step_scale: float = 1.
 
 
 def test_errors_are_per_rank_in_percent_and_the_worst_is_marked(plan: Plan) -> None:
-    found = {check.label: check for check in checks(plan, _measured(plan, peak_scale=1.25, rank_1_step_scale=1.5))}
+    measured = _measured(plan, peak_scale=1.25, rank_1_step_scale=1.5)
+    found = {check.label: check for check in checks(plan, measured)}
     assert set(found) == {"step time (slowest rank)", "samples/s", "rank 0 step time", "rank 0 peak memory",
                           "rank 1 step time", "rank 1 peak memory"}
     assert found["rank 1 step time"].error_pct == pytest.approx(25.0)  # median of 1.5 and 1 step: 1.25
@@ -78,13 +79,14 @@ def test_each_tiles_halo_bytes_are_checked_on_its_ranks() -> None:
     spec = SpatialSpec(4, "square", "per-layer", height=64, width=64)
     tiled = Plan.from_dict(json.loads(make_plan(RESNET, ["layer1_1_conv1"], schedule="1f1b", data_parallel=2,
                                                 microbatches=2, spatial={0: spec})))
-    first = dataclasses.replace(tiled.stages[0], spatial=dataclasses.replace(spec, halo_bytes=(100, 200, 300, 400)))
+    halos = dataclasses.replace(spec, halo_bytes=(100, 200, 300, 400))
+    first = dataclasses.replace(tiled.stages[0], spatial=halos)
     tiled = dataclasses.replace(tiled, stages=(first, *tiled.stages[1:]))
     assert predicted_halo_bytes(tiled) == (200, 400, 600, 800, 200, 400, 600, 800, 0, 0)
     sent = (200, 400, 600, 800, 200, 500, 600, 800, 0, 0)
-    report = RunReport(tiled.model.fingerprint, 10, "cpu", tiled.training.global_batch_size, 0, (1.0,), (1.0,),
-                       tiled.predicted.peak_mem_bytes, "test", halo_bytes_sent=sent)
+    report = RunReport(tiled.model.fingerprint, 10, "cpu", tiled.training.global_batch_size, 0, (1.0,),
+                       (1.0,), tiled.predicted.peak_mem_bytes, "test", halo_bytes_sent=sent)
     found = {check.label: check for check in checks(tiled, report) if check.metric == "halo bytes sent"}
-    assert sorted(found) == [f"rank {rank} halo bytes sent" for rank in range(8)]  # not ranks 8, 9: nothing sent
+    assert sorted(found) == [f"rank {rank} halo bytes sent" for rank in range(8)]  # 8, 9 send nothing
     assert found["rank 5 halo bytes sent"].error_pct == pytest.approx(25.0)
     assert verdict(list(found.values()), 20.0).startswith("rank 5 halo bytes sent is off by +25.0%")
