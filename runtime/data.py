@@ -1,7 +1,8 @@
 """Synthetic training data and loss for `python -m runtime`: deterministic per (seed, step, sample).
 
 * Float inputs are standard normal; integer inputs are uniform in ``[0, high)`` where ``high``
-  is the smallest ``num_embeddings`` of the embeddings reading that input (2 if none does).
+  is the smallest ``num_embeddings`` of the embeddings reading that input, directly or reshaped
+  (2 if none does).
 * The loss follows the model output ``y`` of one micro-batch: cross-entropy for logits
   ``(N, C)`` (class targets ``(N,)``), ``(N, S, V)`` (token targets ``(N, S)``) and
   ``(N, C, H, W)`` with ``C >= 2`` (per-pixel targets ``(N, H, W)``); mean squared error
@@ -29,6 +30,8 @@ from cost_models.errors import RuntimeSetupError
 from runtime.microbatch import Microbatch
 from runtime.seeding import generator
 from runtime.values import ValueKind, ValueSpec
+
+_RESHAPES = (torch.ops.aten.view.default, torch.ops.aten.reshape.default)  # keep the indices' values
 
 
 @dataclass(frozen=True)
@@ -94,17 +97,28 @@ def input_specs(traced: torch.fx.GraphModule, specs: dict[str, ValueSpec]) -> tu
 
 
 def _index_bound(traced: torch.fx.GraphModule, node: torch.fx.Node) -> int:
-    bounds = []
+    return min(_embedding_rows(traced, node), default=2)
+
+
+def _embedding_rows(traced: torch.fx.GraphModule, node: torch.fx.Node) -> list[int]:
+    """The rows of every embedding that looks ``node`` up, directly or after a reshape of it."""
+    rows = []
     for user in node.users:
+        weight: object = None
         if user.op == "call_module":
             module = traced.get_submodule(str(user.target))
             if isinstance(module, nn.Embedding) and user.args[0] is node:
-                bounds.append(module.num_embeddings)
+                rows.append(module.num_embeddings)
         elif user.op == "call_function" and user.target is F.embedding and user.args[0] is node:
             weight = user.args[1]
-            if isinstance(weight, torch.fx.Node) and weight.op == "get_attr":
-                bounds.append(_attr_rows(traced, str(weight.target)))
-    return min(bounds, default=2)
+        elif (user.op == "call_function" and user.target is torch.ops.aten.embedding.default
+              and user.args[1] is node):
+            weight = user.args[0]  # torch.export's form: (weight, indices)
+        elif user.op == "call_function" and user.target in _RESHAPES and user.args[0] is node:
+            rows += _embedding_rows(traced, user)
+        if isinstance(weight, torch.fx.Node) and weight.op == "get_attr":
+            rows.append(_attr_rows(traced, str(weight.target)))
+    return rows
 
 
 def _attr_rows(traced: torch.fx.GraphModule, target: str) -> int:

@@ -20,6 +20,8 @@ def gather_report(step_ms: list[float], losses: list[float], peak_bytes: int, he
                   optimizer_bytes: tuple[int, int] = (0, 0)) -> RunReport:
     """Combine every rank's measurements (collective); every rank gets the same report.
 
+    ``step_ms``: this rank's wall time of each timed step (the report keeps every rank's, and per
+    step the slowest).
     ``host_swap_bytes``: this rank's saved activations copied to the host in its last step.
     ``halo_bytes_sent``: what this rank's halo exchanges sent in its last step (Executor.halo_bytes_sent:
     forward halos, recomputed ones again, and halo gradients; 0 on a rank without a spatial stage).
@@ -27,17 +29,20 @@ def gather_report(step_ms: list[float], losses: list[float], peak_bytes: int, he
     after its last step (runtime/stage_optimizer.py), recorded when any rank holds some.
     """
     times = torch.tensor(step_ms or [0.0], dtype=torch.float64, device=device)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    by_rank = [torch.zeros_like(times) for _ in range(dist.get_world_size())]
+    dist.all_gather(by_rank, times)
+    slowest = torch.stack(by_rank).amax(dim=0)
     peaks = _gather_ints([peak_bytes, held_bytes, host_swap_bytes, *optimizer_bytes, halo_bytes_sent], device)
     offloaded = any(p[3] or p[4] for p in peaks)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return RunReport(fingerprint, dist.get_world_size(), name, global_batch_size, start_step,
-                     tuple(times.tolist()) if step_ms else (), tuple(losses),
+                     tuple(slowest.tolist()) if step_ms else (), tuple(losses),
                      tuple(p[0] for p in peaks), MEMORY_MEASURES[device.type],
                      tuple(p[1] for p in peaks) if device.type != "cuda" else (),
                      host_swap_bytes=tuple(p[2] for p in peaks), halo_bytes_sent=tuple(p[5] for p in peaks),
                      optimizer_host_bytes=tuple(p[3] for p in peaks) if offloaded else (),
-                     optimizer_nvme_bytes=tuple(p[4] for p in peaks) if offloaded else ())
+                     optimizer_nvme_bytes=tuple(p[4] for p in peaks) if offloaded else (),
+                     rank_step_ms=tuple(tuple(t.tolist()) for t in by_rank) if step_ms else ())
 
 
 def _gather_ints(values: list[int], device: torch.device) -> list[list[int]]:

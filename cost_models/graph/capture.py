@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import logging
 import sys
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import torch
 import torch.fx
@@ -83,26 +84,94 @@ def _symbolic_trace(model: nn.Module, leaf_modules: Sequence[LeafSpec]) -> torch
 
 
 def _export(model: nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> torch.fx.GraphModule:
-    device = _model_device(model)
-    inputs = tuple(torch.empty_like(x, device=device) if device.type == "meta" else x
+    """torch.export with the batch dimension symbolic, as a GraphModule returning plain values.
+
+    The runtime runs the planned graph at the plan's micro-batch size, not the example's, so the
+    batch dimension must not be baked in (a reshape to ``[2, 32, 192]`` fails at batch 4). It is
+    exported as ``Dim.AUTO``: symbolic wherever the model allows, one graph for every batch size
+    and the same node names at plan and run time (capturing again at the micro-batch size would
+    give another graph, another fingerprint and costs of a graph that is not the one planned). A
+    batch of 1 would be specialised (torch.export treats sizes 0 and 1 as constants), so a batch
+    of 1 is exported at 2. The pytree output (e.g. a Hugging Face ``ModelOutput``) is flattened:
+    the graph returns its one tensor, or the tuple of its tensors in the output's field order.
+
+    The model is exported on the meta device (a copy of its modules, not of its weights): an
+    exported graph records strides, so it depends on the device's kernels (after CPU attention a
+    ``.contiguous()`` is a no-op and vanishes, after meta attention it stays), and the runtime's
+    model rebuilt on meta and a user's model with real weights must give the same graph.
+    """
+    from torch.export import Dim
+
+    inputs = tuple(torch.empty(_batch_at_least_two(x.shape), dtype=x.dtype, device="meta")
                    for x in example_inputs)
-    exported = torch.export.export(model, inputs, strict=False)
+    dynamic = tuple((Dim.AUTO, *(Dim.STATIC,) * (x.dim() - 1)) if x.dim() else {} for x in inputs)
+    exported = torch.export.export(_meta_copy(model), inputs, dynamic_shapes=dynamic, strict=False)
     module = exported.module()
     for node in list(module.graph.nodes):
         guard = node.op == "call_module" and node.target == "_guards_fn"
+        # checks that a .to() gave the traced dtype and device: false where the runtime computes in
+        # 16 bits or on another device
+        metadata_check = (node.op == "call_function"
+                          and node.target is torch.ops.aten._assert_tensor_metadata.default)
         unused_weight = node.op == "get_attr" and not node.users  # export lifts every weight
-        if guard or unused_weight:
+        if guard or metadata_check or unused_weight:
             module.graph.erase_node(node)
+    _return_plain_values(module.graph)
+    _devices_from_inputs(module.graph)
+    _bind_state(module, model)
     module.recompile()
     return module
 
 
-def _model_device(model: nn.Module) -> torch.device:
-    for tensor in model.parameters():
-        return tensor.device
-    for tensor in model.buffers():
-        return tensor.device
-    return torch.device("cpu")
+def _batch_at_least_two(shape: torch.Size) -> tuple[int, ...]:
+    """``shape`` with its batch dimension (the first) raised to 2 if it is 1."""
+    return (max(shape[0], 2), *shape[1:]) if len(shape) else ()
+
+
+def _meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are empty meta tensors (nothing is allocated)."""
+    memo: dict[int, object] = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        meta = torch.empty_like(tensor, device="meta")
+        is_parameter = isinstance(tensor, nn.Parameter)
+        memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if is_parameter else meta
+    return copy.deepcopy(model, memo)
+
+
+def _bind_state(module: nn.Module, model: nn.Module) -> None:
+    """Point the exported module's parameters and buffers back at ``model``'s (real or meta) tensors."""
+    modules = dict(module.named_modules())
+    for name, tensor in [*model.named_parameters(remove_duplicate=False),
+                         *model.named_buffers(remove_duplicate=False)]:
+        path, _, attr = name.rpartition(".")
+        owner = modules.get(path)
+        for table in (owner._parameters, owner._buffers) if owner is not None else ():
+            if attr in table:
+                table[attr] = tensor
+
+
+def _return_plain_values(graph: torch.fx.Graph) -> None:
+    """Take positional inputs and return the output's tensors, without export's pytree wrapping."""
+    graph._codegen = torch.fx.graph.CodeGen()
+    output = next(node for node in graph.nodes if node.op == "output")
+    leaves = torch.utils._pytree.tree_leaves(output.args[0])
+    output.args = (leaves[0] if len(leaves) == 1 else tuple(leaves),)
+
+
+def _devices_from_inputs(graph: torch.fx.Graph) -> None:
+    """Replace the devices export bakes into factory calls (``arange(..., device='meta')`` when the
+    model is on meta) by the device of the first input, read in the graph, as fx tracing gives it."""
+    baked = [node for node in graph.nodes
+             if any(isinstance(value, torch.device) for value in (*node.args, *node.kwargs.values()))]
+    inputs = [node for node in graph.nodes if node.op == "placeholder"]
+    if not baked or not inputs:
+        return
+    with graph.inserting_after(inputs[-1]):
+        device = graph.call_function(getattr, (inputs[0], "device"))
+    for node in baked:
+        node.args = tuple(device if isinstance(value, torch.device) else value for value in node.args)
+        node.kwargs = {key: device if isinstance(value, torch.device) else value
+                       for key, value in node.kwargs.items()}
 
 
 @contextlib.contextmanager

@@ -8,9 +8,10 @@ import importlib.util
 import inspect
 import re
 import warnings
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from cost_models.errors import InvalidArgument, ModelSpecError, TesseraWarning
 
@@ -100,7 +101,7 @@ def _parse_list(key: str, text: str) -> list[Any]:
 
 
 def load_builder(spec: str, search_root: Path | None = None) -> Callable[..., Any]:
-    """Resolve ``pkg.mod:builder`` or ``path/file.py:builder`` to the builder function."""
+    """Resolve ``pkg.mod:builder`` or ``path/file.py:builder`` to the builder function (or model class)."""
     location, sep, name = spec.rpartition(":")
     if not sep or not location or not name.isidentifier():
         raise ModelSpecError(f"malformed model spec {spec!r}: expected 'pkg.module:builder' or "
@@ -151,9 +152,18 @@ def _file_exists(spec: str, search_root: Path | None) -> bool:
 
 
 def build_model(builder: Callable[..., Any], kwargs: Mapping[str, Any], device: str) -> Any:
-    """Call ``builder(**kwargs)`` on ``device`` (passed as ``device=`` when the builder takes it)."""
+    """Call ``builder(**kwargs)`` on ``device`` (passed as ``device=`` when the builder takes it).
+
+    A model class with a ``config_class`` (``transformers:GPT2LMHeadModel``) is built from the
+    configuration ``kwargs`` make (cost_models/graph/config_models.py).
+    """
     import torch
 
+    from cost_models.graph.config_models import build_from_config, is_config_model
+
+    if is_config_model(builder):
+        with torch.device(device):
+            return build_from_config(builder, kwargs)
     parameters = inspect.signature(builder).parameters
     takes_device = "device" in parameters or any(
         p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())

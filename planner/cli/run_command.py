@@ -1,4 +1,4 @@
-"""`tessera run` (torchrun's agent, supervised) and `tessera validate` (predicted vs measured).
+"""`tessera run` (torchrun's agent, supervised) and `tessera validate` (predicted vs measured, a verdict).
 
 `tessera run` checks what it can before any process starts (the world size, the plan's
 consistency, the builder and the model's fingerprint: planner/preflight.py), then starts
@@ -27,6 +27,7 @@ from planner.plan import Plan
 
 AGENT_SHUTDOWN_S = 15  # the agent's SIGTERM-to-SIGKILL grace for its ranks
 STOP_TIMEOUT_S = 30.0  # how long `tessera run` waits for the agent to stop before killing it
+EXIT_OFF_TOLERANCE = 1  # `tessera validate --tolerance`: a measurement is further from its prediction
 
 
 class Rendezvous(str, Enum):
@@ -248,8 +249,19 @@ def _handlers(handler: object) -> Iterator[None]:
             signal.signal(signum, old)
 
 
-def run_validate(plan_path: Path, report_path: Path) -> str:
-    from planner.reports.compare import compare
+def run_validate(plan_path: Path, report_path: Path, tolerance_pct: float | None = None) -> int:
+    """Print the predicted-vs-measured table; with a tolerance, exit 1 (after one line naming the
+    worst check) when an error is above it."""
+    from planner.reports.compare import checks, compare, verdict
     from planner.reports.run_report import RunReport
 
-    return compare(Plan.load(plan_path), RunReport.load(report_path))
+    if tolerance_pct is not None and not 0 <= tolerance_pct < float("inf"):
+        raise InvalidArgument(f"--tolerance must be a percentage >= 0, got {tolerance_pct:g}; "
+                              f"e.g. --tolerance 10")
+    plan, report = Plan.load(plan_path), RunReport.load(report_path)
+    print(compare(plan, report))
+    failed = verdict(checks(plan, report), tolerance_pct) if tolerance_pct is not None else None
+    if failed is not None:
+        print(f"tessera: validate: {failed}", file=sys.stderr)
+        return EXIT_OFF_TOLERANCE
+    return 0

@@ -1,45 +1,129 @@
-"""``tessera validate``: a plan's predictions beside what a run measured, with the error of each."""
+"""``tessera validate``: a plan's predictions beside what a run measured, per rank, with a verdict.
+
+Compared, where the run report measures them: the step time (of the job: the slowest rank's;
+per rank: its own), samples/s, each rank's peak memory and the halo bytes each rank's spatial
+exchanges sent. The bubble is predicted only (the run report holds no idle time), so it is
+printed but not checked; nor are the pipeline's point-to-point bytes (the runtime does not count
+them). Every error is ``(measured - predicted) / predicted`` in percent; the line with the
+largest magnitude is marked, and ``verdict`` names it when it is above a tolerance.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from cost_models.errors import PlanFileError
 from cost_models.units import format_bytes, format_ms
 from planner.plan import Plan
 from planner.reports.run_report import RunReport
 
+WORST_MARK = "<- worst"
+
+
+@dataclass(frozen=True)
+class Check:
+    """One quantity the plan predicts and the run measured (``rank`` None: the whole job)."""
+
+    metric: str
+    rank: int | None
+    predicted: float
+    measured: float
+    show: Callable[[float], str]
+
+    @property
+    def label(self) -> str:
+        return self.metric if self.rank is None else f"rank {self.rank} {self.metric}"
+
+    @property
+    def error_pct(self) -> float:
+        """``(measured - predicted) / predicted`` in percent; infinite when only the prediction is 0."""
+        if not self.predicted:
+            return 0.0 if not self.measured else float("inf")
+        return (self.measured - self.predicted) / self.predicted * 100
+
+
+def checks(plan: Plan, report: RunReport) -> tuple[Check, ...]:
+    """Every prediction of ``plan`` that ``report`` measured, the job's first, then rank by rank."""
+    if report.plan_fingerprint != plan.model.fingerprint:
+        raise PlanFileError(f"the run report is of model {report.plan_fingerprint[:12]}... but the "
+                            f"plan is of {plan.model.fingerprint[:12]}...; give the plan that was run")
+    found = [Check("step time (slowest rank)", None, plan.predicted.step_ms, report.median_step_ms,
+                   format_ms),
+             Check("samples/s", None, plan.predicted.samples_per_s, report.samples_per_s, _per_second)]
+    halos = predicted_halo_bytes(plan)
+    for rank, peak_bytes in enumerate(plan.predicted.peak_mem_bytes):
+        if report.rank_step_ms:
+            found.append(Check("step time", rank, plan.predicted.step_ms, report.rank_median_step_ms[rank],
+                               format_ms))
+        found.append(Check("peak memory", rank, peak_bytes, report.peak_mem_bytes[rank], format_bytes))
+        if report.halo_bytes_sent and (halos[rank] or report.halo_bytes_sent[rank]):
+            found.append(Check("halo bytes sent", rank, halos[rank], report.halo_bytes_sent[rank],
+                               format_bytes))
+    return tuple(found)
+
+
+def predicted_halo_bytes(plan: Plan) -> tuple[int, ...]:
+    """Per rank, the halo bytes its spatial stages' exchanges send in one step (the plan's per-tile
+    count per micro-batch, times the micro-batches)."""
+    sent = [0] * plan.layout.world_size
+    for part in plan.stages:
+        if part.spatial is None or not part.spatial.halo_bytes:
+            continue
+        for stage in plan.layout.stages_of_part(part.index):
+            for replica in range(plan.data_parallel):
+                for tile, rank in enumerate(plan.layout.ranks_of(stage, replica)):
+                    sent[rank] += part.spatial.halo_bytes[tile] * plan.training.num_microbatches
+    return tuple(sent)
+
+
+def worst(found: Sequence[Check]) -> Check:
+    """The check with the largest error magnitude (the first of equals)."""
+    return max(found, key=lambda check: abs(check.error_pct))
+
+
+def verdict(found: Sequence[Check], tolerance_pct: float) -> str | None:
+    """One line naming the worst check when its error is above ``tolerance_pct``; None when all are within."""
+    beyond = [check for check in found if abs(check.error_pct) > tolerance_pct]
+    if not beyond:
+        return None
+    check = worst(found)
+    return (f"{check.label} is off by {_percent(check.error_pct)} (predicted {check.show(check.predicted)}, "
+            f"measured {check.show(check.measured)}), above the tolerance of {tolerance_pct:g}%; "
+            f"{len(beyond)} of {len(found)} checks are beyond it")
+
 
 def compare(plan: Plan, report: RunReport) -> str:
-    """The side-by-side table: step time, throughput and per-rank peak memory.
+    """The side-by-side table: one line per check, the worst marked, then what is not checked.
 
     Example::
 
         print(compare(Plan.load("plan.json"), RunReport.load("run.json")))
     """
-    if report.plan_fingerprint != plan.model.fingerprint:
-        raise PlanFileError(f"the run report is of model {report.plan_fingerprint[:12]}... but the "
-                            f"plan is of {plan.model.fingerprint[:12]}...; give the plan that was run")
-    rows = [("step time", format_ms(plan.predicted.step_ms), format_ms(report.median_step_ms),
-             _error(plan.predicted.step_ms, report.median_step_ms), ""),
-            ("samples/s", f"{plan.predicted.samples_per_s:.1f}", f"{report.samples_per_s:.1f}",
-             _error(plan.predicted.samples_per_s, report.samples_per_s), "")]
-    for rank, (predicted, measured) in enumerate(zip(plan.predicted.peak_mem_bytes, report.peak_mem_bytes)):
-        held = format_bytes(report.held_mem_bytes[rank]) if report.held_mem_bytes else ""
-        rows.append((f"rank {rank} peak memory", format_bytes(predicted), format_bytes(measured),
-                     _error(predicted, measured), held))
-    width = max(len(row[0]) for row in rows)
-    extra = "  runtime holds" if report.held_mem_bytes else ""
-    lines = [f"{'':{width}}  {'predicted':>12}  {'measured':>12}  {'error':>8}{extra}"]
-    lines += [f"{name:{width}}  {p:>12}  {m:>12}  {e:>8}  {h:>13}".rstrip() for name, p, m, e, h in rows]
+    found = checks(plan, report)
+    marked = worst(found)
+    width = max(len(check.label) for check in found)
+    lines = [f"{'':{width}}  {'predicted':>12}  {'measured':>12}  {'error':>8}"]
+    lines += [f"{check.label:{width}}  {check.show(check.predicted):>12}  {check.show(check.measured):>12}  "
+              f"{_percent(check.error_pct):>8}  {WORST_MARK if check is marked else ''}".rstrip()
+              for check in found]
+    if report.held_mem_bytes:
+        lines.append("runtime holds (model state and buffers, per rank): "
+                     + ", ".join(format_bytes(held) for held in report.held_mem_bytes))
     for rank, (host, nvme) in enumerate(zip(report.optimizer_host_bytes, report.optimizer_nvme_bytes)):
         lines.append(f"rank {rank} optimizer state off the device: {format_bytes(host)} in host memory, "
                      f"{format_bytes(nvme)} on NVMe")
+    lines.append(f"not checked: the bubble ({plan.predicted.bubble_fraction:.1%} predicted; the run report "
+                 f"holds no idle time) and the pipeline's point-to-point bytes (not counted by the runtime)")
     lines.append(f"measured on {report.device} over {len(report.timed_ms)} timed steps (median; "
                  f"{report.warmup_steps} warm-up step(s) excluded); memory: {report.memory_measure}; "
                  f"error = (measured - predicted) / predicted")
     return "\n".join(lines)
 
 
-def _error(predicted: float, measured: float) -> str:
-    if not predicted:
-        return "n/a"
-    return f"{(measured - predicted) / predicted:+.1%}"
+def _percent(error_pct: float) -> str:
+    return f"{error_pct:+.1f}%"
+
+
+def _per_second(value: float) -> str:
+    return f"{value:.1f}"

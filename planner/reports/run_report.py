@@ -47,16 +47,27 @@ class RunReport:
     # host memory and in --nvme-dir after the last step (runtime/stage_optimizer.py)
     optimizer_host_bytes: tuple[int, ...] = ()
     optimizer_nvme_bytes: tuple[int, ...] = ()
+    # per rank, its own wall time of each step timed in step_ms (which keeps the slowest rank's)
+    rank_step_ms: tuple[tuple[float, ...], ...] = ()
     schema_version: int = REPORT_VERSION
 
     @property
     def timed_ms(self) -> tuple[float, ...]:
         """Step times after the warm-up steps (all of them if the run is that short)."""
-        return self.step_ms[self.warmup_steps:] or self.step_ms
+        return self._after_warmup(self.step_ms)
 
     @property
     def median_step_ms(self) -> float:
         return statistics.median(self.timed_ms) if self.timed_ms else float("nan")
+
+    @property
+    def rank_median_step_ms(self) -> tuple[float, ...]:
+        """Per rank, the median of its own step times after the warm-up steps (empty if not recorded)."""
+        return tuple(statistics.median(self._after_warmup(times)) if times else float("nan")
+                     for times in self.rank_step_ms)
+
+    def _after_warmup(self, times: tuple[float, ...]) -> tuple[float, ...]:
+        return times[self.warmup_steps:] or times
 
     @property
     def samples_per_s(self) -> float:
@@ -75,7 +86,7 @@ class RunReport:
             raise PlanFileError(f"run report schema_version {data.get('schema_version')!r} is not "
                                 f"{REPORT_VERSION}; re-run `python -m runtime ... --report`")
         fields = {f.name for f in dataclasses.fields(cls)}
-        values = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k in fields}
+        values = {k: _frozen(v) for k, v in data.items() if k in fields}
         return cls(**values)
 
     def save(self, path: str | Path) -> None:
@@ -90,3 +101,8 @@ class RunReport:
         except (json.JSONDecodeError, TypeError) as error:
             raise PlanFileError(f"run report {str(path)!r} is malformed ({error}); re-run with "
                                 f"--report") from error
+
+
+def _frozen(value: Any) -> Any:
+    """JSON lists, nested ones too, as tuples."""
+    return tuple(_frozen(item) for item in value) if isinstance(value, list) else value

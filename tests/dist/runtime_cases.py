@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from runtime.values import value_specs
 from runtime.weights import initialize
 
 SEED = 7
+RTOL, ATOL = 1e-10, 1e-12
 
 
 @dataclass(frozen=True)
@@ -166,8 +168,11 @@ def _no_loss(output: Any, target: Any) -> torch.Tensor:
     raise AssertionError("bound after set-up")
 
 
-def reference(case: Case) -> Outcome:
-    """One process, the whole model: the same initialisation, micro-batches, loss and optimizer."""
+def reference(case: Case, prediction: Callable[[Any], torch.Tensor] = lambda output: output) -> Outcome:
+    """One process, the whole model: the same initialisation, micro-batches, loss and optimizer.
+
+    The eager model runs, not a traced graph; ``prediction`` takes what the loss reads from its
+    output (e.g. a Hugging Face ModelOutput's ``logits``)."""
     plan = Plan.from_dict(json.loads(case.plan_json))
     model = initialize(rebuild_model(plan), SEED)
     traced = trace_checked(model, plan)
@@ -185,7 +190,7 @@ def reference(case: Case) -> Outcome:
         batch = data.samples(step, 0, plan.training.global_batch_size)  # sample i: seeded by (step, i)
         for index in range(total):
             rows = slice(index * size, (index + 1) * size)
-            loss = data.task(model(*(x[rows] for x in batch.inputs)), batch.targets[rows])
+            loss = data.task(prediction(model(*(x[rows] for x in batch.inputs))), batch.targets[rows])
             (loss / total).backward()
             step_losses.append(loss.item())
         optimizer.step()
@@ -195,3 +200,27 @@ def reference(case: Case) -> Outcome:
     return Outcome(losses, {name: grads[id(p)].numpy() for name, p in named.items()},
                    {name: p.detach().numpy().copy() for name, p in named.items()},
                    {name: b.detach().numpy().copy() for name, b in model.named_buffers()})
+
+
+def check_outcomes(expected: Outcome, case: Case, by_rank: list[Outcome]) -> None:
+    """Every rank's losses, gradients, parameters and buffers equal ``expected`` at float64 precision."""
+    replicas = Plan.from_dict(json.loads(case.plan_json)).data_parallel
+    seen: set[str] = set()
+    buffers_seen: set[str] = set()
+    for rank, outcome in enumerate(by_rank):
+        np.testing.assert_allclose(outcome.losses, expected.losses, rtol=RTOL, atol=ATOL,
+                                   err_msg=f"rank {rank} losses")
+        for name, grad in outcome.grads.items():
+            np.testing.assert_allclose(grad, expected.grads[name], rtol=RTOL, atol=ATOL,
+                                       err_msg=f"rank {rank} gradient of {name}")
+            np.testing.assert_allclose(outcome.params[name], expected.params[name], rtol=RTOL,
+                                       atol=ATOL, err_msg=f"rank {rank} parameter {name}")
+        seen |= set(outcome.grads)
+        if replicas == 1:  # replicas see different samples: their running statistics differ
+            for name, buffer in outcome.buffers.items():
+                np.testing.assert_allclose(buffer, expected.buffers[name], rtol=RTOL, atol=ATOL,
+                                           err_msg=f"rank {rank} buffer {name}")
+            buffers_seen |= set(outcome.buffers)
+    assert seen == set(expected.grads), f"parameters on no rank: {sorted(set(expected.grads) - seen)}"
+    if replicas == 1:
+        assert buffers_seen == set(expected.buffers), f"buffers on no rank: {set(expected.buffers) - buffers_seen}"

@@ -21,17 +21,15 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 
 from planner.plan import OffloadSpec, Plan
 from tests.dist.harness import run_ranks
-from tests.dist.runtime_cases import Case, Outcome, reference, run_cases
+from tests.dist.runtime_cases import Case, Outcome, check_outcomes, reference, run_cases
 from tests.runtime_plans import GPT, RESNET, ROOT, looped, make_plan
 
 pytestmark = pytest.mark.dist
 
-RTOL, ATOL = 1e-10, 1e-12
 FOUR_GPT_STAGES = ["blocks_0_ln_2", "blocks_1_ln_1", "blocks_1_ln_2"]
 SKIP_TO_STAGE_2 = ["layer2_0_conv2", "layer2_0_conv3", "layer3_0_conv1"]  # block input 0 -> 2
 GPT_MLP_0 = ("blocks_0_ln_2", "blocks_0_mlp_fc", "blocks_0_mlp_gelu")
@@ -43,27 +41,7 @@ RESNET_RESIDUAL_2_0 = ("layer2_0_bn3", "layer2_0_shortcut_0", "layer2_0_shortcut
 
 
 def _check(case: Case, by_rank: list[Outcome]) -> None:
-    expected = reference(case)
-    replicas = Plan.from_dict(json.loads(case.plan_json)).data_parallel
-    seen: set[str] = set()
-    buffers_seen: set[str] = set()
-    for rank, outcome in enumerate(by_rank):
-        np.testing.assert_allclose(outcome.losses, expected.losses, rtol=RTOL, atol=ATOL,
-                                   err_msg=f"rank {rank} losses")
-        for name, grad in outcome.grads.items():
-            np.testing.assert_allclose(grad, expected.grads[name], rtol=RTOL, atol=ATOL,
-                                       err_msg=f"rank {rank} gradient of {name}")
-            np.testing.assert_allclose(outcome.params[name], expected.params[name], rtol=RTOL,
-                                       atol=ATOL, err_msg=f"rank {rank} parameter {name}")
-        seen |= set(outcome.grads)
-        if replicas == 1:  # replicas see different samples: their running statistics differ
-            for name, buffer in outcome.buffers.items():
-                np.testing.assert_allclose(buffer, expected.buffers[name], rtol=RTOL, atol=ATOL,
-                                           err_msg=f"rank {rank} buffer {name}")
-            buffers_seen |= set(outcome.buffers)
-    assert seen == set(expected.grads), f"parameters on no rank: {sorted(set(expected.grads) - seen)}"
-    if replicas == 1:
-        assert buffers_seen == set(expected.buffers), f"buffers on no rank: {set(expected.buffers) - buffers_seen}"
+    check_outcomes(reference(case), case, by_rank)
 
 
 def test_two_rank_pipelines_equal_a_single_process() -> None:

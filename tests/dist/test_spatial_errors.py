@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
+from cost_models.errors import SpatialError, TesseraError
 from examples.models.amoebanet import Cell
 from examples.models.resnet import resnet50
-from cost_models.errors import SpatialError, TesseraError
 from runtime.spatial import (
     FusedHaloBlock,
     SpatialConv2d,

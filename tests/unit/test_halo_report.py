@@ -1,4 +1,4 @@
-"""The run report's halo bytes: gathered per rank, kept through JSON, absent from older reports."""
+"""The run report's halo bytes and per-rank step times: gathered, kept through JSON, optional."""
 
 from __future__ import annotations
 
@@ -28,8 +28,9 @@ def _gathered(tmp_path: Path, halo_bytes_sent: int) -> RunReport:
 def test_the_report_records_each_ranks_halo_bytes_and_reads_older_reports_without_them(tmp_path: Path) -> None:
     report = _gathered(tmp_path, 58368)
     assert report.halo_bytes_sent == (58368,) and report.host_swap_bytes == (300,)
+    assert report.rank_step_ms == ((12.0, 10.0),) and report.rank_median_step_ms == (10.0,)
     report.save(tmp_path / "run.json")
-    assert RunReport.load(tmp_path / "run.json").halo_bytes_sent == (58368,)
+    assert RunReport.load(tmp_path / "run.json") == report  # the nested per-rank step times too
     older = {key: value for key, value in json.loads((tmp_path / "run.json").read_text()).items()
              if key != "halo_bytes_sent"}
     assert RunReport.from_dict(older).halo_bytes_sent == ()

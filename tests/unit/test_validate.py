@@ -1,0 +1,92 @@
+"""`tessera validate`: per-rank checks of a plan against a doctored run report, the worst marked,
+and the exit status under --tolerance (no processes)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from cost_models.units import format_bytes
+from planner.cli import main
+from planner.plan import Plan, SpatialSpec
+from planner.reports.compare import WORST_MARK, checks, compare, predicted_halo_bytes, verdict
+from planner.reports.run_report import RunReport
+from tests.runtime_plans import GPT, RESNET, make_plan
+
+
+@pytest.fixture(scope="module")
+def plan() -> Plan:
+    return Plan.from_dict(json.loads(make_plan(GPT, ["blocks_1_ln_1"], schedule="1f1b")))
+
+
+def _measured(plan: Plan, peak_scale: float = 1.0, rank_1_step_scale: float = 1.0) -> RunReport:
+    """A report measuring exactly what the plan predicts, but rank 1's peak memory and step time
+    scaled (the first step of each rank is the warm-up, excluded, so it is made wildly off)."""
+    step = plan.predicted.step_ms
+    peaks = list(plan.predicted.peak_mem_bytes)
+    peaks[1] = round(peaks[1] * peak_scale)
+    return RunReport(plan.model.fingerprint, 2, "cpu", plan.training.global_batch_size, 0,
+                     (step * 9, step, step), (3.0, 2.9, 2.8), tuple(peaks), "test",
+                     rank_step_ms=((step * 9, step, step), (step * 9, step * rank_1_step_scale, step)))
+
+
+def test_errors_are_per_rank_in_percent_and_the_worst_is_marked(plan: Plan) -> None:
+    measured = _measured(plan, peak_scale=1.25, rank_1_step_scale=1.5)
+    found = {check.label: check for check in checks(plan, measured)}
+    assert set(found) == {"step time (slowest rank)", "samples/s", "rank 0 step time", "rank 0 peak memory",
+                          "rank 1 step time", "rank 1 peak memory"}
+    assert found["rank 1 step time"].error_pct == pytest.approx(25.0)  # median of 1.5 and 1 step: 1.25
+    assert found["rank 1 peak memory"].error_pct == pytest.approx(25.0, abs=1e-3)
+    assert found["rank 0 peak memory"].error_pct == 0.0 and found["step time (slowest rank)"].error_pct == 0.0
+    table = compare(plan, _measured(plan, peak_scale=1.4)).splitlines()
+    marked = [line for line in table if line.endswith(WORST_MARK)]
+    assert len(marked) == 1 and marked[0].startswith("rank 1 peak memory") and "+40.0%" in marked[0]
+    assert any(line.startswith("not checked: the bubble") for line in table)
+
+
+def test_a_verdict_names_the_worst_check_above_the_tolerance(plan: Plan) -> None:
+    found = checks(plan, _measured(plan, peak_scale=1.25, rank_1_step_scale=1.3))
+    predicted = plan.predicted.peak_mem_bytes[1]
+    assert verdict(found, 25.0) is None
+    assert verdict(found, 10.0) == (
+        f"rank 1 peak memory is off by +25.0% (predicted {format_bytes(predicted)}, measured "
+        f"{format_bytes(round(predicted * 1.25))}), above the tolerance of 10%; 2 of 6 checks are beyond it")
+
+
+def test_validate_exits_1_above_the_tolerance_only(plan: Plan, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    plan.save(tmp_path / "plan.json")
+    _measured(plan, peak_scale=0.5).save(tmp_path / "run.json")
+    files = [str(tmp_path / "plan.json"), str(tmp_path / "run.json")]
+    assert main(["validate", *files]) == 0
+    assert "-50.0%" in capsys.readouterr().out
+    assert main(["validate", *files, "--tolerance", "60"]) == 0
+    assert main(["validate", *files, "--tolerance", "10"]) == 1
+    out, err = capsys.readouterr()
+    assert "rank 1 peak memory" in out and err.count("\n") == 1
+    assert err.startswith("tessera: validate: rank 1 peak memory is off by -50.0%")
+    assert main(["validate", *files, "--tolerance", "-5"]) == 2
+    assert capsys.readouterr().err == ("tessera: error: --tolerance must be a percentage >= 0, got -5; "
+                                       "e.g. --tolerance 10\n")
+
+
+def test_each_tiles_halo_bytes_are_checked_on_its_ranks() -> None:
+    """4 square tiles x 2 replicas (ranks 0-3 and 4-7), 2 micro-batches; the plan's per-tile halo
+    bytes set by hand, the runtime's counts doctored on rank 5."""
+    spec = SpatialSpec(4, "square", "per-layer", height=64, width=64)
+    tiled = Plan.from_dict(json.loads(make_plan(RESNET, ["layer1_1_conv1"], schedule="1f1b", data_parallel=2,
+                                                microbatches=2, spatial={0: spec})))
+    halos = dataclasses.replace(spec, halo_bytes=(100, 200, 300, 400))
+    first = dataclasses.replace(tiled.stages[0], spatial=halos)
+    tiled = dataclasses.replace(tiled, stages=(first, *tiled.stages[1:]))
+    assert predicted_halo_bytes(tiled) == (200, 400, 600, 800, 200, 400, 600, 800, 0, 0)
+    sent = (200, 400, 600, 800, 200, 500, 600, 800, 0, 0)
+    report = RunReport(tiled.model.fingerprint, 10, "cpu", tiled.training.global_batch_size, 0, (1.0,),
+                       (1.0,), tiled.predicted.peak_mem_bytes, "test", halo_bytes_sent=sent)
+    found = {check.label: check for check in checks(tiled, report) if check.metric == "halo bytes sent"}
+    assert sorted(found) == [f"rank {rank} halo bytes sent" for rank in range(8)]  # 8, 9 send nothing
+    assert found["rank 5 halo bytes sent"].error_pct == pytest.approx(25.0)
+    assert verdict(list(found.values()), 20.0).startswith("rank 5 halo bytes sent is off by +25.0%")
