@@ -72,6 +72,57 @@ def _one_f_one_b_stage(stage: int, num_stages: int, num_microbatches: int) -> Pr
     return tuple(program)
 
 
+def interleaved_one_f_one_b(num_stages: int, num_microbatches: int, *, data_parallel: int = 1,
+                            virtual_stages: int = 2) -> Schedule:
+    """Megatron's interleaved 1F1B: ``num_stages`` = ranks x ``virtual_stages``, stage s on slot s % ranks.
+
+    Each slot runs its k-th forward on virtual stage ``(k // ranks) % v`` and micro-batch
+    ``(k // (ranks * v)) * ranks + k % ranks`` (backwards visit the virtual stages in reverse),
+    ``2 (ranks - 1 - slot) + (v - 1) ranks`` forwards of warm-up, then F/B pairs, then the rest of
+    the Bs. The micro-batch count must be a multiple of the rank count.
+
+    >>> [str(a) for a in interleaved_one_f_one_b(4, 2).programs[1]]
+    ['1F0', '1F1', '3F0', '3F1', '3B0', '3B1', '1B0', '1B1']
+    """
+    _check_sizes(num_stages, num_microbatches)
+    ranks = _interleaved_ranks(num_stages, num_microbatches, virtual_stages)
+    programs = tuple(_interleaved_slot(slot, ranks, virtual_stages, num_microbatches) for slot in range(ranks))
+    layout = Layout.replicated(tuple(stage % ranks for stage in range(num_stages)), data_parallel)
+    return Schedule(ScheduleKind.INTERLEAVED_1F1B, num_microbatches, layout, programs)
+
+
+def _interleaved_ranks(num_stages: int, num_microbatches: int, virtual_stages: int) -> int:
+    """The rank count (stages per replica / v), or ValueError naming the counts that work."""
+    if virtual_stages < 1 or num_stages % virtual_stages:
+        raise ValueError(f"interleaved-1f1b with {virtual_stages} virtual stages per rank needs a stage count "
+                         f"that is a multiple of {virtual_stages}, got {num_stages}; valid: "
+                         f"{', '.join(str(virtual_stages * k) for k in range(1, 4))}, ...")
+    ranks = num_stages // virtual_stages
+    if num_microbatches % ranks:
+        raise ValueError(f"interleaved-1f1b on {ranks} ranks needs a micro-batch count that is a multiple of "
+                         f"{ranks}, got {num_microbatches}; valid: "
+                         f"{', '.join(str(ranks * k) for k in range(1, 4))}, ...")
+    return ranks
+
+
+def _interleaved_slot(slot: int, ranks: int, virtual_stages: int, num_microbatches: int) -> Program:
+    total = num_microbatches * virtual_stages
+    warmup = total if num_microbatches == ranks else min(
+        total, 2 * (ranks - 1 - slot) + (virtual_stages - 1) * ranks)
+
+    def action(kind: ActionKind, k: int) -> Action:
+        chunk = (k % (ranks * virtual_stages)) // ranks
+        if kind is ActionKind.B:
+            chunk = virtual_stages - 1 - chunk
+        return Action(chunk * ranks + slot, kind, (k // (ranks * virtual_stages)) * ranks + k % ranks)
+
+    program = [action(ActionKind.F, k) for k in range(warmup)]
+    for k in range(total - warmup):
+        program += [action(ActionKind.F, warmup + k), action(ActionKind.B, k)]
+    program += [action(ActionKind.B, k) for k in range(total - warmup, total)]
+    return tuple(program)
+
+
 def _forwards(stage: int, microbatches: range) -> Program:
     return tuple(Action(stage, ActionKind.F, microbatch) for microbatch in microbatches)
 
@@ -89,6 +140,7 @@ def _check_sizes(num_stages: int, num_microbatches: int) -> None:
 GENERATORS: Mapping[ScheduleKind, ScheduleGenerator] = MappingProxyType({
     ScheduleKind.GPIPE: gpipe,
     ScheduleKind.ONE_F_ONE_B: one_f_one_b,
+    ScheduleKind.INTERLEAVED_1F1B: interleaved_one_f_one_b,
 })
 """Schedule kind (the plan's ``schedule.kind``) -> generator. A new kind is a new entry here."""
 
@@ -119,3 +171,31 @@ def max_in_flight(schedule: Schedule) -> tuple[int, ...]:
             elif action.kind is ActionKind.B:
                 held[action.stage] -= 1
     return tuple(peak)
+
+
+def in_flight_profiles(schedule: Schedule) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """Per slot, the in-flight counts that can be its activation peak: one vector per candidate moment,
+    holding per stage of the slot (in ``layout.stages_on_slot`` order) the micro-batches between
+    their F and their B, only vectors that no other one covers.
+
+    A rank's peak activation bytes is the largest ``sum(held * activation_bytes)`` over its slot's
+    vectors, whatever the stages' sizes (one memory row per vector keeps that linear).
+
+    >>> in_flight_profiles(interleaved_one_f_one_b(4, 2))
+    (((2, 2),), ((2, 2),))
+    """
+    return tuple(_slot_profiles(program, schedule.layout.stages_on_slot(slot))
+                 for slot, program in enumerate(schedule.programs))
+
+
+def _slot_profiles(program: Program, stages: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    held = dict.fromkeys(stages, 0)
+    moments: list[tuple[int, ...]] = []
+    for action in program:
+        if action.kind is ActionKind.F:
+            held[action.stage] += 1
+            moments.append(tuple(held.values()))
+        elif action.kind is ActionKind.B:
+            held[action.stage] -= 1
+    return tuple(sorted({vector for vector in moments if not any(
+        other != vector and all(o >= v for o, v in zip(other, vector)) for other in moments)}))

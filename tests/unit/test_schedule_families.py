@@ -1,0 +1,103 @@
+"""The schedule families beyond GPipe and 1F1B: literal programs, lowering and validation with skip
+connections, step time against the textbook formula, and the in-flight profiles against the simulator."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from planner.schedules import (
+    SimCosts,
+    SimResult,
+    StageCosts,
+    format_programs,
+    generate,
+    in_flight_profiles,
+    lower,
+    max_in_flight,
+    simulate,
+    validate,
+)
+from planner.schedules.generate import Schedule, interleaved_one_f_one_b
+
+STATIC = 50_000
+
+# Megatron's order for 2 ranks x 2 virtual stages, M=4, worked by hand: rank 0 warms up with
+# 2 (p - 1) + (v - 1) p = 4 forwards (stage 0, then stage 2, two micro-batches each), then F/B pairs.
+INTERLEAVED_4x4 = (
+    "0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3",
+    "1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3",
+)
+
+
+def _rows(table: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
+    return tuple(tuple(row.split()) for row in table)
+
+
+def _edges(num_stages: int) -> set[tuple[int, int]]:
+    """A chain with a skip connection from stage 0 over two stages (where there are enough)."""
+    return {(s, s + 1) for s in range(num_stages - 1)} | ({(0, 3)} if num_stages > 3 else set())
+
+
+def _simulate(schedule: Schedule, stages: tuple[StageCosts, ...]) -> SimResult:
+    edges = _edges(schedule.num_stages)
+    programs = schedule.layout.rank_programs(lower(schedule.programs, schedule.layout, edges))
+    validate(programs, schedule.layout, edges=edges)
+    return simulate(programs, schedule.layout, SimCosts(stages, dict.fromkeys(edges, 0.0)))
+
+
+def test_interleaved_programs_equal_a_literal_table() -> None:
+    schedule = interleaved_one_f_one_b(4, 4)
+    assert format_programs(schedule.programs) == _rows(INTERLEAVED_4x4)
+    assert schedule.layout.stage_slot == (0, 1, 0, 1) and schedule.layout.world_size == 2
+    assert generate("interleaved-1f1b", 4, 4, virtual_stages=2) == schedule
+
+
+@pytest.mark.parametrize(("ranks", "virtual_stages", "num_microbatches"),
+                         [(2, 2, 2), (2, 2, 6), (2, 3, 4), (4, 2, 8), (4, 3, 4), (3, 2, 9), (1, 3, 2)])
+def test_interleaved_validates_and_takes_the_textbook_step(ranks: int, virtual_stages: int,
+                                                           num_microbatches: int) -> None:
+    # Equal stages, free transfers: each rank works M v (F + B) and waits (p - 1)(F + B) in all,
+    # the 1F1B bubble divided by v (Narayanan et al. 2021, section 2.2).
+    fwd_ms, bwd_ms = 1.0, 2.0
+    schedule = interleaved_one_f_one_b(ranks * virtual_stages, num_microbatches, virtual_stages=virtual_stages)
+    result = _simulate(schedule, (StageCosts(fwd_ms, bwd_ms, 1, STATIC),) * schedule.num_stages)
+    per_rank = virtual_stages * (fwd_ms + bwd_ms)
+    assert result.step_ms == pytest.approx(num_microbatches * per_rank + (ranks - 1) * per_rank / virtual_stages)
+    assert result.busy_ms == pytest.approx([num_microbatches * per_rank] * ranks)
+
+
+@pytest.mark.parametrize(("num_stages", "num_microbatches", "virtual_stages", "message"), [
+    (4, 3, 2, ("interleaved-1f1b on 2 ranks needs a micro-batch count that is a multiple of 2, got 3; "
+               "valid: 2, 4, 6, ...")),
+    (6, 4, 4, ("interleaved-1f1b with 4 virtual stages per rank needs a stage count that is a multiple of 4, "
+               "got 6; valid: 4, 8, 12, ...")),
+])
+def test_interleaved_counts_that_do_not_fit_are_one_line_errors(num_stages: int, num_microbatches: int,
+                                                               virtual_stages: int, message: str) -> None:
+    with pytest.raises(ValueError) as error:
+        generate("interleaved-1f1b", num_stages, num_microbatches, virtual_stages=virtual_stages)
+    assert str(error.value) == message
+
+
+@pytest.mark.parametrize("schedule", [
+    generate("gpipe", 3, 4), generate("1f1b", 4, 6), interleaved_one_f_one_b(4, 4),
+    interleaved_one_f_one_b(8, 8), interleaved_one_f_one_b(9, 6, virtual_stages=3)])
+def test_in_flight_profiles_give_every_ranks_simulated_peak(schedule: Schedule) -> None:
+    rng = random.Random(schedule.num_stages * 100 + schedule.num_microbatches)
+    for _ in range(5):
+        sizes = [rng.randint(1, 1000) for _ in range(schedule.num_stages)]
+        costs = tuple(StageCosts(rng.uniform(0.5, 2), rng.uniform(1, 4), size, STATIC) for size in sizes)
+        result = _simulate(schedule, costs)
+        layout = schedule.layout
+        for rank, peak in enumerate(result.peak_mem_bytes):
+            slot = layout.place(rank).slot
+            stages = layout.stages_on_slot(slot)
+            static = STATIC * len(stages)
+            assert peak == static + max(sum(held * sizes[stage] for held, stage in zip(vector, stages))
+                                        for vector in in_flight_profiles(schedule)[slot])
+    per_stage = max_in_flight(schedule)
+    for slot, vectors in enumerate(in_flight_profiles(schedule)):
+        stages = schedule.layout.stages_on_slot(slot)
+        assert [max(vector[i] for vector in vectors) for i in range(len(stages))] == [per_stage[s] for s in stages]
