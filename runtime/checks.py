@@ -19,7 +19,7 @@ from planner.schedules import Action, ActionKind, Program
 __all__ = ["SUPPORTED", "check_executable", "check_plan", "check_world_size", "my_stages", "rank_program",
            "segments"]
 
-SUPPORTED = frozenset({ActionKind.F, ActionKind.B, ActionKind.SEND_F, ActionKind.RECV_F,
+SUPPORTED = frozenset({ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W, ActionKind.SEND_F, ActionKind.RECV_F,
                        ActionKind.SEND_B, ActionKind.RECV_B, ActionKind.ALLREDUCE,
                        ActionKind.OPTIMIZER_STEP, ActionKind.SWAP_OUT, ActionKind.SWAP_IN})
 
@@ -41,8 +41,13 @@ def check_executable(plan: Plan) -> None:
         raise RuntimeSetupError(f"the plan runs parts {copies or list(layout.stage_part)} as several model "
                                 f"copies (stage to part map {list(layout.stage_part)}), which this runtime "
                                 f"does not execute yet; re-plan with another schedule")
+    split = any(action.kind is ActionKind.W for program in programs(plan) for action in program)
     for stage in plan.stages:
         _check_offload(stage.index, stage.offload)
+        if split and stage.offload.zero_stage == 3:
+            raise RuntimeSetupError(f"stage {stage.index} shards its parameters (ZeRO-3) and the schedule splits "
+                                    f"backwards into I and W, which this runtime does not execute together yet; "
+                                    f"re-plan with ZeRO 0-2 there or another schedule")
         if stage.spatial is not None:
             _check_spatial(plan, stage.index)
 

@@ -1,6 +1,8 @@
 """The Executor: interprets this rank's program of a plan, action by action, for one step at a time.
 
-It holds no schedule logic: ``F``/``B`` run the named stage on the named micro-batch, runs of
+It holds no schedule logic: ``F``/``B`` run the named stage on the named micro-batch (a split
+backward's ``I`` backpropagates into the stage's received inputs only, keeping the graph, and its
+``W`` into the stage's weights from that graph), runs of
 consecutive ``SEND_*``/``RECV_*`` become one batched P2P exchange, ``ALLREDUCE`` sums the
 stage's gradients over its replicas (a reduce-scatter under ZeRO-2/3), ``OPTIMIZER_STEP`` steps
 the stage's optimizer wherever the plan keeps its state (runtime/stage_optimizer.py, which also
@@ -44,7 +46,8 @@ from runtime.state import MicrobatchState, StepState
 from runtime.tiles import halo_bytes_sent
 
 LossFn = Callable[[Any, Any], torch.Tensor]
-_HANDLERS = {ActionKind.F: "_forward", ActionKind.B: "_backward", ActionKind.ALLREDUCE: "_allreduce",
+_HANDLERS = {ActionKind.F: "_forward", ActionKind.B: "_backward", ActionKind.I: "_backward_input",
+             ActionKind.W: "_backward_weight", ActionKind.ALLREDUCE: "_allreduce",
              ActionKind.OPTIMIZER_STEP: "_optimizer_step", ActionKind.SWAP_OUT: "_swap_out",
              ActionKind.SWAP_IN: "_swap_in"}  # method per non-communication action
 
@@ -251,29 +254,68 @@ class Executor:
                                  if isinstance(value, torch.Tensor) else value)
 
     def _backward(self, action: Action, state: StepState) -> None:
-        stage, micro = self.stages[action.stage], state.micro(action.stage, action.microbatch)
+        """B: the micro-batch's whole backward through the stage, then its input gradients out."""
+        micro = self._start_backward(action, state)
+        self._run_backward(action, micro, inputs=None)
+        self._collect_input_grads(action, micro, state)
+        self._end_backward(action, micro)
+
+    def _backward_input(self, action: Action, state: StepState) -> None:
+        """I: the gradients of the stage's received inputs only (the graph is kept for W), then out."""
+        micro = self._start_backward(action, state)
+        stage = self.stages[action.stage]
+        inputs = [micro.env[name] for src in self.flow.producers(stage.index)
+                  for name in self.flow.gradients((src, stage.index))]
+        if inputs:
+            self._run_backward(action, micro, inputs=inputs)
+        self._collect_input_grads(action, micro, state)
+
+    def _backward_weight(self, action: Action, state: StepState) -> None:
+        """W: the gradients of the stage's weights from the graph I kept; frees the micro-batch."""
+        micro = state.micro(action.stage, action.microbatch)
+        weights = self.stages[action.stage].weights()
+        if weights:
+            self._run_backward(action, micro, inputs=weights)
+        self._end_backward(action, micro)
+
+    def _start_backward(self, action: Action, state: StepState) -> MicrobatchState:
+        """The micro-batch's state on the stage, with the stage's paged optimizer state being read back
+        while the backwards run."""
+        stage = self.stages[action.stage]
+        if stage.state is not None:
+            stage.state.prefetch()
+        return state.micro(action.stage, action.microbatch)  # type: ignore[arg-type]
+
+    def _run_backward(self, action: Action, micro: MicrobatchState, *, inputs: list[torch.Tensor] | None) -> None:
+        """Backpropagate from the roots into ``inputs`` (all leaves when None), keeping the graph for a W."""
         roots = [micro.loss] if micro.loss is not None else []
         grads: list[torch.Tensor | None] = [None] * len(roots)
         for name, tensor in micro.roots.items():
-            if name in micro.output_grads:
+            if name in micro.output_grads:  # the loss and the outputs whose gradients came back
                 roots.append(tensor)
                 grads.append(micro.output_grads[name])
-        if stage.state is not None:
-            stage.state.prefetch()  # paged optimizer state: read it back while the backwards run
         if roots:
-            with self._params_in_use(stage):
-                torch.autograd.backward(roots, grads)
-        self.memory.release((action.stage, action.microbatch))
-        self.swaps.release((action.stage, action.microbatch))
-        self.memory.state_changed()
-        for src in self.flow.producers(stage.index):
-            for name in self.flow.gradients((src, stage.index)):
+            with self._params_in_use(self.stages[action.stage]):
+                torch.autograd.backward(roots, grads, inputs=inputs, retain_graph=action.kind is ActionKind.I)
+
+    def _collect_input_grads(self, action: Action, micro: MicrobatchState, state: StepState) -> None:
+        """The gradients of the received inputs: to a producer stage on this rank, or kept to send."""
+        assert action.microbatch is not None
+        for src in self.flow.producers(action.stage):
+            for name in self.flow.gradients((src, action.stage)):
                 value = micro.env[name]
                 grad = value.grad if value.grad is not None else torch.zeros_like(value)
                 if src in self.stages:
                     _accumulate(state.micro(src, action.microbatch).output_grads, name, grad)
                 else:
                     micro.input_grads[name] = grad
+
+    def _end_backward(self, action: Action, micro: MicrobatchState) -> None:
+        """The micro-batch's backward on the stage is complete: free what it held."""
+        assert action.microbatch is not None
+        self.memory.release((action.stage, action.microbatch))
+        self.swaps.release((action.stage, action.microbatch))
+        self.memory.state_changed()
         micro.env.clear()
         micro.roots.clear()
         micro.output_grads.clear()

@@ -32,6 +32,12 @@ class LocalStage:
     attrs: dict[str, torch.Tensor]  # input node name -> tensor
     state: StageOptimizer | None = None  # None for a stage that owns no trainable parameter
 
+    def weights(self) -> list[torch.Tensor]:
+        """Every trainable tensor the stage computes with (its own and those another stage of this rank
+        owns, tied ones read through get_attr included): what a weight-gradient pass (W) differentiates."""
+        tensors = [*self.module.parameters(), *self.attrs.values()]
+        return list({id(t): t for t in tensors if t.requires_grad}.values())
+
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
         """The optimizer: over the parameters themselves, or over their master copies."""

@@ -123,6 +123,36 @@ def _interleaved_slot(slot: int, ranks: int, virtual_stages: int, num_microbatch
     return tuple(program)
 
 
+def zb_h1(num_stages: int, num_microbatches: int, *, data_parallel: int = 1) -> Schedule:
+    """Zero-bubble ZB-H1 (Qi et al. 2023): 1F1B with each backward split into its input-gradient half I
+    (which the previous stage waits for) and its weight-gradient half W (which nobody waits for).
+
+    Stage s warms up with ``min(M, S - s)`` forwards like 1F1B, then runs I of the oldest micro-batch,
+    the W that leaves at most s of them pending, and the next F; its last s Ws fill the drain, where
+    1F1B waits. Every stage holds at most S micro-batches (1F1B's peak, on stage 0).
+
+    >>> [str(a) for a in zb_h1(2, 3).programs[1]]
+    ['1F0', '1I0', '1F1', '1I1', '1W0', '1F2', '1I2', '1W1', '1W2']
+    """
+    _check_sizes(num_stages, num_microbatches)
+    programs = tuple(_zb_h1_stage(stage, num_stages, num_microbatches) for stage in range(num_stages))
+    return Schedule(ScheduleKind.ZB_H1, num_microbatches, Layout.pipeline(num_stages, data_parallel), programs)
+
+
+def _zb_h1_stage(stage: int, num_stages: int, num_microbatches: int) -> Program:
+    warmup = min(num_microbatches, num_stages - stage)
+    program = list(_forwards(stage, range(warmup)))
+    for microbatch in range(num_microbatches):
+        program.append(Action(stage, ActionKind.I, microbatch))
+        if microbatch >= stage:
+            program.append(Action(stage, ActionKind.W, microbatch - stage))
+        if warmup + microbatch < num_microbatches:
+            program.append(Action(stage, ActionKind.F, warmup + microbatch))
+    first_pending = max(0, num_microbatches - stage)
+    program.extend(Action(stage, ActionKind.W, microbatch) for microbatch in range(first_pending, num_microbatches))
+    return tuple(program)
+
+
 def _forwards(stage: int, microbatches: range) -> Program:
     return tuple(Action(stage, ActionKind.F, microbatch) for microbatch in microbatches)
 
@@ -141,6 +171,7 @@ GENERATORS: Mapping[ScheduleKind, ScheduleGenerator] = MappingProxyType({
     ScheduleKind.GPIPE: gpipe,
     ScheduleKind.ONE_F_ONE_B: one_f_one_b,
     ScheduleKind.INTERLEAVED_1F1B: interleaved_one_f_one_b,
+    ScheduleKind.ZB_H1: zb_h1,
 })
 """Schedule kind (the plan's ``schedule.kind``) -> generator. A new kind is a new entry here."""
 
@@ -168,7 +199,7 @@ def max_in_flight(schedule: Schedule) -> tuple[int, ...]:
             if action.kind is ActionKind.F:
                 held[action.stage] += 1
                 peak[action.stage] = max(peak[action.stage], held[action.stage])
-            elif action.kind is ActionKind.B:
+            elif action.kind.ends_backward:
                 held[action.stage] -= 1
     return tuple(peak)
 
@@ -195,7 +226,7 @@ def _slot_profiles(program: Program, stages: tuple[int, ...]) -> tuple[tuple[int
         if action.kind is ActionKind.F:
             held[action.stage] += 1
             moments.append(tuple(held.values()))
-        elif action.kind is ActionKind.B:
+        elif action.kind.ends_backward:
             held[action.stage] -= 1
     return tuple(sorted({vector for vector in moments if not any(
         other != vector and all(o >= v for o, v in zip(other, vector)) for other in moments)}))

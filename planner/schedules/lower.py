@@ -8,8 +8,8 @@ Ordering rule (why lowered programs cannot deadlock or mismatch):
   (one program each); every rank of a slot runs its program, and the channels between the ranks
   of two slots carry the same sequence as the slots' channel, so the rule holds for every rank.
 * Receives go immediately before the compute that consumes them: ``RECV_F`` before the F that
-  needs the activation, ``RECV_B`` before the B that needs the gradient, several of them in
-  ascending peer stage.
+  needs the activation, ``RECV_B`` before the B (or the I of a split backward) that needs the
+  gradient, several of them in ascending peer stage. A W needs no communication.
 * Sends go after the compute that produces them, in the order the receiving rank consumes them
   on that channel: a send is emitted right after its F or B once every message the receiver
   takes earlier on the same channel has been emitted. With one stage per rank (GPipe, 1F1B)
@@ -32,7 +32,8 @@ from planner.schedules.actions import Action, ActionKind, Program, Programs, mat
 Edge = tuple[int, int]
 Channel = tuple[int, int]  # (src slot, dst slot)
 
-_COMPUTE_KINDS = (ActionKind.F, ActionKind.B, ActionKind.RECOMPUTE, ActionKind.SWAP_OUT, ActionKind.SWAP_IN)
+_COMPUTE_KINDS = (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W, ActionKind.RECOMPUTE, ActionKind.SWAP_OUT,
+                  ActionKind.SWAP_IN)
 
 
 def lower(compute_programs: Programs, layout: Layout, edges: Iterable[Edge]) -> Programs:
@@ -79,7 +80,7 @@ def _receives_before(action: Action, cross_edges: frozenset[Edge]) -> Program:
     if action.kind is ActionKind.F:
         sources = sorted(src for src, dst in cross_edges if dst == action.stage)
         return tuple(Action(action.stage, ActionKind.RECV_F, action.microbatch, peer=src) for src in sources)
-    if action.kind is ActionKind.B:
+    if action.kind.computes_input_grads:
         consumers = sorted(dst for src, dst in cross_edges if src == action.stage)
         return tuple(Action(action.stage, ActionKind.RECV_B, action.microbatch, peer=dst) for dst in consumers)
     return ()
@@ -89,7 +90,7 @@ def _sends_after(action: Action, cross_edges: frozenset[Edge]) -> Program:
     if action.kind is ActionKind.F:
         consumers = sorted(dst for src, dst in cross_edges if src == action.stage)
         return tuple(Action(action.stage, ActionKind.SEND_F, action.microbatch, peer=dst) for dst in consumers)
-    if action.kind is ActionKind.B:
+    if action.kind.computes_input_grads:
         sources = sorted(src for src, dst in cross_edges if dst == action.stage)
         return tuple(Action(action.stage, ActionKind.SEND_B, action.microbatch, peer=src) for src in sources)
     return ()

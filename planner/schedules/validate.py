@@ -21,6 +21,8 @@ from planner.schedules.actions import Action, ActionKind, Programs, matching_rec
 from planner.schedules.replay import replay, stuck_ranks
 
 Cell = tuple[int, int]  # (rank, step)
+_COMPUTE = (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W)
+_NEEDS = {ActionKind.B: ActionKind.F, ActionKind.I: ActionKind.F, ActionKind.W: ActionKind.I}  # runs after
 _WINDOW = 8  # columns shown either side of the marked steps in a long grid
 
 
@@ -75,8 +77,8 @@ def _cell(program: tuple[Action, ...], rank: int, step: int, marked: set[Cell]) 
 def validate(programs: Programs, layout: Layout, *, edges: Iterable[tuple[int, int]] | None = None) -> None:
     """Raise :class:`ScheduleError` unless the programs (one per rank) run to completion.
 
-    Checks: every action on a rank that runs its stage; one F and one B per (stage, micro-batch)
-    on every rank of the stage; every B after its F; sends after the compute that produced them,
+    Checks: every action on a rank that runs its stage; one F and one B (or one I and one W) per
+    (stage, micro-batch) on every rank of the stage; every B or I after its F, every W after its I; sends after the compute that produced them,
     receives before the compute that needs them; every send received in order and every receive
     sent; no deadlock; the all-reduce and optimizer step after all of a stage's backwards. With
     ``edges`` (as given to ``lower``), also that exactly the communication those edges need is present.
@@ -116,11 +118,12 @@ def _ranks_text(layout: Layout, stage: int) -> str:
 
 
 def _check_coverage(programs: Programs, layout: Layout) -> int:
-    """Exactly one F and one B per (stage, micro-batch 0..M-1) on every rank of the stage; returns M."""
+    """Per (stage, micro-batch 0..M-1) on every rank of the stage, exactly one F and one backward: a B,
+    or its two halves I and W; returns M."""
     where: dict[tuple[int, ActionKind, int, int], list[Cell]] = {}
     for rank, program in enumerate(programs):
         for step, action in enumerate(program):
-            if action.kind in (ActionKind.F, ActionKind.B):
+            if action.kind in _COMPUTE:
                 assert action.microbatch is not None
                 where.setdefault((rank, action.kind, action.stage, action.microbatch), []).append((rank, step))
     num_microbatches = 1 + max((microbatch for *_, microbatch in where), default=-1)
@@ -131,7 +134,14 @@ def _check_coverage(programs: Programs, layout: Layout) -> int:
     for rank in range(len(programs)):
         for stage in layout.stages_of_rank(rank):
             for microbatch in range(num_microbatches):
-                for kind in (ActionKind.F, ActionKind.B):
+                split = {kind for kind in (ActionKind.I, ActionKind.W) if (rank, kind, stage, microbatch) in where}
+                needed = (ActionKind.F, ActionKind.I, ActionKind.W) if split else (ActionKind.F, ActionKind.B)
+                if split and (rank, ActionKind.B, stage, microbatch) in where:
+                    raise ScheduleError(f"stage {stage} micro-batch {microbatch} has a B and its halves "
+                                        f"{'/'.join(sorted(k.value for k in split))} on rank {rank}; give "
+                                        f"either B or both I and W", programs,
+                                        where[rank, ActionKind.B, stage, microbatch])
+                for kind in needed:
                     if (rank, kind, stage, microbatch) not in where:
                         raise ScheduleError(f"missing {kind.value}: rank {rank} runs stage {stage} but has no "
                                             f"{kind.value} for micro-batch {microbatch} (micro-batches "
@@ -181,32 +191,35 @@ class _Replay:
         kind, stage, microbatch = action.kind, action.stage, action.microbatch
         if kind.is_recv:
             return self._receive(rank, step, action)
-        if kind is ActionKind.B and (rank, ActionKind.F, stage, microbatch) not in self.done:
-            self._fail(f"B before its F: {action} runs before {stage}F{microbatch}", (rank, step))
+        before = _NEEDS.get(kind)
+        if before is not None and (rank, before, stage, microbatch) not in self.done:
+            self._fail(f"{kind.value} before its {before.value}: {action} runs before "
+                       f"{stage}{before.value}{microbatch}", (rank, step))
         if kind.is_send:
             self._send(rank, step, action)
         if kind.is_per_stage and self.backwards_done[rank, stage] < self.num_microbatches:
             self._fail(f"{action} runs before all {self.num_microbatches} backwards of stage {stage} "
                        f"(only {self.backwards_done[rank, stage]} done)", (rank, step))
-        if kind in (ActionKind.F, ActionKind.B):
+        if kind in _COMPUTE:
             assert microbatch is not None
             self.done.add((rank, kind, stage, microbatch))
-            self.backwards_done[rank, stage] += kind is ActionKind.B
+            self.backwards_done[rank, stage] += kind.ends_backward
         return True
 
     def _send(self, rank: int, step: int, send: Action) -> None:
-        produced_by = ActionKind.F if send.kind is ActionKind.SEND_F else ActionKind.B
-        if (rank, produced_by, send.stage, send.microbatch) not in self.done:
-            self._fail(f"{send} runs before the {produced_by.value} that produces it "
-                       f"({send.stage}{produced_by.value}{send.microbatch})", (rank, step))
+        producers = (ActionKind.F,) if send.kind is ActionKind.SEND_F else (ActionKind.B, ActionKind.I)
+        if not any((rank, kind, send.stage, send.microbatch) in self.done for kind in producers):
+            self._fail(f"{send} runs before the {' or '.join(k.value for k in producers)} that produces it "
+                       f"({send.stage}{producers[0].value}{send.microbatch})", (rank, step))
         assert send.peer is not None
         for dst in self.layout.ranks_of(send.peer, self.layout.place(rank).replica):
             self.channels.setdefault((rank, dst), deque()).append((send, (rank, step)))
 
     def _receive(self, rank: int, step: int, recv: Action) -> bool:
-        consumer = ActionKind.F if recv.kind is ActionKind.RECV_F else ActionKind.B
-        if (rank, consumer, recv.stage, recv.microbatch) in self.done:
-            self._fail(f"{recv} runs after the {consumer.value} that needs it", (rank, step))
+        consumers = (ActionKind.F,) if recv.kind is ActionKind.RECV_F else (ActionKind.B, ActionKind.I)
+        ran = [kind for kind in consumers if (rank, kind, recv.stage, recv.microbatch) in self.done]
+        if ran:
+            self._fail(f"{recv} runs after the {ran[0].value} that needs it", (rank, step))
         send = matching_send(recv)
         sources = self.layout.ranks_of(send.stage, self.layout.place(rank).replica)
         queues = [self.channels.get((src, rank)) for src in sources]

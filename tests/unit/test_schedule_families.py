@@ -8,6 +8,9 @@ import random
 import pytest
 
 from planner.schedules import (
+    Action,
+    ActionKind,
+    ScheduleError,
     SimCosts,
     SimResult,
     StageCosts,
@@ -19,7 +22,7 @@ from planner.schedules import (
     simulate,
     validate,
 )
-from planner.schedules.generate import Schedule, interleaved_one_f_one_b
+from planner.schedules.generate import Schedule, interleaved_one_f_one_b, zb_h1
 
 STATIC = 50_000
 
@@ -28,6 +31,14 @@ STATIC = 50_000
 INTERLEAVED_4x4 = (
     "0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3",
     "1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3",
+)
+
+# ZB-H1, 3 stages, M=4, by hand: stage s warms up with 3 - s forwards, then I of the oldest
+# micro-batch, the W that leaves s pending, the next F; the last s Ws come at the end.
+ZB_H1_3x4 = (
+    "0F0 0F1 0F2 0I0 0W0 0F3 0I1 0W1 0I2 0W2 0I3 0W3",
+    "1F0 1F1 1I0 1F2 1I1 1W0 1F3 1I2 1W1 1I3 1W2 1W3",
+    "2F0 2I0 2F1 2I1 2F2 2I2 2W0 2F3 2I3 2W1 2W2 2W3",
 )
 
 
@@ -81,8 +92,57 @@ def test_interleaved_counts_that_do_not_fit_are_one_line_errors(num_stages: int,
     assert str(error.value) == message
 
 
+def test_zb_h1_programs_equal_a_literal_table() -> None:
+    assert format_programs(zb_h1(3, 4).programs) == _rows(ZB_H1_3x4)
+    assert generate("zb-h1", 3, 4) == zb_h1(3, 4)
+
+
+@pytest.mark.parametrize(("num_stages", "num_microbatches"), [(2, 2), (2, 5), (3, 3), (4, 8), (5, 12)])
+def test_zb_h1_validates_and_takes_the_zero_bubble_step(num_stages: int, num_microbatches: int) -> None:
+    # F = I = W: each stage works M (F + I + W) and waits (S - 1)(F + I - W) (Qi et al. 2023, ZB-H1),
+    # a third of 1F1B's (S - 1)(F + B); each stage holds up to S micro-batches (1F1B's peak).
+    unit_ms = 1.0
+    stages = (StageCosts(unit_ms, 2 * unit_ms, 1, STATIC, weight_grad_ms=unit_ms),) * num_stages
+    result = _simulate(zb_h1(num_stages, num_microbatches), stages)
+    assert result.step_ms == pytest.approx(3 * unit_ms * num_microbatches + (num_stages - 1) * unit_ms)
+    one_f_one_b = _simulate(generate("1f1b", num_stages, num_microbatches), stages)
+    assert one_f_one_b.step_ms - 3 * unit_ms * num_microbatches == pytest.approx(
+        3 * (result.step_ms - 3 * unit_ms * num_microbatches))
+    assert max_in_flight(zb_h1(num_stages, num_microbatches)) == (num_stages,) * num_stages
+
+
+def test_zb_h1_lowering_sends_after_i_and_reduces_after_the_last_w() -> None:
+    schedule = zb_h1(2, 2, data_parallel=2)
+    lowered = format_programs(lower(schedule.programs, schedule.layout, {(0, 1)}))
+    assert lowered == (("0F0", "0SEND_F0>1", "0F1", "0SEND_F1>1", "0RECV_B0<1", "0I0", "0W0", "0RECV_B1<1",
+                        "0I1", "0W1", "0ALLREDUCE", "0OPTIMIZER_STEP"),
+                       ("1RECV_F0<0", "1F0", "1I0", "1SEND_B0>0", "1RECV_F1<0", "1F1", "1I1", "1SEND_B1>0",
+                        "1W0", "1W1", "1ALLREDUCE", "1OPTIMIZER_STEP"))
+
+
+@pytest.mark.parametrize(("swap", "message"), [
+    ((2, 8), "W before its I: 1W0 runs before 1I0"),
+    ((1, 2), "I before its F: 1I0 runs before 1F0"),
+])
+def test_a_split_backward_out_of_order_is_refused(swap: tuple[int, int], message: str) -> None:
+    schedule = zb_h1(2, 2)
+    lowered = list(lower(schedule.programs, schedule.layout, {(0, 1)}))
+    program = list(lowered[1])
+    program[swap[0]], program[swap[1]] = program[swap[1]], program[swap[0]]
+    lowered[1] = tuple(program)
+    with pytest.raises(ScheduleError, match=message):
+        validate(tuple(lowered), schedule.layout)
+
+
+def test_a_backward_given_both_whole_and_split_is_refused() -> None:
+    schedule = zb_h1(1, 1)
+    program = (*schedule.programs[0], Action(0, ActionKind.B, 0))
+    with pytest.raises(ScheduleError, match="has a B and its halves I/W on rank 0"):
+        validate((program,), schedule.layout)
+
+
 @pytest.mark.parametrize("schedule", [
-    generate("gpipe", 3, 4), generate("1f1b", 4, 6), interleaved_one_f_one_b(4, 4),
+    generate("gpipe", 3, 4), generate("1f1b", 4, 6), interleaved_one_f_one_b(4, 4), zb_h1(4, 6),
     interleaved_one_f_one_b(8, 8), interleaved_one_f_one_b(9, 6, virtual_stages=3)])
 def test_in_flight_profiles_give_every_ranks_simulated_peak(schedule: Schedule) -> None:
     rng = random.Random(schedule.num_stages * 100 + schedule.num_microbatches)
