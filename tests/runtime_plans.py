@@ -80,18 +80,22 @@ def scheduled(plan_json: str, kind: str, **options: Any) -> str:
 
 
 def _replanned(plan: Any, layout: Any, compute: Any, kind: Any) -> str:
-    """``plan`` with ``layout`` and the compute programs lowered over its transfers (JSON)."""
+    """``plan`` (one stage per part) with ``layout`` and the compute programs lowered over its transfers,
+    within each model copy (JSON)."""
     import dataclasses
 
     from planner.schedules import Schedule, format_programs, lower, max_in_flight, validate
 
-    edges = {(t.src_stage, t.dst_stage) for t in plan.transfers}
+    transfers = tuple(dataclasses.replace(t, src_stage=layout.stage_of_copy(t.src_stage, copy),
+                                          dst_stage=layout.stage_of_copy(t.dst_stage, copy))
+                      for t in plan.transfers for copy in range(layout.num_copies))  # plan's are per part
+    edges = {(t.src_stage, t.dst_stage) for t in transfers}
     programs = layout.rank_programs(lower(compute, layout, edges))
     validate(programs, layout, edges=edges)
     in_flight = max_in_flight(Schedule(kind, plan.training.num_microbatches, layout, compute))
     replanned = dataclasses.replace(
         plan, cluster=dataclasses.replace(plan.cluster, gpus=layout.world_size), layout=layout,
-        programs=format_programs(programs), schedule=dataclasses.replace(plan.schedule, kind=kind,
+        transfers=transfers, programs=format_programs(programs), schedule=dataclasses.replace(plan.schedule, kind=kind,
                                                                          in_flight=in_flight),
         predicted=dataclasses.replace(plan.predicted,
                                       peak_mem_bytes=plan.predicted.peak_mem_bytes[:layout.world_size]))

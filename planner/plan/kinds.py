@@ -16,6 +16,7 @@ class ScheduleKind(str, Enum):
     ONE_F_ONE_B = "1f1b"
     INTERLEAVED_1F1B = "interleaved-1f1b"
     ZB_H1 = "zb-h1"
+    GEMS_MASTER = "gems-master"
 
     @classmethod
     def parse(cls, name: str | ScheduleKind) -> ScheduleKind:

@@ -153,6 +153,65 @@ def _zb_h1_stage(stage: int, num_stages: int, num_microbatches: int) -> Program:
     return tuple(program)
 
 
+def gems_master(num_stages: int, num_microbatches: int, *, data_parallel: int = 1) -> Schedule:
+    """GEMS-MASTER (Jain et al. 2020): two copies of the ``num_stages``-part model in opposite directions
+    (``Layout.mirrored``: slot k runs part k of copy A and part S-1-k of copy B), so one copy's forwards
+    fill the other's bubble; the two copies of a part sum their gradients before the step. The part
+    count must be even (so that no slot holds both copies of one part).
+
+    Copy A runs micro-batches 0..M/2-1 and copy B the rest, each in 1F1B order; each slot interleaves
+    its two stages' actions in the order a replay with unit costs (F 1, B 2) starts them. The
+    micro-batch count must be even.
+
+    >>> [str(a) for a in gems_master(2, 2).programs[0]]
+    ['0F0', '3F1', '3B1', '0B0']
+    """
+    _check_sizes(num_stages, num_microbatches)
+    if num_stages % 2:  # the middle slot would hold both copies of one part
+        raise ValueError(f"gems-master pairs slot k with slot S-1-k and needs an even number of parts, got "
+                         f"{num_stages}; valid: 2, 4, 6, ...")
+    if num_microbatches % 2:
+        raise ValueError(f"gems-master splits the micro-batches between its 2 model copies and needs an even "
+                         f"count, got {num_microbatches}; valid: 2, 4, 6, ...")
+    layout = Layout.mirrored(num_stages, data_parallel)
+    half = num_microbatches // 2
+    streams = {layout.stage_of_copy(part, copy): tuple(
+        Action(layout.stage_of_copy(part, copy), action.kind, copy * half + action.microbatch)
+        for action in _one_f_one_b_stage(part, num_stages, half) if action.microbatch is not None)
+        for part in range(num_stages) for copy in range(2)}
+    return Schedule(ScheduleKind.GEMS_MASTER, num_microbatches, layout, _merged(layout, streams))
+
+
+def _merged(layout: Layout, streams: Mapping[int, Program]) -> Programs:
+    """Each slot's stage programs merged in the order a replay with unit costs (F 1, B 2) starts them:
+    repeatedly the action that can start earliest (ties: lower slot, then stage) runs next. That replay
+    is an execution, so the merged programs cannot deadlock."""
+    duration = {ActionKind.F: 1, ActionKind.B: 2}
+    finished: dict[tuple[ActionKind, int, int | None], int] = {}
+    position = dict.fromkeys(streams, 0)
+    free = [0] * layout.num_slots
+    programs: list[list[Action]] = [[] for _ in range(layout.num_slots)]
+    while any(position[stage] < len(stream) for stage, stream in streams.items()):
+        start, slot, stage = min((max(free[layout.slot(stage)], ready), layout.slot(stage), stage)
+                                 for stage, stream in streams.items() if position[stage] < len(stream)
+                                 for ready in [_ready_at(layout, stream[position[stage]], finished)]
+                                 if ready is not None)
+        action = streams[stage][position[stage]]
+        position[stage] += 1
+        free[slot] = finished[action.kind, stage, action.microbatch] = start + duration[action.kind]
+        programs[slot].append(action)
+    return tuple(tuple(program) for program in programs)
+
+
+def _ready_at(layout: Layout, action: Action, finished: Mapping[tuple[ActionKind, int, int | None], int]) -> int | None:
+    """When the action's input is there: the previous part's F, or the next part's B, of its own copy."""
+    part, copy = layout.part(action.stage), layout.copy(action.stage)
+    neighbour = part - 1 if action.kind is ActionKind.F else part + 1
+    if not 0 <= neighbour < layout.num_parts:
+        return 0
+    return finished.get((action.kind, layout.stage_of_copy(neighbour, copy), action.microbatch))
+
+
 def _forwards(stage: int, microbatches: range) -> Program:
     return tuple(Action(stage, ActionKind.F, microbatch) for microbatch in microbatches)
 
@@ -172,6 +231,7 @@ GENERATORS: Mapping[ScheduleKind, ScheduleGenerator] = MappingProxyType({
     ScheduleKind.ONE_F_ONE_B: one_f_one_b,
     ScheduleKind.INTERLEAVED_1F1B: interleaved_one_f_one_b,
     ScheduleKind.ZB_H1: zb_h1,
+    ScheduleKind.GEMS_MASTER: gems_master,
 })
 """Schedule kind (the plan's ``schedule.kind``) -> generator. A new kind is a new entry here."""
 

@@ -52,7 +52,7 @@ def lower(compute_programs: Programs, layout: Layout, edges: Iterable[Edge]) -> 
     with_receives = tuple(_insert_receives(program, cross_edges) for program in compute_programs)
     consumption = _consumption_order(with_receives, layout)
     return tuple(_insert_sends(slot, program, layout, cross_edges, consumption)
-                 + _epilogue(compute_programs[slot], layout, slot)
+                 + _epilogue(layout, slot)
                  for slot, program in enumerate(with_receives))
 
 
@@ -127,11 +127,10 @@ def _insert_sends(slot: int, program: Program, layout: Layout, cross_edges: froz
     return tuple(lowered) + tuple(produced)
 
 
-def _epilogue(compute_program: Program, layout: Layout, slot: int) -> Program:
-    """Per stage of this slot, in the order its last compute finishes: [ALLREDUCE], OPTIMIZER_STEP."""
-    last_step = {action.stage: step for step, action in enumerate(compute_program)}
-    ordered = sorted(layout.stages_on_slot(slot), key=lambda stage: (last_step.get(stage, len(compute_program)),
-                                                                     stage))
+def _epilogue(layout: Layout, slot: int) -> Program:
+    """Per stage of this slot, in part order: [ALLREDUCE], OPTIMIZER_STEP. One order of parts for every
+    rank, so ranks that share two all-reduce groups (a GEMS mirror pair) enter them alike."""
+    ordered = sorted(layout.stages_on_slot(slot), key=lambda stage: (layout.part(stage), stage))
     return tuple(Action(stage, kind) for stage in ordered for kind in _per_step_kinds(layout, stage))
 
 

@@ -44,7 +44,8 @@ RESNET_RESIDUAL_2_0 = ("layer2_0_bn3", "layer2_0_shortcut_0", "layer2_0_shortcut
 
 def _check(case: Case, by_rank: list[Outcome]) -> None:
     expected = reference(case)
-    replicas = Plan.from_dict(json.loads(case.plan_json)).data_parallel
+    layout = Plan.from_dict(json.loads(case.plan_json)).layout
+    replicas = layout.data_parallel * layout.num_copies  # data-parallel replicas and a GEMS mirror's copies
     seen: set[str] = set()
     buffers_seen: set[str] = set()
     for rank, outcome in enumerate(by_rank):
@@ -56,7 +57,7 @@ def _check(case: Case, by_rank: list[Outcome]) -> None:
             np.testing.assert_allclose(outcome.params[name], expected.params[name], rtol=RTOL,
                                        atol=ATOL, err_msg=f"rank {rank} parameter {name}")
         seen |= set(outcome.grads)
-        if replicas == 1:  # replicas see different samples: their running statistics differ
+        if replicas == 1:  # model copies see different samples: their running statistics differ
             for name, buffer in outcome.buffers.items():
                 np.testing.assert_allclose(buffer, expected.buffers[name], rtol=RTOL, atol=ATOL,
                                            err_msg=f"rank {rank} buffer {name}")

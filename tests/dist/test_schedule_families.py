@@ -37,9 +37,11 @@ def _run(cases: list[Case], ranks: int) -> None:
 def test_two_ranks() -> None:
     _run([_case(GPT, GPT_6, "interleaved-1f1b", 4, virtual_stages=3),
           _case(RESNET, SKIP_TO_STAGE_2, "interleaved-1f1b", 2, virtual_stages=2),
-          _case(GPT, ["blocks_1_ln_1"], "zb-h1", 3)], 2)
+          _case(GPT, ["blocks_1_ln_1"], "zb-h1", 3),
+          _case(GPT, ["blocks_1_ln_1"], "gems-master", 4)], 2)
 
 
 def test_four_ranks() -> None:
     _run([_case(GPT, GPT_8, "interleaved-1f1b", 4, virtual_stages=2),
-          _case(RESNET, SKIP_TO_STAGE_2, "zb-h1", 5)], 4)
+          _case(RESNET, SKIP_TO_STAGE_2, "zb-h1", 5),
+          _case(RESNET, SKIP_TO_STAGE_2, "gems-master", 2)], 4)

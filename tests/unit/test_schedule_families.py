@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from planner.plan import Layout
 from planner.schedules import (
     Action,
     ActionKind,
@@ -22,7 +23,7 @@ from planner.schedules import (
     simulate,
     validate,
 )
-from planner.schedules.generate import Schedule, interleaved_one_f_one_b, zb_h1
+from planner.schedules.generate import Schedule, gems_master, interleaved_one_f_one_b, zb_h1
 
 STATIC = 50_000
 
@@ -41,18 +42,28 @@ ZB_H1_3x4 = (
     "2F0 2I0 2F1 2I1 2F2 2I2 2W0 2F3 2I3 2W1 2W2 2W3",
 )
 
+# GEMS-MASTER, 2 parts, M=4, by hand: slot 0 runs part 0 of copy A (stage 0, micro-batches 0, 1) and
+# part 1 of copy B (stage 3, micro-batches 2, 3); replayed with F = 1, B = 2, each slot starts
+# whichever of its two stages' next actions can start first (ties: the lower stage).
+GEMS_2x4 = (
+    "0F0 0F1 3F2 3B2 0B0 0B1 3F3 3B3",
+    "2F2 1F0 1B0 1F1 1B1 2F3 2B2 2B3",
+)
+
 
 def _rows(table: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
     return tuple(tuple(row.split()) for row in table)
 
 
-def _edges(num_stages: int) -> set[tuple[int, int]]:
-    """A chain with a skip connection from stage 0 over two stages (where there are enough)."""
-    return {(s, s + 1) for s in range(num_stages - 1)} | ({(0, 3)} if num_stages > 3 else set())
+def _edges(layout: Layout) -> frozenset[tuple[int, int]]:
+    """Per model copy, a chain of parts with a skip connection from part 0 over two parts (where there
+    are enough)."""
+    parts = layout.num_parts
+    return layout.copy_edges({(p, p + 1) for p in range(parts - 1)} | ({(0, 3)} if parts > 3 else set()))
 
 
 def _simulate(schedule: Schedule, stages: tuple[StageCosts, ...]) -> SimResult:
-    edges = _edges(schedule.num_stages)
+    edges = _edges(schedule.layout)
     programs = schedule.layout.rank_programs(lower(schedule.programs, schedule.layout, edges))
     validate(programs, schedule.layout, edges=edges)
     return simulate(programs, schedule.layout, SimCosts(stages, dict.fromkeys(edges, 0.0)))
@@ -141,8 +152,56 @@ def test_a_backward_given_both_whole_and_split_is_refused() -> None:
         validate((program,), schedule.layout)
 
 
+def test_gems_master_programs_equal_a_literal_table() -> None:
+    schedule = gems_master(2, 4)
+    assert format_programs(schedule.programs) == _rows(GEMS_2x4)
+    assert schedule.layout == Layout.mirrored(2) and generate("gems-master", 2, 4) == schedule
+
+
+@pytest.mark.parametrize(("num_parts", "num_microbatches"), [(2, 2), (2, 6), (4, 2), (4, 8), (6, 6)])
+def test_gems_master_validates_and_reduces_each_part_over_its_mirror(num_parts: int, num_microbatches: int) -> None:
+    schedule = gems_master(num_parts, num_microbatches, data_parallel=2)
+    layout = schedule.layout
+    programs = layout.rank_programs(lower(schedule.programs, layout, _edges(layout)))
+    validate(programs, layout, edges=_edges(layout))
+    for rank, program in enumerate(programs):
+        reduced = [action.stage for action in program if action.kind is ActionKind.ALLREDUCE]
+        assert reduced == sorted(layout.stages_of_rank(rank), key=layout.part)  # one order of parts everywhere
+    assert all(len(layout.part_ranks(part)) == 4 for part in range(num_parts))  # 2 copies x 2 replicas
+
+
+def test_gems_master_fills_one_copys_bubble_with_the_other() -> None:
+    # One micro-batch per copy on 4 equal parts: 1F1B over 2 micro-batches leaves 60 % of the ranks' time
+    # idle; the mirror copy runs its forwards while the other's drain, and leaves 50 %.
+    stage = StageCosts(1.0, 2.0, 1, STATIC)
+    mirrored = _simulate(gems_master(4, 2), (stage,) * 8)
+    pipeline = _simulate(generate("1f1b", 4, 2), (stage,) * 4)
+    assert pipeline.bubble_fraction == pytest.approx(0.6) and mirrored.bubble_fraction == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize(("num_parts", "num_microbatches", "message"), [
+    (4, 3, ("gems-master splits the micro-batches between its 2 model copies and needs an even count, got 3; "
+            "valid: 2, 4, 6, ...")),
+    (3, 4, "gems-master pairs slot k with slot S-1-k and needs an even number of parts, got 3; valid: 2, 4, 6, ..."),
+])
+def test_gems_master_counts_that_do_not_fit_are_one_line_errors(num_parts: int, num_microbatches: int,
+                                                                message: str) -> None:
+    with pytest.raises(ValueError) as error:
+        generate("gems-master", num_parts, num_microbatches)
+    assert str(error.value) == message
+
+
+def test_a_microbatch_through_a_part_twice_is_refused() -> None:
+    layout = Layout.mirrored(2)  # both copies run every micro-batch: micro-batch 0 would count twice
+    compute = tuple(tuple(Action(stage, kind, 0) for kind in (ActionKind.F, ActionKind.B)
+                          for stage in layout.stages_on_slot(slot)) for slot in range(2))
+    with pytest.raises(ScheduleError, match=r"micro-batch 0 runs part 0 on stages \[0, 2\]"):
+        validate(lower(compute, layout, _edges(layout)), layout)
+
+
 @pytest.mark.parametrize("schedule", [
     generate("gpipe", 3, 4), generate("1f1b", 4, 6), interleaved_one_f_one_b(4, 4), zb_h1(4, 6),
+    gems_master(2, 4), gems_master(4, 8),
     interleaved_one_f_one_b(8, 8), interleaved_one_f_one_b(9, 6, virtual_stages=3)])
 def test_in_flight_profiles_give_every_ranks_simulated_peak(schedule: Schedule) -> None:
     rng = random.Random(schedule.num_stages * 100 + schedule.num_microbatches)
