@@ -184,18 +184,20 @@ def gems_master(num_stages: int, num_microbatches: int, *, data_parallel: int = 
 
 def _merged(layout: Layout, streams: Mapping[int, Program]) -> Programs:
     """Each slot's stage programs merged in the order a replay with unit costs (F 1, B 2) starts them:
-    repeatedly the action that can start earliest (ties: lower slot, then stage) runs next. That replay
-    is an execution, so the merged programs cannot deadlock."""
+    repeatedly the action that can start earliest runs next (ties: a B before an F, as 1F1B frees
+    activations first; then the lower slot and stage). That replay is an execution, so the merged
+    programs cannot deadlock."""
     duration = {ActionKind.F: 1, ActionKind.B: 2}
     finished: dict[tuple[ActionKind, int, int | None], int] = {}
     position = dict.fromkeys(streams, 0)
     free = [0] * layout.num_slots
     programs: list[list[Action]] = [[] for _ in range(layout.num_slots)]
     while any(position[stage] < len(stream) for stage, stream in streams.items()):
-        start, slot, stage = min((max(free[layout.slot(stage)], ready), layout.slot(stage), stage)
-                                 for stage, stream in streams.items() if position[stage] < len(stream)
-                                 for ready in [_ready_at(layout, stream[position[stage]], finished)]
-                                 if ready is not None)
+        start, _, slot, stage = min((max(free[layout.slot(stage)], ready), stream[position[stage]].kind is ActionKind.F,
+                                     layout.slot(stage), stage)
+                                    for stage, stream in streams.items() if position[stage] < len(stream)
+                                    for ready in [_ready_at(layout, stream[position[stage]], finished)]
+                                    if ready is not None)
         action = streams[stage][position[stage]]
         position[stage] += 1
         free[slot] = finished[action.kind, stage, action.microbatch] = start + duration[action.kind]

@@ -44,7 +44,7 @@ ZB_H1_3x4 = (
 
 # GEMS-MASTER, 2 parts, M=4, by hand: slot 0 runs part 0 of copy A (stage 0, micro-batches 0, 1) and
 # part 1 of copy B (stage 3, micro-batches 2, 3); replayed with F = 1, B = 2, each slot starts
-# whichever of its two stages' next actions can start first (ties: the lower stage).
+# whichever of its two stages' next actions can start first (ties: a B first, then the lower stage).
 GEMS_2x4 = (
     "0F0 0F1 3F2 3B2 0B0 0B1 3F3 3B3",
     "2F2 1F0 1B0 1F1 1B1 2F3 2B2 2B3",
