@@ -19,7 +19,7 @@ from planner.schedules import Action, ActionKind, Program
 __all__ = ["SUPPORTED", "check_executable", "check_plan", "check_world_size", "my_stages", "rank_program",
            "segments"]
 
-SUPPORTED = frozenset({ActionKind.F, ActionKind.B, ActionKind.SEND_F, ActionKind.RECV_F,
+SUPPORTED = frozenset({ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W, ActionKind.SEND_F, ActionKind.RECV_F,
                        ActionKind.SEND_B, ActionKind.RECV_B, ActionKind.ALLREDUCE,
                        ActionKind.OPTIMIZER_STEP, ActionKind.SWAP_OUT, ActionKind.SWAP_IN})
 
@@ -36,13 +36,23 @@ def check_world_size(plan: Plan, world_size: int) -> None:
 def check_executable(plan: Plan) -> None:
     """Refuse what this runtime does not execute yet (each names the planner option that avoids it)."""
     layout = plan.layout
-    copies = [part for part in range(layout.num_parts) if len(layout.stages_of_part(part)) > 1]
-    if layout.stage_part != tuple(range(layout.num_stages)) or copies:
-        raise RuntimeSetupError(f"the plan runs parts {copies or list(layout.stage_part)} as several model "
-                                f"copies (stage to part map {list(layout.stage_part)}), which this runtime "
-                                f"does not execute yet; re-plan with another schedule")
+    for rank in range(layout.world_size):
+        parts = [layout.part(stage) for stage in layout.stages_of_rank(rank)]
+        twice = sorted({part for part in parts if parts.count(part) > 1})
+        if twice:
+            raise RuntimeSetupError(f"rank {rank} runs parts {twice} for two model copies (stage to part map "
+                                    f"{list(layout.stage_part)}), which this runtime does not execute yet; "
+                                    f"re-plan gems-master with an even number of parts")
+    if layout.num_copies > 1 and any(stage.spatial is not None for stage in plan.stages):
+        raise RuntimeSetupError(f"the plan runs {layout.num_copies} model copies with spatial stages, which this "
+                                f"runtime does not execute together yet; re-plan without spatial stages")
+    split = any(action.kind is ActionKind.W for program in programs(plan) for action in program)
     for stage in plan.stages:
         _check_offload(stage.index, stage.offload)
+        if split and stage.offload.zero_stage == 3:
+            raise RuntimeSetupError(f"stage {stage.index} shards its parameters (ZeRO-3) and the schedule splits "
+                                    f"backwards into I and W, which this runtime does not execute together yet; "
+                                    f"re-plan with ZeRO 0-2 there or another schedule")
         if stage.spatial is not None:
             _check_spatial(plan, stage.index)
 

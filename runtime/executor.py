@@ -1,6 +1,8 @@
 """The Executor: interprets this rank's program of a plan, action by action, for one step at a time.
 
-It holds no schedule logic: ``F``/``B`` run the named stage on the named micro-batch, runs of
+It holds no schedule logic: ``F``/``B`` run the named stage on the named micro-batch (a split
+backward's ``I`` backpropagates into the stage's received inputs only, keeping the graph, and its
+``W`` into the stage's weights from that graph), runs of
 consecutive ``SEND_*``/``RECV_*`` become one batched P2P exchange, ``ALLREDUCE`` sums the
 stage's gradients over its replicas (a reduce-scatter under ZeRO-2/3), ``OPTIMIZER_STEP`` steps
 the stage's optimizer wherever the plan keeps its state (runtime/stage_optimizer.py, which also
@@ -9,7 +11,9 @@ fp16/bf16 runtime/precision.py scales the loss and defers the step of the fp32 m
 last stage) and ``SWAP_OUT``/``SWAP_IN`` move a micro-batch's swapped activations to the host and back
 (runtime/swap.py; recomputation happens inside the stage modules, runtime/recompute.py). A rank
 that runs several stages (interleaved, WPipe, GEMS programs) looks each stage up by the
-action's stage id; values between two stages on the same rank are handed over in memory. A spatial
+action's stage id, and the values it reads and sends by the parts the stages compute (a GEMS
+mirror's two model copies: the dataflow of the stages' parts, within the stage's copy); values
+between two stages on the same rank are handed over in memory. A spatial
 stage's tiles are joined by a later ordinary stage's receive, and re-tiled onto a later spatial
 stage's tiles (runtime/retiling.py).
 """
@@ -44,7 +48,8 @@ from runtime.state import MicrobatchState, StepState
 from runtime.tiles import halo_bytes_sent
 
 LossFn = Callable[[Any, Any], torch.Tensor]
-_HANDLERS = {ActionKind.F: "_forward", ActionKind.B: "_backward", ActionKind.ALLREDUCE: "_allreduce",
+_HANDLERS = {ActionKind.F: "_forward", ActionKind.B: "_backward", ActionKind.I: "_backward_input",
+             ActionKind.W: "_backward_weight", ActionKind.ALLREDUCE: "_allreduce",
              ActionKind.OPTIMIZER_STEP: "_optimizer_step", ActionKind.SWAP_OUT: "_swap_out",
              ActionKind.SWAP_IN: "_swap_in"}  # method per non-communication action
 
@@ -130,11 +135,11 @@ class Executor:
 
     @property
     def needs_inputs(self) -> bool:
-        return self.flow.data_stage in self.stages
+        return any(stage.part == self.flow.data_stage for stage in self.stages.values())
 
     @property
     def needs_targets(self) -> bool:
-        return self.flow.last_stage in self.stages
+        return any(stage.part == self.flow.last_stage for stage in self.stages.values())
 
     def run(self, microbatches: Sequence[Microbatch], *, profile_memory: bool = False) -> float:
         """One step on this replica's micro-batches (``plan.training.num_microbatches`` of them).
@@ -180,12 +185,27 @@ class Executor:
                  "the loss all-reduce")
         return float(total.item())
 
+    # ------------------------------------------------- stages and the dataflow
+    def _parts(self, src: int, dst: int) -> tuple[int, int]:
+        """The dataflow edge (between parts) that joins two stages of one model copy."""
+        return self.plan.layout.part(src), self.plan.layout.part(dst)
+
+    def _consumers(self, stage: int) -> tuple[int, ...]:
+        """The stages of ``stage``'s model copy that read its values."""
+        layout = self.plan.layout
+        return tuple(layout.stage_of_copy(part, layout.copy(stage)) for part in self.flow.consumers(layout.part(stage)))
+
+    def _producers(self, stage: int) -> tuple[int, ...]:
+        """The stages of ``stage``'s model copy whose values it reads."""
+        layout = self.plan.layout
+        return tuple(layout.stage_of_copy(part, layout.copy(stage)) for part in self.flow.producers(layout.part(stage)))
+
     # ---------------------------------------------------------------- compute
     def _forward(self, action: Action, state: StepState) -> None:
         key = (action.stage, action.microbatch)
         stage, micro = self.stages[action.stage], state.micro(*key)
         data = state.microbatches[action.microbatch]
-        if stage.index == self.flow.data_stage:
+        if stage.part == self.flow.data_stage:
             if data.inputs is None:
                 raise ValueError(f"rank {self.rank} runs the first stage and needs the inputs")
             values = [self._to_device(x) for x in data.inputs]
@@ -200,10 +220,10 @@ class Executor:
                                              global_microbatch, device=self.device):
             with self.swaps.forward(key), self._params_in_use(stage):
                 micro.env.update(zip(stage.io.outputs, stage.module(*args)))
-            if stage.index == self.flow.last_stage:
+            if stage.part == self.flow.last_stage:
                 self._loss(stage, micro, data, state)
-        micro.roots = {name: micro.env[name] for dst in self.flow.consumers(stage.index)
-                       for name in self.flow.gradients((stage.index, dst))}
+        micro.roots = {name: micro.env[name] for dst in self._consumers(stage.index)
+                       for name in self.flow.gradients(self._parts(stage.index, dst))}
         self._hand_over(stage.index, action.microbatch, micro, state)
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -242,38 +262,77 @@ class Executor:
 
     def _hand_over(self, stage: int, microbatch: int, micro: MicrobatchState, state: StepState) -> None:
         """Values for consumer stages on this same rank (no communication)."""
-        for dst in self.flow.consumers(stage):
+        for dst in self._consumers(stage):
             if dst in self.stages:
                 box = state.mailbox(dst, microbatch)
-                for name in self.flow.travelling((stage, dst)):
+                for name in self.flow.travelling(self._parts(stage, dst)):
                     value = micro.env[name]
                     box[name] = (value.detach().requires_grad_(self.flow.specs[name].carries_grad)
                                  if isinstance(value, torch.Tensor) else value)
 
     def _backward(self, action: Action, state: StepState) -> None:
-        stage, micro = self.stages[action.stage], state.micro(action.stage, action.microbatch)
+        """B: the micro-batch's whole backward through the stage, then its input gradients out."""
+        micro = self._start_backward(action, state)
+        self._run_backward(action, micro, inputs=None)
+        self._collect_input_grads(action, micro, state)
+        self._end_backward(action, micro)
+
+    def _backward_input(self, action: Action, state: StepState) -> None:
+        """I: the gradients of the stage's received inputs only (the graph is kept for W), then out."""
+        micro = self._start_backward(action, state)
+        stage = self.stages[action.stage]
+        inputs = [micro.env[name] for src in self._producers(stage.index)
+                  for name in self.flow.gradients(self._parts(src, stage.index))]
+        if inputs:
+            self._run_backward(action, micro, inputs=inputs)
+        self._collect_input_grads(action, micro, state)
+
+    def _backward_weight(self, action: Action, state: StepState) -> None:
+        """W: the gradients of the stage's weights from the graph I kept; frees the micro-batch."""
+        micro = state.micro(action.stage, action.microbatch)
+        weights = self.stages[action.stage].weights()
+        if weights:
+            self._run_backward(action, micro, inputs=weights)
+        self._end_backward(action, micro)
+
+    def _start_backward(self, action: Action, state: StepState) -> MicrobatchState:
+        """The micro-batch's state on the stage, with the stage's paged optimizer state being read back
+        while the backwards run."""
+        stage = self.stages[action.stage]
+        if stage.state is not None:
+            stage.state.prefetch()
+        return state.micro(action.stage, action.microbatch)  # type: ignore[arg-type]
+
+    def _run_backward(self, action: Action, micro: MicrobatchState, *, inputs: list[torch.Tensor] | None) -> None:
+        """Backpropagate from the roots into ``inputs`` (all leaves when None), keeping the graph for a W."""
         roots = [micro.loss] if micro.loss is not None else []
         grads: list[torch.Tensor | None] = [None] * len(roots)
         for name, tensor in micro.roots.items():
-            if name in micro.output_grads:
+            if name in micro.output_grads:  # the loss and the outputs whose gradients came back
                 roots.append(tensor)
                 grads.append(micro.output_grads[name])
-        if stage.state is not None:
-            stage.state.prefetch()  # paged optimizer state: read it back while the backwards run
         if roots:
-            with self._params_in_use(stage):
-                torch.autograd.backward(roots, grads)
-        self.memory.release((action.stage, action.microbatch))
-        self.swaps.release((action.stage, action.microbatch))
-        self.memory.state_changed()
-        for src in self.flow.producers(stage.index):
-            for name in self.flow.gradients((src, stage.index)):
+            with self._params_in_use(self.stages[action.stage]):
+                torch.autograd.backward(roots, grads, inputs=inputs, retain_graph=action.kind is ActionKind.I)
+
+    def _collect_input_grads(self, action: Action, micro: MicrobatchState, state: StepState) -> None:
+        """The gradients of the received inputs: to a producer stage on this rank, or kept to send."""
+        assert action.microbatch is not None
+        for src in self._producers(action.stage):
+            for name in self.flow.gradients(self._parts(src, action.stage)):
                 value = micro.env[name]
                 grad = value.grad if value.grad is not None else torch.zeros_like(value)
                 if src in self.stages:
                     _accumulate(state.micro(src, action.microbatch).output_grads, name, grad)
                 else:
                     micro.input_grads[name] = grad
+
+    def _end_backward(self, action: Action, micro: MicrobatchState) -> None:
+        """The micro-batch's backward on the stage is complete: free what it held."""
+        assert action.microbatch is not None
+        self.memory.release((action.stage, action.microbatch))
+        self.swaps.release((action.stage, action.microbatch))
+        self.memory.state_changed()
         micro.env.clear()
         micro.roots.clear()
         micro.output_grads.clear()
@@ -307,11 +366,11 @@ class Executor:
             return self._retiled_messages(action, peer_ranks, state)
         kind = action.kind
         if kind is ActionKind.RECV_F:  # a join: every tile of every value
-            names = self.flow.travelling((action.peer, action.stage))
+            names = self.flow.travelling(self._parts(action.peer, action.stage))
             return [Message(action, peer, [joining.tile_buffer(self.flow.specs[n], tile, self.device)
                                            for n in names]) for tile, peer in enumerate(peer_ranks)]
         assert kind is ActionKind.SEND_B, f"{action}: a spatial stage only feeds later stages"
-        names = self.flow.gradients((action.peer, action.stage))
+        names = self.flow.gradients(self._parts(action.peer, action.stage))
         grads = [state.micro(action.stage, action.microbatch).input_grads.pop(n) for n in names]
         return [Message(action, peer, [joining.output_grids[n].tile(grad, tile).contiguous()
                                        for n, grad in zip(names, grads)])
@@ -347,17 +406,17 @@ class Executor:
         mine = self.tiled.get(action.stage)  # this rank holds one tile of its stage's values
         kind = action.kind
         if kind is ActionKind.SEND_F:
-            names = self.flow.travelling((action.stage, action.peer))
+            names = self.flow.travelling(self._parts(action.stage, action.peer))
             tensors = [micro.env[n].detach().contiguous() if mine else
                        self.flow.specs[n].encode(micro.env[n], self.device) for n in names]
         elif kind is ActionKind.SEND_B:
-            names = self.flow.gradients((action.peer, action.stage))
+            names = self.flow.gradients(self._parts(action.peer, action.stage))
             tensors = [micro.input_grads.pop(n).contiguous() for n in names]
         elif kind is ActionKind.RECV_F:
-            names = self.flow.travelling((action.peer, action.stage))
+            names = self.flow.travelling(self._parts(action.peer, action.stage))
             tensors = [self.flow.specs[n].empty(self.device) for n in names]
         else:
-            names = self.flow.gradients((action.stage, action.peer))
+            names = self.flow.gradients(self._parts(action.stage, action.peer))
             tensors = [mine.tile_buffer(self.flow.specs[n], mine.tile, self.device)  # type: ignore[arg-type]
                        if mine else self.flow.specs[n].empty(self.device) for n in names]
         return Message(action, peer_rank, tensors)
@@ -370,13 +429,13 @@ class Executor:
         if action.kind is ActionKind.RECV_F:
             box = state.mailbox(action.stage, action.microbatch)
             joining = self.tiled.get(action.peer)
-            for index, name in enumerate(self.flow.travelling((action.peer, action.stage))):
+            for index, name in enumerate(self.flow.travelling(self._parts(action.peer, action.stage))):
                 wire = (messages[0].tensors[index] if joining is None else
                         joining.output_grids[name].join([message.tensors[index] for message in messages]))
                 box[name] = self.flow.specs[name].decode(wire, self.device)
             return
         grads = state.micro(action.stage, action.microbatch).output_grads
-        for name, wire in zip(self.flow.gradients((action.stage, action.peer)), messages[0].tensors):
+        for name, wire in zip(self.flow.gradients(self._parts(action.stage, action.peer)), messages[0].tensors):
             _accumulate(grads, name, wire)
 
     # ------------------------------------------------------------- per stage
@@ -387,7 +446,7 @@ class Executor:
             stage.state.reduce_gradients(str(action))
             params = [p for name, p in stage.params.items() if name in stage.state.unsharded_names
                       and name not in self.groups.tied_names]
-        group = self.groups.data_parallel[self.plan.layout.part(action.stage)]
+        group = self.groups.data_parallel[stage.part]
         self.sync.all_reduce(params, group, str(action))
 
     def _optimizer_step(self, action: Action, state: StepState) -> None:

@@ -79,7 +79,8 @@ def set_up(plan: Plan, model: nn.Module, optimizer_factory: OptimizerFactory, *,
     checks.check_world_size(plan, dist.get_world_size())
     segments = checks.segments(checks.rank_program(plan, rank))
     stage_ids, replica = checks.my_stages(plan, rank)
-    check_nvme_dir(plan, nvme_dir, stage_ids)
+    parts = {stage: plan.layout.part(stage) for stage in stage_ids}
+    check_nvme_dir(plan, nvme_dir, sorted(set(parts.values())))
     traced = build.trace_checked(model, plan, leaf_modules)
     modules = build.split_stages(traced, model, plan)
     inputs = [(meta.shape, getattr(torch, meta.dtype)) for meta in plan.model.example_inputs]
@@ -93,9 +94,9 @@ def set_up(plan: Plan, model: nn.Module, optimizer_factory: OptimizerFactory, *,
                                 stage=stage)
     check_edges(flow, {(t.src_stage, t.dst_stage) for t in plan.transfers})
     stage_params = stage_param_names(model, modules, flow)
-    materialise(model, modules, flow, stage_ids, seed, device)
+    materialise(model, modules, flow, sorted(set(parts.values())), seed, device)
     precision = plan.model.precision
-    stages = local_stages(model, modules, flow, stage_ids)
+    stages = local_stages(model, modules, flow, parts)
     tiled = tiled_stages(plan, modules, flow, rank, timeout_s)  # collective: the tile groups
     sources: dict[int, list[torch.Tensor]] = {}
     if precision.master_weights:
@@ -125,7 +126,7 @@ def offload_activations(plan: Plan, stages: Mapping[int, LocalStage], tiled: Map
                                                        *stage.attrs.values()]]
     swaps = SwapSpace(device, {storage_key(t) for t in state})
     for stage in stages.values():
-        part = plan.stages[stage.index]
+        part = plan.stages[stage.part]
         if stage.index in tiled:
             assert part.spatial is not None
             on_tile = tile_stage(stage.module, tiled[stage.index], part.spatial, part.offload, swaps,
@@ -147,20 +148,20 @@ def to_16_bits(model: nn.Module, traced: torch.fx.GraphModule, flow: Dataflow, p
 
 
 def materialise(model: nn.Module, modules: Mapping[int, torch.fx.GraphModule], flow: Dataflow,
-                stage_ids: Sequence[int], seed: int, device: torch.device) -> None:
-    """Give this rank's stages real weights: initialised from meta, or moved if already real."""
-    def tensors(stage: int) -> list[torch.Tensor]:
-        return build.stage_tensors(modules[stage], model, param_targets(flow.stages[stage]))
+                parts: Sequence[int], seed: int, device: torch.device) -> None:
+    """Give this rank's parts real weights: initialised from meta, or moved if already real."""
+    def tensors(part: int) -> list[torch.Tensor]:
+        return build.stage_tensors(modules[part], model, param_targets(flow.stages[part]))
 
-    mine = [t for stage in stage_ids for t in tensors(stage)]
+    mine = [t for part in parts for t in tensors(part)]
     holders = build.holder_modules(model, mine)
     if build.on_meta(mine):
         initialize(model, seed, device=device, modules=holders)
     else:
         for name in sorted(holders):
             model.get_submodule(name)._apply(lambda t: t.to(device), recurse=False)
-    for stage in stage_ids:
-        build.check_materialised(stage, tensors(stage), device)
+    for part in parts:
+        build.check_materialised(part, tensors(part), device)
 
 
 def check_same_plan(plan: Plan) -> None:
@@ -180,8 +181,8 @@ def stage_optimizer(plan: Plan, stage: LocalStage, factory: OptimizerFactory, gr
     """The stage's optimizer where its offload section puts it (None if it owns no parameter)."""
     if not stage.params:
         return None
-    spec = plan.stages[stage.index].offload
-    group = groups.data_parallel.get(plan.layout.part(stage.index))
+    spec = plan.stages[stage.part].offload
+    group = groups.data_parallel.get(stage.part)
     shards = ShardGroup(group, timeout_s) if spec.zero_stage and group is not None else None
     pager = None
     if spec.optimizer_state is StateTier.NVME:

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -25,12 +25,19 @@ class LocalStage:
     """One stage on this rank. ``params`` are the ones its optimizer steps (each parameter is
     owned by the first of this rank's stages using it); ``attrs`` feed get_attr inputs."""
 
-    index: int
+    index: int  # the schedule's stage
+    part: int  # what it computes (plan.stages[part]); two stages of a GEMS mirror compute one part
     module: torch.fx.GraphModule
     io: StageIO
     params: dict[str, nn.Parameter]  # canonical name -> parameter
     attrs: dict[str, torch.Tensor]  # input node name -> tensor
     state: StageOptimizer | None = None  # None for a stage that owns no trainable parameter
+
+    def weights(self) -> list[torch.Tensor]:
+        """Every trainable tensor the stage computes with (its own and those another stage of this rank
+        owns, tied ones read through get_attr included): what a weight-gradient pass (W) differentiates."""
+        tensors = [*self.module.parameters(), *self.attrs.values()]
+        return list({id(t): t for t in tensors if t.requires_grad}.values())
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
@@ -52,21 +59,22 @@ def stage_param_names(model: nn.Module, modules: Mapping[int, torch.fx.GraphModu
 
 
 def local_stages(model: nn.Module, modules: Mapping[int, torch.fx.GraphModule], flow: Dataflow,
-                 mine: Sequence[int]) -> dict[int, LocalStage]:
-    """Build this rank's stages (after materialisation); their optimizers come later (set-up)."""
+                 mine: Mapping[int, int]) -> dict[int, LocalStage]:
+    """Build this rank's stages (``mine``: stage -> the part it computes; after materialisation);
+    their optimizers come later (set-up)."""
     names = canonical_names(model)
     owned: set[int] = set()
     stages = {}
-    for stage in sorted(mine):
-        io = flow.stages[stage]
+    for stage, part in sorted(mine.items()):
+        io = flow.stages[part]
         params = {}
-        for tensor in stage_tensors(modules[stage], model, param_targets(io)):
+        for tensor in stage_tensors(modules[part], model, param_targets(io)):
             if isinstance(tensor, nn.Parameter) and tensor.requires_grad and id(tensor) not in owned:
                 owned.add(id(tensor))
                 params[names[id(tensor)]] = tensor
         attrs = {name: attribute(model, source.target) for name, source in io.sources.items()
                  if source.kind is SourceKind.PARAM}
-        stages[stage] = LocalStage(stage, modules[stage], io, params, attrs)
+        stages[stage] = LocalStage(stage, part, modules[part], io, params, attrs)
     return stages
 
 

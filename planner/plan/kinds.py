@@ -14,6 +14,9 @@ class ScheduleKind(str, Enum):
 
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"
+    INTERLEAVED_1F1B = "interleaved-1f1b"
+    ZB_H1 = "zb-h1"
+    GEMS_MASTER = "gems-master"
 
     @classmethod
     def parse(cls, name: str | ScheduleKind) -> ScheduleKind:
@@ -23,3 +26,15 @@ class ScheduleKind(str, Enum):
         except ValueError:
             raise ValueError(f"unknown schedule kind {name!r}; known kinds: "
                              f"{', '.join(kind.value for kind in cls)}") from None
+
+    @property
+    def is_searched(self) -> bool:
+        """Whether the search's step-time and memory model (planner/search/terms.py) covers this family.
+
+        The others are generated, lowered, validated, simulated and run from a plan, but the
+        search does not choose them yet.
+
+        >>> [kind.value for kind in ScheduleKind if kind.is_searched]
+        ['gpipe', '1f1b']
+        """
+        return self in (ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B)

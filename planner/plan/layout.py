@@ -23,7 +23,7 @@ Standard library only.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TypeVar
@@ -102,6 +102,18 @@ class Layout:
         parts = tuple(stage_part) if stage_part is not None else tuple(range(len(stage_slot)))
         return cls(parts, tuple(stage_slot), slot_ranks)
 
+    @classmethod
+    def mirrored(cls, num_parts: int, data_parallel: int = 1) -> Layout:
+        """GEMS-MASTER's placement: two model copies in opposite directions. Copy A's stage k computes
+        part k on slot k; copy B's stage ``num_parts + k`` computes part k on slot ``num_parts - 1 - k``.
+
+        >>> layout = Layout.mirrored(2)
+        >>> layout.stages_of_rank(0), layout.stage_part, layout.copy(3), layout.stage_of_copy(part=0, copy=1)
+        ((0, 3), (0, 1, 0, 1), 1, 2)
+        """
+        stage_slot = tuple(range(num_parts)) + tuple(num_parts - 1 - part for part in range(num_parts))
+        return cls.replicated(stage_slot, data_parallel, stage_part=tuple(range(num_parts)) * 2)
+
     # ------------------------------------------------------------- sizes
     @property
     def num_stages(self) -> int:
@@ -148,6 +160,24 @@ class Layout:
     def stages_of_part(self, part: int) -> tuple[int, ...]:
         """The stages that compute ``part`` (two for a GEMS mirror pair)."""
         return tuple(stage for stage, owner in enumerate(self.stage_part) if owner == part)
+
+    @property
+    def num_copies(self) -> int:
+        """Model copies inside one replica: stages per part (2 for a GEMS mirror, else 1)."""
+        return self.num_stages // self.num_parts
+
+    def copy(self, stage: int) -> int:
+        """The model copy ``stage`` belongs to: its position among the stages that compute its part."""
+        return self.stages_of_part(self.part(stage)).index(stage)
+
+    def stage_of_copy(self, part: int, copy: int) -> int:
+        """The stage of model copy ``copy`` that computes ``part`` (where a value of that copy goes)."""
+        return self.stages_of_part(part)[copy]
+
+    def copy_edges(self, part_edges: Iterable[tuple[int, int]]) -> frozenset[tuple[int, int]]:
+        """The (src stage, dst stage) pairs that part-to-part edges join: within each model copy."""
+        return frozenset((self.stage_of_copy(src, copy), self.stage_of_copy(dst, copy))
+                         for src, dst in part_edges for copy in range(self.num_copies))
 
     def ranks_of(self, stage: int, replica: int) -> tuple[int, ...]:
         """The ranks that run ``stage`` of ``replica`` (several: its spatial tiles)."""
@@ -217,6 +247,10 @@ def _check(layout: Layout) -> None:
                          f"must name a part and a slot for each of at least one stage")
     if set(layout.stage_part) != set(range(max(layout.stage_part) + 1)):
         raise ValueError(f"stage_part {list(layout.stage_part)} must compute every part 0..P-1")
+    copies = {layout.stage_part.count(part) for part in set(layout.stage_part)}
+    if len(copies) != 1:
+        raise ValueError(f"stage_part {list(layout.stage_part)} must compute every part equally often "
+                         f"(once per model copy)")
     if not layout.slot_ranks or not layout.slot_ranks[0]:
         raise ValueError("slot_ranks must hold at least one replica with at least one slot")
     num_slots = len(layout.slot_ranks[0])

@@ -21,7 +21,7 @@ from planner.schedules.actions import (
     format_programs,
     parse_programs,
 )
-from planner.schedules.generate import GENERATORS, Schedule, generate, max_in_flight
+from planner.schedules.generate import GENERATORS, Schedule, generate, in_flight_profiles, max_in_flight
 from planner.schedules.lower import lower
 from planner.schedules.simulate import SimCosts, SimEvent, SimResult, StageCosts, simulate
 from planner.schedules.timeline import chrome_trace, svg
@@ -43,6 +43,7 @@ __all__ = [
     "format_grid",
     "format_programs",
     "generate",
+    "in_flight_profiles",
     "lower",
     "max_in_flight",
     "parse_programs",

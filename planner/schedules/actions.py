@@ -13,6 +13,8 @@ class ActionKind(str, Enum):
 
     F = "F"
     B = "B"
+    I = "I"  # the input-gradient half of B (the zero-bubble papers' name)
+    W = "W"  # the weight-gradient half of B (after I)
     SEND_F = "SEND_F"
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"
@@ -42,6 +44,18 @@ class ActionKind(str, Enum):
         return self in _PER_STAGE
 
     @property
+    def computes_input_grads(self) -> bool:
+        """A backward that takes the output gradients and makes the input gradients (B, or its half I):
+        ``RECV_B`` goes before it, ``SEND_B`` after it."""
+        return self in (ActionKind.B, ActionKind.I)
+
+    @property
+    def ends_backward(self) -> bool:
+        """The action that finishes a micro-batch's backward on a stage (B, or its half W): the saved
+        activations are free after it, and the stage's gradients are complete after the last one."""
+        return self in (ActionKind.B, ActionKind.W)
+
+    @property
     def is_backward_direction(self) -> bool:
         """Communication that carries gradients (backward) rather than activations (forward)."""
         return self in (ActionKind.SEND_B, ActionKind.RECV_B)
@@ -51,7 +65,7 @@ _SENDS = frozenset({ActionKind.SEND_F, ActionKind.SEND_B})
 _RECEIVES = frozenset({ActionKind.RECV_F, ActionKind.RECV_B})
 _PER_STAGE = frozenset({ActionKind.ALLREDUCE, ActionKind.OPTIMIZER_STEP})
 
-_EXPECTED_FORMS = ("'2F5', '2B5' (stage, kind, micro-batch); '2SEND_F5>3', '3RECV_F5<2', '3SEND_B5>2', "
+_EXPECTED_FORMS = ("'2F5', '2B5', '2I5', '2W5' (stage, kind, micro-batch); '2SEND_F5>3', '3RECV_F5<2', '3SEND_B5>2', "
                    "'2RECV_B5<3' (sends point > to the peer stage, receives < from it); '2ALLREDUCE', "
                    "'2OPTIMIZER_STEP'; '2SWAP_OUT5', '2SWAP_IN5', '2RECOMPUTE5'")
 _ACTION_PATTERN = re.compile(r"^(0|[1-9]\d*)([A-Z_]+)(0|[1-9]\d*)?(?:([<>])(0|[1-9]\d*))?$")

@@ -72,6 +72,148 @@ def _one_f_one_b_stage(stage: int, num_stages: int, num_microbatches: int) -> Pr
     return tuple(program)
 
 
+def interleaved_one_f_one_b(num_stages: int, num_microbatches: int, *, data_parallel: int = 1,
+                            virtual_stages: int = 2) -> Schedule:
+    """Megatron's interleaved 1F1B: ``num_stages`` = ranks x ``virtual_stages``, stage s on slot s % ranks.
+
+    Each slot runs its k-th forward on virtual stage ``(k // ranks) % v`` and micro-batch
+    ``(k // (ranks * v)) * ranks + k % ranks`` (backwards visit the virtual stages in reverse),
+    ``2 (ranks - 1 - slot) + (v - 1) ranks`` forwards of warm-up, then F/B pairs, then the rest of
+    the Bs. The micro-batch count must be a multiple of the rank count.
+
+    >>> [str(a) for a in interleaved_one_f_one_b(4, 2).programs[1]]
+    ['1F0', '1F1', '3F0', '3F1', '3B0', '3B1', '1B0', '1B1']
+    """
+    _check_sizes(num_stages, num_microbatches)
+    ranks = _interleaved_ranks(num_stages, num_microbatches, virtual_stages)
+    programs = tuple(_interleaved_slot(slot, ranks, virtual_stages, num_microbatches) for slot in range(ranks))
+    layout = Layout.replicated(tuple(stage % ranks for stage in range(num_stages)), data_parallel)
+    return Schedule(ScheduleKind.INTERLEAVED_1F1B, num_microbatches, layout, programs)
+
+
+def _interleaved_ranks(num_stages: int, num_microbatches: int, virtual_stages: int) -> int:
+    """The rank count (stages per replica / v), or ValueError naming the counts that work."""
+    if virtual_stages < 1 or num_stages % virtual_stages:
+        raise ValueError(f"interleaved-1f1b with {virtual_stages} virtual stages per rank needs a stage count "
+                         f"that is a multiple of {virtual_stages}, got {num_stages}; valid: "
+                         f"{', '.join(str(virtual_stages * k) for k in range(1, 4))}, ...")
+    ranks = num_stages // virtual_stages
+    if num_microbatches % ranks:
+        raise ValueError(f"interleaved-1f1b on {ranks} ranks needs a micro-batch count that is a multiple of "
+                         f"{ranks}, got {num_microbatches}; valid: "
+                         f"{', '.join(str(ranks * k) for k in range(1, 4))}, ...")
+    return ranks
+
+
+def _interleaved_slot(slot: int, ranks: int, virtual_stages: int, num_microbatches: int) -> Program:
+    total = num_microbatches * virtual_stages
+    warmup = total if num_microbatches == ranks else min(
+        total, 2 * (ranks - 1 - slot) + (virtual_stages - 1) * ranks)
+
+    def action(kind: ActionKind, k: int) -> Action:
+        chunk = (k % (ranks * virtual_stages)) // ranks
+        if kind is ActionKind.B:
+            chunk = virtual_stages - 1 - chunk
+        return Action(chunk * ranks + slot, kind, (k // (ranks * virtual_stages)) * ranks + k % ranks)
+
+    program = [action(ActionKind.F, k) for k in range(warmup)]
+    for k in range(total - warmup):
+        program += [action(ActionKind.F, warmup + k), action(ActionKind.B, k)]
+    program += [action(ActionKind.B, k) for k in range(total - warmup, total)]
+    return tuple(program)
+
+
+def zb_h1(num_stages: int, num_microbatches: int, *, data_parallel: int = 1) -> Schedule:
+    """Zero-bubble ZB-H1 (Qi et al. 2023): 1F1B with each backward split into its input-gradient half I
+    (which the previous stage waits for) and its weight-gradient half W (which nobody waits for).
+
+    Stage s warms up with ``min(M, S - s)`` forwards like 1F1B, then runs I of the oldest micro-batch,
+    the W that leaves at most s of them pending, and the next F; its last s Ws fill the drain, where
+    1F1B waits. Every stage holds at most S micro-batches (1F1B's peak, on stage 0).
+
+    >>> [str(a) for a in zb_h1(2, 3).programs[1]]
+    ['1F0', '1I0', '1F1', '1I1', '1W0', '1F2', '1I2', '1W1', '1W2']
+    """
+    _check_sizes(num_stages, num_microbatches)
+    programs = tuple(_zb_h1_stage(stage, num_stages, num_microbatches) for stage in range(num_stages))
+    return Schedule(ScheduleKind.ZB_H1, num_microbatches, Layout.pipeline(num_stages, data_parallel), programs)
+
+
+def _zb_h1_stage(stage: int, num_stages: int, num_microbatches: int) -> Program:
+    warmup = min(num_microbatches, num_stages - stage)
+    program = list(_forwards(stage, range(warmup)))
+    for microbatch in range(num_microbatches):
+        program.append(Action(stage, ActionKind.I, microbatch))
+        if microbatch >= stage:
+            program.append(Action(stage, ActionKind.W, microbatch - stage))
+        if warmup + microbatch < num_microbatches:
+            program.append(Action(stage, ActionKind.F, warmup + microbatch))
+    first_pending = max(0, num_microbatches - stage)
+    program.extend(Action(stage, ActionKind.W, microbatch) for microbatch in range(first_pending, num_microbatches))
+    return tuple(program)
+
+
+def gems_master(num_stages: int, num_microbatches: int, *, data_parallel: int = 1) -> Schedule:
+    """GEMS-MASTER (Jain et al. 2020): two copies of the ``num_stages``-part model in opposite directions
+    (``Layout.mirrored``: slot k runs part k of copy A and part S-1-k of copy B), so one copy's forwards
+    fill the other's bubble; the two copies of a part sum their gradients before the step. The part
+    count must be even (so that no slot holds both copies of one part).
+
+    Copy A runs micro-batches 0..M/2-1 and copy B the rest, each in 1F1B order; each slot interleaves
+    its two stages' actions in the order a replay with unit costs (F 1, B 2) starts them. The
+    micro-batch count must be even.
+
+    >>> [str(a) for a in gems_master(2, 2).programs[0]]
+    ['0F0', '3F1', '3B1', '0B0']
+    """
+    _check_sizes(num_stages, num_microbatches)
+    if num_stages % 2:  # the middle slot would hold both copies of one part
+        raise ValueError(f"gems-master pairs slot k with slot S-1-k and needs an even number of parts, got "
+                         f"{num_stages}; valid: 2, 4, 6, ...")
+    if num_microbatches % 2:
+        raise ValueError(f"gems-master splits the micro-batches between its 2 model copies and needs an even "
+                         f"count, got {num_microbatches}; valid: 2, 4, 6, ...")
+    layout = Layout.mirrored(num_stages, data_parallel)
+    half = num_microbatches // 2
+    streams = {layout.stage_of_copy(part, copy): tuple(
+        Action(layout.stage_of_copy(part, copy), action.kind, copy * half + action.microbatch)
+        for action in _one_f_one_b_stage(part, num_stages, half) if action.microbatch is not None)
+        for part in range(num_stages) for copy in range(2)}
+    return Schedule(ScheduleKind.GEMS_MASTER, num_microbatches, layout, _merged(layout, streams))
+
+
+def _merged(layout: Layout, streams: Mapping[int, Program]) -> Programs:
+    """Each slot's stage programs merged in the order a replay with unit costs (F 1, B 2) starts them:
+    repeatedly the action that can start earliest runs next (ties: a B before an F, as 1F1B frees
+    activations first; then the lower slot and stage). That replay is an execution, so the merged
+    programs cannot deadlock."""
+    duration = {ActionKind.F: 1, ActionKind.B: 2}
+    finished: dict[tuple[ActionKind, int, int | None], int] = {}
+    position = dict.fromkeys(streams, 0)
+    free = [0] * layout.num_slots
+    programs: list[list[Action]] = [[] for _ in range(layout.num_slots)]
+    while any(position[stage] < len(stream) for stage, stream in streams.items()):
+        start, _, slot, stage = min((max(free[layout.slot(stage)], ready), stream[position[stage]].kind is ActionKind.F,
+                                     layout.slot(stage), stage)
+                                    for stage, stream in streams.items() if position[stage] < len(stream)
+                                    for ready in [_ready_at(layout, stream[position[stage]], finished)]
+                                    if ready is not None)
+        action = streams[stage][position[stage]]
+        position[stage] += 1
+        free[slot] = finished[action.kind, stage, action.microbatch] = start + duration[action.kind]
+        programs[slot].append(action)
+    return tuple(tuple(program) for program in programs)
+
+
+def _ready_at(layout: Layout, action: Action, finished: Mapping[tuple[ActionKind, int, int | None], int]) -> int | None:
+    """When the action's input is there: the previous part's F, or the next part's B, of its own copy."""
+    part, copy = layout.part(action.stage), layout.copy(action.stage)
+    neighbour = part - 1 if action.kind is ActionKind.F else part + 1
+    if not 0 <= neighbour < layout.num_parts:
+        return 0
+    return finished.get((action.kind, layout.stage_of_copy(neighbour, copy), action.microbatch))
+
+
 def _forwards(stage: int, microbatches: range) -> Program:
     return tuple(Action(stage, ActionKind.F, microbatch) for microbatch in microbatches)
 
@@ -89,6 +231,9 @@ def _check_sizes(num_stages: int, num_microbatches: int) -> None:
 GENERATORS: Mapping[ScheduleKind, ScheduleGenerator] = MappingProxyType({
     ScheduleKind.GPIPE: gpipe,
     ScheduleKind.ONE_F_ONE_B: one_f_one_b,
+    ScheduleKind.INTERLEAVED_1F1B: interleaved_one_f_one_b,
+    ScheduleKind.ZB_H1: zb_h1,
+    ScheduleKind.GEMS_MASTER: gems_master,
 })
 """Schedule kind (the plan's ``schedule.kind``) -> generator. A new kind is a new entry here."""
 
@@ -116,6 +261,34 @@ def max_in_flight(schedule: Schedule) -> tuple[int, ...]:
             if action.kind is ActionKind.F:
                 held[action.stage] += 1
                 peak[action.stage] = max(peak[action.stage], held[action.stage])
-            elif action.kind is ActionKind.B:
+            elif action.kind.ends_backward:
                 held[action.stage] -= 1
     return tuple(peak)
+
+
+def in_flight_profiles(schedule: Schedule) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """Per slot, the in-flight counts that can be its activation peak: one vector per candidate moment,
+    holding per stage of the slot (in ``layout.stages_on_slot`` order) the micro-batches between
+    their F and their B, only vectors that no other one covers.
+
+    A rank's peak activation bytes is the largest ``sum(held * activation_bytes)`` over its slot's
+    vectors, whatever the stages' sizes (one memory row per vector keeps that linear).
+
+    >>> in_flight_profiles(interleaved_one_f_one_b(4, 2))
+    (((2, 2),), ((2, 2),))
+    """
+    return tuple(_slot_profiles(program, schedule.layout.stages_on_slot(slot))
+                 for slot, program in enumerate(schedule.programs))
+
+
+def _slot_profiles(program: Program, stages: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    held = dict.fromkeys(stages, 0)
+    moments: list[tuple[int, ...]] = []
+    for action in program:
+        if action.kind is ActionKind.F:
+            held[action.stage] += 1
+            moments.append(tuple(held.values()))
+        elif action.kind.ends_backward:
+            held[action.stage] -= 1
+    return tuple(sorted({vector for vector in moments if not any(
+        other != vector and all(o >= v for o, v in zip(other, vector)) for other in moments)}))

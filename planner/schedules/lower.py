@@ -8,8 +8,8 @@ Ordering rule (why lowered programs cannot deadlock or mismatch):
   (one program each); every rank of a slot runs its program, and the channels between the ranks
   of two slots carry the same sequence as the slots' channel, so the rule holds for every rank.
 * Receives go immediately before the compute that consumes them: ``RECV_F`` before the F that
-  needs the activation, ``RECV_B`` before the B that needs the gradient, several of them in
-  ascending peer stage.
+  needs the activation, ``RECV_B`` before the B (or the I of a split backward) that needs the
+  gradient, several of them in ascending peer stage. A W needs no communication.
 * Sends go after the compute that produces them, in the order the receiving rank consumes them
   on that channel: a send is emitted right after its F or B once every message the receiver
   takes earlier on the same channel has been emitted. With one stage per rank (GPipe, 1F1B)
@@ -32,7 +32,8 @@ from planner.schedules.actions import Action, ActionKind, Program, Programs, mat
 Edge = tuple[int, int]
 Channel = tuple[int, int]  # (src slot, dst slot)
 
-_COMPUTE_KINDS = (ActionKind.F, ActionKind.B, ActionKind.RECOMPUTE, ActionKind.SWAP_OUT, ActionKind.SWAP_IN)
+_COMPUTE_KINDS = (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W, ActionKind.RECOMPUTE, ActionKind.SWAP_OUT,
+                  ActionKind.SWAP_IN)
 
 
 def lower(compute_programs: Programs, layout: Layout, edges: Iterable[Edge]) -> Programs:
@@ -51,7 +52,7 @@ def lower(compute_programs: Programs, layout: Layout, edges: Iterable[Edge]) -> 
     with_receives = tuple(_insert_receives(program, cross_edges) for program in compute_programs)
     consumption = _consumption_order(with_receives, layout)
     return tuple(_insert_sends(slot, program, layout, cross_edges, consumption)
-                 + _epilogue(compute_programs[slot], layout, slot)
+                 + _epilogue(layout, slot)
                  for slot, program in enumerate(with_receives))
 
 
@@ -79,7 +80,7 @@ def _receives_before(action: Action, cross_edges: frozenset[Edge]) -> Program:
     if action.kind is ActionKind.F:
         sources = sorted(src for src, dst in cross_edges if dst == action.stage)
         return tuple(Action(action.stage, ActionKind.RECV_F, action.microbatch, peer=src) for src in sources)
-    if action.kind is ActionKind.B:
+    if action.kind.computes_input_grads:
         consumers = sorted(dst for src, dst in cross_edges if src == action.stage)
         return tuple(Action(action.stage, ActionKind.RECV_B, action.microbatch, peer=dst) for dst in consumers)
     return ()
@@ -89,7 +90,7 @@ def _sends_after(action: Action, cross_edges: frozenset[Edge]) -> Program:
     if action.kind is ActionKind.F:
         consumers = sorted(dst for src, dst in cross_edges if src == action.stage)
         return tuple(Action(action.stage, ActionKind.SEND_F, action.microbatch, peer=dst) for dst in consumers)
-    if action.kind is ActionKind.B:
+    if action.kind.computes_input_grads:
         sources = sorted(src for src, dst in cross_edges if dst == action.stage)
         return tuple(Action(action.stage, ActionKind.SEND_B, action.microbatch, peer=src) for src in sources)
     return ()
@@ -126,11 +127,10 @@ def _insert_sends(slot: int, program: Program, layout: Layout, cross_edges: froz
     return tuple(lowered) + tuple(produced)
 
 
-def _epilogue(compute_program: Program, layout: Layout, slot: int) -> Program:
-    """Per stage of this slot, in the order its last compute finishes: [ALLREDUCE], OPTIMIZER_STEP."""
-    last_step = {action.stage: step for step, action in enumerate(compute_program)}
-    ordered = sorted(layout.stages_on_slot(slot), key=lambda stage: (last_step.get(stage, len(compute_program)),
-                                                                     stage))
+def _epilogue(layout: Layout, slot: int) -> Program:
+    """Per stage of this slot, in part order: [ALLREDUCE], OPTIMIZER_STEP. One order of parts for every
+    rank, so ranks that share two all-reduce groups (a GEMS mirror pair) enter them alike."""
+    ordered = sorted(layout.stages_on_slot(slot), key=lambda stage: (layout.part(stage), stage))
     return tuple(Action(stage, kind) for stage in ordered for kind in _per_step_kinds(layout, stage))
 
 

@@ -2,7 +2,8 @@
 
 Model: programs are per rank of the whole job (the layout says which stages each rank runs and
 between which ranks a message travels). Each rank runs its actions in order on one compute
-resource. F, B, OPTIMIZER_STEP take their stage's time and count as busy; ALLREDUCE takes
+resource. F, B, OPTIMIZER_STEP take their stage's time and count as busy (a split backward's I
+takes ``bwd_ms - weight_grad_ms`` and its W ``weight_grad_ms``); ALLREDUCE takes
 ``allreduce_ms`` (all replicas reduce at once, so it is a local duration) and blocks the rank,
 but is communication, not busy time. A SEND returns at once and starts a transfer on the
 directed link src rank → dst rank; transfers on one link run one after another (FIFO). A RECV
@@ -10,7 +11,8 @@ blocks until its transfer has arrived.
 A message between stages of different slots travels from every rank of the sender to every rank
 of the receiver (spatial tiles join and split), each at the edge's cost, and the receive waits
 for all of them. Memory per rank is the static bytes of its stages plus ``activation_bytes`` for
-each micro-batch from the start of its F to the end of its B.
+each micro-batch from the start of its F to the end of its B (or W: the weight gradient reads the
+saved inputs, so a split backward frees the micro-batch only after both halves).
 
 Swaps: a stage that swaps copies ``swap_bytes`` per micro-batch to the host, starting with its F,
 on the rank's device-to-host copy engine (one copy at a time, ``swap_ms`` each); ``SWAP_OUT``
@@ -34,7 +36,8 @@ from planner.schedules.validate import ScheduleError
 COMPUTE_LANE = "compute"
 COMM_LANE = "comm"
 COPY_LANE = "copy"  # host <-> device copies (swaps)
-_BUSY_KINDS = (ActionKind.F, ActionKind.B, ActionKind.OPTIMIZER_STEP, ActionKind.RECOMPUTE)
+_BUSY_KINDS = (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W, ActionKind.OPTIMIZER_STEP,
+               ActionKind.RECOMPUTE)
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,7 @@ class StageCosts:
     optimizer_ms: float = 0.0
     swap_bytes: int = 0  # per micro-batch, to the host after F and back before B
     swap_ms: float = 0.0  # per micro-batch, each way
+    weight_grad_ms: float = 0.0  # the share of bwd_ms a split backward's W takes (its I takes the rest)
 
 
 @dataclass(frozen=True)
@@ -172,7 +176,7 @@ class _Clocks:
             self._swap(rank, action, stage)
             return
         start = self.clock_ms[rank]
-        if action.kind is ActionKind.B:
+        if action.kind.computes_input_grads:
             start = max(start, self.copied_ms.get((rank, "in", action.stage, action.microbatch), start))
         end = start + self._duration_ms(action)
         self.clock_ms[rank] = end
@@ -181,7 +185,7 @@ class _Clocks:
             self._change_memory(rank, start, activation)
             if stage.swap_bytes:
                 self._copy(rank, "out", action, start, stage.swap_ms)
-        elif action.kind is ActionKind.B:
+        elif action.kind.ends_backward:
             self._change_memory(rank, end, -activation)
         lane = COMPUTE_LANE if action.kind in _BUSY_KINDS else COMM_LANE
         if lane == COMPUTE_LANE:
@@ -212,7 +216,8 @@ class _Clocks:
 
     def _duration_ms(self, action: Action) -> float:
         stage = self.costs.stages[action.stage]
-        return {ActionKind.F: stage.fwd_ms, ActionKind.B: stage.bwd_ms, ActionKind.ALLREDUCE: stage.allreduce_ms,
+        return {ActionKind.F: stage.fwd_ms, ActionKind.B: stage.bwd_ms, ActionKind.I: stage.bwd_ms - stage.weight_grad_ms,
+                ActionKind.W: stage.weight_grad_ms, ActionKind.ALLREDUCE: stage.allreduce_ms,
                 ActionKind.OPTIMIZER_STEP: stage.optimizer_ms}.get(action.kind, 0.0)
 
     def _change_memory(self, rank: int, time_ms: float, delta_bytes: int) -> None:

@@ -29,7 +29,7 @@ def insert_swaps(compute_programs: Programs, swapping: Collection[int]) -> Progr
 
 
 def _one_program(program: Program, swapping: frozenset[int]) -> Program:
-    backwards = [index for index, action in enumerate(program) if action.kind is ActionKind.B]
+    backwards = [index for index, action in enumerate(program) if action.kind.computes_input_grads]
     prefetch_at: dict[int, list[Action]] = {}
     for order, index in enumerate(backwards):
         action = program[index]

@@ -11,11 +11,12 @@ from planner.schedules.actions import Action, ActionKind
 from planner.schedules.simulate import COMM_LANE, COMPUTE_LANE, COPY_LANE, SimEvent, SimResult
 
 _LANE_TIDS = {COMPUTE_LANE: 0, COMM_LANE: 1, COPY_LANE: 2}
-_COLOURS = {ActionKind.F: "#4c78a8", ActionKind.B: "#f58518", ActionKind.OPTIMIZER_STEP: "#54a24b",
-            ActionKind.RECOMPUTE: "#b279a2"}
+_COLOURS = {ActionKind.F: "#4c78a8", ActionKind.B: "#f58518", ActionKind.I: "#e45756", ActionKind.W: "#eeca3b",
+            ActionKind.OPTIMIZER_STEP: "#54a24b", ActionKind.RECOMPUTE: "#b279a2"}
 _GREY = "#9d9d9d"
 _ROW_PX, _TOP_PX, _LEFT_PX, _AXIS_PX, _LEGEND_PX, _CHAR_PX = 36, 40, 70, 30, 24, 6.5
 _LEGEND = (("forward (F)", _COLOURS[ActionKind.F], "box"), ("backward (B)", _COLOURS[ActionKind.B], "box"),
+           ("input gradient (I)", _COLOURS[ActionKind.I], "box"), ("weight gradient (W)", _COLOURS[ActionKind.W], "box"),
            ("optimizer step", _COLOURS[ActionKind.OPTIMIZER_STEP], "box"),
            ("recompute", _COLOURS[ActionKind.RECOMPUTE], "box"), ("all-reduce", _GREY, "box"),
            ("transfer", _GREY, "bar"))

@@ -21,6 +21,8 @@ from planner.schedules.actions import Action, ActionKind, Programs, matching_rec
 from planner.schedules.replay import replay, stuck_ranks
 
 Cell = tuple[int, int]  # (rank, step)
+_COMPUTE = (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W)
+_NEEDS = {ActionKind.B: ActionKind.F, ActionKind.I: ActionKind.F, ActionKind.W: ActionKind.I}  # runs after
 _WINDOW = 8  # columns shown either side of the marked steps in a long grid
 
 
@@ -75,8 +77,8 @@ def _cell(program: tuple[Action, ...], rank: int, step: int, marked: set[Cell]) 
 def validate(programs: Programs, layout: Layout, *, edges: Iterable[tuple[int, int]] | None = None) -> None:
     """Raise :class:`ScheduleError` unless the programs (one per rank) run to completion.
 
-    Checks: every action on a rank that runs its stage; one F and one B per (stage, micro-batch)
-    on every rank of the stage; every B after its F; sends after the compute that produced them,
+    Checks: every action on a rank that runs its stage; every micro-batch through every part once
+    (on one model copy's stage), with one F and one B (or one I and one W) on every rank of that stage; every B or I after its F, every W after its I; sends after the compute that produced them,
     receives before the compute that needs them; every send received in order and every receive
     sent; no deadlock; the all-reduce and optimizer step after all of a stage's backwards. With
     ``edges`` (as given to ``lower``), also that exactly the communication those edges need is present.
@@ -88,10 +90,10 @@ def validate(programs: Programs, layout: Layout, *, edges: Iterable[tuple[int, i
     """
     _check_placement(programs, layout)
     _check_once_per_stage(programs)
-    num_microbatches = _check_coverage(programs, layout)
-    _Replay(programs, layout, num_microbatches).run()
+    microbatches = _check_coverage(programs, layout)
+    _Replay(programs, layout, {stage: len(runs) for stage, runs in microbatches.items()}).run()
     if edges is not None:
-        _check_edges(programs, layout, edges, num_microbatches)
+        _check_edges(programs, layout, edges, microbatches)
 
 
 def _check_placement(programs: Programs, layout: Layout) -> None:
@@ -115,28 +117,56 @@ def _ranks_text(layout: Layout, stage: int) -> str:
                      for rank in layout.ranks_of(stage, replica))
 
 
-def _check_coverage(programs: Programs, layout: Layout) -> int:
-    """Exactly one F and one B per (stage, micro-batch 0..M-1) on every rank of the stage; returns M."""
+def _check_coverage(programs: Programs, layout: Layout) -> dict[int, tuple[int, ...]]:
+    """Every micro-batch 0..M-1 runs every part once, on one model copy's stage; a stage runs the same
+    micro-batches on all its ranks, each with one F and one backward (a B, or its halves I and W);
+    returns each stage's micro-batches."""
     where: dict[tuple[int, ActionKind, int, int], list[Cell]] = {}
+    runs: dict[tuple[int, int], set[int]] = {}  # (rank, stage) -> its micro-batches
     for rank, program in enumerate(programs):
         for step, action in enumerate(program):
-            if action.kind in (ActionKind.F, ActionKind.B):
+            if action.kind in _COMPUTE:
                 assert action.microbatch is not None
                 where.setdefault((rank, action.kind, action.stage, action.microbatch), []).append((rank, step))
+                runs.setdefault((rank, action.stage), set()).add(action.microbatch)
     num_microbatches = 1 + max((microbatch for *_, microbatch in where), default=-1)
     for (rank, kind, stage, microbatch), cells in sorted(where.items()):
         if len(cells) > 1:
             raise ScheduleError(f"duplicated {kind.value}: stage {stage} micro-batch {microbatch} appears "
                                 f"{len(cells)} times on rank {rank}", programs, cells)
+    stage_runs: dict[int, tuple[int, set[int]]] = {}  # stage -> (its first rank, its micro-batches)
     for rank in range(len(programs)):
         for stage in layout.stages_of_rank(rank):
-            for microbatch in range(num_microbatches):
-                for kind in (ActionKind.F, ActionKind.B):
-                    if (rank, kind, stage, microbatch) not in where:
-                        raise ScheduleError(f"missing {kind.value}: rank {rank} runs stage {stage} but has no "
-                                            f"{kind.value} for micro-batch {microbatch} (micro-batches "
-                                            f"0..{num_microbatches - 1} are scheduled elsewhere)", programs)
-    return num_microbatches
+            mine = runs.get((rank, stage), set())
+            first, theirs = stage_runs.setdefault(stage, (rank, mine))
+            if mine != theirs:
+                raise ScheduleError(f"stage {stage} runs micro-batches {sorted(mine)} on rank {rank} but "
+                                    f"{sorted(theirs)} on rank {first}; every rank of a stage runs the same",
+                                    programs)
+            for microbatch in sorted(mine):
+                _check_one_backward(programs, where, rank, stage, microbatch)
+    for part in range(layout.num_parts):
+        for microbatch in range(num_microbatches):
+            stages = [stage for stage in layout.stages_of_part(part) if microbatch in stage_runs[stage][1]]
+            if len(stages) != 1:
+                raise ScheduleError(f"micro-batch {microbatch} runs part {part} on stages {stages}; every "
+                                    f"micro-batch 0..{num_microbatches - 1} runs every part once, on one of "
+                                    f"its stages {list(layout.stages_of_part(part))}", programs)
+    return {stage: tuple(sorted(runs)) for stage, (_, runs) in stage_runs.items()}
+
+
+def _check_one_backward(programs: Programs, where: dict[tuple[int, ActionKind, int, int], list[Cell]],
+                        rank: int, stage: int, microbatch: int) -> None:
+    """One F and either a B or both I and W for the micro-batch on that rank."""
+    split = {kind for kind in (ActionKind.I, ActionKind.W) if (rank, kind, stage, microbatch) in where}
+    if split and (rank, ActionKind.B, stage, microbatch) in where:
+        raise ScheduleError(f"stage {stage} micro-batch {microbatch} has a B and its halves "
+                            f"{'/'.join(sorted(k.value for k in split))} on rank {rank}; give either B or "
+                            f"both I and W", programs, where[rank, ActionKind.B, stage, microbatch])
+    for kind in (ActionKind.F, ActionKind.I, ActionKind.W) if split else (ActionKind.F, ActionKind.B):
+        if (rank, kind, stage, microbatch) not in where:
+            raise ScheduleError(f"missing {kind.value}: rank {rank} runs stage {stage} but has no "
+                                f"{kind.value} for micro-batch {microbatch}", programs)
 
 
 def _check_once_per_stage(programs: Programs) -> None:
@@ -158,7 +188,7 @@ class _Replay:
 
     programs: Programs
     layout: Layout
-    num_microbatches: int
+    stage_microbatches: dict[int, int]  # stage -> how many micro-batches it runs
     done: set[tuple[int, ActionKind, int, int]] = field(default_factory=set)  # rank, kind, stage, micro
     backwards_done: Counter[tuple[int, int]] = field(default_factory=Counter)  # (rank, stage)
     channels: dict[tuple[int, int], deque[tuple[Action, Cell]]] = field(default_factory=dict)
@@ -181,32 +211,35 @@ class _Replay:
         kind, stage, microbatch = action.kind, action.stage, action.microbatch
         if kind.is_recv:
             return self._receive(rank, step, action)
-        if kind is ActionKind.B and (rank, ActionKind.F, stage, microbatch) not in self.done:
-            self._fail(f"B before its F: {action} runs before {stage}F{microbatch}", (rank, step))
+        before = _NEEDS.get(kind)
+        if before is not None and (rank, before, stage, microbatch) not in self.done:
+            self._fail(f"{kind.value} before its {before.value}: {action} runs before "
+                       f"{stage}{before.value}{microbatch}", (rank, step))
         if kind.is_send:
             self._send(rank, step, action)
-        if kind.is_per_stage and self.backwards_done[rank, stage] < self.num_microbatches:
-            self._fail(f"{action} runs before all {self.num_microbatches} backwards of stage {stage} "
+        if kind.is_per_stage and self.backwards_done[rank, stage] < self.stage_microbatches[stage]:
+            self._fail(f"{action} runs before all {self.stage_microbatches[stage]} backwards of stage {stage} "
                        f"(only {self.backwards_done[rank, stage]} done)", (rank, step))
-        if kind in (ActionKind.F, ActionKind.B):
+        if kind in _COMPUTE:
             assert microbatch is not None
             self.done.add((rank, kind, stage, microbatch))
-            self.backwards_done[rank, stage] += kind is ActionKind.B
+            self.backwards_done[rank, stage] += kind.ends_backward
         return True
 
     def _send(self, rank: int, step: int, send: Action) -> None:
-        produced_by = ActionKind.F if send.kind is ActionKind.SEND_F else ActionKind.B
-        if (rank, produced_by, send.stage, send.microbatch) not in self.done:
-            self._fail(f"{send} runs before the {produced_by.value} that produces it "
-                       f"({send.stage}{produced_by.value}{send.microbatch})", (rank, step))
+        producers = (ActionKind.F,) if send.kind is ActionKind.SEND_F else (ActionKind.B, ActionKind.I)
+        if not any((rank, kind, send.stage, send.microbatch) in self.done for kind in producers):
+            self._fail(f"{send} runs before the {' or '.join(k.value for k in producers)} that produces it "
+                       f"({send.stage}{producers[0].value}{send.microbatch})", (rank, step))
         assert send.peer is not None
         for dst in self.layout.ranks_of(send.peer, self.layout.place(rank).replica):
             self.channels.setdefault((rank, dst), deque()).append((send, (rank, step)))
 
     def _receive(self, rank: int, step: int, recv: Action) -> bool:
-        consumer = ActionKind.F if recv.kind is ActionKind.RECV_F else ActionKind.B
-        if (rank, consumer, recv.stage, recv.microbatch) in self.done:
-            self._fail(f"{recv} runs after the {consumer.value} that needs it", (rank, step))
+        consumers = (ActionKind.F,) if recv.kind is ActionKind.RECV_F else (ActionKind.B, ActionKind.I)
+        ran = [kind for kind in consumers if (rank, kind, recv.stage, recv.microbatch) in self.done]
+        if ran:
+            self._fail(f"{recv} runs after the {ran[0].value} that needs it", (rank, step))
         send = matching_send(recv)
         sources = self.layout.ranks_of(send.stage, self.layout.place(rank).replica)
         queues = [self.channels.get((src, rank)) for src in sources]
@@ -237,13 +270,13 @@ class _Replay:
 
 
 def _check_edges(programs: Programs, layout: Layout, edges: Iterable[tuple[int, int]],
-                 num_microbatches: int) -> None:
+                 microbatches: dict[int, tuple[int, ...]]) -> None:
     """Every rank of an edge's sender and receiver has exactly the sends and receives the edge needs."""
     expected: Counter[tuple[int, Action]] = Counter()
     for src, dst in edges:
         if layout.slot(src) == layout.slot(dst):
             continue
-        for microbatch in range(num_microbatches):
+        for microbatch in microbatches[src]:
             forward = Action(src, ActionKind.SEND_F, microbatch, peer=dst)
             backward = Action(dst, ActionKind.SEND_B, microbatch, peer=src)
             for action in (forward, matching_recv(forward), backward, matching_recv(backward)):

@@ -204,7 +204,8 @@ def reference(case: Case, prediction: Callable[[Any], torch.Tensor] = lambda out
 
 def check_outcomes(expected: Outcome, case: Case, by_rank: list[Outcome]) -> None:
     """Every rank's losses, gradients, parameters and buffers equal ``expected`` at float64 precision."""
-    replicas = Plan.from_dict(json.loads(case.plan_json)).data_parallel
+    layout = Plan.from_dict(json.loads(case.plan_json)).layout
+    replicas = layout.data_parallel * layout.num_copies  # data-parallel replicas and a GEMS mirror's copies
     seen: set[str] = set()
     buffers_seen: set[str] = set()
     for rank, outcome in enumerate(by_rank):
@@ -216,7 +217,7 @@ def check_outcomes(expected: Outcome, case: Case, by_rank: list[Outcome]) -> Non
             np.testing.assert_allclose(outcome.params[name], expected.params[name], rtol=RTOL,
                                        atol=ATOL, err_msg=f"rank {rank} parameter {name}")
         seen |= set(outcome.grads)
-        if replicas == 1:  # replicas see different samples: their running statistics differ
+        if replicas == 1:  # replicas and copies see different samples: their running statistics differ
             for name, buffer in outcome.buffers.items():
                 np.testing.assert_allclose(buffer, expected.buffers[name], rtol=RTOL, atol=ATOL,
                                            err_msg=f"rank {rank} buffer {name}")

@@ -60,8 +60,8 @@ def test_the_loss_scale_moves_as_grad_scalers_does() -> None:
 
 
 def _stage(*params: nn.Parameter) -> LocalStage:
-    return LocalStage(0, torch.fx.symbolic_trace(nn.Identity()), None, {f"p{i}": p for i, p in enumerate(params)},  # type: ignore[arg-type]
-                      {}, None)
+    return LocalStage(0, 0, torch.fx.symbolic_trace(nn.Identity()), None,  # type: ignore[arg-type]
+                      {f"p{i}": p for i, p in enumerate(params)}, {}, None)
 
 
 def test_bf16_steps_fp32_masters_without_a_scale_and_rounds_them_into_the_weights() -> None:

@@ -21,6 +21,8 @@ K = ActionKind
 @pytest.mark.parametrize(("action", "text"), [
     (Action(2, K.F, 5), "2F5"),
     (Action(2, K.B, 5), "2B5"),
+    (Action(2, K.I, 5), "2I5"),
+    (Action(12, K.W, 0), "12W0"),
     (Action(2, K.SEND_F, 5, peer=3), "2SEND_F5>3"),
     (Action(3, K.RECV_F, 5, peer=2), "3RECV_F5<2"),
     (Action(3, K.SEND_B, 5, peer=2), "3SEND_B5>2"),
@@ -38,7 +40,7 @@ def test_every_kind_prints_and_parses(action: Action, text: str) -> None:
 
 def test_every_kind_has_a_case_above() -> None:
     assert {kind.value for kind in ActionKind} == {
-        "F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "ALLREDUCE", "OPTIMIZER_STEP",
+        "F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "ALLREDUCE", "OPTIMIZER_STEP",
         "SWAP_OUT", "SWAP_IN", "RECOMPUTE"}
 
 

@@ -96,7 +96,7 @@ def test_stages_on_one_slot_exchange_nothing() -> None:
                      if action.kind.is_communication]
     assert communication and all(layout.slot(action.peer or 0) != slot for slot, action in communication)
     texts = [str(action) for action in programs[0]]
-    assert texts.index("3OPTIMIZER_STEP") < texts.index("0OPTIMIZER_STEP")  # stage 3 finishes first
+    assert texts.index("0OPTIMIZER_STEP") < texts.index("3OPTIMIZER_STEP")  # part order, though 3 finishes first
     validate(programs, layout, edges=_skips(4) | {(0, 3)})
 
 

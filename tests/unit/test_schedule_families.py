@@ -1,0 +1,222 @@
+"""The schedule families beyond GPipe and 1F1B: literal programs, lowering and validation with skip
+connections, step time against the textbook formula, and the in-flight profiles against the simulator."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from planner.plan import Layout
+from planner.schedules import (
+    Action,
+    ActionKind,
+    ScheduleError,
+    SimCosts,
+    SimResult,
+    StageCosts,
+    format_programs,
+    generate,
+    in_flight_profiles,
+    lower,
+    max_in_flight,
+    simulate,
+    validate,
+)
+from planner.schedules.generate import Schedule, gems_master, interleaved_one_f_one_b, zb_h1
+
+STATIC = 50_000
+
+# Megatron's order for 2 ranks x 2 virtual stages, M=4, worked by hand: rank 0 warms up with
+# 2 (p - 1) + (v - 1) p = 4 forwards (stage 0, then stage 2, two micro-batches each), then F/B pairs.
+INTERLEAVED_4x4 = (
+    "0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3",
+    "1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3",
+)
+
+# ZB-H1, 3 stages, M=4, by hand: stage s warms up with 3 - s forwards, then I of the oldest
+# micro-batch, the W that leaves s pending, the next F; the last s Ws come at the end.
+ZB_H1_3x4 = (
+    "0F0 0F1 0F2 0I0 0W0 0F3 0I1 0W1 0I2 0W2 0I3 0W3",
+    "1F0 1F1 1I0 1F2 1I1 1W0 1F3 1I2 1W1 1I3 1W2 1W3",
+    "2F0 2I0 2F1 2I1 2F2 2I2 2W0 2F3 2I3 2W1 2W2 2W3",
+)
+
+# GEMS-MASTER, 2 parts, M=4, by hand: slot 0 runs part 0 of copy A (stage 0, micro-batches 0, 1) and
+# part 1 of copy B (stage 3, micro-batches 2, 3); replayed with F = 1, B = 2, each slot starts
+# whichever of its two stages' next actions can start first (ties: a B first, then the lower stage).
+GEMS_2x4 = (
+    "0F0 0F1 3F2 3B2 0B0 0B1 3F3 3B3",
+    "2F2 1F0 1B0 1F1 1B1 2F3 2B2 2B3",
+)
+
+
+def _rows(table: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
+    return tuple(tuple(row.split()) for row in table)
+
+
+def _edges(layout: Layout) -> frozenset[tuple[int, int]]:
+    """Per model copy, a chain of parts with a skip connection from part 0 over two parts (where there
+    are enough)."""
+    parts = layout.num_parts
+    return layout.copy_edges({(p, p + 1) for p in range(parts - 1)} | ({(0, 3)} if parts > 3 else set()))
+
+
+def _simulate(schedule: Schedule, stages: tuple[StageCosts, ...]) -> SimResult:
+    edges = _edges(schedule.layout)
+    programs = schedule.layout.rank_programs(lower(schedule.programs, schedule.layout, edges))
+    validate(programs, schedule.layout, edges=edges)
+    return simulate(programs, schedule.layout, SimCosts(stages, dict.fromkeys(edges, 0.0)))
+
+
+def test_interleaved_programs_equal_a_literal_table() -> None:
+    schedule = interleaved_one_f_one_b(4, 4)
+    assert format_programs(schedule.programs) == _rows(INTERLEAVED_4x4)
+    assert schedule.layout.stage_slot == (0, 1, 0, 1) and schedule.layout.world_size == 2
+    assert generate("interleaved-1f1b", 4, 4, virtual_stages=2) == schedule
+
+
+@pytest.mark.parametrize(("ranks", "virtual_stages", "num_microbatches"),
+                         [(2, 2, 2), (2, 2, 6), (2, 3, 4), (4, 2, 8), (4, 3, 4), (3, 2, 9), (1, 3, 2)])
+def test_interleaved_validates_and_takes_the_textbook_step(ranks: int, virtual_stages: int,
+                                                           num_microbatches: int) -> None:
+    # Equal stages, free transfers: each rank works M v (F + B) and waits (p - 1)(F + B) in all,
+    # the 1F1B bubble divided by v (Narayanan et al. 2021, section 2.2).
+    fwd_ms, bwd_ms = 1.0, 2.0
+    schedule = interleaved_one_f_one_b(ranks * virtual_stages, num_microbatches, virtual_stages=virtual_stages)
+    result = _simulate(schedule, (StageCosts(fwd_ms, bwd_ms, 1, STATIC),) * schedule.num_stages)
+    per_rank = virtual_stages * (fwd_ms + bwd_ms)
+    assert result.step_ms == pytest.approx(num_microbatches * per_rank + (ranks - 1) * per_rank / virtual_stages)
+    assert result.busy_ms == pytest.approx([num_microbatches * per_rank] * ranks)
+
+
+@pytest.mark.parametrize(("num_stages", "num_microbatches", "virtual_stages", "message"), [
+    (4, 3, 2, ("interleaved-1f1b on 2 ranks needs a micro-batch count that is a multiple of 2, got 3; "
+               "valid: 2, 4, 6, ...")),
+    (6, 4, 4, ("interleaved-1f1b with 4 virtual stages per rank needs a stage count that is a multiple of 4, "
+               "got 6; valid: 4, 8, 12, ...")),
+])
+def test_interleaved_counts_that_do_not_fit_are_one_line_errors(num_stages: int, num_microbatches: int,
+                                                               virtual_stages: int, message: str) -> None:
+    with pytest.raises(ValueError) as error:
+        generate("interleaved-1f1b", num_stages, num_microbatches, virtual_stages=virtual_stages)
+    assert str(error.value) == message
+
+
+def test_zb_h1_programs_equal_a_literal_table() -> None:
+    assert format_programs(zb_h1(3, 4).programs) == _rows(ZB_H1_3x4)
+    assert generate("zb-h1", 3, 4) == zb_h1(3, 4)
+
+
+@pytest.mark.parametrize(("num_stages", "num_microbatches"), [(2, 2), (2, 5), (3, 3), (4, 8), (5, 12)])
+def test_zb_h1_validates_and_takes_the_zero_bubble_step(num_stages: int, num_microbatches: int) -> None:
+    # F = I = W: each stage works M (F + I + W) and waits (S - 1)(F + I - W) (Qi et al. 2023, ZB-H1),
+    # a third of 1F1B's (S - 1)(F + B); each stage holds up to S micro-batches (1F1B's peak).
+    unit_ms = 1.0
+    stages = (StageCosts(unit_ms, 2 * unit_ms, 1, STATIC, weight_grad_ms=unit_ms),) * num_stages
+    result = _simulate(zb_h1(num_stages, num_microbatches), stages)
+    assert result.step_ms == pytest.approx(3 * unit_ms * num_microbatches + (num_stages - 1) * unit_ms)
+    one_f_one_b = _simulate(generate("1f1b", num_stages, num_microbatches), stages)
+    assert one_f_one_b.step_ms - 3 * unit_ms * num_microbatches == pytest.approx(
+        3 * (result.step_ms - 3 * unit_ms * num_microbatches))
+    assert max_in_flight(zb_h1(num_stages, num_microbatches)) == (num_stages,) * num_stages
+
+
+def test_zb_h1_lowering_sends_after_i_and_reduces_after_the_last_w() -> None:
+    schedule = zb_h1(2, 2, data_parallel=2)
+    lowered = format_programs(lower(schedule.programs, schedule.layout, {(0, 1)}))
+    assert lowered == (("0F0", "0SEND_F0>1", "0F1", "0SEND_F1>1", "0RECV_B0<1", "0I0", "0W0", "0RECV_B1<1",
+                        "0I1", "0W1", "0ALLREDUCE", "0OPTIMIZER_STEP"),
+                       ("1RECV_F0<0", "1F0", "1I0", "1SEND_B0>0", "1RECV_F1<0", "1F1", "1I1", "1SEND_B1>0",
+                        "1W0", "1W1", "1ALLREDUCE", "1OPTIMIZER_STEP"))
+
+
+@pytest.mark.parametrize(("swap", "message"), [
+    ((2, 8), "W before its I: 1W0 runs before 1I0"),
+    ((1, 2), "I before its F: 1I0 runs before 1F0"),
+])
+def test_a_split_backward_out_of_order_is_refused(swap: tuple[int, int], message: str) -> None:
+    schedule = zb_h1(2, 2)
+    lowered = list(lower(schedule.programs, schedule.layout, {(0, 1)}))
+    program = list(lowered[1])
+    program[swap[0]], program[swap[1]] = program[swap[1]], program[swap[0]]
+    lowered[1] = tuple(program)
+    with pytest.raises(ScheduleError, match=message):
+        validate(tuple(lowered), schedule.layout)
+
+
+def test_a_backward_given_both_whole_and_split_is_refused() -> None:
+    schedule = zb_h1(1, 1)
+    program = (*schedule.programs[0], Action(0, ActionKind.B, 0))
+    with pytest.raises(ScheduleError, match="has a B and its halves I/W on rank 0"):
+        validate((program,), schedule.layout)
+
+
+def test_gems_master_programs_equal_a_literal_table() -> None:
+    schedule = gems_master(2, 4)
+    assert format_programs(schedule.programs) == _rows(GEMS_2x4)
+    assert schedule.layout == Layout.mirrored(2) and generate("gems-master", 2, 4) == schedule
+
+
+@pytest.mark.parametrize(("num_parts", "num_microbatches"), [(2, 2), (2, 6), (4, 2), (4, 8), (6, 6)])
+def test_gems_master_validates_and_reduces_each_part_over_its_mirror(num_parts: int, num_microbatches: int) -> None:
+    schedule = gems_master(num_parts, num_microbatches, data_parallel=2)
+    layout = schedule.layout
+    programs = layout.rank_programs(lower(schedule.programs, layout, _edges(layout)))
+    validate(programs, layout, edges=_edges(layout))
+    for rank, program in enumerate(programs):
+        reduced = [action.stage for action in program if action.kind is ActionKind.ALLREDUCE]
+        assert reduced == sorted(layout.stages_of_rank(rank), key=layout.part)  # one order of parts everywhere
+    assert all(len(layout.part_ranks(part)) == 4 for part in range(num_parts))  # 2 copies x 2 replicas
+
+
+def test_gems_master_fills_one_copys_bubble_with_the_other() -> None:
+    # One micro-batch per copy on 4 equal parts: 1F1B over 2 micro-batches leaves 60 % of the ranks' time
+    # idle; the mirror copy runs its forwards while the other's drain, and leaves 50 %.
+    stage = StageCosts(1.0, 2.0, 1, STATIC)
+    mirrored = _simulate(gems_master(4, 2), (stage,) * 8)
+    pipeline = _simulate(generate("1f1b", 4, 2), (stage,) * 4)
+    assert pipeline.bubble_fraction == pytest.approx(0.6) and mirrored.bubble_fraction == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize(("num_parts", "num_microbatches", "message"), [
+    (4, 3, ("gems-master splits the micro-batches between its 2 model copies and needs an even count, got 3; "
+            "valid: 2, 4, 6, ...")),
+    (3, 4, "gems-master pairs slot k with slot S-1-k and needs an even number of parts, got 3; valid: 2, 4, 6, ..."),
+])
+def test_gems_master_counts_that_do_not_fit_are_one_line_errors(num_parts: int, num_microbatches: int,
+                                                                message: str) -> None:
+    with pytest.raises(ValueError) as error:
+        generate("gems-master", num_parts, num_microbatches)
+    assert str(error.value) == message
+
+
+def test_a_microbatch_through_a_part_twice_is_refused() -> None:
+    layout = Layout.mirrored(2)  # both copies run every micro-batch: micro-batch 0 would count twice
+    compute = tuple(tuple(Action(stage, kind, 0) for kind in (ActionKind.F, ActionKind.B)
+                          for stage in layout.stages_on_slot(slot)) for slot in range(2))
+    with pytest.raises(ScheduleError, match=r"micro-batch 0 runs part 0 on stages \[0, 2\]"):
+        validate(lower(compute, layout, _edges(layout)), layout)
+
+
+@pytest.mark.parametrize("schedule", [
+    generate("gpipe", 3, 4), generate("1f1b", 4, 6), interleaved_one_f_one_b(4, 4), zb_h1(4, 6),
+    gems_master(2, 4), gems_master(4, 8),
+    interleaved_one_f_one_b(8, 8), interleaved_one_f_one_b(9, 6, virtual_stages=3)])
+def test_in_flight_profiles_give_every_ranks_simulated_peak(schedule: Schedule) -> None:
+    rng = random.Random(schedule.num_stages * 100 + schedule.num_microbatches)
+    for _ in range(5):
+        sizes = [rng.randint(1, 1000) for _ in range(schedule.num_stages)]
+        costs = tuple(StageCosts(rng.uniform(0.5, 2), rng.uniform(1, 4), size, STATIC) for size in sizes)
+        result = _simulate(schedule, costs)
+        layout = schedule.layout
+        for rank, peak in enumerate(result.peak_mem_bytes):
+            slot = layout.place(rank).slot
+            stages = layout.stages_on_slot(slot)
+            static = STATIC * len(stages)
+            assert peak == static + max(sum(held * sizes[stage] for held, stage in zip(vector, stages))
+                                        for vector in in_flight_profiles(schedule)[slot])
+    per_stage = max_in_flight(schedule)
+    for slot, vectors in enumerate(in_flight_profiles(schedule)):
+        stages = schedule.layout.stages_on_slot(slot)
+        assert [max(vector[i] for vector in vectors) for i in range(len(stages))] == [per_stage[s] for s in stages]
