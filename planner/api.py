@@ -117,10 +117,12 @@ def validate_space(gpus: int, mem: str | int, batch_size: int, device: str | Dev
     if unknown or not schedules:
         raise InvalidArgument(f"schedules {list(unknown or schedules)} not supported; choose from "
                               f"{', '.join(sorted(known))}")
-    searched = tuple(dict.fromkeys(ScheduleKind(s) for s in schedules if ScheduleKind(s).is_searched))
-    if not searched:  # the other families are planned by hand (planner.schedules.generate), not searched yet
-        raise InvalidArgument(f"the search does not cost schedules {list(schedules)} yet; choose from "
-                              f"{', '.join(k.value for k in ScheduleKind if k.is_searched)}")
+    unsearched = [ScheduleKind(s).value for s in schedules if not ScheduleKind(s).is_searched]
+    if unsearched:  # generated, validated, simulated and run from a hand-made plan, not searched yet
+        raise InvalidArgument(f"the search does not cost schedules {unsearched} yet; choose from "
+                              f"{', '.join(k.value for k in ScheduleKind if k.is_searched)} (the others run "
+                              f"from plans made with planner.manual and planner.schedules.generate)")
+    searched = tuple(dict.fromkeys(ScheduleKind(s) for s in schedules))
     if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) or not (
             0 < time_limit_s < float("inf")):
         raise InvalidArgument(f"the time limit must be a number of seconds > 0, got {time_limit_s!r}; "

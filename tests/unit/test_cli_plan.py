@@ -209,3 +209,12 @@ def test_a_plan_names_its_model_file_so_that_it_resolves_from_anywhere(tmp_path:
         f"model file of '/gone/gpt.py:gpt_tiny' does not exist; using 'examples/models/gpt.py:gpt_tiny' "
         f"(from {ROOT})"]
     assert resolve_builder(plan.model.builder_specs, elsewhere)[1] == plan.model.builder
+
+
+@pytest.mark.parametrize(("schedule", "message"), [
+    ("zb-h1", "the search does not cost schedules ['zb-h1'] yet; choose from gpipe, 1f1b"),
+    ("pipedream", "argument --schedule: invalid choice: 'pipedream'"),
+])
+def test_a_schedule_the_search_cannot_cost_or_that_does_not_exist_is_one_line(schedule: str, message: str) -> None:
+    result = tessera(*TINY, "--mem", "16GB", "--schedule", schedule, "--schedule", "1f1b")
+    assert result.returncode == 2 and message in result.stderr.strip().splitlines()[-1], result.stderr
