@@ -1,4 +1,5 @@
-"""plan_with_split(): a Plan for a split the user chose (GEMS' --balance), costed like any other."""
+"""plan_with_split(): a Plan for a split the user chose (GEMS' --balance), costed like any other;
+reschedule(): a plan's parts under another schedule family."""
 
 from __future__ import annotations
 
@@ -17,8 +18,17 @@ from cost_models.graph.tracing import normalise_inputs, trace
 from cost_models.memory import Optimizer, Precision
 from planner.api import model_ref, validate_space
 from planner.assemble import build_plan
-from planner.plan import OffloadSpec, Plan, Prediction, ScheduleKind, SpatialSpec, check_invariants
-from planner.schedules import format_programs, generate, lower, simulate, validate
+from planner.plan import (
+    OffloadSpec,
+    Plan,
+    Prediction,
+    ScheduleKind,
+    ScheduleSpec,
+    SpatialSpec,
+    StagePlan,
+    check_invariants,
+)
+from planner.schedules import Schedule, format_programs, generate, lower, max_in_flight, simulate, validate
 from planner.schedules.swaps import insert_swaps
 from planner.search.evaluate import evaluate
 from planner.search.ilp import SolveStatus
@@ -81,6 +91,34 @@ def plan_with_split(model: nn.Module, *, example_inputs: torch.Tensor | Sequence
     return _tiled(made, spatial) if spatial else made
 
 
+def reschedule(plan: Plan, kind: str | ScheduleKind | Schedule, **options: Any) -> Plan:
+    """``plan``'s parts under another schedule family, from its generator (planner/schedules/generate.py:
+    e.g. ``virtual_stages=2`` for ``interleaved-1f1b``) or as a given Schedule (compute programs as
+    data and their layout), lowered, validated and re-simulated on the plan's own stage costs; the
+    runtime executes it like any plan.
+
+    For the families the search does not cost yet (interleaved-1f1b, zb-h1, gems-master): take a
+    plan of one stage per part, without spatial tiles, and re-schedule it. Example::
+
+        p = reschedule(plan_with_split(model, example_inputs=x, stage_starts=starts, batch_size=8,
+                                       micro_batch_size=2, schedule="gpipe"), "interleaved-1f1b",
+                       virtual_stages=2)
+    """
+    tiled = [stage.index for stage in plan.stages if stage.spatial]
+    if plan.layout.num_stages != plan.num_parts or tiled:
+        raise InvalidArgument(f"reschedule takes a plan of one stage per part without spatial tiles; this one "
+                              f"has {plan.layout.num_stages} stages for {plan.num_parts} parts and spatial "
+                              f"stages {tiled}")
+    if isinstance(kind, Schedule):
+        return _relaid(plan, kind, plan.stages, f"the {kind.kind.value} programs given")
+    try:
+        schedule = generate(kind, plan.num_parts, plan.training.num_microbatches,
+                            data_parallel=plan.data_parallel, **options)
+    except (ValueError, TypeError) as error:
+        raise InvalidArgument(f"{ScheduleKind.parse(kind).value}: {error}") from None
+    return _relaid(plan, schedule, plan.stages, f"schedule {schedule.kind.value}")
+
+
 def _tiled(plan: Plan, spatial: Mapping[int, SpatialSpec]) -> Plan:
     """The plan with ``spatial``'s stages on tiles: its layout and programs made again, re-simulated
     on the same (non-spatial) stage costs, and checked like a plan file."""
@@ -90,24 +128,35 @@ def _tiled(plan: Plan, spatial: Mapping[int, SpatialSpec]) -> Plan:
     tiles = tuple(spatial[stage].parts if stage in spatial else 1 for stage in range(plan.num_stages))
     schedule = generate(plan.schedule.kind, plan.num_stages, plan.training.num_microbatches,
                         data_parallel=plan.data_parallel, tiles=tiles)
-    layout = schedule.layout
     stages = tuple(dataclasses.replace(stage, spatial=spatial.get(stage.index)) for stage in plan.stages)
-    edges = {(t.src_stage, t.dst_stage) for t in plan.transfers}
-    swapping = {stage.index for stage in stages if stage.offload.swap}
+    return _relaid(plan, schedule, stages, f"spatial {dict(spatial)}")
+
+
+def _relaid(plan: Plan, schedule: Schedule, stages: tuple[StagePlan, ...], what: str) -> Plan:
+    """``plan`` (one stage per part) with ``stages`` on ``schedule``'s layout: its transfers within each
+    model copy, its programs lowered (swaps included) and validated, its predictions re-simulated on the
+    same stage costs, checked like a plan file (InvalidArgument naming ``what`` when it does not fit)."""
+    layout = schedule.layout
+    transfers = tuple(dataclasses.replace(t, src_stage=layout.stage_of_copy(t.src_stage, copy),
+                                          dst_stage=layout.stage_of_copy(t.dst_stage, copy))
+                      for t in plan.transfers for copy in range(layout.num_copies))
+    edges = {(t.src_stage, t.dst_stage) for t in transfers}
+    swapping = {stage for stage in range(layout.num_stages) if stages[layout.part(stage)].offload.swap}
     programs = layout.rank_programs(lower(insert_swaps(schedule.programs, swapping), layout, edges))
     validate(programs, layout, edges=edges)
-    simulated = simulate(programs, layout, sim_costs(layout, stages, plan.transfers))
+    simulated = simulate(programs, layout, sim_costs(layout, stages, transfers))
     batch = plan.training.global_batch_size
-    tiled = dataclasses.replace(
-        plan, layout=layout, stages=stages, programs=format_programs(programs),
+    relaid = dataclasses.replace(
+        plan, layout=layout, stages=stages, transfers=transfers, programs=format_programs(programs),
+        schedule=ScheduleSpec(schedule.kind, max_in_flight(schedule)),
         cluster=dataclasses.replace(plan.cluster, gpus=layout.world_size, gpus_available=layout.world_size),
         predicted=Prediction(simulated.step_ms, batch / simulated.step_ms * 1e3, simulated.bubble_fraction,
                              simulated.peak_mem_bytes))
     try:
-        check_invariants(tiled)
+        check_invariants(relaid)
     except PlanFileError as error:
-        raise InvalidArgument(f"spatial {dict(spatial)} does not fit the split: {error}") from None
-    return tiled
+        raise InvalidArgument(f"{what} does not fit the split: {error}") from None
+    return relaid
 
 
 def _starts(graph: LayerGraph, stage_starts: Sequence[str]) -> list[int]:

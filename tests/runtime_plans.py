@@ -50,11 +50,12 @@ def _model_args(builder: str) -> tuple[dict[str, Any], torch.Tensor]:
 def looped(plan_json: str, ranks: int) -> str:
     """The plan's stages looped over fewer ranks (stage s on slot s % ranks), as interleaved
     schedules place them: each rank runs all forwards of its stages, stage by stage, then all
-    backwards in reverse. Lowered and validated by the planner's own passes."""
+    backwards in reverse (programs as data, through planner.manual.reschedule)."""
     import json
 
+    from planner.manual import reschedule
     from planner.plan import Layout, Plan
-    from planner.schedules import Action, ActionKind
+    from planner.schedules import Action, ActionKind, Schedule
 
     plan = Plan.from_dict(json.loads(plan_json))
     layout = Layout.replicated(tuple(stage % ranks for stage in range(plan.num_stages)))
@@ -63,43 +64,18 @@ def looped(plan_json: str, ranks: int) -> str:
         tuple(Action(s, ActionKind.F, m) for s in layout.stages_on_slot(slot) for m in microbatches)
         + tuple(Action(s, ActionKind.B, m) for s in reversed(layout.stages_on_slot(slot)) for m in microbatches)
         for slot in range(ranks))
-    return _replanned(plan, layout, compute, plan.schedule.kind)
+    schedule = Schedule(plan.schedule.kind, plan.training.num_microbatches, layout, compute)
+    return reschedule(plan, schedule).to_json()
 
 
 def scheduled(plan_json: str, kind: str, **options: Any) -> str:
-    """The plan's parts under another schedule family, from its generator (``generate(kind, parts, M,
-    **options)``), lowered and validated by the planner's own passes."""
+    """The plan's parts under another schedule family, from its generator (planner.manual.reschedule)."""
     import json
 
+    from planner.manual import reschedule
     from planner.plan import Plan
-    from planner.schedules import generate
 
-    plan = Plan.from_dict(json.loads(plan_json))
-    schedule = generate(kind, plan.num_parts, plan.training.num_microbatches, **options)
-    return _replanned(plan, schedule.layout, schedule.programs, schedule.kind)
-
-
-def _replanned(plan: Any, layout: Any, compute: Any, kind: Any) -> str:
-    """``plan`` (one stage per part) with ``layout`` and the compute programs lowered over its transfers,
-    within each model copy (JSON)."""
-    import dataclasses
-
-    from planner.schedules import Schedule, format_programs, lower, max_in_flight, validate
-
-    transfers = tuple(dataclasses.replace(t, src_stage=layout.stage_of_copy(t.src_stage, copy),
-                                          dst_stage=layout.stage_of_copy(t.dst_stage, copy))
-                      for t in plan.transfers for copy in range(layout.num_copies))  # plan's are per part
-    edges = {(t.src_stage, t.dst_stage) for t in transfers}
-    programs = layout.rank_programs(lower(compute, layout, edges))
-    validate(programs, layout, edges=edges)
-    in_flight = max_in_flight(Schedule(kind, plan.training.num_microbatches, layout, compute))
-    replanned = dataclasses.replace(
-        plan, cluster=dataclasses.replace(plan.cluster, gpus=layout.world_size), layout=layout,
-        transfers=transfers, programs=format_programs(programs), schedule=dataclasses.replace(plan.schedule, kind=kind,
-                                                                         in_flight=in_flight),
-        predicted=dataclasses.replace(plan.predicted,
-                                      peak_mem_bytes=plan.predicted.peak_mem_bytes[:layout.world_size]))
-    return replanned.to_json()
+    return reschedule(Plan.from_dict(json.loads(plan_json)), kind, **options).to_json()
 
 
 def searched_plan(builder: str, *, gpus: int, budget_share: float, offload: tuple[str, ...],

@@ -220,3 +220,41 @@ def test_in_flight_profiles_give_every_ranks_simulated_peak(schedule: Schedule) 
     for slot, vectors in enumerate(in_flight_profiles(schedule)):
         stages = schedule.layout.stages_on_slot(slot)
         assert [max(vector[i] for vector in vectors) for i in range(len(stages))] == [per_stage[s] for s in stages]
+
+
+def _tiny_plan(schedule: str, stages: int):  # noqa: ANN202 - a Plan
+    import json
+
+    from planner.plan import Plan
+    from tests.runtime_plans import GPT, make_plan
+
+    starts = ["blocks_0_attn_qkv", "blocks_1_ln_1", "blocks_1_attn_qkv"][:stages - 1]
+    return Plan.from_dict(json.loads(make_plan(GPT, starts, schedule=schedule, microbatches=4)))
+
+
+@pytest.mark.parametrize(("kind", "options", "world"), [
+    ("interleaved-1f1b", {"virtual_stages": 2}, 2), ("zb-h1", {}, 4), ("gems-master", {}, 4)])
+def test_reschedule_makes_a_checked_plan_of_every_family(kind: str, options: dict, world: int) -> None:
+    """Through planner.manual.reschedule: the layout, programs and predictions of the family, and a
+    plan file that round-trips and passes its invariants."""
+    from planner.manual import reschedule
+    from planner.plan import Plan
+    from planner.simulation import simulate_plan
+
+    plan = reschedule(_tiny_plan("gpipe", 4), kind, **options)
+    assert plan.schedule.kind.value == kind and plan.layout.world_size == world == plan.cluster.gpus
+    assert Plan.from_dict(plan.to_dict()) == plan
+    assert plan.predicted.step_ms == pytest.approx(simulate_plan(plan).step_ms)
+
+
+@pytest.mark.parametrize(("kind", "options", "message"), [
+    ("interleaved-1f1b", {"virtual_stages": 2}, "interleaved-1f1b:"),
+    ("gems-master", {}, "gems-master:"),
+])
+def test_reschedule_refuses_what_the_family_cannot_use_in_one_line(kind: str, options: dict, message: str) -> None:
+    from cost_models.errors import InvalidArgument
+    from planner.manual import reschedule
+
+    with pytest.raises(InvalidArgument, match=message) as caught:
+        reschedule(_tiny_plan("gpipe", 3), kind, **options)  # 3 parts: neither 3 x ranks nor even
+    assert "\n" not in str(caught.value)
