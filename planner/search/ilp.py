@@ -15,7 +15,7 @@ import contextlib
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -195,29 +195,49 @@ class _Variables:
         self.lp, self.costs, self.integral, self.done = lp, costs, integral, done
         units, parts = range(costs.num_units), range(costs.num_parts)
         self.x = {(i, s): done[i, s] - done[i, s - 1] for i in units for s in parts}
-        self.end = {(p, s): done[p, s] - done[p + 1, s] for p in range(costs.num_units - 1)
-                    for s in range(costs.num_parts - 1)}
+        self._held = tuple(_held_units(self.x, costs.num_units, part) for part in parts)
+        self._cut_units = {s: tuple(p for p in range(costs.num_units - 1) if _variable(done[p, s])
+                                    or _variable(done[p + 1, s]) or done[p, s] != done[p + 1, s])
+                           for s in range(-1, costs.num_parts)}
         self._shared: dict | None = None
         self._maxima: dict[tuple[int, int, float], Any] = {}
         self._decided: dict[str, dict[tuple[int, int], Any]] | None = None
 
     def expression(self, term: Term, part: int, scale: float = 1.0) -> Any:
-        """``scale x term`` on ``part`` as a pulp expression, its coefficients gathered in one dict
-        (pulp's operators would build an expression object per product)."""
-        linear = _Linear(scale * term.constant)
+        """``scale x term`` on ``part`` as a pulp expression."""
+        return self.total(((term, part, scale),))
+
+    def total(self, members: Iterable[tuple[Term, int, float]]) -> pulp.LpAffineExpression:
+        """The sum of ``weight x term`` on its part over ``members`` (term, part, weight), its
+        coefficients gathered in one dict (pulp's operators would build an expression object per
+        product and per sum)."""
+        linear = _Linear()
+        for term, part, weight in members:
+            self._gather(linear, term, part, weight)
+        return linear.expression()
+
+    def _gather(self, linear: _Linear, term: Term, part: int, scale: float) -> None:
+        """``linear += scale x term`` on ``part``, visiting only the units and cuts the model has
+        variables for (the units a window fixes on the part count as one range sum)."""
+        linear.constant += scale * term.constant
         done = self.done
-        for i, c in enumerate(term.per_unit):
-            if c:  # x[i, part] = done[i, part] - done[i, part - 1]
-                linear.add(done[i, part], scale * c)
-                linear.add(done[i, part - 1], -scale * c)
-        for p, c in enumerate(term.ends_after):
-            if c:  # end[p, part] = done[p, part] - done[p + 1, part]
-                linear.add(done[p, part], scale * c)
-                linear.add(done[p + 1, part], -scale * c)
-        for p, c in enumerate(term.starts_after):
-            if c:
-                linear.add(done[p, part - 1], scale * c)
-                linear.add(done[p + 1, part - 1], -scale * c)
+        free, fixed, possible = self._held[part]
+        if term.per_unit:
+            prefix = term.unit_prefix
+            for first, stop, value in fixed:
+                linear.constant += scale * value * (prefix[stop] - prefix[first])
+            for i in free:
+                c = term.per_unit[i]
+                if c:  # x[i, part] = done[i, part] - done[i, part - 1]
+                    linear.add(done[i, part], scale * c)
+                    linear.add(done[i, part - 1], -scale * c)
+        for cut, coefficients in ((part, term.ends_after), (part - 1, term.starts_after)):
+            if coefficients:  # end[p, cut] = done[p, cut] - done[p + 1, cut]
+                for p in self._cut_units[cut]:
+                    c = coefficients[p]
+                    if c:
+                        linear.add(done[p, cut], scale * c)
+                        linear.add(done[p + 1, cut], -scale * c)
         if any(term.per_shared):
             shared = self.shared()
             for q, c in enumerate(term.per_shared):
@@ -229,10 +249,11 @@ class _Variables:
             decided = self.decided()
             for kind, coefficients in (("recompute", term.per_recompute), ("swap", term.per_swap),
                                        ("start", term.per_start)):
-                for i, c in enumerate(coefficients):
-                    if c and (i, part) in decided[kind]:
-                        linear.add(decided[kind][i, part], scale * c)
-        return linear.expression()
+                if coefficients:
+                    for i in possible:
+                        c = coefficients[i]
+                        if c:
+                            linear.add(decided[kind][i, part], scale * c)
 
     def decided(self) -> dict[str, dict[tuple[int, int], Any]]:
         """recompute[i, s] and swap[i, s] (created on first use), each pair at most x[i, s]."""
@@ -284,11 +305,30 @@ class _Variables:
             if name in {existing.name for existing in self._maxima.values()}:
                 name += f"_{len(self._maxima)}"
             top = self.lp.add_variable(name, lowBound=0)
-            for i, value in enumerate(term.unit_max):
-                if value and _variable(self.x[i, part]) or (value and self.x[i, part]):
+            for i in self._held[part][2]:
+                value = term.unit_max[i]
+                if value:
                     self.lp += top >= scale * value * self.x[i, part], f"{name}_unit_{i}"
             self._maxima[key] = top
         return self._maxima[key]
+
+
+def _held_units(x: dict, num_units: int, part: int) -> tuple[tuple[int, ...], tuple[tuple[int, int, int], ...],
+                                                             tuple[int, ...]]:
+    """Which units ``part`` may hold: those whose x[i, part] is a variable, the runs (first, stop,
+    value) of units where it is a non-zero constant, and all of them in order."""
+    free = tuple(i for i in range(num_units) if _variable(x[i, part]))
+    fixed: list[tuple[int, int, int]] = []
+    for i in range(num_units):
+        value = x[i, part]
+        if _variable(value) or not value:
+            continue
+        if fixed and fixed[-1][1] == i and fixed[-1][2] == value:
+            fixed[-1] = (fixed[-1][0], i + 1, value)
+        else:
+            fixed.append((i, i + 1, value))
+    possible = tuple(sorted(free + tuple(i for first, stop, _ in fixed for i in range(first, stop))))
+    return free, tuple(fixed), possible
 
 
 def _prefix_variables(lp: pulp.LpProblem, num_units: int, num_parts: int, window: Window | None) -> dict:
@@ -349,8 +389,7 @@ def _aggregate(lp: pulp.LpProblem, variables: _Variables, aggregate: Aggregate) 
     if fixed is not None:
         return aggregate.weight * fixed
     if aggregate.reduce is Reduce.SUM:
-        return aggregate.weight * pulp.lpSum(variables.expression(term, part)
-                                             for part, term in aggregate.members)
+        return aggregate.weight * variables.total((term, part, 1.0) for part, term in aggregate.members)
     expressions = [variables.expression(term, part) for part, term in aggregate.members]
     top = lp.add_variable(f"{aggregate.name}_ms", lowBound=0)
     for index, ((part, _), expression) in enumerate(zip(aggregate.members, expressions)):
@@ -370,13 +409,13 @@ def _drain(lp: pulp.LpProblem, variables: _Variables, drain: Drain) -> Any:
                            for members in (drain.flow, drain.pace, drain.tail))
     setters = [part for part in parts if part == 0 or any(not _is_zero(t) for t in tails[part])]
     if setters == [0]:  # only the whole pipeline's drain counts: a sum and a maximum over every part
-        return drain.weight * (_flow_sum(lp, variables, drain) + pulp.lpSum(
-            variables.expression(t, 0) for t in tails[0]) + _aggregate(
+        return drain.weight * (_flow_sum(lp, variables, drain) + variables.total(
+            (t, 0, 1.0) for t in tails[0]) + _aggregate(
             lp, variables, Aggregate(name, Reduce.MAX, drain.pace_weight, drain.pace)))
     flow: dict[int, Any] = {}
     for part in reversed(parts):
         flow[part] = lp.add_variable(f"{name}_flow_{part}", lowBound=0)
-        own = pulp.lpSum(variables.expression(t, part) for t in flows[part])
+        own = variables.total((t, part, 1.0) for t in flows[part])
         lp += flow[part] >= own + flow.get(part + 1, 0), f"{name}_flow_{part}"
     pace: dict[int, Any] = {}
     if drain.pace_weight:
@@ -389,7 +428,7 @@ def _drain(lp: pulp.LpProblem, variables: _Variables, drain: Drain) -> Any:
     top = lp.add_variable(f"{name}_ms", lowBound=0)
     for part in setters:
         rate = drain.pace_weight * pace[part] if pace else 0
-        tail = pulp.lpSum(variables.expression(t, part) for t in tails[part])
+        tail = variables.total((t, part, 1.0) for t in tails[part])
         lp += top >= flow[part] + rate + tail, f"{name}_from_part_{part}"
     return drain.weight * top
 
@@ -418,7 +457,7 @@ def _memory(lp: pulp.LpProblem, variables: _Variables, costs: CostModel) -> dict
     constraints = {}
     for row in costs.memory:
         name = f"memory_slot_{row.slot}"
-        lp += pulp.lpSum(variables.expression(term, part, scale) for part, term in row.members) <= 1.0, name
+        lp += variables.total((term, part, scale) for part, term in row.members) <= 1.0, name
         constraints[row.slot] = lp.get_constraint_by_name(name)
     return constraints
 
@@ -429,7 +468,7 @@ def _capacity(lp: pulp.LpProblem, variables: _Variables, costs: CostModel) -> No
         if all(_is_zero(member) for _, _, member in row.members):
             continue
         scale = 1.0 / row.capacity_bytes if row.capacity_bytes else 1.0
-        used = pulp.lpSum(weight * variables.expression(member, part, scale) for part, weight, member in row.members)
+        used = variables.total((member, part, weight * scale) for part, weight, member in row.members)
         lp += used <= (1.0 if row.capacity_bytes else 0.0), row.name
 
 

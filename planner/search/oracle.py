@@ -5,11 +5,13 @@ stage (GPipe, 1F1B); :func:`check_exact` says so otherwise. ``optimal_partition`
 (part, first unit) state, the Pareto set of label vectors: per piece of the objective the partition
 changes, its running sum or maximum, and for a drain its suffix flow, suffix pace and best value so
 far. The step is increasing in each, so the optimum is kept exactly. ``min_peak_partition``
-minimises the largest memory row.
+minimises the largest memory row; ``decided_step_floor`` bounds the step with memory decisions from
+below (the time a part must pay to free what it holds beyond the budget).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -146,19 +148,11 @@ def min_peak_partition(costs: CostModel) -> OracleResult:
     """
     check_exact(costs, decisions_allowed=True)
     rows = costs.frugal_memory
-    num_units, num_parts = costs.num_units, costs.num_parts
-    units = np.arange(num_units)
+    num_units = costs.num_units
     matrices: dict[int, np.ndarray] = {}  # per term (parts share terms)
-    best = np.where(units <= num_units - num_parts, _peak_matrix(costs, rows, 0, matrices)[0], np.inf)
-    choices: list[np.ndarray] = []
-    for part in range(1, num_parts):
-        remaining = num_parts - part - 1
-        before = np.concatenate(([np.inf], best[:-1]))  # before[first]: the best up to unit first - 1
-        value = np.maximum(before[:, None], _peak_matrix(costs, rows, part, matrices))
-        value[(units[:, None] > units[None, :]) | (units[:, None] < part)] = np.inf  # first <= last, first >= part
-        choice = np.argmin(value, axis=0)  # the lowest first among equals
-        best = np.where((units >= part) & (units < num_units - remaining), value[choice, units], np.inf)
-        choices.append(choice)
+    bests, choices = _chain(lambda part: _peak_matrix(costs, rows, part, matrices), np.maximum, num_units,
+                            costs.num_parts)
+    best = bests[-1]
     cuts: list[int] = []
     last = num_units - 1
     for choice in reversed(choices):
@@ -169,17 +163,181 @@ def min_peak_partition(costs: CostModel) -> OracleResult:
     return OracleResult(tuple(cuts), evaluate(costs, tuple(cuts)), round(float(best[num_units - 1])))
 
 
+def _chain(part_matrix: Callable[[int], np.ndarray], combine: Callable[[np.ndarray, np.ndarray], np.ndarray],
+           num_units: int, num_parts: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The least ``combine`` over parts 0..s of ``part_matrix(part)[first, last]``, over every partition
+    into contiguous non-empty parts: per part s, per last unit of part s (inf where the parts after it
+    would have too few units); and per part s > 0 the first unit each last unit's best choice starts at."""
+    units = np.arange(num_units)
+    bests = [np.where(units <= num_units - num_parts, part_matrix(0)[0], np.inf)]
+    choices: list[np.ndarray] = []
+    backwards = units[:, None] > units[None, :]
+    for part in range(1, num_parts):
+        remaining = num_parts - part - 1
+        before = np.concatenate(([np.inf], bests[-1][:-1]))  # before[first]: the best up to unit first - 1
+        value = combine(before[:, None], part_matrix(part))
+        value[backwards | (units[:, None] < part)] = np.inf  # first <= last, first >= part
+        choice = np.argmin(value, axis=0)  # the lowest first among equals
+        bests.append(np.where((units >= part) & (units < num_units - remaining), value[choice, units], np.inf))
+        choices.append(choice)
+    return bests, choices
+
+
 def _peak_matrix(costs: CostModel, rows: tuple[MemoryRow, ...], part: int,
                  matrices: dict[int, np.ndarray]) -> np.ndarray:
     """The largest memory row of ``part`` holding units first..last, at [first, last] (each term's
     matrix computed once in ``matrices``)."""
-    def matrix(term: Term) -> np.ndarray:
-        if id(term) not in matrices:
-            matrices[id(term)] = term_matrix(costs, term)
-        return matrices[id(term)]
-
     peaks = np.zeros((costs.num_units, costs.num_units))
     for row in rows:
         if row.members[0][0] == part:
-            peaks = np.maximum(peaks, sum(matrix(term) for _, term in row.members))
+            peaks = np.maximum(peaks, sum(_matrix(costs, term, matrices) for _, term in row.members))
     return peaks
+
+
+def decided_step_floor(costs: CostModel) -> float:
+    """A step time no partition beats, whatever its recompute and swap shares (inf: none fits).
+
+    The step is at least, for any part k, the sum of the objective's sums, the drain from part 0
+    (its flow, part 0's tail) and each maximum's (and the drain pace's) first member on part k: a
+    sum over parts, minimised over partitions by min-plus DPs (from the first part and from the last,
+    joined at part k). A part holding units first..last pays, besides those terms without
+    decisions, the time to free what its memory rows hold beyond the budget, where a region's kept
+    inputs count as free (inf where even every unit at its most frugal does not fit): at least that
+    excess times the fewest ms per byte freed of any unit it holds (recompute or swap), and at least a
+    fractional knapsack's least time over a superset of its units (_least_freeing_ms). Needs
+    check_exact's layouts (one part per memory row); -inf where a decision could cost negative time
+    or memory. tests/unit/test_memory_tiers.py checks it against a brute force and the ILP.
+    """
+    check_exact(costs, decisions_allowed=True)
+    num_units, num_parts = costs.num_units, costs.num_parts
+    matrices: dict[int, np.ndarray] = {}
+    rows = [_freeable(costs, part, matrices) for part in range(num_parts)]
+    base = [_part_floor(costs, _floor_terms(costs, part, paced=False), part, rows[part], matrices)
+            for part in range(num_parts)]
+    if any(matrix is None for matrix in base):
+        return float("-inf")
+    heads, _ = _chain(lambda part: base[part], np.add, num_units, num_parts)
+    tails, _ = _chain(lambda part: base[num_parts - 1 - part][::-1, ::-1].T, np.add, num_units, num_parts)
+    units = np.arange(num_units)
+    best = float("-inf")
+    for paced in range(num_parts):
+        own = _part_floor(costs, _floor_terms(costs, paced, paced=True), paced, rows[paced], matrices)
+        if own is None:
+            return float("-inf")
+        before = (np.where(units == 0, 0.0, np.inf) if paced == 0
+                  else np.concatenate(([np.inf], heads[paced - 1][:-1])))  # parts 0..paced-1 up to first - 1
+        after = (np.where(units == num_units - 1, 0.0, np.inf) if paced == num_parts - 1
+                 else np.append(tails[num_parts - 2 - paced][::-1][1:], np.inf))  # parts paced+1.. from last + 1
+        total = before[:, None] + own + after[None, :]
+        total[units[:, None] > units[None, :]] = np.inf
+        best = max(best, float(total.min()))
+    return best
+
+
+def _floor_terms(costs: CostModel, part: int, paced: bool) -> list[tuple[Term, float]]:
+    """``part``'s (term, weight) pairs of decided_step_floor's sum (its maxima's first members if ``paced``)."""
+    chosen: list[tuple[Term, float]] = []
+    for piece in costs.objective:
+        if isinstance(piece, Drain):
+            chosen += [(term, piece.weight) for member, term in piece.flow if member == part]
+            chosen += [(term, piece.weight) for member, term in piece.tail if member == part == 0]
+            pace = [term for member, term in piece.pace if member == part]
+            if paced and pace and piece.pace_weight:
+                chosen.append((pace[0], piece.weight * piece.pace_weight))
+        elif piece.reduce is Reduce.SUM:
+            chosen += [(term, piece.weight) for member, term in piece.members if member == part]
+        elif paced:
+            chosen += [(term, piece.weight) for member, term in piece.members if member == part][:1]
+    return chosen
+
+
+_Freeable = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # held, fits at its most frugal, freed per unit
+
+
+def _freeable(costs: CostModel, part: int, matrices: dict[int, np.ndarray]) -> list[_Freeable] | None:
+    """Per memory row of ``part``: what it holds without decisions at [first, last], whether it fits with
+    every unit at its most frugal, and the bytes recomputing and swapping each unit frees (None where a
+    region start would free memory)."""
+    count = costs.num_units
+    firsts, lasts = np.arange(count)[:, None], np.arange(count)[None, :]
+    found = []
+    for row in costs.memory:
+        if row.members[0][0] != part:
+            continue
+        terms = [term for _, term in row.members]
+        if any(min(term.per_start, default=0.0) < 0 for term in terms):
+            return None
+        held = sum(_matrix(costs, term, matrices) for term in terms)
+        by_recompute = -sum(_coefficients(term.per_recompute, count) for term in terms)
+        by_swap = -sum(_coefficients(term.per_swap, count) for term in terms)
+        most = np.concatenate(([0.0], np.cumsum(np.maximum(0.0, np.maximum(by_recompute, by_swap)))))
+        fits = held - (most[lasts + 1] - most[firsts]) <= costs.problem.mem_bytes
+        found.append((held, fits, by_recompute, by_swap))
+    return found
+
+
+def _part_floor(costs: CostModel, chosen: list[tuple[Term, float]], part: int, rows: list[_Freeable] | None,
+                matrices: dict[int, np.ndarray]) -> np.ndarray | None:
+    """At [first, last]: the weighted terms without decisions plus the least time to free the memory
+    beyond the budget (see decided_step_floor; None where a decision could lower a time or a row)."""
+    count = costs.num_units
+    recompute_ms = sum((weight * _coefficients(term.per_recompute, count) for term, weight in chosen), np.zeros(count))
+    swap_ms = sum((weight * _coefficients(term.per_swap, count) for term, weight in chosen), np.zeros(count))
+    if rows is None or any(weight < 0 or min(term.per_start, default=0.0) < 0 for term, weight in chosen) or min(
+            recompute_ms.min(), swap_ms.min()) < 0:
+        return None
+    value = sum((weight * _matrix(costs, term, matrices) for term, weight in chosen), np.zeros((count, count)))
+    firsts, lasts = np.arange(count)[:, None], np.arange(count)[None, :]
+    for held, fits, by_recompute, by_swap in rows:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            per_byte = np.minimum(np.where(by_recompute > 0, recompute_ms / by_recompute, np.inf),
+                                  np.where(by_swap > 0, swap_ms / by_swap, np.inf))
+            cheapest = np.minimum.accumulate(np.where(lasts >= firsts, per_byte[None, :], np.inf), axis=1)
+            excess = held - costs.problem.mem_bytes
+            freeing = np.maximum(excess * cheapest, _least_freeing_ms(
+                (recompute_ms, swap_ms, by_recompute, by_swap), excess, part == 0, part == costs.num_parts - 1))
+            value = value + np.where(excess > 0, freeing, 0.0)
+        value = np.where(fits, value, np.inf)
+    return value
+
+
+def _least_freeing_ms(freeing: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], excess: np.ndarray,
+                      first_part: bool, last_part: bool) -> np.ndarray:
+    """At [first, last]: the least time to free ``excess`` bytes with shares of units (a fractional
+    knapsack, the fewest ms per byte first; a unit's recompute and swap are two items): over every unit,
+    and for the first part (whose units are 0..last) over those, for the last part (first..U-1) over those.
+    ``freeing``: per unit, the ms and bytes of recomputing it, and of swapping it."""
+    recompute_ms, swap_ms, by_recompute, by_swap = freeing
+    count = len(recompute_ms)
+    freed, ms = np.concatenate((by_recompute, by_swap)), np.concatenate((recompute_ms, swap_ms))
+    owner = np.concatenate((np.arange(count), np.arange(count)))
+    useful = freed > 0
+    order = np.argsort(ms[useful] / freed[useful], kind="stable")
+    freed, ms, owner = freed[useful][order], ms[useful][order], owner[useful][order]
+
+    def curves(held: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # per row: cumulative bytes and ms
+        start = np.zeros((held.shape[0], 1))
+        return (np.concatenate((start, np.cumsum(np.where(held, freed, 0.0), axis=1)), axis=1),
+                np.concatenate((start, np.cumsum(np.where(held, ms, 0.0), axis=1)), axis=1))
+
+    every_freed, every_ms = curves(np.ones((1, len(freed)), dtype=bool))
+    least = np.interp(excess, every_freed[0], every_ms[0])
+    units = np.arange(count)[:, None]
+    if first_part:
+        total_freed, total_ms = curves(owner[None, :] <= units)
+        least[0] = [np.interp(excess[0, last], total_freed[last], total_ms[last]) for last in range(count)]
+    if last_part:
+        total_freed, total_ms = curves(owner[None, :] >= units)
+        least[:, -1] = [np.interp(excess[first, -1], total_freed[first], total_ms[first]) for first in range(count)]
+    return least
+
+
+def _matrix(costs: CostModel, term: Term, matrices: dict[int, np.ndarray]) -> np.ndarray:
+    """``term_matrix`` of ``term``, computed once per term in ``matrices``."""
+    if id(term) not in matrices:
+        matrices[id(term)] = term_matrix(costs, term)
+    return matrices[id(term)]
+
+
+def _coefficients(values: tuple[float, ...], count: int) -> np.ndarray:
+    return np.asarray(values, dtype=float) if values else np.zeros(count)

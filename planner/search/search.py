@@ -32,7 +32,7 @@ from planner.search.configs import Config, SearchSpace, configurations, gpu_coun
 from planner.search.evaluate import Decisions, Evaluation, evaluate
 from planner.search.ilp import SolveStatus, solve_partition
 from planner.search.infeasible import capacity_error, infeasible_error
-from planner.search.oracle import OracleResult, check_exact, min_peak_partition
+from planner.search.oracle import OracleResult, check_exact, decided_step_floor, min_peak_partition
 from planner.search.problem import (
     ON_GPU,
     Coarsening,
@@ -153,6 +153,7 @@ class Search:
         self._geometries: dict[SpatialChoice, TileGeometry] = {}
         self._fused: dict[SpatialChoice, FusedHalos] = {}  # each geometry's fused-halo costing (memoised walks)
         self._bounds: dict[Config, float] = {}
+        self._decided_bounds: dict[Config, float] = {}
         self._tiles: dict[tuple[int, SpatialChoice], TiledCosts] = {}
         self._merged: dict[tuple[int, tuple[SpatialChoice, ...]], Coarsening] = {}  # units of spatial configs
         self._spatial: dict[tuple[int, SpatialChoice, int], SpatialPart] = {}
@@ -321,11 +322,11 @@ class Search:
                 pending.append((index, config, kept))
         for position, (index, config, kept) in enumerate(pending):
             best = min((c.objective_ms for c in solved), default=None)
-            if best is not None and self.lower_bound(config) >= best:
+            if best is not None and self.decided_bound(config) >= best:
                 continue
             remaining = self.space.time_limit_s - (time.perf_counter() - start)
             if remaining <= 0 and solved:
-                unexamined += sum(1 for _, c, _ in pending[position:] if self.lower_bound(c) < best)
+                unexamined += sum(1 for _, c, _ in pending[position:] if self.decided_bound(c) < best)
                 break
             if not self.fits(config):
                 continue
@@ -526,6 +527,18 @@ class Search:
         if config not in self._bounds:
             self._bounds[config] = lower_bound(self.setup(config).costs)
         return self._bounds[config]
+
+    def decided_bound(self, config: Config) -> float:
+        """Step time no partition of this configuration beats with any recompute and swap: the larger of
+        :meth:`lower_bound` and, where the DPs apply, the time its parts must pay to free the memory
+        beyond the budget (planner/search/oracle.py: decided_step_floor; cached)."""
+        if config not in self._decided_bounds:
+            bound, costs = self.lower_bound(config), self.setup(config).decided
+            try:
+                self._decided_bounds[config] = max(bound, decided_step_floor(costs)) if costs else bound
+            except ValueError:  # several stages share a slot
+                self._decided_bounds[config] = bound
+        return self._decided_bounds[config]
 
     def infeasible(self, configs: Sequence[Config]) -> PlanInfeasible:
         """The error for a budget nothing fits: the smallest memory the most frugal layout needs."""

@@ -27,7 +27,8 @@ from planner.schedules.lower import lower
 from planner.schedules.simulate import SimCosts, StageCosts, simulate
 from planner.schedules.swaps import insert_swaps
 from planner.search.evaluate import Decisions, Evaluation, evaluate
-from planner.search.ilp import IlpResult, solve_partition
+from planner.search.ilp import IlpResult, SolveStatus, solve_partition
+from planner.search.oracle import decided_step_floor
 from planner.search.problem import (
     ON_GPU,
     LinearCost,
@@ -50,9 +51,9 @@ def _tiers(recompute: bool = True, swap: bool = True, state: StateMode = ON_GPU)
 
 
 @st.composite
-def decided_problems(draw) -> PipelineProblem:
+def decided_problems(draw, max_stages: int = 2) -> PipelineProblem:
     num_units = draw(st.integers(2, 5))
-    num_stages = draw(st.integers(1, min(num_units, 2)))
+    num_stages = draw(st.integers(1, min(num_units, max_stages)))
     microbatches = draw(st.integers(1, 4))
     ms = st.floats(0.1, 10.0, allow_nan=False)
     units = []
@@ -137,6 +138,24 @@ def test_the_search_lower_bound_is_below_every_partition_and_decision(problem: P
     bound = lower_bound(costs)
     for evaluation in _every_plan(costs):
         assert bound <= evaluation.step_ms + 1e-9
+
+
+@settings(max_examples=60, deadline=None)
+@given(decided_problems(max_stages=3), st.sampled_from([ON_GPU, StateMode(0, StateTier.HOST), StateMode(0, StateTier.NVME)]))
+def test_the_bound_with_memory_decisions_is_below_every_fitting_plan(problem: PipelineProblem,
+                                                                     state: StateMode) -> None:
+    """The bound that prunes configurations needing recompute or swap (the time freeing memory costs) is at
+    most the step of every fitting partition with every keep/recompute/swap choice (brute force) and the
+    ILP's optimum with shares; inf only where the ILP finds nothing that fits."""
+    costs = cost_model(dataclasses.replace(problem, tiers=dataclasses.replace(problem.tiers, state=state)))
+    bound = decided_step_floor(costs)
+    fitting = [evaluation.step_ms for evaluation in _every_plan(costs) if evaluation.fits(problem.mem_bytes)]
+    assert all(bound <= step + 1e-9 for step in fitting)
+    result = solve_partition(costs)
+    if bound == float("inf"):
+        assert result.status is SolveStatus.INFEASIBLE and not fitting
+    if result.objective is not None:
+        assert bound <= result.objective + 1e-6
 
 
 def test_recompute_adds_the_forward_and_keeps_only_the_inputs() -> None:
