@@ -156,7 +156,7 @@ class Search:
         self._decided_bounds: dict[Config, float] = {}
         self._tiles: dict[tuple[int, SpatialChoice], TiledCosts] = {}
         self._merged: dict[tuple[int, tuple[SpatialChoice, ...]], Coarsening] = {}  # units of spatial configs
-        self._spatial: dict[tuple[int, SpatialChoice, int], SpatialPart] = {}
+        self._spatial: dict[tuple[int, SpatialChoice, tuple[SpatialChoice, ...]], SpatialPart] = {}
         self.spatial_note = ""  # why no plan may tile the image (set by tilings())
 
     def costs(self, micro_batch_size: int) -> tuple[CostTable, Coarsening]:
@@ -187,7 +187,8 @@ class Search:
             max_in_flight(schedule), part_links(self.device, layout, per_node),
             part_allreduces(self.device, layout, per_node), self.space.mem_bytes,
             memory_tiers(self.device, self.space, config.state, activations=False),
-            tuple(self._spatial_part(choice, config.micro_batch_size, units) for choice in config.spatial))
+            tuple(self._spatial_part(choice, config.micro_batch_size, units, None if coarse else config.spatial)
+                  for choice in config.spatial))
         decided = None
         if {Offload.RECOMPUTE, Offload.SWAP} & self.space.offload:
             tiers = memory_tiers(self.device, self.space, config.state, activations=True)
@@ -271,15 +272,17 @@ class Search:
                 [starts[unit] for unit in range(1, len(units.units)) if unit not in inside])
         return self._merged[key]
 
-    def _spatial_part(self, choice: SpatialChoice, micro_batch_size: int, units: Coarsening) -> SpatialPart:
-        """A part on ``choice``'s tiles over ``units`` (cached for the units of spatial configurations)."""
-        key = (micro_batch_size, choice, id(units))
-        if key in self._spatial:
+    def _spatial_part(self, choice: SpatialChoice, micro_batch_size: int, units: Coarsening,
+                      choices: tuple[SpatialChoice, ...] | None) -> SpatialPart:
+        """A part on ``choice``'s tiles over ``units``: cached when they are the units of a configuration
+        tiled as ``choices`` (Search._spatial_units), not when a caller gives its own (None)."""
+        key = (micro_batch_size, choice, choices)
+        if choices is not None and key in self._spatial:
             return self._spatial[key]
         tiles, fused, crossing = self._tile_costs(choice, micro_batch_size)
         part = spatial_part(choice, units, self._geometry(choice), tiles, tuple(group.nodes for group in fused),
                             crossing)
-        if any(units is merged for merged in self._merged.values()):  # kept for the search's life: id() is its
+        if choices is not None:
             self._spatial[key] = part
         return part
 
