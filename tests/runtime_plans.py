@@ -99,3 +99,17 @@ def searched_plan(builder: str, *, gpus: int, budget_share: float, offload: tupl
     except PlanInfeasible as error:
         need = error.min_mem_bytes
     return plan(model, mem=int(need * budget_share), offload=offload, **common).to_json()
+
+
+def latency_bound_device() -> Any:
+    """A V100 computing 1000x slower (fp32 and fp64), with 100 us per message between its tiles: the
+    tiles carry the work and every halo message's latency counts, so fusing a block's halos pays."""
+    import dataclasses
+
+    from cost_models.devices import get_device
+
+    v100 = get_device("V100-16GB")
+    return dataclasses.replace(v100, fp32_tflops=v100.fp32_tflops / 1000, fp64_tflops=v100.fp64_tflops / 1000,
+                               mem_bandwidth_gb_per_s=v100.mem_bandwidth_gb_per_s / 1000,
+                               kernel_overhead_us=0.0,
+                               intra_node=dataclasses.replace(v100.intra_node, latency_us=100.0))

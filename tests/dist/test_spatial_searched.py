@@ -9,14 +9,12 @@ whose messages are slow enough that fusing is sure to pay. Each tile rank's halo
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
 import torch
 
 from cost_models.device_spec import DeviceSpec
-from cost_models.devices import get_device
 from cost_models.errors import PlanInfeasible
 from cost_models.graph.model_spec import build_model, load_builder
 from planner import plan
@@ -25,19 +23,20 @@ from runtime.build import default_dtype
 from tests.dist.harness import run_ranks
 from tests.dist.runtime_cases import Case, reference, run_cases
 from tests.dist.test_spatial_runtime import assert_rank_equals
-from tests.runtime_plans import RESNET
+from tests.runtime_plans import RESNET, latency_bound_device
 
 pytestmark = pytest.mark.dist
 
 KWARGS = {"width": 4, "num_classes": 10}
 
 
-def _searched(schedule: str, *, budget_share: float | None = None, device: str | DeviceSpec = "V100-16GB") -> str:
+def _searched(schedule: str, *, budget_share: float | None = None,
+              device: str | DeviceSpec = "V100-16GB") -> str:
     """The search's plan; with ``budget_share``, for that share of the least memory keeping everything."""
     with default_dtype(torch.float64):
         model = build_model(load_builder(RESNET), KWARGS, "meta")
-    common = dict(gpus=3, batch_size=4, micro_batch_sizes=(2,), num_stages=(2,), data_parallel=(1,), device=device,
-                  schedules=(schedule,), precision="fp64", optimizer="momentum", reserve=0,
+    common = dict(gpus=3, batch_size=4, micro_batch_sizes=(2,), num_stages=(2,), data_parallel=(1,),
+                  device=device, schedules=(schedule,), precision="fp64", optimizer="momentum", reserve=0,
                   example_inputs=torch.empty(1, 3, 64, 64, dtype=torch.float64, device="meta"), builder=RESNET,
                   builder_kwargs=KWARGS)
     if budget_share is None:
@@ -50,25 +49,17 @@ def _searched(schedule: str, *, budget_share: float | None = None, device: str |
     return plan(model, mem=int(need * budget_share), offload=("recompute",), **common).to_json()
 
 
-def _latency_bound() -> DeviceSpec:
-    """A V100 computing 1000x slower, with 100 us per message between its tiles: the tiles carry
-    the work and every halo message's latency counts, so fusing a block's halos pays."""
-    v100 = get_device("V100-16GB")
-    return dataclasses.replace(v100, fp64_tflops=v100.fp64_tflops / 1000, kernel_overhead_us=0.0,
-                               mem_bandwidth_gb_per_s=v100.mem_bandwidth_gb_per_s / 1000,
-                               intra_node=dataclasses.replace(v100.intra_node, latency_us=100.0))
-
-
 def test_searched_spatial_plans_equal_a_single_process_and_send_the_predicted_halos() -> None:
     cases = [Case(_searched("gpipe"), steps=1), Case(_searched("1f1b"), steps=1),
-             Case(_searched("gpipe", budget_share=0.8), steps=1), Case(_searched("1f1b", device=_latency_bound()), steps=1)]
+             Case(_searched("gpipe", budget_share=0.8), steps=1),
+             Case(_searched("1f1b", device=latency_bound_device()), steps=1)]
     plans = [Plan.from_dict(json.loads(case.plan_json)) for case in cases]
     for each in plans:
         spatial = each.stages[0].spatial
         assert spatial is not None and (spatial.parts, spatial.slicing) == (2, Slicing.VERTICAL)
     assert plans[2].stages[0].offload.recompute, "the tight budget should make the search recompute on the tiles"
     fused = plans[3].stages[0].spatial
-    assert fused is not None and fused.halo is HaloMode.FUSED and fused.fused_groups, "latency should fuse halos"
+    assert fused is not None and fused.halo is HaloMode.FUSED and fused.fused_groups, "slow links: fuse halos"
     budget = plans[2].stages[0]
     assert any(set(group) < set(region) for group in budget.spatial.fused_groups  # type: ignore[union-attr]
                for region in budget.offload.recompute), "a recompute region should hold a fused group whole"

@@ -6,7 +6,6 @@ its groups, which the runtime's checks accept.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 import pytest
@@ -36,6 +35,7 @@ from planner import plan
 from planner.plan import HaloMode, ScheduleKind
 from planner.search.configs import SearchSpace
 from planner.search.search import Search
+from tests.runtime_plans import latency_bound_device
 
 
 @st.composite
@@ -86,15 +86,8 @@ def _search(device) -> tuple[Search, FusedHalos]:
     return search, FusedHalos(graph, tile_geometry(graph, 1, 2))
 
 
-def latency_bound():
-    """A V100 computing 1000x slower with 100 us per message: fusing halos pays."""
-    v100 = get_device("V100-16GB")
-    return dataclasses.replace(v100, fp32_tflops=v100.fp32_tflops / 1000, kernel_overhead_us=0.0,
-                               mem_bandwidth_gb_per_s=v100.mem_bandwidth_gb_per_s / 1000,
-                               intra_node=dataclasses.replace(v100.intra_node, latency_us=100.0))
-
-
-@pytest.mark.parametrize("device", [latency_bound(), get_device("V100-16GB")], ids=["latency-bound", "v100"])
+@pytest.mark.parametrize("device", [latency_bound_device(), get_device("V100-16GB")],
+                         ids=["latency-bound", "v100"])
 def test_the_chosen_groups_are_the_fastest_segmentation(device) -> None:
     """Brute force: every set of disjoint groups over the first units' single-value cuts."""
     search, fused = _search(device)
@@ -128,7 +121,7 @@ def test_a_plan_records_its_fused_groups_whole_units_and_every_halo_byte() -> No
     model = resnet50(width=4, num_classes=10, device="meta")
     result = plan(model, 3, "16GB", batch_size=4, micro_batch_sizes=(2,), num_stages=(2,), data_parallel=(1,),
                   schedules=("gpipe",), precision="fp32", optimizer="momentum", reserve=0, offload=False,
-                  device=latency_bound(), example_inputs=torch.empty(1, 3, 64, 64, device="meta"))
+                  device=latency_bound_device(), example_inputs=torch.empty(1, 3, 64, 64, device="meta"))
     spatial = result.stages[0].spatial
     assert spatial is not None and spatial.halo is HaloMode.FUSED and spatial.fused_groups
     nodes = result.stages[0].nodes
