@@ -83,6 +83,7 @@ class FusedHalos:
         self.graph, self.geometry = graph, geometry
         self._shapes: dict[tuple, _Shape] = {}
         self._groups: dict[tuple, tuple[tuple[TileCost, ...], GroupExchange]] = {}  # by shape and costs
+        self._runs: dict[tuple[str, ...], tuple[tuple[LayerNode, ...], tuple, _Shape, tuple[str, ...]] | None] = {}
         self._targets: dict[str, int] = {}
         for tiles in geometry.nodes:
             target = graph.node(tiles.name).target
@@ -143,19 +144,15 @@ class FusedHalos:
         tiles, inputs on different grids, a layer also called outside the group, fewer than two
         window layers. ``table`` gives the whole image's costs at the micro-batch size, ``link``
         joins the tiles, ``allreduce`` is (fixed ms, ms per byte) of an all-reduce over them."""
-        members = self._members(names)
-        found = self._shape(members)
+        found = self._run(tuple(names))
         if found is None:
             return None
-        key, shape = found
+        members, key, shape, inputs = found
         rows = tuple(table[node.name] for node in members)
         reads = tuple(self._pixel_bytes(self._tensors(node)[0], table) if pixels else 0.0
                       for node, pixels in zip(members, shape.read_pixels))
-        inputs = self._inputs(members)
         memo = (key, tuple((row.fwd_ms, row.bwd_ms, row.saved_activation_bytes, row.output_bytes) for row in rows),
-                reads, tuple(self._pixel_bytes(name, table) for name in inputs),
-                tuple(self.graph.node(name).kind is NodeKind.INPUT for name in inputs),
-                tuple(self._stats.get(node.name, 0) for node in members), link, allreduce)
+                reads, tuple(self._pixel_bytes(name, table) for name in inputs), link, allreduce)
         if memo not in self._groups:  # deep networks repeat their blocks
             self._groups[memo] = self._costs(members, shape, table, link, allreduce)
         costs, exchange = self._groups[memo]
@@ -186,11 +183,11 @@ class FusedHalos:
     def exchange(self, names: Sequence[str], table: CostTable) -> GroupExchange:
         """The halo bytes ``names``, run as one fused group, send per tile at ``table``'s micro-batch;
         SpatialError when they cannot run so."""
-        members = self._members(names)
-        found = self._shape(members)
+        found = self._run(tuple(names))
         if found is None:
             raise SpatialError(f"the nodes {list(names)[:3]}... cannot run as one fused halo group")
-        return self._exchange(members, *self._messages(members, found[1], table))
+        members, _, shape, _ = found
+        return self._exchange(members, *self._messages(members, shape, table))
 
     def _messages(self, members: tuple[LayerNode, ...], shape: _Shape,
                   table: CostTable) -> tuple[Bytes, Bytes]:
@@ -209,6 +206,22 @@ class FusedHalos:
                              tuple(sum(sum(s[tile]) for s in sent) for tile in tiles),
                              tuple(sum(sum(r[tile]) for r, name in zip(received, inputs) if name not in image)
                                    for tile in tiles))
+
+    def _run(self, names: tuple[str, ...]) -> tuple[tuple[LayerNode, ...], tuple, _Shape, tuple[str, ...]] | None:
+        """``names``' computing nodes, their region walk and its memo key (which also holds which inputs
+        are the image and the members' batch-norm statistics bytes), and the values they read from
+        outside; None when they cannot run fused. Alike at every micro-batch size: computed once."""
+        if names not in self._runs:
+            members = self._members(names)
+            found = self._shape(members)
+            if found is None:
+                self._runs[names] = None
+            else:
+                inputs = self._inputs(members)
+                key = (found[0], tuple(self.graph.node(name).kind is NodeKind.INPUT for name in inputs),
+                       tuple(self._stats.get(node.name, 0) for node in members))
+                self._runs[names] = (members, key, found[1], inputs)
+        return self._runs[names]
 
     def _members(self, names: Sequence[str]) -> tuple[LayerNode, ...]:
         """The computing nodes of ``names``; none when an input or parameter node sits among them (a

@@ -194,8 +194,9 @@ def _peak_matrix(costs: CostModel, rows: tuple[MemoryRow, ...], part: int,
     return peaks
 
 
-def decided_step_floor(costs: CostModel) -> float:
-    """A step time no partition beats, whatever its recompute and swap shares (inf: none fits).
+def decided_step_floor(costs: CostModel, enough_ms: float = float("inf")) -> float:
+    """A step time no partition beats, whatever its recompute and swap shares (inf: none fits); once
+    a bound reaches ``enough_ms`` (what its caller needs, to skip the configuration) it is returned at once.
 
     The step is at least, for any part k, the sum of the objective's sums, the drain from part 0
     (its flow, part 0's tail) and each maximum's (and the drain pace's) first member on part k: a
@@ -217,10 +218,12 @@ def decided_step_floor(costs: CostModel) -> float:
     if any(matrix is None for matrix in base):
         return float("-inf")
     heads, _ = _chain(lambda part: base[part], np.add, num_units, num_parts)
+    best = float(heads[-1][-1])  # the sums alone, no maximum counted
+    if best >= enough_ms:
+        return best
     tails, _ = _chain(lambda part: base[num_parts - 1 - part][::-1, ::-1].T, np.add, num_units, num_parts)
     units = np.arange(num_units)
-    best = float("-inf")
-    for paced in range(num_parts):
+    for paced in sorted(range(num_parts), key=lambda part: -float(base[part].min())):  # likely binding first
         own = _part_floor(costs, _floor_terms(costs, paced, paced=True), paced, rows[paced], matrices)
         if own is None:
             return float("-inf")
@@ -231,6 +234,8 @@ def decided_step_floor(costs: CostModel) -> float:
         total = before[:, None] + own + after[None, :]
         total[units[:, None] > units[None, :]] = np.inf
         best = max(best, float(total.min()))
+        if best >= enough_ms:
+            break
     return best
 
 

@@ -325,7 +325,7 @@ class Search:
                 pending.append((index, config, kept))
         for position, (index, config, kept) in enumerate(pending):
             best = min((c.objective_ms for c in solved), default=None)
-            if best is not None and self.decided_bound(config) >= best:
+            if best is not None and self.decided_bound(config, best) >= best:
                 continue
             remaining = self.space.time_limit_s - (time.perf_counter() - start)
             if remaining <= 0 and solved:
@@ -531,14 +531,15 @@ class Search:
             self._bounds[config] = lower_bound(self.setup(config).costs)
         return self._bounds[config]
 
-    def decided_bound(self, config: Config) -> float:
+    def decided_bound(self, config: Config, enough_ms: float = float("inf")) -> float:
         """Step time no partition of this configuration beats with any recompute and swap: the larger of
         :meth:`lower_bound` and, where the DPs apply, the time its parts must pay to free the memory
-        beyond the budget (planner/search/oracle.py: decided_step_floor; cached)."""
+        beyond the budget (planner/search/oracle.py: decided_step_floor; cached). A bound that reached
+        ``enough_ms`` may be below the tightest; the search only lowers what it asks for (its best step)."""
         if config not in self._decided_bounds:
             bound, costs = self.lower_bound(config), self.setup(config).decided
             try:
-                self._decided_bounds[config] = max(bound, decided_step_floor(costs)) if costs else bound
+                self._decided_bounds[config] = max(bound, decided_step_floor(costs, enough_ms)) if costs else bound
             except ValueError:  # several stages share a slot
                 self._decided_bounds[config] = bound
         return self._decided_bounds[config]

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -141,9 +142,12 @@ class Term:
 def _add(a: tuple[float, ...], b: tuple[float, ...], weight: float) -> tuple[float, ...]:
     if not b:
         return a
+    scaled = b if weight == 1 else tuple(map(functools.partial(operator.mul, weight), b))
     if not a:
-        return tuple(weight * value for value in b)
-    return tuple(x + weight * y for x, y in zip(a, b, strict=True))
+        return scaled
+    if len(a) != len(b):
+        raise ValueError(f"terms over {len(a)} and {len(b)} units cannot be added")
+    return tuple(map(operator.add, a, scaled))  # map, not a generator: the search adds many long terms
 
 
 class Reduce(str, Enum):

@@ -156,6 +156,9 @@ def test_the_bound_with_memory_decisions_is_below_every_fitting_plan(problem: Pi
         assert result.status is SolveStatus.INFEASIBLE and not fitting
     if result.objective is not None:
         assert bound <= result.objective + 1e-6
+    if 0 < bound < float("inf"):  # told what is enough, it stops at a bound that reaches it, never above the full one
+        enough = bound / 2
+        assert enough <= decided_step_floor(costs, enough) <= bound + 1e-9
 
 
 def test_recompute_adds_the_forward_and_keeps_only_the_inputs() -> None:
