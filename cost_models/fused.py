@@ -22,8 +22,8 @@ Groups repeat in deep networks, so the region walk is memoised by the group's sh
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
 import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from cost_models.comm import halo_exchange_ms
