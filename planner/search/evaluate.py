@@ -7,6 +7,7 @@ units (numpy, for the memory-floor DP); tests/unit/test_partition.py checks they
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,22 +42,37 @@ class Decisions:
 def term_matrix(model: CostModel, term: Term) -> np.ndarray:
     """The term's value for a part holding units first..last, at [first, last] for every first <= last
     (entries with first > last, a cut after the last unit or before the first, are meaningless)."""
+    return weighted_matrix(model, ((term, 1.0),))
+
+
+def weighted_matrix(model: CostModel, weighted: Sequence[tuple[Term, float]]) -> np.ndarray:
+    """``sum(weight * term_matrix(model, term))`` over ``weighted``: the linear parts of the terms summed
+    per unit first, so a part's many terms cost one matrix (and one per maximum over units)."""
     count = model.num_units
     firsts, lasts = np.arange(count)[:, None], np.arange(count)[None, :]
-    values = np.full((count, count), term.constant)
-    prefix, starts_after, unit_max = term.arrays
-    if term.per_unit:
-        values = values + (prefix[lasts + 1] - prefix[firsts])
-    if term.ends_after:
-        values = values + np.append(term.ends_after, 0.0)[lasts]
-    if term.starts_after:
-        values = values + np.insert(starts_after, 0, 0.0)[firsts]
-    for coefficient, next_use in zip(term.per_shared, model.next_use_arrays):
+    constant, prefix, ends_after, starts_after = 0.0, np.zeros(count + 1), np.zeros(count), np.zeros(count)
+    shared = np.zeros(len(model.next_use_arrays))
+    maxima: list[tuple[np.ndarray, float]] = []
+    for term, weight in weighted:
+        constant += weight * term.constant
+        unit_prefix, starts, unit_max = term.arrays
+        if term.per_unit:
+            prefix += weight * unit_prefix
+        if term.ends_after:
+            ends_after[:-1] += weight * np.asarray(term.ends_after)
+        if term.starts_after:
+            starts_after[1:] += weight * starts
+        if term.per_shared:
+            shared += weight * np.asarray(term.per_shared)
+        if term.unit_max:
+            maxima.append((unit_max, weight))
+    values = constant + (prefix[lasts + 1] - prefix[firsts]) + ends_after[lasts] + starts_after[firsts]
+    for coefficient, next_use in zip(shared, model.next_use_arrays):
         if coefficient:
             values = values + np.where(next_use[firsts] <= lasts, coefficient, 0.0)
-    if term.unit_max:  # row first: the running maximum from unit first on (0 before it)
-        running = np.where(lasts >= firsts, unit_max[None, :], -np.inf)
-        values = values + np.where(lasts >= firsts, np.maximum.accumulate(running, axis=1), 0.0)
+    for unit_max, weight in maxima:  # row first: the running maximum from unit first on (0 before it)
+        running = np.maximum.accumulate(np.where(lasts >= firsts, unit_max[None, :], -np.inf), axis=1)
+        values = values + weight * np.where(lasts >= firsts, running, 0.0)
     return values
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.search.evaluate import Evaluation, evaluate, term_matrix, term_value
+from planner.search.evaluate import Evaluation, evaluate, term_value, weighted_matrix
 from planner.search.terms import Aggregate, CostModel, Drain, MemoryRow, Reduce, Term, fixed_sum
 
 _Label = tuple[tuple[float, ...], tuple[int, ...]]  # (piece values so far, cuts so far)
@@ -149,8 +149,7 @@ def min_peak_partition(costs: CostModel) -> OracleResult:
     check_exact(costs, decisions_allowed=True)
     rows = costs.frugal_memory
     num_units = costs.num_units
-    matrices: dict[int, np.ndarray] = {}  # per term (parts share terms)
-    bests, choices = _chain(lambda part: _peak_matrix(costs, rows, part, matrices), np.maximum, num_units,
+    bests, choices = _chain(lambda part: _peak_matrix(costs, rows, part), np.maximum, num_units,
                             costs.num_parts)
     best = bests[-1]
     cuts: list[int] = []
@@ -183,14 +182,12 @@ def _chain(part_matrix: Callable[[int], np.ndarray], combine: Callable[[np.ndarr
     return bests, choices
 
 
-def _peak_matrix(costs: CostModel, rows: tuple[MemoryRow, ...], part: int,
-                 matrices: dict[int, np.ndarray]) -> np.ndarray:
-    """The largest memory row of ``part`` holding units first..last, at [first, last] (each term's
-    matrix computed once in ``matrices``)."""
+def _peak_matrix(costs: CostModel, rows: tuple[MemoryRow, ...], part: int) -> np.ndarray:
+    """The largest memory row of ``part`` holding units first..last, at [first, last]."""
     peaks = np.zeros((costs.num_units, costs.num_units))
     for row in rows:
         if row.members[0][0] == part:
-            peaks = np.maximum(peaks, sum(_matrix(costs, term, matrices) for _, term in row.members))
+            peaks = np.maximum(peaks, weighted_matrix(costs, [(term, 1.0) for _, term in row.members]))
     return peaks
 
 
@@ -211,9 +208,8 @@ def decided_step_floor(costs: CostModel, enough_ms: float = float("inf")) -> flo
     """
     check_exact(costs, decisions_allowed=True)
     num_units, num_parts = costs.num_units, costs.num_parts
-    matrices: dict[int, np.ndarray] = {}
-    rows = [_freeable(costs, part, matrices) for part in range(num_parts)]
-    base = [_part_floor(costs, _floor_terms(costs, part, paced=False), part, rows[part], matrices)
+    rows = [_freeable(costs, part) for part in range(num_parts)]
+    base = [_part_floor(costs, _floor_terms(costs, part, paced=False), part, rows[part])
             for part in range(num_parts)]
     if any(matrix is None for matrix in base):
         return float("-inf")
@@ -224,7 +220,7 @@ def decided_step_floor(costs: CostModel, enough_ms: float = float("inf")) -> flo
     tails, _ = _chain(lambda part: base[num_parts - 1 - part][::-1, ::-1].T, np.add, num_units, num_parts)
     units = np.arange(num_units)
     for paced in sorted(range(num_parts), key=lambda part: -float(base[part].min())):  # likely binding first
-        own = _part_floor(costs, _floor_terms(costs, paced, paced=True), paced, rows[paced], matrices)
+        own = _part_floor(costs, _floor_terms(costs, paced, paced=True), paced, rows[paced])
         if own is None:
             return float("-inf")
         before = (np.where(units == 0, 0.0, np.inf) if paced == 0
@@ -259,7 +255,7 @@ def _floor_terms(costs: CostModel, part: int, paced: bool) -> list[tuple[Term, f
 _Freeable = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # held, fits at its most frugal, freed per unit
 
 
-def _freeable(costs: CostModel, part: int, matrices: dict[int, np.ndarray]) -> list[_Freeable] | None:
+def _freeable(costs: CostModel, part: int) -> list[_Freeable] | None:
     """Per memory row of ``part``: what it holds without decisions at [first, last], whether it fits with
     every unit at its most frugal, and the bytes recomputing and swapping each unit frees (None where a
     region start would free memory)."""
@@ -272,7 +268,7 @@ def _freeable(costs: CostModel, part: int, matrices: dict[int, np.ndarray]) -> l
         terms = [term for _, term in row.members]
         if any(min(term.per_start, default=0.0) < 0 for term in terms):
             return None
-        held = sum(_matrix(costs, term, matrices) for term in terms)
+        held = weighted_matrix(costs, [(term, 1.0) for term in terms])
         by_recompute = -sum(_coefficients(term.per_recompute, count) for term in terms)
         by_swap = -sum(_coefficients(term.per_swap, count) for term in terms)
         most = np.concatenate(([0.0], np.cumsum(np.maximum(0.0, np.maximum(by_recompute, by_swap)))))
@@ -281,8 +277,8 @@ def _freeable(costs: CostModel, part: int, matrices: dict[int, np.ndarray]) -> l
     return found
 
 
-def _part_floor(costs: CostModel, chosen: list[tuple[Term, float]], part: int, rows: list[_Freeable] | None,
-                matrices: dict[int, np.ndarray]) -> np.ndarray | None:
+def _part_floor(costs: CostModel, chosen: list[tuple[Term, float]], part: int,
+                rows: list[_Freeable] | None) -> np.ndarray | None:
     """At [first, last]: the weighted terms without decisions plus the least time to free the memory
     beyond the budget (see decided_step_floor; None where a decision could lower a time or a row)."""
     count = costs.num_units
@@ -291,7 +287,7 @@ def _part_floor(costs: CostModel, chosen: list[tuple[Term, float]], part: int, r
     if rows is None or any(weight < 0 or min(term.per_start, default=0.0) < 0 for term, weight in chosen) or min(
             recompute_ms.min(), swap_ms.min()) < 0:
         return None
-    value = sum((weight * _matrix(costs, term, matrices) for term, weight in chosen), np.zeros((count, count)))
+    value = weighted_matrix(costs, chosen)
     firsts, lasts = np.arange(count)[:, None], np.arange(count)[None, :]
     for held, fits, by_recompute, by_swap in rows:
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -330,18 +326,24 @@ def _least_freeing_ms(freeing: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndar
     units = np.arange(count)[:, None]
     if first_part:
         total_freed, total_ms = curves(owner[None, :] <= units)
-        least[0] = [np.interp(excess[0, last], total_freed[last], total_ms[last]) for last in range(count)]
+        least[0] = _row_interp(excess[0], total_freed, total_ms)  # row: last
     if last_part:
         total_freed, total_ms = curves(owner[None, :] >= units)
-        least[:, -1] = [np.interp(excess[first, -1], total_freed[first], total_ms[first]) for first in range(count)]
+        least[:, -1] = _row_interp(excess[:, -1], total_freed, total_ms)  # row: first
     return least
 
 
-def _matrix(costs: CostModel, term: Term, matrices: dict[int, np.ndarray]) -> np.ndarray:
-    """``term_matrix`` of ``term``, computed once per term in ``matrices``."""
-    if id(term) not in matrices:
-        matrices[id(term)] = term_matrix(costs, term)
-    return matrices[id(term)]
+def _row_interp(x: np.ndarray, xp: np.ndarray, fp: np.ndarray) -> np.ndarray:
+    """``np.interp(x[r], xp[r], fp[r])`` for every row r at once (each ``xp[r]`` non-decreasing, its
+    repeated points repeating their ``fp``)."""
+    rows = np.arange(len(x))
+    above = (xp < x[:, None]).sum(axis=1)  # the first point at or past x
+    at = np.minimum(above, xp.shape[1] - 1)
+    before = np.maximum(above - 1, 0)
+    x0, x1, y0, y1 = xp[rows, before], xp[rows, at], fp[rows, before], fp[rows, at]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        between = y0 + (x - x0) * (y1 - y0) / (x1 - x0)
+    return np.where(above == 0, fp[:, 0], np.where(above == xp.shape[1], fp[:, -1], between))
 
 
 def _coefficients(values: tuple[float, ...], count: int) -> np.ndarray:

@@ -24,6 +24,7 @@ from cost_models.fused import FusedGroup, FusedHalos
 from cost_models.graph.ir import LayerGraph
 from cost_models.spatial import TileCost, TileGeometry, image_input, tile_costs, tile_geometry
 from cost_models.units import format_bytes
+from planner.plan.kinds import ScheduleKind
 from planner.plan.parts import StateTier
 from planner.plan.spatial import Slicing
 from planner.progress import Phase, Progress, ProgressEvent
@@ -175,12 +176,7 @@ class Search:
         table, default = self.costs(config.micro_batch_size)
         spatial_units = config.spatial and self._spatial_units(config.micro_batch_size, config.spatial)
         units = coarse or spatial_units or default
-        key = (config.schedule, config.num_stages, config.num_microbatches, config.data_parallel,
-               config.stage_tiles)
-        if key not in self._schedules:  # alike for every state mode
-            self._schedules[key] = generate(config.schedule, config.num_stages, config.num_microbatches,
-                                            data_parallel=config.data_parallel, tiles=config.stage_tiles)
-        schedule = self._schedules[key]
+        schedule = self.schedule(config)
         layout, per_node = schedule.layout, self.space.gpus_per_node
         problem = PipelineProblem(
             units.units, units.boundary_bytes, units.shared, layout, config.schedule, config.num_microbatches,
@@ -197,6 +193,28 @@ class Search:
         if coarse is None:
             self._setups[config] = setup
         return setup
+
+    def schedule(self, config: Config) -> Schedule:
+        """``config``'s generated programs and layout (cached: alike for every state mode)."""
+        key = (config.schedule, config.num_stages, config.num_microbatches, config.data_parallel,
+               config.stage_tiles)
+        if key not in self._schedules:
+            self._schedules[key] = generate(config.schedule, config.num_stages, config.num_microbatches,
+                                            data_parallel=config.data_parallel, tiles=config.stage_tiles)
+        return self._schedules[key]
+
+    def distinct(self, configs: Sequence[Config]) -> list[Config]:
+        """``configs`` less those whose schedule runs the very programs of an earlier one's on the same
+        layout (one micro-batch: GPipe and 1F1B are the same plan), the first kept."""
+        seen: set[tuple] = set()
+        kept = []
+        for config in configs:
+            schedule = self.schedule(config)
+            key = (dataclasses.replace(config, schedule=ScheduleKind.GPIPE), schedule.programs, schedule.layout)
+            if key not in seen:
+                seen.add(key)
+                kept.append(config)
+        return kept
 
     def tilings(self) -> tuple[SpatialChoice, ...]:
         """The tile grids stage 0 may use: P (2 <= P < a GPU count) a power of two or dividing the count,
@@ -289,7 +307,7 @@ class Search:
     def run(self) -> SearchResult:
         start = time.perf_counter()
         max_stages = len(self.costs(1)[1].units)
-        configs = configurations(self.space, max_stages, self.tilings())
+        configs = self.distinct(configurations(self.space, max_stages, self.tilings()))
         ranked = sorted(configs, key=lambda config: round(self.lower_bound(config), 9))  # ties: listed order
         seed = self.seed(ranked)
         solved: list[Candidate] = [seed] if seed is not None else []

@@ -13,6 +13,7 @@ import itertools
 import json
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -28,7 +29,7 @@ from planner.schedules.simulate import SimCosts, StageCosts, simulate
 from planner.schedules.swaps import insert_swaps
 from planner.search.evaluate import Decisions, Evaluation, evaluate
 from planner.search.ilp import IlpResult, SolveStatus, solve_partition
-from planner.search.oracle import decided_step_floor
+from planner.search.oracle import _row_interp, decided_step_floor
 from planner.search.problem import (
     ON_GPU,
     LinearCost,
@@ -288,3 +289,16 @@ def test_host_memory_the_plan_needs_beyond_the_node_is_named() -> None:
                                              r"--host-mem \(plan\(host_mem=\)\) >= ") as host:
         _tiny(int(0.8 * raised.value.min_mem_bytes), offload=("host",), host_mem="1KB")
     assert host.value.binding == "host memory of node 0"
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.floats(0, 5), st.floats(0, 5)), min_size=1, max_size=6), min_size=1,
+                max_size=5), st.floats(-1, 40))
+def test_row_interpolation_is_numpys_per_row(steps: list[list[tuple[float, float]]], shift: float) -> None:
+    """The fractional knapsack's curves are read per row at once as np.interp reads each row."""
+    width = max(len(row) for row in steps) + 1
+    xp = np.array([np.cumsum([0.0] + [a for a, _ in row] + [0.0] * (width - 1 - len(row))) for row in steps])
+    fp = np.array([np.cumsum([0.0] + [a * b for a, b in row] + [0.0] * (width - 1 - len(row))) for row in steps])
+    x = np.linspace(-1.0, 1.0, len(steps)) + shift
+    expected = [np.interp(x[r], xp[r], fp[r]) for r in range(len(steps))]
+    np.testing.assert_allclose(_row_interp(x, xp, fp), expected, rtol=1e-9, atol=1e-9)

@@ -17,7 +17,7 @@ from examples.models.resnet import resnet50
 from examples.models.unet import unet_small
 from planner import trace
 from planner.plan import Layout, ScheduleKind
-from planner.search.evaluate import evaluate, term_matrix, term_value
+from planner.search.evaluate import evaluate, term_matrix, term_value, weighted_matrix
 from planner.search.ilp import SolveStatus, solve_partition
 from planner.search.oracle import min_peak_partition, optimal_partition
 from planner.search.problem import LinearCost, PipelineProblem, SharedParam, Unit
@@ -103,6 +103,22 @@ def test_term_matrix_agrees_with_each_part(problem: PipelineProblem) -> None:
             assert many[first, last] == pytest.approx(term_value(costs, term, first, last), rel=1e-12, abs=1e-9)
             checked += 1
     assert checked > 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(problems(), st.lists(st.floats(-2.0, 3.0), min_size=1, max_size=6))
+def test_a_weighted_sum_of_terms_is_one_matrix(problem: PipelineProblem, weights: list[float]) -> None:
+    """weighted_matrix sums a part's terms (maxima over units included) as their scalar values do."""
+    costs = cost_model(problem)
+    count = len(problem.units)
+    for part, named in enumerate(costs.parts):
+        weighted = list(zip(named.values(), weights * len(named)))
+        many = weighted_matrix(costs, weighted)
+        for first, last in itertools.combinations_with_replacement(range(count), 2):
+            if any(term.starts_after and first == 0 or term.ends_after and last == count - 1 for term, _ in weighted):
+                continue
+            expected = sum(weight * term_value(costs, term, first, last) for term, weight in weighted)
+            assert many[first, last] == pytest.approx(expected, rel=1e-9, abs=1e-6)
 
 
 ZOO = {
