@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from planner.search.evaluate import Evaluation, evaluate, term_value, weighted_matrix
+from planner.search.ilp import Window
 from planner.search.terms import Aggregate, CostModel, Drain, MemoryRow, Reduce, Term, fixed_sum
 
 _Label = tuple[tuple[float, ...], tuple[int, ...]]  # (piece values so far, cuts so far)
@@ -191,9 +192,12 @@ def _peak_matrix(costs: CostModel, rows: tuple[MemoryRow, ...], part: int) -> np
     return peaks
 
 
-def decided_step_floor(costs: CostModel, enough_ms: float = float("inf")) -> float:
+def decided_step_floor(costs: CostModel, enough_ms: float = float("inf"),
+                       window: Window | None = None) -> float:
     """A step time no partition beats, whatever its recompute and swap shares (inf: none fits); once
     a bound reaches ``enough_ms`` (what its caller needs, to skip the configuration) it is returned at once.
+    With a ``window`` (per cut, the range of units its part may end at, as the ILP takes it), only the
+    partitions within it count.
 
     The step is at least, for any part k, the sum of the objective's sums, the drain from part 0
     (its flow, part 0's tail) and each maximum's (and the drain pace's) first member on part k: a
@@ -209,7 +213,7 @@ def decided_step_floor(costs: CostModel, enough_ms: float = float("inf")) -> flo
     check_exact(costs, decisions_allowed=True)
     num_units, num_parts = costs.num_units, costs.num_parts
     rows = [_freeable(costs, part) for part in range(num_parts)]
-    base = [_part_floor(costs, _floor_terms(costs, part, paced=False), part, rows[part])
+    base = [_windowed(_part_floor(costs, _floor_terms(costs, part, paced=False), part, rows[part]), part, window)
             for part in range(num_parts)]
     if any(matrix is None for matrix in base):
         return float("-inf")
@@ -220,7 +224,8 @@ def decided_step_floor(costs: CostModel, enough_ms: float = float("inf")) -> flo
     tails, _ = _chain(lambda part: base[num_parts - 1 - part][::-1, ::-1].T, np.add, num_units, num_parts)
     units = np.arange(num_units)
     for paced in sorted(range(num_parts), key=lambda part: -float(base[part].min())):  # likely binding first
-        own = _part_floor(costs, _floor_terms(costs, paced, paced=True), paced, rows[paced])
+        own = _windowed(_part_floor(costs, _floor_terms(costs, paced, paced=True), paced, rows[paced]), paced,
+                        window)
         if own is None:
             return float("-inf")
         before = (np.where(units == 0, 0.0, np.inf) if paced == 0
@@ -233,6 +238,22 @@ def decided_step_floor(costs: CostModel, enough_ms: float = float("inf")) -> flo
         if best >= enough_ms:
             break
     return best
+
+
+def _windowed(matrix: np.ndarray | None, part: int, window: Window | None) -> np.ndarray | None:
+    """``matrix`` (part ``part`` holding units first..last at [first, last]) with inf wherever the part
+    would start or end outside ``window``."""
+    if matrix is None or window is None:
+        return matrix
+    units = np.arange(matrix.shape[0])
+    outside = np.zeros(matrix.shape, dtype=bool)
+    if part < len(window):  # its last unit is cut ``part``
+        low, high = window[part]
+        outside |= ((units < low) | (units > high))[None, :]
+    if part > 0:  # its first unit follows cut ``part - 1``
+        low, high = window[part - 1]
+        outside |= ((units - 1 < low) | (units - 1 > high))[:, None]
+    return np.where(outside, np.inf, matrix)
 
 
 def _floor_terms(costs: CostModel, part: int, paced: bool) -> list[tuple[Term, float]]:

@@ -31,7 +31,7 @@ from planner.progress import Phase, Progress, ProgressEvent
 from planner.schedules.generate import Schedule, generate, max_in_flight
 from planner.search.configs import Config, SearchSpace, configurations, gpu_counts
 from planner.search.evaluate import Decisions, Evaluation, evaluate
-from planner.search.ilp import SolveStatus, solve_partition
+from planner.search.ilp import SolveStatus, Window, solve_partition
 from planner.search.infeasible import capacity_error, infeasible_error
 from planner.search.oracle import OracleResult, check_exact, decided_step_floor, min_peak_partition
 from planner.search.problem import (
@@ -517,7 +517,7 @@ class Search:
         for _ in range(DECISION_ROUNDS):
             window = tuple((max(-1, cut - width), min(costs.num_units - 2, cut + width)) for cut in cuts)
             remaining = deadline - time.perf_counter()
-            if remaining <= 0:
+            if remaining <= 0 or _cannot_beat(costs, cutoff_ms, window):
                 break
             result = solve_partition(costs, time_limit_s=min(remaining, DECISION_SOLVE_S), cutoff_ms=cutoff_ms,
                                      window=window)
@@ -618,6 +618,17 @@ def _activations(decisions: Decisions | None) -> str:
     recomputed, swapped = round(sum(decisions.recompute)), round(sum(decisions.swap))
     said = [f"recomputing {recomputed} units" if recomputed else "", f"swapping {swapped} units" if swapped else ""]
     return " and ".join(text for text in said if text)
+
+
+def _cannot_beat(costs: CostModel, cutoff_ms: float | None, window: Window) -> bool:
+    """Whether the decided step floor over ``window``'s partitions proves that none beats ``cutoff_ms``
+    (the window's ILP would find nothing: a DP in milliseconds instead of a solve)."""
+    if cutoff_ms is None:
+        return False
+    try:
+        return decided_step_floor(costs, cutoff_ms, window) >= cutoff_ms
+    except ValueError:  # several stages share a slot: the DP does not apply
+        return False
 
 
 def whole_units(decisions: Decisions | None) -> Decisions | None:

@@ -162,6 +162,28 @@ def test_the_bound_with_memory_decisions_is_below_every_fitting_plan(problem: Pi
         assert enough <= decided_step_floor(costs, enough) <= bound + 1e-9
 
 
+@settings(max_examples=60, deadline=None)
+@given(decided_problems(max_stages=3), st.data())
+def test_the_bound_within_a_window_is_below_every_fitting_plan_in_it(problem: PipelineProblem,
+                                                                     data: st.DataObject) -> None:
+    """Restricted to a window of cuts (as the search's ILP with memory decisions is), the bound is at
+    most the step of every fitting plan whose cuts lie in it (brute force), and at least the bound
+    over every partition; the window's ILP finds nothing below it."""
+    costs = cost_model(problem)
+    count = costs.num_units
+    around = data.draw(st.sampled_from(list(itertools.combinations(range(count - 1), costs.num_parts - 1))))
+    width = data.draw(st.integers(0, 2))  # each cut within width units of a partition's, as the search's
+    window = tuple((max(-1, cut - width), min(count - 2, cut + width)) for cut in around)
+    bound = decided_step_floor(costs, window=window)
+    inside = [evaluation for evaluation in _every_plan(costs)
+              if all(low <= cut <= high for cut, (low, high) in zip(evaluation.cuts, window))]
+    assert all(bound <= e.step_ms + 1e-9 for e in inside if e.fits(problem.mem_bytes))
+    assert bound >= decided_step_floor(costs) - 1e-9
+    result = solve_partition(costs, window=window)
+    if result.objective is not None:
+        assert bound <= result.objective + 1e-6
+
+
 def test_recompute_adds_the_forward_and_keeps_only_the_inputs() -> None:
     unit = Unit(("a",), 2.0, 3.0, 100, 0, 1000, 10, (), 0, 0, 0, 1000, 200)
     problem = PipelineProblem((unit, unit), (50,), (), Layout.pipeline(1), ScheduleKind.GPIPE, 3, (3,), (),
