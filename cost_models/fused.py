@@ -73,6 +73,25 @@ class FusedGroup:
         return sum(cost.fwd_ms + cost.bwd_ms for cost in self.costs.values())
 
 
+class _Signatures:
+    """Per node of a cost table, a small number that is equal for nodes alike in every cost the fused
+    groups' costs read (forward and backward time, saved and output bytes); ``rows`` numbers those
+    costs, shared by every table so that a number means the same costs in each."""
+
+    def __init__(self, table: CostTable, rows: dict[tuple, int]) -> None:
+        self.table = table
+        self._numbers: dict[str, int] = {}
+        self._rows = rows
+
+    def __getitem__(self, name: str) -> int:
+        number = self._numbers.get(name)
+        if number is None:
+            row = self.table[name]
+            number = self._numbers[name] = self._rows.setdefault(
+                (row.fwd_ms, row.bwd_ms, row.saved_activation_bytes, row.output_bytes), len(self._rows))
+        return number
+
+
 class FusedHalos:
     """Fused groups of one tile geometry: their costs, and the choice of those that pay.
 
@@ -83,6 +102,7 @@ class FusedHalos:
         self.graph, self.geometry = graph, geometry
         self._shapes: dict[tuple, _Shape] = {}
         self._groups: dict[tuple, tuple[tuple[TileCost, ...], GroupExchange]] = {}  # by shape and costs
+        self._cost_numbers: dict[tuple, int] = {}  # see _Signatures
         self._runs: dict[tuple[str, ...], tuple[tuple[LayerNode, ...], tuple, _Shape, tuple[str, ...]] | None] = {}
         self._targets: dict[str, int] = {}
         for tiles in geometry.nodes:
@@ -109,18 +129,22 @@ class FusedHalos:
                 break
             run.append(tuple(unit))
         cuts = self._single_value_cuts(run)
-        best: list[tuple[float, tuple[FusedGroup, ...]]] = [(0.0, ())]
+        signature = _Signatures(table, self._cost_numbers)
+        best: list[tuple[float, tuple[tuple[str, ...], ...]]] = [(0.0, ())]
         for end in range(1, len(run) + 1):
             step = sum(per_layer[name].fwd_ms + per_layer[name].bwd_ms for name in run[end - 1] if name in per_layer)
             options = [(best[end - 1][0] + step, best[end - 1][1])]
             if end in cuts:
                 at = cuts.index(end)
                 for start in cuts[max(0, at - MAX_GROUP_BLOCKS):at]:
-                    group = self.group([name for unit in run[start:end] for name in unit], table, link, allreduce)
-                    if group is not None:
-                        options.append((best[start][0] + group.step_ms, (*best[start][1], group)))
+                    names = tuple(name for unit in run[start:end] for name in unit)
+                    costs = self._group_costs(names, table, link, allreduce, signature)
+                    if costs is not None:
+                        step_ms = sum(cost.fwd_ms + cost.bwd_ms for cost in costs[0])
+                        options.append((best[start][0] + step_ms, (*best[start][1], names)))
             best.append(min(options, key=lambda option: option[0]))
-        return best[-1][1]
+        return tuple(group for names in best[-1][1]
+                     if (group := self.group(names, table, link, allreduce)) is not None)
 
     def _single_value_cuts(self, run: Sequence[Sequence[str]]) -> list[int]:
         """Unit boundaries of ``run`` (0 and its end included) that exactly one computed value crosses."""
@@ -144,20 +168,28 @@ class FusedHalos:
         tiles, inputs on different grids, a layer also called outside the group, fewer than two
         window layers. ``table`` gives the whole image's costs at the micro-batch size, ``link``
         joins the tiles, ``allreduce`` is (fixed ms, ms per byte) of an all-reduce over them."""
-        found = self._run(tuple(names))
+        found = self._group_costs(tuple(names), table, link, allreduce, _Signatures(table, self._cost_numbers))
+        if found is None:
+            return None
+        costs, exchange = found
+        members = self._run(tuple(names))[0]  # type: ignore[index]
+        return FusedGroup(dataclasses.replace(exchange, nodes=tuple(node.name for node in members)),
+                          dict(zip((node.name for node in members), costs)))
+
+    def _group_costs(self, names: tuple[str, ...], table: CostTable, link: LinkSpec, allreduce: tuple[float, float],
+                     signature: _Signatures) -> tuple[tuple[TileCost, ...], GroupExchange] | None:
+        """group()'s member costs and exchange (its nodes those of the first group alike), memoised: deep
+        networks repeat their blocks, alike in shape and in every cost the table gives their nodes and
+        inputs (a member's first input is a member or an input, so its pixel bytes are covered)."""
+        found = self._run(names)
         if found is None:
             return None
         members, key, shape, inputs = found
-        rows = tuple(table[node.name] for node in members)
-        reads = tuple(self._pixel_bytes(self._tensors(node)[0], table) if pixels else 0.0
-                      for node, pixels in zip(members, shape.read_pixels))
-        memo = (key, tuple((row.fwd_ms, row.bwd_ms, row.saved_activation_bytes, row.output_bytes) for row in rows),
-                reads, tuple(self._pixel_bytes(name, table) for name in inputs), link, allreduce)
-        if memo not in self._groups:  # deep networks repeat their blocks
+        memo = (key, tuple(signature[node.name] for node in members), tuple(signature[name] for name in inputs),
+                link, allreduce)
+        if memo not in self._groups:
             self._groups[memo] = self._costs(members, shape, table, link, allreduce)
-        costs, exchange = self._groups[memo]
-        return FusedGroup(dataclasses.replace(exchange, nodes=tuple(node.name for node in members)),
-                          dict(zip((node.name for node in members), costs)))
+        return self._groups[memo]
 
     def _costs(self, members: tuple[LayerNode, ...], shape: _Shape, table: CostTable, link: LinkSpec,
                allreduce: tuple[float, float]) -> tuple[tuple[TileCost, ...], GroupExchange]:
