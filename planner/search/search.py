@@ -552,8 +552,9 @@ class Search:
     def decided_bound(self, config: Config, enough_ms: float = float("inf")) -> float:
         """Step time no partition of this configuration beats with any recompute and swap: the larger of
         :meth:`lower_bound` and, where the DPs apply, the time its parts must pay to free the memory
-        beyond the budget (planner/search/oracle.py: decided_step_floor; cached). A bound that reached
-        ``enough_ms`` may be below the tightest; the search only lowers what it asks for (its best step)."""
+        beyond the budget (planner/search/oracle.py: decided_step_floor; cached). Asked with ``enough_ms``
+        (the search's best step so far, which only falls) it may stop once it reaches that: below the
+        tightest bound then, but still at or above every later best, so it prunes alike."""
         if config not in self._decided_bounds:
             bound, costs = self.lower_bound(config), self.setup(config).decided
             try:
