@@ -475,13 +475,15 @@ class Search:
         start = time.perf_counter()
         kept = None
         if setup.decided_problem is None or self._kept_fits(config):
-            result = solve_partition(setup.costs, time_limit_s=time_limit_s, cutoff_ms=cutoff_ms)
-            if result.cuts is not None:
+            proven = _cannot_beat(setup.costs, cutoff_ms)  # then the ILP would find nothing either
+            result = None if proven else solve_partition(setup.costs, time_limit_s=time_limit_s, cutoff_ms=cutoff_ms)
+            if result is not None and result.cuts is not None:
                 kept = Candidate(setup, evaluate(setup.costs, result.cuts), result.objective, result.status,
                                  result.solver, result.gap, result.binding)
-            elif seed is not None and result.status is SolveStatus.INFEASIBLE and cutoff_ms is not None \
-                    and cutoff_ms >= seed.objective_ms:  # the ILP proved that nothing beats the seed
-                kept = dataclasses.replace(seed, status=SolveStatus.OPTIMAL, solver=result.solver, gap=0.0)
+            elif seed is not None and (proven or result.status is SolveStatus.INFEASIBLE) and cutoff_ms is not None \
+                    and cutoff_ms >= seed.objective_ms:  # it is proven that nothing beats the seed
+                kept = dataclasses.replace(seed, status=SolveStatus.OPTIMAL, gap=0.0,
+                                           solver=seed.solver if result is None else result.solver)
             else:
                 kept = seed
         binds = kept is None or kept.evaluation.peak_mem_bytes >= DECIDE_WHEN_MEMORY_AT * self.space.mem_bytes
@@ -621,9 +623,10 @@ def _activations(decisions: Decisions | None) -> str:
     return " and ".join(text for text in said if text)
 
 
-def _cannot_beat(costs: CostModel, cutoff_ms: float | None, window: Window) -> bool:
-    """Whether the decided step floor over ``window``'s partitions proves that none beats ``cutoff_ms``
-    (the window's ILP would find nothing: a DP in milliseconds instead of a solve)."""
+def _cannot_beat(costs: CostModel, cutoff_ms: float | None, window: Window | None = None) -> bool:
+    """Whether the decided step floor (over ``window``'s partitions, if given) proves that no plan of
+    ``costs`` beats ``cutoff_ms``: the ILP would find nothing, a DP in milliseconds instead of a solve.
+    Without memory decisions the floor is the objective's over the partitions that fit."""
     if cutoff_ms is None:
         return False
     try:
