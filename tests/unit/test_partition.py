@@ -19,7 +19,7 @@ from planner import trace
 from planner.plan import Layout, ScheduleKind
 from planner.search.evaluate import evaluate, term_matrix, term_value, weighted_matrix
 from planner.search.ilp import SolveStatus, solve_partition
-from planner.search.oracle import min_peak_partition, optimal_partition
+from planner.search.oracle import decided_step_floor, min_peak_partition, optimal_partition
 from planner.search.problem import LinearCost, PipelineProblem, SharedParam, Unit
 from planner.search.search import Config, Search, SearchSpace
 from planner.search.terms import CostModel, cost_model
@@ -75,6 +75,20 @@ def test_ilp_equals_exact_dynamic_program(problem: PipelineProblem) -> None:
     assert chosen.step_ms == pytest.approx(result.objective, rel=1e-6, abs=1e-6)
     assert chosen.fits(problem.mem_bytes)
     assert exact == pytest.approx(_brute_force(costs), rel=1e-9, abs=1e-9)
+
+
+@settings(max_examples=100, deadline=None)
+@given(problems())
+def test_the_step_floor_of_plans_keeping_every_activation_is_below_the_best_that_fits(
+        problem: PipelineProblem) -> None:
+    """What lets the search skip a configuration's ILP: without memory decisions, the step floor is at
+    most the fastest partition that fits (brute force), and inf exactly when none fits."""
+    costs = cost_model(problem)
+    floor = decided_step_floor(costs)
+    best = _brute_force(costs)
+    assert (floor == float("inf")) == (best is None)
+    if best is not None:
+        assert floor <= best + 1e-9
 
 
 @settings(max_examples=100, deadline=None)
