@@ -7,13 +7,28 @@ Baselines use the stage count, data-parallel degree, micro-batching and schedule
                     torch.distributed.pipelining's split_into_equal_size).
 All three are costed by the same model and replayed by the same simulator.
 Run: python benchmarks/plan_quality.py        (target: >= 1.3x on ResNet, AmoebaNet, U-Net)
+
+Measured on CPU ranks (``--measured [--ranks 2 4] [--steps 12]``): small GPT and ResNet models
+planned for this CPU (``device="cpu"``) run under tessera's runtime on gloo processes (one thread
+each) against the plans a user would write by hand on the same ranks, every plan's executor built
+in the same processes and the plans alternating step by step (so a shared machine's drifts hit all
+alike); samples/s from the median step, its spread, and tessera's ratio to the better hand plan:
+  pipeline     an equal-layer pipeline over all ranks, 1F1B, 2 x ranks micro-batches;
+  DDP          one stage replicated on every rank (pure data parallelism), one micro-batch each.
 """
 
 from __future__ import annotations
 
+import argparse
+import datetime
+import multiprocessing as mp
+import statistics
 import sys
+import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
+from typing import Any
 
 import torch
 
@@ -25,7 +40,7 @@ from examples.models.resnet import resnet152  # noqa: E402
 from examples.models.unet import unet  # noqa: E402
 from planner import LayerGraph, NodeKind, plan, trace  # noqa: E402
 from planner.manual import plan_with_split  # noqa: E402
-from cost_models.units import format_bytes  # noqa: E402
+from planner.plan import Plan, StateTier  # noqa: E402
 
 # name: (model factory, one input sample, global batch, GPUs, device, memory per GPU)
 CASES: dict[str, tuple[Callable[[], torch.nn.Module], torch.Tensor, int, int, str, str]] = {
@@ -62,6 +77,124 @@ def param_balanced_starts(graph: LayerGraph, stages: int) -> list[str]:
     return sorted(set(starts), key=nodes.index)
 
 
+# name: (builder, its arguments, one input sample as the command line writes it, global batch)
+MEASURED: dict[str, tuple[str, dict[str, Any], str, int]] = {
+    "gpt": ("examples/models/gpt.py:gpt", {"hidden": 128, "layers": 4, "heads": 4, "seq_len": 64,
+                                            "vocab": 4096, "dropout": 0.0}, "64:int64", 16),
+    "resnet50": ("examples/models/resnet.py:resnet50", {"width": 8, "num_classes": 10}, "3x64x64", 16),
+}
+SEED = 0
+
+
+def measured_plans(name: str, ranks: int) -> dict[str, Plan]:
+    """tessera's plan of MEASURED[name] on ``ranks`` CPU processes and the two hand-written ones."""
+    from cost_models.graph.model_spec import build_model, example_inputs, load_builder, parse_input
+
+    builder, kwargs, sample, batch = MEASURED[name]
+    model = build_model(load_builder(builder, Path.cwd()), kwargs, "meta")
+    x = example_inputs([parse_input(sample)], 1, "meta")
+    graph = trace(model, x)
+    common = {"example_inputs": x, "graph": graph, "device": "cpu", "optimizer": "momentum",
+              "builder": builder, "builder_kwargs": kwargs, "batch_size": batch}
+    micro = max(1, batch // (2 * ranks))
+    return {"tessera": plan(model, gpus=ranks, mem="4GB", **common),
+            "pipeline": plan_with_split(model, stage_starts=equal_layer_starts(graph, ranks),
+                                        micro_batch_size=micro, schedule="1f1b", **common),
+            "DDP": plan_with_split(model, stage_starts=[], micro_batch_size=batch // ranks,
+                                   data_parallel=ranks, schedule="gpipe", **common)}
+
+
+def _measure_rank(rank: int, world: int, init_file: str, plans_json: dict[str, str], steps: int,
+                  results: Any) -> None:
+    import json
+
+    from runtime.build import rebuild_model
+    from runtime.data import SyntheticData, input_specs, synthetic_task
+    from runtime.executor import Executor
+    from runtime.optim import optimizer_factory
+
+    torch.set_num_threads(1)
+    dist = torch.distributed
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=600))
+    runs: dict[str, Callable[[int], float]] = {}
+    for name, text in plans_json.items():
+        chosen = Plan.from_dict(json.loads(text))
+        executor = Executor(chosen, rebuild_model(chosen, Path.cwd()), lambda out, target: out.sum(),
+                            optimizer_factory(chosen.training.optimizer, None), seed=SEED, timeout_s=600)
+        output = executor.flow.specs[executor.flow.output_names[0]]
+        data = SyntheticData(input_specs(executor.traced, dict(executor.flow.specs)), synthetic_task(output), SEED)
+        executor.loss_fn = data.task
+        count = chosen.training.num_microbatches
+
+        def step(index: int, executor: Executor = executor, data: SyntheticData = data, count: int = count) -> float:
+            batches = [data.microbatch(index, executor.replica * count + m, inputs=executor.needs_inputs,
+                                       targets=executor.needs_targets) for m in range(count)]
+            return executor.run(batches)
+        runs[name] = step
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    warmup = 2
+    for index in range(warmup + steps):
+        for name, step in runs.items():
+            dist.barrier()
+            began = time.perf_counter()
+            step(index)
+            dist.barrier()
+            if index >= warmup:
+                times[name].append(time.perf_counter() - began)
+    if rank == 0:
+        results.put(times)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure(plans: dict[str, Plan], steps: int) -> dict[str, list[float]]:
+    """Seconds per step of each plan, measured alternating in one set of gloo processes."""
+    world = next(iter(plans.values())).cluster.gpus
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        processes = [context.Process(target=_measure_rank, args=(
+            rank, world, str(Path(tmp) / "rdzv"), {name: p.to_json() for name, p in plans.items()}, steps,
+            results)) for rank in range(world)]
+        for process in processes:
+            process.start()
+        times = results.get(timeout=1800)
+        for process in processes:
+            process.join(timeout=120)
+    return times
+
+
+def describe_layout(chosen: Plan) -> str:
+    offload = chosen.stages[0].offload
+    state = f" zero{offload.zero_stage}" if offload.zero_stage else ""
+    state += f" opt:{offload.optimizer_state.value}" if offload.optimizer_state is not StateTier.GPU else ""
+    return (f"{chosen.num_stages}x{chosen.data_parallel} mb {chosen.training.micro_batch_size} "
+            f"{chosen.schedule.kind.value}{state}")
+
+
+def main_measured(ranks: list[int], steps: int) -> None:
+    import os
+
+    print(f"measured on CPU: gloo processes x 1 thread, median of {steps} steps per plan, the plans "
+          f"alternating step by step; load average {os.getloadavg()[0]:.1f} at the start")
+    print(f"{'model':<10} {'ranks':>5}  {'plan':<9} {'layout':<26} {'predicted':>10} {'samples/s':>10} "
+          f"{'spread':>14} {'tessera / it':>12}")
+    for name in MEASURED:
+        for world in ranks:
+            plans = measured_plans(name, world)
+            times = measure(plans, steps)
+            batch = MEASURED[name][3]
+            rate = {key: batch / statistics.median(values) for key, values in times.items()}
+            for key, chosen in plans.items():
+                spread = f"{batch / max(times[key]):.1f}-{batch / min(times[key]):.1f}"
+                ratio = "" if key == "tessera" else f"{rate['tessera'] / rate[key]:.2f}x"
+                print(f"{name:<10} {world:>5}  {key:<9} {describe_layout(chosen):<26} "
+                      f"{chosen.predicted.step_ms:>8.1f}ms {rate[key]:>10.1f} {spread:>14} {ratio:>12}")
+            best_hand = max(rate["pipeline"], rate["DDP"])
+            print(f"{name:<10} {world:>5}  tessera / better hand plan: {rate['tessera'] / best_hand:.2f}x")
+
+
 def main(names: list[str]) -> None:
     print(f"{'model':<20} {'layout':<28} {'tessera ms':>10} {'equal-layer ms':>15} {'ratio':>6} "
           f"{'param-bal. ms':>14} {'ratio':>6}")
@@ -90,4 +223,13 @@ def main(names: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help=f"predicted cases (default all: {', '.join(CASES)})")
+    parser.add_argument("--measured", action="store_true", help="measure on CPU ranks instead")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--steps", type=int, default=12)
+    arguments = parser.parse_args()
+    if arguments.measured:
+        main_measured(arguments.ranks, arguments.steps)
+    else:
+        main(arguments.names)
