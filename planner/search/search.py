@@ -558,7 +558,10 @@ class Search:
         (the search's best step so far, which only falls) it may stop once it reaches that: below the
         tightest bound then, but still at or above every later best, so it prunes alike."""
         if config not in self._decided_bounds:
-            bound, costs = self.lower_bound(config), self.setup(config).decided
+            bound = self.lower_bound(config)
+            if bound >= enough_ms:  # enough already: no dynamic program
+                return bound
+            costs = self.setup(config).decided
             try:
                 self._decided_bounds[config] = max(bound, decided_step_floor(costs, enough_ms)) if costs else bound
             except ValueError:  # several stages share a slot
