@@ -108,7 +108,7 @@ def compare(plan: Plan, report: RunReport) -> str:
               f"{_percent(check.error_pct):>8}  {WORST_MARK if check is marked else ''}".rstrip()
               for check in found]
     if report.held_mem_bytes:
-        lines.append("runtime holds (model state and buffers, per rank): "
+        lines.append("runtime holds at most (model state, saved activations, its own buffers; per rank): "
                      + ", ".join(format_bytes(held) for held in report.held_mem_bytes))
     for rank, (host, nvme) in enumerate(zip(report.optimizer_host_bytes, report.optimizer_nvme_bytes)):
         lines.append(f"rank {rank} optimizer state off the device: {format_bytes(host)} in host memory, "
