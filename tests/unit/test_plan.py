@@ -423,3 +423,24 @@ def test_the_printed_plan_labels_what_it_shows() -> None:
     assert "2 stages x 1 data-parallel" in tight and "bubble: " in _lines(tight, "step: ")[0]
     binding = _lines(tight, "binding: ")[0]
     assert re.search(r"; memory of rank \d \((9\d|100)% of the usable budget\)", binding)
+
+
+def test_configurations_running_the_same_programs_are_searched_once() -> None:
+    """With one micro-batch GPipe and 1F1B generate the very same programs: the search keeps the first
+    listed; with two they differ and both stay."""
+    from planner.api import validate_space
+    from planner.search.configs import configurations
+    from planner.search.search import Search
+    from cost_models.devices import get_device
+
+    graph = trace(gpt_tiny(), torch.empty(1, 32, dtype=torch.long, device="meta"))
+    for micro, expected in ((4, {"gpipe"}), (2, {"gpipe", "1f1b"})):
+        space, spec = validate_space(2, "16GB", 4, "V100-16GB", None, "adam", "fp32", ("gpipe", "1f1b"), (micro,),
+                                     60.0, (2,), data_parallel=(1,), offload=False)
+        search = Search(graph, get_device(spec), space)
+        every = configurations(space, max_stages=99)
+        kept = search.distinct(every)
+        assert {config.schedule.value for config in kept} == expected
+        assert len(every) == 2 and len(kept) == len(expected)
+        assert all(search.schedule(config).programs != search.schedule(other).programs or config == other
+                   for config in kept for other in kept)
