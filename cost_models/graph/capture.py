@@ -72,6 +72,8 @@ def capture(model: nn.Module, example_inputs: tuple[torch.Tensor, ...],
         with _captured_torch_output() as output:
             try:
                 return Capture(_export(model, example_inputs), "export")
+            except TraceError as refused:  # exported, but holding what tessera cannot plan
+                raise TraceError(f"cannot capture {type(model).__name__}: {refused}") from refused
             except Exception as export_error:  # noqa: BLE001
                 raise TraceError(_both_failed_message(model, fx_error, export_error),
                                  details=output.getvalue()) from export_error
