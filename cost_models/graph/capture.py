@@ -130,8 +130,8 @@ def _export(model: nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> torch
 def _inline_scoped_regions(module: torch.fx.GraphModule) -> None:
     """Inline the grad-mode and autocast regions export wraps as higher-order ops, nested ones first.
 
-    A ``torch.no_grad()`` or ``torch.autocast(enabled=False)`` block (Llama's rotary embedding
-    runs under both) becomes ``wrap_with_set_grad_enabled(False, submod, *operands)`` or
+    A ``torch.no_grad()`` block (Llama's rotary embedding is one) or ``torch.autocast(enabled=False)``
+    block (rotary embeddings of other transformers versions) may become ``wrap_with_set_grad_enabled(False, submod, *operands)`` or
     ``wrap_with_autocast(device, dtype, False, cache, submod, *operands)``: a call of a nested
     GraphModule that the graph's costing, splitting and cleaning (the metadata asserts, the baked
     meta device) would not see into. The body's nodes are copied into the graph instead. The
