@@ -9,6 +9,11 @@ Rules (the documented limitation):
 * A module without ``reset_parameters()`` gets ``normal(0, 0.02)`` for its direct parameters
   (same seeding); its buffers are zero-filled when they were on the meta device (a module's
   constructor values cannot be recovered from meta tensors) and kept as they are otherwise.
+* A model that initialises its own submodules, as every Hugging Face ``transformers`` model does
+  with ``model._init_weights(module)``, then has that run on each module too (same seeding): it
+  is how such a model fills what it built on the meta device, non-persistent buffers included
+  (BERT's ``position_ids``, Llama's rotary ``inv_freq``), so they are the constructor's values,
+  not zeros, and its parameters follow the model's own distributions.
 * A tensor shared by several modules (tied weights) is initialised by the first module that
   holds it, in ``named_modules()`` order; later holders initialise only their own tensors.
 * The values therefore differ from the builder's own constructor initialisation; they equal
@@ -17,7 +22,7 @@ Rules (the documented limitation):
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 import torch
 from torch import nn
@@ -41,9 +46,10 @@ def initialize(model: nn.Module, seed: int, *, device: torch.device | str = "cpu
     target = torch.device(device)
     selected = None if modules is None else _with_first_holders(model, set(modules))
     done: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(original) -> (original, result)
+    own_init = getattr(model, "_init_weights", None)
     for name, module in model.named_modules():
         if (selected is None or name in selected) and _direct_slots(module):
-            _initialize_module(module, name, seed, target, done)
+            _initialize_module(module, name, seed, target, done, own_init if callable(own_init) else None)
     return model
 
 
@@ -65,8 +71,12 @@ def _with_first_holders(model: nn.Module, modules: set[str]) -> set[str]:
 
 
 def _initialize_module(module: nn.Module, name: str, seed: int, device: torch.device,
-                       done: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Modules come in ``named_modules()`` order, so a tied tensor's first holder is done first."""
+                       done: dict[int, tuple[torch.Tensor, torch.Tensor]],
+                       own_init: Callable[[nn.Module], None] | None) -> None:
+    """Modules come in ``named_modules()`` order, so a tied tensor's first holder is done first.
+
+    ``own_init`` is the model's own initialiser of one submodule (``_init_weights``), if it has one.
+    """
     slots = _direct_slots(module)
     tied = {attr: done[id(tensor)][1] for attr, tensor, _ in slots if id(tensor) in done}
     for attr, tensor, is_param in slots:
@@ -74,8 +84,10 @@ def _initialize_module(module: nn.Module, name: str, seed: int, device: torch.de
         # module consumes the generator exactly as it does in a full single-process model.
         fresh = torch.empty(tensor.shape, dtype=tensor.dtype) if attr in tied else _on_cpu(tensor)
         _assign(module, attr, fresh, is_param, tensor.requires_grad)
-    with seeded(seed, "init", name):
+    with seeded(seed, "init", name), torch.no_grad():
         _reset(module)
+        if own_init is not None:
+            own_init(module)
     for attr, tensor, is_param in slots:
         if attr in tied:
             _assign(module, attr, tied[attr], is_param, tensor.requires_grad)

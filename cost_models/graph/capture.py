@@ -6,6 +6,7 @@ import contextlib
 import copy
 import io
 import logging
+import operator
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -71,6 +72,8 @@ def capture(model: nn.Module, example_inputs: tuple[torch.Tensor, ...],
         with _captured_torch_output() as output:
             try:
                 return Capture(_export(model, example_inputs), "export")
+            except TraceError as refused:  # exported, but holding what tessera cannot plan
+                raise TraceError(f"cannot capture {type(model).__name__}: {refused}") from refused
             except Exception as export_error:  # noqa: BLE001
                 raise TraceError(_both_failed_message(model, fx_error, export_error),
                                  details=output.getvalue()) from export_error
@@ -107,6 +110,7 @@ def _export(model: nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> torch
     dynamic = tuple((Dim.AUTO, *(Dim.STATIC,) * (x.dim() - 1)) if x.dim() else {} for x in inputs)
     exported = torch.export.export(_meta_copy(model), inputs, dynamic_shapes=dynamic, strict=False)
     module = exported.module()
+    _inline_scoped_regions(module)
     for node in list(module.graph.nodes):
         guard = node.op == "call_module" and node.target == "_guards_fn"
         # checks that a .to() gave the traced dtype and device: false where the runtime computes in
@@ -121,6 +125,70 @@ def _export(model: nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> torch
     _bind_state(module, model)
     module.recompile()
     return module
+
+
+def _inline_scoped_regions(module: torch.fx.GraphModule) -> None:
+    """Inline the grad-mode and autocast regions export wraps as higher-order ops, nested ones first.
+
+    A ``torch.no_grad()`` block (Llama's rotary embedding is one) or ``torch.autocast(enabled=False)``
+    block (rotary embeddings of other transformers versions) may become ``wrap_with_set_grad_enabled(False, submod, *operands)`` or
+    ``wrap_with_autocast(device, dtype, False, cache, submod, *operands)``: a call of a nested
+    GraphModule that the graph's costing, splitting and cleaning (the metadata asserts, the baked
+    meta device) would not see into. The body's nodes are copied into the graph instead. The
+    runtime trains with gradients on and a disabled autocast region computes in the model's own
+    dtype either way, so only a region that turns gradients off needs more: its outputs are
+    detached, as the region's are (they carry no autograd history). A region that turns autocast
+    on is refused in one line: its body computes in another dtype than the graph would say.
+    """
+    for node in list(module.graph.nodes):
+        if node.op != "call_function" or node.target not in _scoped_regions():
+            continue
+        body_at, operands, detach = _region_call(node)
+        body = getattr(module, body_at.target)
+        _inline_scoped_regions(body)
+        with module.graph.inserting_before(node):
+            values = dict(zip(body.graph.find_nodes(op="placeholder"), operands))
+            result = module.graph.graph_copy(body.graph, values)
+            if detach:
+                result = torch.utils._pytree.tree_map_only(
+                    torch.fx.Node, lambda value: module.graph.call_function(torch.ops.aten.detach.default,
+                                                                            (value,)), result)
+        _replace_region_outputs(node, result)
+        module.graph.erase_node(node)
+        if not body_at.users:
+            module.graph.erase_node(body_at)
+            delattr(module, body_at.target)
+    module.recompile()
+
+
+def _scoped_regions() -> tuple[object, ...]:
+    return (torch.ops.higher_order.wrap_with_set_grad_enabled, torch.ops.higher_order.wrap_with_autocast)
+
+
+def _region_call(node: torch.fx.Node) -> tuple[torch.fx.Node, tuple[object, ...], bool]:
+    """The body's get_attr node, the operands, and whether the outputs must be detached."""
+    if node.target is torch.ops.higher_order.wrap_with_set_grad_enabled:
+        enabled, body_at, *operands = node.args
+        return body_at, tuple(operands), not enabled
+    device_type, dtype, enabled, _, body_at, *operands = node.args
+    if enabled:
+        raise TraceError(f"the exported graph computes a region under torch.autocast({device_type!r}, "
+                         f"dtype={dtype}); tessera plans one precision for the whole model: remove the "
+                         f"autocast block from forward() and give the precision to plan() instead")
+    return body_at, tuple(operands), False
+
+
+def _replace_region_outputs(node: torch.fx.Node, result: object) -> None:
+    """Point the users of a region call (``getitem(call, i)`` for a tuple body) at the copied values."""
+    if not isinstance(result, (tuple, list)):
+        node.replace_all_uses_with(result)
+        return
+    for user in [user for user in node.users if user.target is operator.getitem]:
+        user.replace_all_uses_with(result[user.args[1]])
+        user.graph.erase_node(user)
+    if node.users:  # the tuple itself is used: rebuild it from the copied values
+        with node.graph.inserting_before(node):
+            node.replace_all_uses_with(node.graph.call_function(tuple, (list(result),)))
 
 
 def _batch_at_least_two(shape: torch.Size) -> tuple[int, ...]:
