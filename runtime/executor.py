@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,10 @@ from runtime.state import MicrobatchState, StepState
 from runtime.tiles import halo_bytes_sent
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+_BUSY = frozenset({ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W, ActionKind.OPTIMIZER_STEP})
+"""The actions whose wall time is a rank's busy time (the simulator's compute lane): the rest of a step
+is idle, waiting on receives, all-reduces, swaps and the step's end."""
+
 _HANDLERS = {ActionKind.F: "_forward", ActionKind.B: "_backward", ActionKind.I: "_backward_input",
              ActionKind.W: "_backward_weight", ActionKind.ALLREDUCE: "_allreduce",
              ActionKind.OPTIMIZER_STEP: "_optimizer_step", ActionKind.SWAP_OUT: "_swap_out",
@@ -106,6 +111,7 @@ class Executor:
         self.memory = MemoryTracker(self.device, self._model_state)
         self.steps_done = 0
         self.halo_bytes_sent = 0  # by this rank's halo exchanges in the last step (runtime/tiles.py)
+        self.busy_ms = 0.0  # wall time of this rank's compute actions in the last step (CPU: its busy time)
 
     def _model_state(self) -> list[torch.Tensor]:
         """Parameters, buffers, gradients, fp32 masters and optimizer state of this rank's stages."""
@@ -159,15 +165,20 @@ class Executor:
         state = StepState(tuple(microbatches))
         self.swaps.new_step()
         halo_before = self._halo_bytes()
+        busy_s = 0.0
         for segment in self.segments:
             if isinstance(segment, tuple):
                 self._communicate(segment, state)
             else:
+                began = time.perf_counter()
                 getattr(self, _HANDLERS[segment.kind])(segment, state)
+                if segment.kind in _BUSY:
+                    busy_s += time.perf_counter() - began
             if self.memory.active:
                 self.memory.sample([*state.held(), *self.p2p.in_flight()])
         self.p2p.finish()
         self.halo_bytes_sent = self._halo_bytes() - halo_before
+        self.busy_ms = busy_s * 1e3
         self.steps_done += 1
         return self._global_loss(state)
 

@@ -53,7 +53,7 @@ def run(plan: Plan, options: RunOptions, device: torch.device) -> RunReport:
     if start:
         assert options.checkpoint_dir is not None
         checkpoint.restore(executor, options.checkpoint_dir, start)
-    step_ms, losses = [], []
+    step_ms, busy_ms, losses = [], [], []
     for step in range(start, options.steps):
         if options.fail_at_step == step and executor.rank == options.fail_rank:
             raise RuntimeError(f"injected failure on rank {executor.rank} before step {step} "
@@ -65,6 +65,7 @@ def run(plan: Plan, options: RunOptions, device: torch.device) -> RunReport:
         elapsed_ms = (time.perf_counter() - began) * 1e3
         if not profiled or step == start:  # the profiler slows its step down: not timed
             step_ms.append(elapsed_ms)
+            busy_ms.append(executor.busy_ms)
         _log(executor, step, options.steps, losses[-1], elapsed_ms)
         if options.checkpoint_dir and _checkpoint_due(step + 1, options):
             checkpoint.save(executor, options.checkpoint_dir, step + 1)
@@ -73,6 +74,7 @@ def run(plan: Plan, options: RunOptions, device: torch.device) -> RunReport:
                          fingerprint=plan.model.fingerprint, device=device,
                          global_batch_size=plan.training.global_batch_size, start_step=start,
                          host_swap_bytes=executor.swaps.step_bytes, halo_bytes_sent=executor.halo_bytes_sent,
+                         busy_ms=busy_ms,
                          optimizer_bytes=(sum(s.host_bytes for s in states), sum(s.nvme_bytes for s in states)))
 
 

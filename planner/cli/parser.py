@@ -58,14 +58,16 @@ def build_parser() -> argparse.ArgumentParser:
                     "rank; a refused set-up exits 2, a failed rank 1."))
     validate = commands.add_parser(
         "validate", help="print a plan's predictions beside a run report's measurements",
-        description="Compare predicted and measured step time, samples/s, and per rank its step time, "
-                    "peak memory and halo bytes sent, with the error of each in percent and the worst "
-                    "marked. With --tolerance, exit 1 when an error is above it.")
+        description="Compare predicted and measured step time, samples/s, the bubble (on CPU), and per "
+                    "rank its step time, idle share, peak memory and halo bytes sent, with the error of "
+                    "each in percent (of a share, in percentage points) and the worst marked. With "
+                    "--tolerance, exit 1 when an error is above it.")
     validate.add_argument("plan_file", metavar="PLAN", type=Path)
     validate.add_argument("report_file", metavar="RUN_REPORT", type=Path)
     validate.add_argument("--tolerance", type=float, default=None, metavar="PERCENT",
-                          help="largest error allowed, in percent (e.g. 10): above it, print which "
-                               "check is worst and exit 1 (default: only report)")
+                          help="largest error allowed, in percent (e.g. 10; for the bubble and idle "
+                               "shares, percentage points): above it, print which check is worst and "
+                               "exit 1 (default: only report)")
     validate.set_defaults(handler=lambda args: _run_commands().run_validate(
         args.plan_file, args.report_file, args.tolerance))
     return parser

@@ -1,11 +1,13 @@
 """``tessera validate``: a plan's predictions beside what a run measured, per rank, with a verdict.
 
 Compared, where the run report measures them: the step time (of the job: the slowest rank's;
-per rank: its own), samples/s, each rank's peak memory and the halo bytes each rank's spatial
-exchanges sent. The bubble is predicted only (the run report holds no idle time), so it is
-printed but not checked; nor are the pipeline's point-to-point bytes (the runtime does not count
-them). Every error is ``(measured - predicted) / predicted`` in percent; the line with the
-largest magnitude is marked, and ``verdict`` names it when it is above a tolerance.
+per rank: its own), samples/s, the bubble (of the job, and per rank its idle share, against the
+simulator's replay of the plan; measured on CPU, where the runtime times its compute actions),
+each rank's peak memory and the halo bytes each rank's spatial exchanges sent; the pipeline's
+point-to-point bytes are not (the runtime does not count them). Every error is ``(measured -
+predicted) / predicted`` in percent, a share's (the bubble's) ``measured - predicted`` in
+percentage points; the line with the largest magnitude is marked, and ``verdict`` names it when
+it is above a tolerance.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from cost_models.errors import PlanFileError
 from cost_models.units import format_bytes, format_ms
 from planner.plan import Plan
 from planner.reports.run_report import RunReport
+from planner.simulation import simulate_plan
 
 WORST_MARK = "<- worst"
 
@@ -30,6 +33,7 @@ class Check:
     predicted: float
     measured: float
     show: Callable[[float], str]
+    points: bool = False  # a share: the error is measured - predicted, in percentage points
 
     @property
     def label(self) -> str:
@@ -37,7 +41,10 @@ class Check:
 
     @property
     def error_pct(self) -> float:
-        """``(measured - predicted) / predicted`` in percent; infinite when only the prediction is 0."""
+        """``(measured - predicted) / predicted`` in percent (a share's difference in percentage
+        points); infinite when only the prediction is 0."""
+        if self.points:
+            return (self.measured - self.predicted) * 100
         if not self.predicted:
             return 0.0 if not self.measured else float("inf")
         return (self.measured - self.predicted) / self.predicted * 100
@@ -52,10 +59,17 @@ def checks(plan: Plan, report: RunReport) -> tuple[Check, ...]:
                    format_ms),
              Check("samples/s", None, plan.predicted.samples_per_s, report.samples_per_s, _per_second)]
     halos = predicted_halo_bytes(plan)
+    idle = predicted_idle_fraction(plan) if report.rank_busy_ms else ()
+    if report.bubble_fraction is not None:
+        found.append(Check("bubble", None, plan.predicted.bubble_fraction, report.bubble_fraction, _share,
+                           points=True))
     for rank, peak_bytes in enumerate(plan.predicted.peak_mem_bytes):
         if report.rank_step_ms:
             found.append(Check("step time", rank, plan.predicted.step_ms, report.rank_median_step_ms[rank],
                                format_ms))
+        if idle:
+            found.append(Check("idle share", rank, idle[rank], report.rank_idle_fraction[rank], _share,
+                               points=True))
         found.append(Check("peak memory", rank, peak_bytes, report.peak_mem_bytes[rank], format_bytes))
         if report.halo_bytes_sent and (halos[rank] or report.halo_bytes_sent[rank]):
             found.append(Check("halo bytes sent", rank, halos[rank], report.halo_bytes_sent[rank],
@@ -77,6 +91,12 @@ def predicted_halo_bytes(plan: Plan) -> tuple[int, ...]:
     return tuple(sent)
 
 
+def predicted_idle_fraction(plan: Plan) -> tuple[float, ...]:
+    """Per rank, the share of the simulated step it is not computing (planner/simulation.py)."""
+    simulated = simulate_plan(plan)
+    return tuple(1.0 - busy / simulated.step_ms if simulated.step_ms else 0.0 for busy in simulated.busy_ms)
+
+
 def worst(found: Sequence[Check]) -> Check:
     """The check with the largest error magnitude (the first of equals)."""
     return max(found, key=lambda check: abs(check.error_pct))
@@ -88,7 +108,7 @@ def verdict(found: Sequence[Check], tolerance_pct: float) -> str | None:
     if not beyond:
         return None
     check = worst(found)
-    return (f"{check.label} is off by {_percent(check.error_pct)} (predicted {check.show(check.predicted)}, "
+    return (f"{check.label} is off by {_error(check)} (predicted {check.show(check.predicted)}, "
             f"measured {check.show(check.measured)}), above the tolerance of {tolerance_pct:g}%; "
             f"{len(beyond)} of {len(found)} checks are beyond it")
 
@@ -105,7 +125,7 @@ def compare(plan: Plan, report: RunReport) -> str:
     width = max(len(check.label) for check in found)
     lines = [f"{'':{width}}  {'predicted':>12}  {'measured':>12}  {'error':>8}"]
     lines += [f"{check.label:{width}}  {check.show(check.predicted):>12}  {check.show(check.measured):>12}  "
-              f"{_percent(check.error_pct):>8}  {WORST_MARK if check is marked else ''}".rstrip()
+              f"{_error(check):>8}  {WORST_MARK if check is marked else ''}".rstrip()
               for check in found]
     if report.held_mem_bytes:
         lines.append("runtime holds at most (model state, saved activations, its own buffers; per rank): "
@@ -113,8 +133,9 @@ def compare(plan: Plan, report: RunReport) -> str:
     for rank, (host, nvme) in enumerate(zip(report.optimizer_host_bytes, report.optimizer_nvme_bytes)):
         lines.append(f"rank {rank} optimizer state off the device: {format_bytes(host)} in host memory, "
                      f"{format_bytes(nvme)} on NVMe")
-    lines.append(f"not checked: the bubble ({plan.predicted.bubble_fraction:.1%} predicted; the run report "
-                 f"holds no idle time) and the pipeline's point-to-point bytes (not counted by the runtime)")
+    bubble = "" if report.rank_busy_ms else (f"the bubble ({plan.predicted.bubble_fraction:.1%} predicted; "
+                                             f"the run report holds no busy time, kept on CPU only) and ")
+    lines.append(f"not checked: {bubble}the pipeline's point-to-point bytes (not counted by the runtime)")
     lines.append(f"measured on {report.device} over {len(report.timed_ms)} timed steps (median; "
                  f"{report.warmup_steps} warm-up step(s) excluded); memory: {report.memory_measure}; "
                  f"error = (measured - predicted) / predicted")
@@ -123,6 +144,14 @@ def compare(plan: Plan, report: RunReport) -> str:
 
 def _percent(error_pct: float) -> str:
     return f"{error_pct:+.1f}%"
+
+
+def _error(check: Check) -> str:
+    return f"{check.error_pct:+.1f} pt" if check.points else _percent(check.error_pct)
+
+
+def _share(value: float) -> str:
+    return f"{value:.1%}"
 
 
 def _per_second(value: float) -> str:

@@ -49,6 +49,9 @@ class RunReport:
     optimizer_nvme_bytes: tuple[int, ...] = ()
     # per rank, its own wall time of each step timed in step_ms (which keeps the slowest rank's)
     rank_step_ms: tuple[tuple[float, ...], ...] = ()
+    # per rank, CPU only: of each step timed in rank_step_ms, the wall time its compute actions took
+    # (F, B, I, W, the optimizer step); the rest of its step it was idle
+    rank_busy_ms: tuple[tuple[float, ...], ...] = ()
     schema_version: int = REPORT_VERSION
 
     @property
@@ -65,6 +68,24 @@ class RunReport:
         """Per rank, the median of its own step times after the warm-up steps (empty if not recorded)."""
         return tuple(statistics.median(self._after_warmup(times)) if times else float("nan")
                      for times in self.rank_step_ms)
+
+    @property
+    def rank_idle_fraction(self) -> tuple[float, ...]:
+        """Per rank, the median over timed steps of its idle share (1 - busy / its step); empty if not
+        recorded."""
+        return tuple(statistics.median(1.0 - busy / step for busy, step in zip(
+            self._after_warmup(busies), self._after_warmup(steps)) if step > 0)
+                     for busies, steps in zip(self.rank_busy_ms, self.rank_step_ms))
+
+    @property
+    def bubble_fraction(self) -> float | None:
+        """The median over timed steps of the job's idle share, 1 - (sum of busy) / (sum of rank steps);
+        None if not recorded."""
+        if not self.rank_busy_ms:
+            return None
+        busy = zip(*(self._after_warmup(times) for times in self.rank_busy_ms))
+        steps = zip(*(self._after_warmup(times) for times in self.rank_step_ms))
+        return statistics.median(1.0 - sum(b) / sum(t) for b, t in zip(busy, steps) if sum(t) > 0)
 
     def _after_warmup(self, times: tuple[float, ...]) -> tuple[float, ...]:
         return times[self.warmup_steps:] or times

@@ -217,3 +217,18 @@ def test_two_tessera_runs_on_the_loopback_are_one_job_with_the_losses_of_one_nod
     two_nodes = RunReport.load(tmp_path / "two_nodes.json")
     assert two_nodes.world_size == one_node.world_size == 4
     np.testing.assert_allclose(two_nodes.losses, one_node.losses, rtol=1e-12, atol=0)
+
+
+def test_the_run_report_times_each_ranks_compute_and_validate_checks_the_bubble(
+        plans: dict[str, Path], one_node: RunReport) -> None:
+    """On CPU every rank's compute actions are timed: busy within its own step, every step; validate then
+    checks the job's bubble and each rank's idle share against the plan's simulated ones."""
+    from planner.plan import Plan
+    from planner.reports.compare import checks
+
+    assert len(one_node.rank_busy_ms) == 4
+    for busy, steps in zip(one_node.rank_busy_ms, one_node.rank_step_ms):
+        assert len(busy) == len(steps) and all(0 < b < s for b, s in zip(busy, steps))
+    assert 0 < one_node.bubble_fraction < 1
+    labels = {check.label for check in checks(Plan.load(plans["gpt2x2"]), one_node)}
+    assert {"bubble", *(f"rank {rank} idle share" for rank in range(4))} <= labels

@@ -90,3 +90,25 @@ def test_each_tiles_halo_bytes_are_checked_on_its_ranks() -> None:
     assert sorted(found) == [f"rank {rank} halo bytes sent" for rank in range(8)]  # 8, 9 send nothing
     assert found["rank 5 halo bytes sent"].error_pct == pytest.approx(25.0)
     assert verdict(list(found.values()), 20.0).startswith("rank 5 halo bytes sent is off by +25.0%")
+
+
+def test_the_bubble_is_checked_in_points_against_each_ranks_compute(plan: Plan) -> None:
+    """A CPU report with busy times: the job's bubble and each rank's idle share are checked in percentage
+    points. Each rank's predicted busy time is its stage's micro-batches of forward and backward plus
+    its optimizer step (computed here from the plan's stage figures, not by the simulator)."""
+    step, count = plan.predicted.step_ms, plan.training.num_microbatches
+    busy = [count * (stage.predicted.fwd_ms + stage.predicted.bwd_ms) + stage.predicted.optimizer_ms
+            for stage in plan.stages]
+    idle = [1 - b / step for b in busy]
+    measured = dataclasses.replace(_measured(plan), rank_busy_ms=(
+        (step, busy[0], busy[0]), (step, busy[1] - 0.1 * step, busy[1] - 0.1 * step)))  # rank 1 idles 10 pt more
+    found = {check.label: check for check in checks(plan, measured)}
+    assert found["rank 0 idle share"].predicted == pytest.approx(idle[0], abs=1e-9)
+    assert found["rank 0 idle share"].error_pct == pytest.approx(0.0, abs=1e-6)
+    assert found["rank 1 idle share"].error_pct == pytest.approx(10.0, abs=1e-6)
+    assert found["bubble"].predicted == pytest.approx(plan.predicted.bubble_fraction)
+    assert found["bubble"].measured == pytest.approx(1 - (sum(busy) - 0.1 * step) / (2 * step))
+    assert found["bubble"].error_pct == pytest.approx(5.0, abs=1e-6)  # half the ranks 10 pt idler
+    table = compare(plan, measured)
+    assert "+10.0 pt" in table and not any(line.startswith("not checked: the bubble") for line in table.splitlines())
+    assert verdict(checks(plan, measured), 8.0).startswith("rank 1 idle share is off by +10.0 pt")
