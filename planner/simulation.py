@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
 
 from planner.plan import Layout, Plan, StagePlan, Transfer
 from planner.schedules.actions import parse_programs
@@ -21,6 +22,25 @@ def simulate_plan(plan: Plan) -> SimResult:
     """The plan's per-rank programs replayed on its predicted costs."""
     costs = sim_costs(plan.layout, plan.stages, plan.transfers)
     return simulate(parse_programs(plan.programs), plan.layout, costs)
+
+
+def simulate_measured(plan: Plan, action_ms: Sequence[Mapping[str, float]]) -> SimResult:
+    """The plan's programs replayed on compute times a run measured: per rank, per "stage:kind" (as the
+    run report's ``rank_action_ms`` holds them) the time of one action, averaged over the ranks running
+    the stage; transfers, all-reduces and swaps as predicted. It tells the schedule's bubble on the
+    run's own compute, apart from how well the costs were predicted."""
+    predicted = sim_costs(plan.layout, plan.stages, plan.transfers)
+    stages = []
+    for stage, costs in enumerate(predicted.stages):
+        def measured(kind: str, default: float) -> float:
+            times = [ranks[f"{stage}:{kind}"] for ranks in action_ms if f"{stage}:{kind}" in ranks]
+            return sum(times) / len(times) if times else default
+        weight_grad_ms = measured("W", 0.0)
+        backward_ms = measured("B", measured("I", 0.0) + weight_grad_ms)
+        stages.append(dataclasses.replace(costs, fwd_ms=measured("F", costs.fwd_ms), bwd_ms=backward_ms,
+                                          weight_grad_ms=weight_grad_ms,
+                                          optimizer_ms=measured("OPTIMIZER_STEP", costs.optimizer_ms)))
+    return simulate(parse_programs(plan.programs), plan.layout, dataclasses.replace(predicted, stages=tuple(stages)))
 
 
 def rank_names(layout: Layout) -> list[str]:

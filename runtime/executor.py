@@ -112,6 +112,7 @@ class Executor:
         self.steps_done = 0
         self.halo_bytes_sent = 0  # by this rank's halo exchanges in the last step (runtime/tiles.py)
         self.busy_ms = 0.0  # wall time of this rank's compute actions in the last step (CPU: its busy time)
+        self.action_ms: dict[tuple[int, ActionKind], list[float]] = {}  # the last step's, per (stage, kind)
 
     def _model_state(self) -> list[torch.Tensor]:
         """Parameters, buffers, gradients, fp32 masters and optimizer state of this rank's stages."""
@@ -165,7 +166,7 @@ class Executor:
         state = StepState(tuple(microbatches))
         self.swaps.new_step()
         halo_before = self._halo_bytes()
-        busy_s = 0.0
+        busy_s, self.action_ms = 0.0, {}
         for segment in self.segments:
             if isinstance(segment, tuple):
                 self._communicate(segment, state)
@@ -173,7 +174,9 @@ class Executor:
                 began = time.perf_counter()
                 getattr(self, _HANDLERS[segment.kind])(segment, state)
                 if segment.kind in _BUSY:
-                    busy_s += time.perf_counter() - began
+                    took_s = time.perf_counter() - began
+                    busy_s += took_s
+                    self.action_ms.setdefault((segment.stage, segment.kind), []).append(took_s * 1e3)
             if self.memory.active:
                 self.memory.sample([*state.held(), *self.p2p.in_flight()])
         self.p2p.finish()

@@ -17,7 +17,8 @@ MEMORY_MEASURES = {
 def gather_report(step_ms: list[float], losses: list[float], peak_bytes: int, held_bytes: int, *,
                   fingerprint: str, device: torch.device, global_batch_size: int,
                   start_step: int, host_swap_bytes: int = 0, halo_bytes_sent: int = 0,
-                  optimizer_bytes: tuple[int, int] = (0, 0), busy_ms: list[float] | None = None) -> RunReport:
+                  optimizer_bytes: tuple[int, int] = (0, 0), busy_ms: list[float] | None = None,
+                  action_ms: dict[str, float] | None = None) -> RunReport:
     """Combine every rank's measurements (collective); every rank gets the same report.
 
     ``step_ms``: this rank's wall time of each timed step (the report keeps every rank's, and per
@@ -29,6 +30,7 @@ def gather_report(step_ms: list[float], losses: list[float], peak_bytes: int, he
     after its last step (runtime/stage_optimizer.py), recorded when any rank holds some.
     ``busy_ms``: per timed step, this rank's wall time in compute actions (Executor.busy_ms); kept on
     CPU only, where an action's wall time is its compute (on CUDA the kernels run after it returns).
+    ``action_ms``: per "stage:kind" (``0:F``), the median wall time of one such action (CPU only, likewise).
     """
     times = torch.tensor(step_ms or [0.0], dtype=torch.float64, device=device)
     by_rank = [torch.zeros_like(times) for _ in range(dist.get_world_size())]
@@ -37,6 +39,8 @@ def gather_report(step_ms: list[float], losses: list[float], peak_bytes: int, he
     busy = torch.tensor(busy_ms or [0.0] * max(1, len(step_ms)), dtype=torch.float64, device=device)
     busy_by_rank = [torch.zeros_like(busy) for _ in range(dist.get_world_size())]
     dist.all_gather(busy_by_rank, busy)
+    actions: list[dict[str, float] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(actions, action_ms or {})
     peaks = _gather_ints([peak_bytes, held_bytes, host_swap_bytes, *optimizer_bytes, halo_bytes_sent], device)
     offloaded = any(p[3] or p[4] for p in peaks)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -49,7 +53,8 @@ def gather_report(step_ms: list[float], losses: list[float], peak_bytes: int, he
                      optimizer_nvme_bytes=tuple(p[4] for p in peaks) if offloaded else (),
                      rank_step_ms=tuple(tuple(t.tolist()) for t in by_rank) if step_ms else (),
                      rank_busy_ms=tuple(tuple(t.tolist()) for t in busy_by_rank)
-                     if busy_ms and device.type == "cpu" else ())
+                     if busy_ms and device.type == "cpu" else (),
+                     rank_action_ms=tuple(actions) if busy_ms and device.type == "cpu" else ())  # type: ignore[arg-type]
 
 
 def _gather_ints(values: list[int], device: torch.device) -> list[list[int]]:

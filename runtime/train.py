@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from planner.plan import Plan
+from planner.schedules import ActionKind
 from runtime import checkpoint
 from runtime.build import rebuild_model
 from runtime.data import SyntheticData, input_specs, synthetic_task
@@ -54,6 +56,7 @@ def run(plan: Plan, options: RunOptions, device: torch.device) -> RunReport:
         assert options.checkpoint_dir is not None
         checkpoint.restore(executor, options.checkpoint_dir, start)
     step_ms, busy_ms, losses = [], [], []
+    action_ms: list[dict[tuple[int, ActionKind], list[float]]] = []  # per timed step (Executor.action_ms)
     for step in range(start, options.steps):
         if options.fail_at_step == step and executor.rank == options.fail_rank:
             raise RuntimeError(f"injected failure on rank {executor.rank} before step {step} "
@@ -66,6 +69,7 @@ def run(plan: Plan, options: RunOptions, device: torch.device) -> RunReport:
         if not profiled or step == start:  # the profiler slows its step down: not timed
             step_ms.append(elapsed_ms)
             busy_ms.append(executor.busy_ms)
+            action_ms.append(executor.action_ms)
         _log(executor, step, options.steps, losses[-1], elapsed_ms)
         if options.checkpoint_dir and _checkpoint_due(step + 1, options):
             checkpoint.save(executor, options.checkpoint_dir, step + 1)
@@ -74,8 +78,18 @@ def run(plan: Plan, options: RunOptions, device: torch.device) -> RunReport:
                          fingerprint=plan.model.fingerprint, device=device,
                          global_batch_size=plan.training.global_batch_size, start_step=start,
                          host_swap_bytes=executor.swaps.step_bytes, halo_bytes_sent=executor.halo_bytes_sent,
-                         busy_ms=busy_ms,
+                         busy_ms=busy_ms, action_ms=_median_actions(action_ms),
                          optimizer_bytes=(sum(s.host_bytes for s in states), sum(s.nvme_bytes for s in states)))
+
+
+def _median_actions(steps: list[dict[tuple[int, ActionKind], list[float]]]) -> dict[str, float]:
+    """Per "stage:kind", the median time of one action over the timed steps after the first (which warms
+    up, as the run report's warm-up step; all of them if there is only one)."""
+    every: dict[str, list[float]] = {}
+    for actions in steps[1:] or steps:
+        for (stage, kind), took in actions.items():
+            every.setdefault(f"{stage}:{kind.value}", []).extend(took)
+    return {key: statistics.median(took) for key, took in every.items()}
 
 
 def _resume_step(plan: Plan, options: RunOptions) -> int:

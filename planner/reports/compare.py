@@ -2,7 +2,8 @@
 
 Compared, where the run report measures them: the step time (of the job: the slowest rank's;
 per rank: its own), samples/s, the bubble (of the job, and per rank its idle share, against the
-simulator's replay of the plan; measured on CPU, where the runtime times its compute actions),
+simulator's replay of the plan; measured on CPU, where the runtime times its compute actions; and
+the job's against a replay on the compute times the run measured, which isolates the schedule),
 each rank's peak memory and the halo bytes each rank's spatial exchanges sent; the pipeline's
 point-to-point bytes are not (the runtime does not count them). Every error is ``(measured -
 predicted) / predicted`` in percent, a share's (the bubble's) ``measured - predicted`` in
@@ -19,7 +20,7 @@ from cost_models.errors import PlanFileError
 from cost_models.units import format_bytes, format_ms
 from planner.plan import Plan
 from planner.reports.run_report import RunReport
-from planner.simulation import simulate_plan
+from planner.simulation import simulate_measured, simulate_plan
 
 WORST_MARK = "<- worst"
 
@@ -62,6 +63,10 @@ def checks(plan: Plan, report: RunReport) -> tuple[Check, ...]:
     idle = predicted_idle_fraction(plan) if report.rank_busy_ms else ()
     if report.bubble_fraction is not None:
         found.append(Check("bubble", None, plan.predicted.bubble_fraction, report.bubble_fraction, _share,
+                           points=True))
+    if report.bubble_fraction is not None and report.rank_action_ms:
+        replayed = simulate_measured(plan, report.rank_action_ms).bubble_fraction
+        found.append(Check("bubble on measured compute", None, replayed, report.bubble_fraction, _share,
                            points=True))
     for rank, peak_bytes in enumerate(plan.predicted.peak_mem_bytes):
         if report.rank_step_ms:

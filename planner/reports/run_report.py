@@ -52,6 +52,8 @@ class RunReport:
     # per rank, CPU only: of each step timed in rank_step_ms, the wall time its compute actions took
     # (F, B, I, W, the optimizer step); the rest of its step it was idle
     rank_busy_ms: tuple[tuple[float, ...], ...] = ()
+    # per rank, CPU only: per "stage:kind" (e.g. "1:B") of its compute actions, the median wall time of one
+    rank_action_ms: tuple[dict[str, float], ...] = ()
     schema_version: int = REPORT_VERSION
 
     @property

@@ -230,5 +230,10 @@ def test_the_run_report_times_each_ranks_compute_and_validate_checks_the_bubble(
     for busy, steps in zip(one_node.rank_busy_ms, one_node.rank_step_ms):
         assert len(busy) == len(steps) and all(0 < b < s for b, s in zip(busy, steps))
     assert 0 < one_node.bubble_fraction < 1
-    labels = {check.label for check in checks(Plan.load(plans["gpt2x2"]), one_node)}
-    assert {"bubble", *(f"rank {rank} idle share" for rank in range(4))} <= labels
+    plan = Plan.load(plans["gpt2x2"])
+    for rank, times in enumerate(one_node.rank_action_ms):  # each rank timed its own stage's F, B and step
+        stage = plan.layout.stages_of_rank(rank)[0]
+        assert set(times) == {f"{stage}:F", f"{stage}:B", f"{stage}:OPTIMIZER_STEP"}
+        assert all(ms > 0 for ms in times.values())
+    labels = {check.label for check in checks(plan, one_node)}
+    assert {"bubble", "bubble on measured compute", *(f"rank {rank} idle share" for rank in range(4))} <= labels

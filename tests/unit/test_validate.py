@@ -112,3 +112,26 @@ def test_the_bubble_is_checked_in_points_against_each_ranks_compute(plan: Plan) 
     table = compare(plan, measured)
     assert "+10.0 pt" in table and not any(line.startswith("not checked: the bubble") for line in table.splitlines())
     assert verdict(checks(plan, measured), 8.0).startswith("rank 1 idle share is off by +10.0 pt")
+
+
+def test_the_schedule_replayed_on_measured_compute(plan: Plan) -> None:
+    """Measured per-action times equal to the plan's own predictions replay to the plan's simulation;
+    a slower measured backward on stage 1 shows up in the replayed step (simulate_measured)."""
+    from planner.simulation import simulate_measured, simulate_plan
+
+    own = [{f"{index}:F": stage.predicted.fwd_ms, f"{index}:B": stage.predicted.bwd_ms,
+            f"{index}:OPTIMIZER_STEP": stage.predicted.optimizer_ms} for index, stage in enumerate(plan.stages)]
+    expected = simulate_plan(plan)
+    replayed = simulate_measured(plan, own)
+    assert replayed.step_ms == pytest.approx(expected.step_ms)
+    assert replayed.busy_ms == pytest.approx(expected.busy_ms)
+    slower = [own[0], {**own[1], "1:B": own[1]["1:B"] + 1.0}]
+    # stage 1 runs every micro-batch's backward: M ms more busy, and the step longer (by less: it had idled)
+    slowed = simulate_measured(plan, slower)
+    assert slowed.busy_ms[1] == pytest.approx(expected.busy_ms[1] + plan.training.num_microbatches)
+    assert expected.step_ms < slowed.step_ms <= expected.step_ms + plan.training.num_microbatches + 1e-9
+    assert slowed.step_ms >= slowed.busy_ms[1]
+    measured = dataclasses.replace(_measured(plan), rank_busy_ms=((1.0, 1.0, 1.0), (1.0, 1.0, 1.0)),
+                                   rank_action_ms=tuple(own))
+    found = {check.label: check for check in checks(plan, measured)}
+    assert found["bubble on measured compute"].predicted == pytest.approx(expected.bubble_fraction)
