@@ -29,18 +29,20 @@ def simulate_measured(plan: Plan, action_ms: Sequence[Mapping[str, float]]) -> S
     run report's ``rank_action_ms`` holds them) the time of one action, averaged over the ranks running
     the stage; transfers, all-reduces and swaps as predicted. It tells the schedule's bubble on the
     run's own compute, apart from how well the costs were predicted."""
+    def measured(key: str, default: float) -> float:
+        times = [ranks[key] for ranks in action_ms if key in ranks]
+        return sum(times) / len(times) if times else default
+
     predicted = sim_costs(plan.layout, plan.stages, plan.transfers)
     stages = []
     for stage, costs in enumerate(predicted.stages):
-        def measured(kind: str, default: float) -> float:
-            times = [ranks[f"{stage}:{kind}"] for ranks in action_ms if f"{stage}:{kind}" in ranks]
-            return sum(times) / len(times) if times else default
-        weight_grad_ms = measured("W", 0.0)
-        backward_ms = measured("B", measured("I", 0.0) + weight_grad_ms)
-        stages.append(dataclasses.replace(costs, fwd_ms=measured("F", costs.fwd_ms), bwd_ms=backward_ms,
+        weight_grad_ms = measured(f"{stage}:W", 0.0)
+        backward_ms = measured(f"{stage}:B", measured(f"{stage}:I", 0.0) + weight_grad_ms)
+        stages.append(dataclasses.replace(costs, fwd_ms=measured(f"{stage}:F", costs.fwd_ms), bwd_ms=backward_ms,
                                           weight_grad_ms=weight_grad_ms,
-                                          optimizer_ms=measured("OPTIMIZER_STEP", costs.optimizer_ms)))
-    return simulate(parse_programs(plan.programs), plan.layout, dataclasses.replace(predicted, stages=tuple(stages)))
+                                          optimizer_ms=measured(f"{stage}:OPTIMIZER_STEP", costs.optimizer_ms)))
+    replayed = dataclasses.replace(predicted, stages=tuple(stages))
+    return simulate(parse_programs(plan.programs), plan.layout, replayed)
 
 
 def rank_names(layout: Layout) -> list[str]:

@@ -54,7 +54,8 @@ def gather_report(step_ms: list[float], losses: list[float], peak_bytes: int, he
                      rank_step_ms=tuple(tuple(t.tolist()) for t in by_rank) if step_ms else (),
                      rank_busy_ms=tuple(tuple(t.tolist()) for t in busy_by_rank)
                      if busy_ms and device.type == "cpu" else (),
-                     rank_action_ms=tuple(actions) if busy_ms and device.type == "cpu" else ())  # type: ignore[arg-type]
+                     rank_action_ms=tuple(actions)  # type: ignore[arg-type]
+                     if busy_ms and device.type == "cpu" else ())
 
 
 def _gather_ints(values: list[int], device: torch.device) -> list[list[int]]:
