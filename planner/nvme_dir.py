@@ -38,9 +38,10 @@ def nvme_stages(plan: Plan) -> list[int]:
     return [stage.index for stage in plan.stages if stage.offload.optimizer_state is StateTier.NVME]
 
 
-def check_nvme_dir(plan: Plan, directory: Path | None, stages: Iterable[int]) -> None:
-    """Refuse, before any work, a missing, unwritable or too small ``--nvme-dir`` (one line each)."""
-    paged = [index for index in stages if plan.stages[index].offload.optimizer_state is StateTier.NVME]
+def check_nvme_dir(plan: Plan, directory: Path | None, parts: Iterable[int]) -> None:
+    """Refuse, before any work, a missing, unwritable or too small ``--nvme-dir`` (one line each) for
+    ``parts`` (indices of ``plan.stages``: a layout stage's part is ``plan.layout.part(stage)``)."""
+    paged = [index for index in parts if plan.stages[index].offload.optimizer_state is StateTier.NVME]
     if not paged:
         return
     if directory is None:

@@ -142,7 +142,7 @@ def check_before_launch(plan: Plan, request: RunRequest, nproc: int) -> None:
     check_plan(plan)
     from planner.nvme_dir import check_nvme_dir
 
-    check_nvme_dir(plan, _nvme_dir(request.runtime_args), range(plan.num_stages))
+    check_nvme_dir(plan, _nvme_dir(request.runtime_args), range(plan.num_parts))
     trace_checked(rebuild_model(plan, Path.cwd()), plan, _leaf_modules(request.runtime_args))
 
 

@@ -142,3 +142,20 @@ def test_validate_shows_the_optimizer_state_off_the_device(nvme_plan: Plan) -> N
     table = compare(nvme_plan, report)
     assert f"rank 3 optimizer state off the device: {format_bytes(64)} in host memory, " \
            f"{format_bytes(2**20)} on NVMe" in table
+
+
+def test_a_plan_whose_stages_outnumber_its_parts_passes_the_checks_before_launch() -> None:
+    """GEMS-MASTER runs each part twice (8 layout stages for 4 parts): `tessera run`'s checks before
+    launching, and each rank's NVMe check, look parts up by part (they indexed parts by stage)."""
+    from planner.cli.run_command import RunRequest, check_before_launch
+    from planner.nvme_dir import check_nvme_dir
+    from planner.plan import Plan
+    from tests.runtime_plans import GPT, make_plan, scheduled
+
+    gems = Plan.from_dict(json.loads(scheduled(make_plan(GPT, ["blocks_0_mlp_fc", "blocks_1_ln_1", "blocks_1_mlp_fc"],
+                                                         schedule="gpipe", microbatches=4, micro_batch_size=1),
+                                               "gems-master")))
+    assert gems.layout.num_stages == 2 * gems.num_parts == 8
+    check_before_launch(gems, RunRequest(Path("plan.json")), gems.layout.world_size)
+    for rank in range(gems.layout.world_size):
+        check_nvme_dir(gems, None, sorted({gems.layout.part(s) for s in gems.layout.stages_of_rank(rank)}))

@@ -1,0 +1,103 @@
+"""Each schedule family's bubble, measured on 4 CPU ranks, against the simulator's.
+
+One GPT cut into equal-layer parts (4, or 8 for interleaved 1F1B with 2 virtual stages per rank),
+scheduled by every synchronous family (``planner.manual.reschedule``), run by the runtime on 4 gloo
+processes (``python -m planner run ... --report``) and compared as ``tessera validate`` does:
+  predicted   the simulator on the plan's predicted costs;
+  replayed    the simulator on the compute times the run measured per action (run report's
+              ``rank_action_ms``), transfers as predicted: the schedule's own bubble;
+  measured    1 - (busy time of every rank) / (sum of their steps), the runtime timing each compute action.
+Target: measured within 5 points of replayed, and the families' measured order by step the
+predicted one. The machine may have fewer cores than ranks: note the load average printed.
+
+Run: python benchmarks/schedule_bubbles.py [--steps 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from plan_quality import equal_layer_starts  # noqa: E402
+
+from cost_models.graph.model_spec import build_model, load_builder  # noqa: E402
+from planner import trace  # noqa: E402
+from planner.manual import plan_with_split, reschedule  # noqa: E402
+from planner.plan import Plan  # noqa: E402
+from planner.reports.run_report import RunReport  # noqa: E402
+from planner.simulation import simulate_measured  # noqa: E402
+
+BUILDER = "examples/models/gpt.py:gpt"
+MODEL = {"hidden": 128, "layers": 8, "heads": 4, "seq_len": 64, "vocab": 2048, "dropout": 0.0,
+         "tie_embeddings": False}
+BATCH, MICRO, RANKS = 16, 2, 4
+FAMILIES: dict[str, tuple[int, str, dict[str, int]]] = {  # name: (parts, family, options)
+    "gpipe": (RANKS, "gpipe", {}),
+    "1f1b": (RANKS, "1f1b", {}),
+    "interleaved-1f1b v=2": (2 * RANKS, "interleaved-1f1b", {"virtual_stages": 2}),
+    "zb-h1": (RANKS, "zb-h1", {}),
+    "gems-master": (RANKS, "gems-master", {}),
+}
+
+
+def plans() -> dict[str, Plan]:
+    model = build_model(load_builder(BUILDER, ROOT), MODEL, "meta")
+    x = torch.empty(1, MODEL["seq_len"], dtype=torch.long, device="meta")
+    graph = trace(model, x)
+    made = {}
+    for name, (parts, family, options) in FAMILIES.items():
+        base = plan_with_split(model, example_inputs=x, graph=graph, stage_starts=equal_layer_starts(graph, parts),
+                               batch_size=BATCH, micro_batch_size=MICRO, schedule="gpipe", device="cpu",
+                               optimizer="momentum", builder=BUILDER, builder_kwargs=MODEL)
+        made[name] = reschedule(base, family, **options)
+    return made
+
+
+def run(plan: Plan, steps: int, folder: Path) -> RunReport:
+    plan_path, report_path = folder / "plan.json", folder / "run.json"
+    plan.save(plan_path)
+    result = subprocess.run([sys.executable, "-m", "planner", "run", str(plan_path), "--steps", str(steps), "--",
+                             "--report", str(report_path)], cwd=ROOT, capture_output=True, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=900)
+    if result.returncode:
+        raise RuntimeError(f"the run failed: {result.stderr[-2000:]}")
+    return RunReport.load(report_path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=8)
+    args = parser.parse_args()
+    print(f"GPT {MODEL}, batch {BATCH} in micro-batches of {MICRO}, {RANKS} gloo CPU ranks x 1 thread, "
+          f"{args.steps} steps (the first warms up); load average {os.getloadavg()[0]:.1f} at the start")
+    print(f"{'family':<22} {'predicted':>9} {'replayed':>9} {'measured':>9} {'meas-repl':>9} "
+          f"{'pred. step':>10} {'meas. step':>10}")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, plan in plans().items():
+            report = run(plan, args.steps, Path(tmp))
+            replayed = simulate_measured(plan, report.rank_action_ms)
+            measured = report.bubble_fraction or 0.0
+            rows.append((name, plan.predicted.step_ms, report.median_step_ms))
+            print(f"{name:<22} {plan.predicted.bubble_fraction:>9.1%} {replayed.bubble_fraction:>9.1%} "
+                  f"{measured:>9.1%} {(measured - replayed.bubble_fraction) * 100:>+8.1f}pt "
+                  f"{plan.predicted.step_ms:>8.1f}ms {report.median_step_ms:>8.1f}ms", flush=True)
+    predicted_order = [name for name, _, _ in sorted(rows, key=lambda row: row[1])]
+    measured_order = [name for name, _, _ in sorted(rows, key=lambda row: row[2])]
+    print(f"fastest first, predicted: {', '.join(predicted_order)}")
+    print(f"fastest first, measured:  {', '.join(measured_order)}")
+    print(f"orders match: {predicted_order == measured_order}")
+
+
+if __name__ == "__main__":
+    main()
