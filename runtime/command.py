@@ -93,8 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         checks.check_plan(plan)
         checks.check_executable(plan)
         checks.check_world_size(plan, env.world_size)
-        parts = sorted({plan.layout.part(stage) for stage in plan.layout.stages_of_rank(env.rank)})
-        check_nvme_dir(plan, options.nvme_dir, parts)
+        check_nvme_dir(plan, options.nvme_dir, plan.layout.parts_of_rank(env.rank))
         device = init_group(env, device_choice, options.timeout_s)
         report = train.run(plan, options, device)
         if env.rank == 0 and options.report is not None:

@@ -80,7 +80,7 @@ def set_up(plan: Plan, model: nn.Module, optimizer_factory: OptimizerFactory, *,
     segments = checks.segments(checks.rank_program(plan, rank))
     stage_ids, replica = checks.my_stages(plan, rank)
     parts = {stage: plan.layout.part(stage) for stage in stage_ids}
-    check_nvme_dir(plan, nvme_dir, sorted(set(parts.values())))
+    check_nvme_dir(plan, nvme_dir, plan.layout.parts_of_rank(rank))
     traced = build.trace_checked(model, plan, leaf_modules)
     modules = build.split_stages(traced, model, plan)
     inputs = [(meta.shape, getattr(torch, meta.dtype)) for meta in plan.model.example_inputs]
@@ -94,7 +94,7 @@ def set_up(plan: Plan, model: nn.Module, optimizer_factory: OptimizerFactory, *,
                                 stage=stage)
     check_edges(flow, {(t.src_stage, t.dst_stage) for t in plan.transfers})
     stage_params = stage_param_names(model, modules, flow)
-    materialise(model, modules, flow, sorted(set(parts.values())), seed, device)
+    materialise(model, modules, flow, plan.layout.parts_of_rank(rank), seed, device)
     precision = plan.model.precision
     stages = local_stages(model, modules, flow, parts)
     tiled = tiled_stages(plan, modules, flow, rank, timeout_s)  # collective: the tile groups

@@ -195,6 +195,15 @@ class Layout:
     def stages_of_rank(self, rank: int) -> tuple[int, ...]:
         return self.stages_on_slot(self.place(rank).slot)
 
+    def parts_of_rank(self, rank: int) -> tuple[int, ...]:
+        """The parts whose weights ``rank`` holds (one per stage it runs; a mirror copy's is its part),
+        sorted.
+
+        >>> Layout.mirrored(2).parts_of_rank(0)
+        (0, 1)
+        """
+        return tuple(sorted({self.part(stage) for stage in self.stages_of_rank(rank)}))
+
     def part_ranks(self, part: int) -> tuple[int, ...]:
         """Every rank holding a copy of ``part``'s weights (replicas, mirror copies and tiles), sorted:
         the group that sums its gradients."""

@@ -158,4 +158,4 @@ def test_a_plan_whose_stages_outnumber_its_parts_passes_the_checks_before_launch
     assert gems.layout.num_stages == 2 * gems.num_parts == 8
     check_before_launch(gems, RunRequest(Path("plan.json")), gems.layout.world_size)
     for rank in range(gems.layout.world_size):
-        check_nvme_dir(gems, None, sorted({gems.layout.part(s) for s in gems.layout.stages_of_rank(rank)}))
+        check_nvme_dir(gems, None, gems.layout.parts_of_rank(rank))
