@@ -1,6 +1,7 @@
 """Wall time of planning full-size models on 16 GPUs: tracing + costing, and the whole search.
 
 Run: python benchmarks/plan_speed.py [name ...]     (target: under 10 s each on a 2-core CPU)
+Compare on an idle machine: a second process planning beside it doubles every time.
 Each model is planned in a fresh process so timings do not share caches.
 """
 
@@ -15,6 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # name: (builder, input shape per sample, input dtype, global batch, device, memory per GPU)
 CASES = {
+    "gems_resnet1001_1024": ("examples.models.resnet:resnet1001", (3, 1024, 1024), "float32", 4,
+                             "V100-16GB", "16GB"),  # the GEMS scenario (issue 11): only image tiles fit
     "resnet1001_1024": ("examples.models.resnet:resnet1001", (3, 1024, 1024), "float32", 16,
                         "A100-80GB", "80GB"),
     "gpt_50b": ("examples.models.gpt:gpt_50b", (1024,), "int64", 4, "A100-80GB", "80GB"),
