@@ -47,6 +47,15 @@ class NodeCost:
     def model_state_bytes(self) -> int:
         return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.buffer_bytes
 
+    @property
+    def weight_grad_ms(self) -> float:
+        """The share of ``bwd_ms`` that computes its own parameters' gradients (what a split backward's W
+        runs; its I runs the rest): the weight gradient of a matmul or convolution takes as many FLOPs as
+        its forward, so that share of the backward's FLOPs. 0 for a node without trainable parameters."""
+        if not self.grad_bytes or not self.bwd_flops:
+            return 0.0
+        return self.bwd_ms * min(self.fwd_flops, self.bwd_flops) / self.bwd_flops
+
 
 @dataclass(frozen=True)
 class CostTable(Mapping[str, NodeCost]):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -76,11 +77,10 @@ def build_plan(graph: LayerGraph, device: DeviceSpec, space: SearchSpace, result
     No plan leaves the planner that the validator rejects. Every step time the plan reports is
     the simulator's (the runner-up's too); the ILP objective stays in the solver report.
     """
+    result, lowered, runner_up = by_simulation(result, graph)
     best = result.best
     setup = best.setup
-    lowered = lower_candidate(best, graph)
     simulated = lowered.simulated
-    runner_up = None if result.runner_up is None else lower_candidate(result.runner_up, graph).simulated
     return Plan(
         model=model,
         cluster=ClusterSpec(setup.config.gpus, space.gpus_per_node, freeze(device.to_dict()),
@@ -100,6 +100,35 @@ def build_plan(graph: LayerGraph, device: DeviceSpec, space: SearchSpace, result
                              simulated.bubble_fraction, simulated.peak_mem_bytes),
         solver=_report(result, space, simulated, runner_up),
     )
+
+
+def by_simulation(result: SearchResult, graph: LayerGraph) -> tuple[SearchResult, Lowered, SimResult | None]:
+    """The search's winner, or the finalist (planner/search/search.py: SearchResult.finalists) that simulates
+    fastest where it beats the winner by more than FAMILY_MUST_GAIN (the search ranks by step models, of
+    which only GPipe's is exact: the simulator decides between the finalists); the runner-up is the best
+    plan of another schedule family when there is one. Returns the result so reordered, the winner lowered, and the runner-up's simulation."""
+    finalists = [candidate for candidate in (result.runner_up, *result.finalists) if candidate is not None]
+    lowered = {id(result.best): lower_candidate(result.best, graph)}
+    for candidate in finalists:
+        if id(candidate) not in lowered:
+            lowered[id(candidate)] = lower_candidate(candidate, graph)
+    best = result.best
+    for candidate in finalists:
+        if lowered[id(candidate)].simulated.step_ms < (1 - FAMILY_MUST_GAIN) * lowered[id(best)].simulated.step_ms:
+            best = candidate
+    others = [c for c in finalists if c.setup.config.schedule is not best.setup.config.schedule]
+    runner_up = min(others, key=lambda c: lowered[id(c)].simulated.step_ms, default=None)
+    if runner_up is None:
+        runner_up = result.best if best is not result.best else result.runner_up
+    if runner_up is not None and id(runner_up) not in lowered:
+        lowered[id(runner_up)] = lower_candidate(runner_up, graph)
+    chosen = dataclasses.replace(result, best=best, runner_up=runner_up)
+    return chosen, lowered[id(best)], None if runner_up is None else lowered[id(runner_up)].simulated
+
+
+FAMILY_MUST_GAIN = 0.01
+"""Another family's plan replaces the search's winner only when it simulates at least this much faster
+(the winner's margins for keeping everything on the GPU and for no tiles stay within it)."""
 
 
 def _part_nodes(best: Candidate) -> list[tuple[str, ...]]:
@@ -130,7 +159,8 @@ def _stage_plan(best: Candidate, index: int, nodes: tuple[str, ...], graph: Laye
     return StagePlan(index, nodes, StagePrediction(
         part.fwd_ms, part.bwd_ms, sum(best.setup.table[name].param_bytes for name in nodes),
         part.static_bytes + part.recompute_bytes, part.activation_bytes,
-        part.allreduce_ms, part.optimizer_ms, part.swap_bytes, part.swap_ms, part.host_bytes, part.nvme_bytes),
+        part.allreduce_ms, part.optimizer_ms, part.swap_bytes, part.swap_ms, part.host_bytes, part.nvme_bytes,
+        part.weight_grad_ms),
         spatial=_spatial(best, index, nodes, graph, offload), offload=offload)
 
 
@@ -191,7 +221,11 @@ def _report(result: SearchResult, space: SearchSpace, simulated: SimResult,
         return SolverReport(best.solver, best.status.value, best.objective_ms, 0.0, result.wall_s, 1,
                             f"split given by the user: {best.setup.config.describe()}; not searched", "")
     why = f"{best.setup.config.describe()} has the lowest step ({format_ms(simulated.step_ms)})"
-    if result.runner_up is not None and result.runner_up.objective_ms < best.objective_ms:
+    if runner_up is not None and runner_up.objective_ms < best.objective_ms and runner_up_simulated is not None \
+            and runner_up_simulated.step_ms > simulated.step_ms:
+        why = (f"{best.setup.config.describe()} has the lowest simulated step ({format_ms(simulated.step_ms)}; "
+               f"the step models of the schedule families ranked the runner-up first)")
+    elif runner_up is not None and runner_up.objective_ms < best.objective_ms:
         why = (f"{best.setup.config.describe()} ({format_ms(simulated.step_ms)}) keeps everything on the GPU "
                f"within {OFFLOAD_MUST_GAIN:.0%} of the fastest plan")
     runner = None

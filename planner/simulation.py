@@ -14,7 +14,7 @@ def sim_costs(layout: Layout, parts: Sequence[StagePlan], transfers: Sequence[Tr
     """Each stage costs what its part is predicted to; transfers per stage pair."""
     stages = tuple(parts[layout.part(stage)].predicted for stage in range(layout.num_stages))
     costs = tuple(StageCosts(p.fwd_ms, p.bwd_ms, p.activation_bytes, p.static_bytes, p.allreduce_ms,
-                             p.optimizer_ms, p.swap_bytes, p.swap_ms) for p in stages)
+                             p.optimizer_ms, p.swap_bytes, p.swap_ms, p.weight_grad_ms) for p in stages)
     return SimCosts(costs, {(t.src_stage, t.dst_stage): t.ms for t in transfers})
 
 

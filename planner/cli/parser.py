@@ -134,7 +134,7 @@ def _add_plan(parser: argparse.ArgumentParser) -> None:
     _add_training_modes(parser)
     parser.add_argument("--schedule", action="append", default=None, type=str.lower,
                         choices=[kind.value for kind in ScheduleKind],
-                        help="schedules to consider (repeatable; default every one the search costs)")
+                        help="schedule families to consider (repeatable; default every synchronous one)")
     parser.add_argument("--micro-batch-size", action="append", type=int, default=None,
                         help="micro-batch sizes to consider (repeatable; default every divisor of "
                              "the batch per replica)")
@@ -177,7 +177,7 @@ def _run_plan(args: argparse.Namespace) -> None:
         model=args.model, model_args=tuple(args.model_arg), inputs=tuple(args.input),
         batch_size=args.batch_size, gpus=args.gpus, mem=args.mem, reserve=args.reserve, device=args.device,
         gpus_per_node=args.gpus_per_node, optimizer=args.optimizer, precision=args.precision,
-        schedules=tuple(args.schedule or (kind.value for kind in ScheduleKind if kind.is_searched)),
+        schedules=tuple(args.schedule or (kind.value for kind in ScheduleKind)),
         micro_batch_sizes=tuple(args.micro_batch_size) if args.micro_batch_size else None,
         num_stages=tuple(args.num_stages) if args.num_stages else None,
         data_parallel=tuple(args.data_parallel) if args.data_parallel else None,

@@ -28,13 +28,12 @@ class ScheduleKind(str, Enum):
                              f"{', '.join(kind.value for kind in cls)}") from None
 
     @property
-    def is_searched(self) -> bool:
-        """Whether the search's step-time and memory model (planner/search/terms.py) covers this family.
+    def closed_form(self) -> bool:
+        """Whether the search's step model (planner/search/terms.py) writes this family's step in closed
+        form; the others are costed from their own programs replayed on balanced parts
+        (planner/schedules/balanced.py). The search considers every family.
 
-        The others are generated, lowered, validated, simulated and run from a plan, but the
-        search does not choose them yet.
-
-        >>> [kind.value for kind in ScheduleKind if kind.is_searched]
+        >>> [kind.value for kind in ScheduleKind if kind.closed_form]
         ['gpipe', '1f1b']
         """
         return self in (ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B)

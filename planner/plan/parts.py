@@ -210,6 +210,7 @@ class StagePrediction:
     swap_ms: float = 0.0  # per micro-batch, each way over the host link
     host_bytes: int = 0  # per rank: optimizer state and gradients on the host (swapped activations apart)
     nvme_bytes: int = 0  # per rank: optimizer state on NVMe
+    weight_grad_ms: float = 0.0  # of bwd_ms: the parameters' gradients (what a split backward's W runs)
 
     @classmethod
     def from_dict(cls, data: Any, path: str) -> StagePrediction:
@@ -217,8 +218,9 @@ class StagePrediction:
             "fwd_ms": codec.number, "bwd_ms": codec.number, "param_bytes": codec.integer,
             "static_bytes": codec.integer, "activation_bytes": codec.integer, "allreduce_ms": codec.number,
             "optimizer_ms": codec.number, "swap_bytes": codec.integer, "swap_ms": codec.number,
-            "host_bytes": codec.integer, "nvme_bytes": codec.integer},
-            optional=frozenset({"optimizer_ms", "swap_bytes", "swap_ms", "host_bytes", "nvme_bytes"}))
+            "host_bytes": codec.integer, "nvme_bytes": codec.integer, "weight_grad_ms": codec.number},
+            optional=frozenset({"optimizer_ms", "swap_bytes", "swap_ms", "host_bytes", "nvme_bytes",
+                                "weight_grad_ms"}))
 
 
 @dataclass(frozen=True)

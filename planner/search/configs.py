@@ -1,6 +1,11 @@
 """The search space: a request's knobs, and every configuration (stages x replicas x micro-batching
 x schedule x where model state lives x whether stage 0 runs on image tiles).
 
+Every schedule family is a configuration of its own where its generator accepts the numbers:
+interleaved 1F1B puts v model parts on each pipeline rank (v in VIRTUAL_STAGES, the micro-batch
+count a multiple of the ranks), GEMS-MASTER mirrors two copies of an even number of parts (an even
+micro-batch count), ZB-H1 splits every backward; only GPipe and 1F1B run stage 0 on image tiles.
+
 A configuration uses S x D GPUs, or (S - 1 + P) x D with stage 0 on P tiles per replica. It normally uses all G it is given; when the global batch B is
 smaller than G, at most B GPUs can work at once (each sample is in one place at a time), so plans
 on fewer GPUs (every divisor of G) are considered too and win when they are at least as fast.
@@ -8,6 +13,7 @@ on fewer GPUs (every divisor of G) are considered too and win when they are at l
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from cost_models.errors import InvalidArgument
@@ -51,10 +57,16 @@ class Config:
     schedule: ScheduleKind
     state: StateMode = ON_GPU  # where every stage keeps its model state
     spatial: tuple[SpatialChoice, ...] = ()  # the leading stages on image tiles, one tiling each
+    virtual_stages: int = 1  # model parts per pipeline rank (interleaved 1F1B); num_stages counts parts
 
     @property
     def gpus(self) -> int:
-        return sum(self.stage_tiles) * self.data_parallel
+        return self.pipeline_ranks * self.data_parallel
+
+    @property
+    def pipeline_ranks(self) -> int:
+        """Ranks of one replica (its pipeline)."""
+        return sum(self.stage_tiles) // self.virtual_stages
 
     @property
     def stage_tiles(self) -> tuple[int, ...]:
@@ -64,6 +76,8 @@ class Config:
     def describe(self) -> str:
         where = self.state.describe()
         tiles = f" ({describe_tiles(self.spatial)})" if self.spatial else ""
+        if self.virtual_stages > 1:
+            tiles = f" on {plural(self.pipeline_ranks, 'rank')} ({self.virtual_stages} per rank)"
         return (f"{plural(self.num_stages, 'stage')}{tiles} x {plural(self.data_parallel, 'replica')}, "
                 f"{plural(self.num_microbatches, 'micro-batch', 'micro-batches')} of "
                 f"{self.micro_batch_size}, {self.schedule.value}" + (f", {where}" if where else ""))
@@ -93,10 +107,12 @@ def configurations(space: SearchSpace, max_stages: int,
             replicas = gpus // stages
             if stages > max_stages or space.global_batch_size % replicas:
                 continue
-            if (space.num_stages and stages not in space.num_stages) or (
+            if (space.num_stages and not any(count % stages == 0 for count in space.num_stages)) or (
                     space.data_parallel and replicas not in space.data_parallel):
                 continue
-            configs.extend(_micro_batchings(space, stages, replicas))
+            configs.extend(config for config in _micro_batchings(space, stages, replicas)
+                           if config.num_stages <= max_stages  # a part holds at least one unit
+                           and (not space.num_stages or config.num_stages in space.num_stages))
         for tiling in tilings:
             configs.extend(_spatial_configs(space, gpus, (tiling,), max_stages))
             for then in tilings:  # two consecutive spatial stages, the second on half the tiles
@@ -107,8 +123,24 @@ def configurations(space: SearchSpace, max_stages: int,
         if stray and not tilings:  # only stage 0 on tiles could have used such a stage count
             raise InvalidArgument(f"num_stages {stray} must divide gpus={space.gpus} for a model whose input "
                                   f"cannot be cut into image tiles; choose from {divisors(space.gpus)}")
+        closed = tuple(kind for kind in space.schedules if kind.closed_form)
+        if closed != space.schedules and (not closed or configurations(
+                dataclasses.replace(space, schedules=closed or (ScheduleKind.GPIPE,)), max_stages, tilings)):
+            raise InvalidArgument(_family_message(space))
         raise InvalidArgument(_batch_message(space))
     return configs
+
+
+def _family_message(space: SearchSpace) -> str:
+    """Why the requested schedule families have no configuration where GPipe would have one."""
+    needs = {ScheduleKind.INTERLEAVED_1F1B: "2+ pipeline ranks and a micro-batch count that is a multiple of "
+                                            "them (and 2+ units per rank)",
+             ScheduleKind.GEMS_MASTER: "an even number (2+) of pipeline ranks and an even micro-batch count",
+             ScheduleKind.ZB_H1: "2+ pipeline ranks"}
+    said = "; ".join(f"{kind.value} needs {needs[kind]}" for kind in space.schedules if kind in needs)
+    return (f"no configuration of schedules {[kind.value for kind in space.schedules]} fits {space.gpus} GPUs and "
+            f"batch size {space.global_batch_size}: {said}; change the micro-batch sizes or the batch size, "
+            f"or add schedules gpipe or 1f1b (valid: {', '.join(kind.value for kind in ScheduleKind)})")
 
 
 def _spatial_configs(space: SearchSpace, gpus: int, tilings: tuple[SpatialChoice, ...],
@@ -129,12 +161,33 @@ def _spatial_configs(space: SearchSpace, gpus: int, tilings: tuple[SpatialChoice
 
 def _micro_batchings(space: SearchSpace, stages: int, replicas: int,
                      spatial: tuple[SpatialChoice, ...] = ()) -> list[Config]:
+    """Every micro-batching, schedule family and state mode of ``stages`` pipeline ranks per replica."""
     per_replica = space.global_batch_size // replicas
     sizes = space.micro_batch_sizes or tuple(divisors(per_replica))
     modes = (ON_GPU,) if spatial else state_modes(space.offload, replicas > 1)  # tiles keep their state
-    return [Config(stages, replicas, micro, per_replica // micro, schedule, state, spatial)
+    return [Config(stages * virtual, replicas, micro, per_replica // micro, schedule, state, spatial, virtual)
             for micro in sizes if per_replica % micro == 0 for schedule in space.schedules
+            for virtual in _family_shapes(schedule, stages, per_replica // micro, bool(spatial))
             for state in modes]
+
+
+def _family_shapes(schedule: ScheduleKind, ranks: int, num_microbatches: int, spatial: bool) -> tuple[int, ...]:
+    """The virtual stages per rank with which ``schedule`` can run ``ranks`` pipeline ranks and
+    ``num_microbatches`` micro-batches (none: it cannot; 1: no virtual stages)."""
+    if schedule in (ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B):
+        return (1,)
+    if spatial or ranks < 2:  # one rank per replica: there is no bubble for the other families to fill
+        return ()
+    if schedule is ScheduleKind.INTERLEAVED_1F1B:
+        return VIRTUAL_STAGES if num_microbatches % ranks == 0 else ()
+    if schedule is ScheduleKind.GEMS_MASTER:
+        return (1,) if ranks % 2 == 0 and num_microbatches % 2 == 0 else ()
+    return (1,)  # zb-h1
+
+
+VIRTUAL_STAGES = (2, 3, 4)
+"""Model parts per rank the search tries for interleaved 1F1B: more shrinks the bubble by as much but
+sends as many more activations, and the ranking cost grows with the parts."""
 
 
 def _batch_message(space: SearchSpace) -> str:

@@ -135,6 +135,7 @@ class PartSummary:
     recompute_bytes: int = 0  # the largest recomputed unit's activations, rematerialised in its backward
     host_bytes: int = 0  # host memory for this part's optimizer state and gradients (per rank)
     nvme_bytes: int = 0  # NVMe for this part's optimizer state (per rank)
+    weight_grad_ms: float = 0.0  # of bwd_ms: the parameters' gradients (a split backward's W)
 
     @property
     def compute_ms(self) -> float:
@@ -233,4 +234,4 @@ def _summary(model: CostModel, part: int, first: int, last: int, decisions: Deci
                        values["allreduce_ms"], round(values["grad_bytes"]), round(values["static_bytes"]),
                        round(values["activation_bytes"]), values["optimizer_ms"], values["swap_ms"],
                        round(values["swap_bytes"]), round(values["recompute_bytes"]),
-                       round(values["host_bytes"]), round(values["nvme_bytes"]))
+                       round(values["host_bytes"]), round(values["nvme_bytes"]), values["weight_grad_ms"])

@@ -31,6 +31,7 @@ from planner.plan.kinds import ScheduleKind
 from planner.plan.layout import Layout
 from planner.plan.parts import StateTier
 from planner.plan.spatial import Slicing, grid_shape
+from planner.schedules.balanced import BalancedStep
 
 if TYPE_CHECKING:
     from planner.search.configs import SearchSpace
@@ -53,6 +54,7 @@ class Unit:
     param_numel: int = 0  # elements of those parameters (what an optimizer step touches)
     offloadable_bytes: int = 0  # of activation_bytes: what its nodes save (the loss's share excluded)
     input_bytes: int = 0  # what a checkpoint of this unit keeps: the activations alive where it starts
+    weight_grad_ms: float = 0.0  # of bwd_ms: its parameters' gradients (a split backward's W; NodeCost)
 
 
 @dataclass(frozen=True)
@@ -232,8 +234,10 @@ def spatial_part(choice: SpatialChoice, coarse: Coarsening, geometry: TileGeomet
             continue
         saved = sum(cost.saved_bytes for cost in on_tiles)
         first = on_tiles[0] if on_tiles else None
+        bwd_ms = sum(cost.bwd_ms for cost in on_tiles)
         units.append(dataclasses.replace(
-            unit, fwd_ms=sum(cost.fwd_ms for cost in on_tiles), bwd_ms=sum(cost.bwd_ms for cost in on_tiles),
+            unit, fwd_ms=sum(cost.fwd_ms for cost in on_tiles), bwd_ms=bwd_ms,
+            weight_grad_ms=unit.weight_grad_ms * bwd_ms / unit.bwd_ms if unit.bwd_ms else 0.0,
             activation_bytes=round(saved), offloadable_bytes=round(saved),
             transient_bytes=round(max((cost.transient_bytes for cost in on_tiles), default=0.0)),
             input_bytes=round(min(saved, unit.input_bytes * (first.share if first else 1.0)))))
@@ -262,6 +266,7 @@ class PipelineProblem:
     mem_bytes: int
     tiers: MemoryTiers = GPU_ONLY
     spatial: tuple[SpatialPart, ...] = ()  # the leading parts on image tiles
+    balanced: BalancedStep | None = None  # a family without a closed form: its programs on balanced parts
 
     def __post_init__(self) -> None:
         assert len(self.boundary_bytes) == len(self.units) - 1
@@ -452,6 +457,7 @@ def _unit(graph: LayerGraph, table: CostTable, names: list[str], precision: Prec
         param_numel=sum(p.numel for p in state),
         offloadable_bytes=saved,
         input_bytes=min(saved, crossing_before),
+        weight_grad_ms=sum(c.weight_grad_ms for c in costs),
     )
 
 

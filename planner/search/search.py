@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from math import isqrt
+from typing import Any
 
 from cost_models.comm import p2p_link, ring_allreduce_coefficients
 from cost_models.devices import DeviceSpec
@@ -28,6 +29,7 @@ from planner.plan.kinds import ScheduleKind
 from planner.plan.parts import StateTier
 from planner.plan.spatial import Slicing
 from planner.progress import Phase, Progress, ProgressEvent
+from planner.schedules.balanced import BalancedStep, balanced_step
 from planner.schedules.generate import Schedule, generate, max_in_flight
 from planner.search.configs import Config, SearchSpace, configurations, gpu_counts
 from planner.search.evaluate import Decisions, Evaluation, evaluate
@@ -106,6 +108,7 @@ class SearchResult:
     best_on_gpu: Candidate | None = None  # the best plan found keeping every activation and all state on the GPU
     best_untiled: Candidate | None = None  # the best plan found without image tiles
     spatial_note: str = ""  # why no plan tiles the image, when the search could not consider any
+    finalists: tuple[Candidate, ...] = ()  # what the simulator chooses among (planner/assemble.py: by_simulation)
 
     @property
     def offload_note(self) -> str:
@@ -151,6 +154,7 @@ class Search:
         self._setups: dict[Config, Setup] = {}
         self._min_peaks: dict[tuple[Config, bool], OracleResult | None] = {}
         self._schedules: dict[tuple, Schedule] = {}
+        self._balanced: dict[tuple, BalancedStep] = {}
         self._geometries: dict[SpatialChoice, TileGeometry] = {}
         self._fused: dict[SpatialChoice, FusedHalos] = {}  # each geometry's fused-halo costing (memoised walks)
         self._bounds: dict[Config, float] = {}
@@ -184,7 +188,7 @@ class Search:
             part_allreduces(self.device, layout, per_node), self.space.mem_bytes,
             memory_tiers(self.device, self.space, config.state, activations=False),
             tuple(self._spatial_part(choice, config.micro_batch_size, units, None if coarse else config.spatial)
-                  for choice in config.spatial))
+                  for choice in config.spatial), self.balanced(config, units))
         decided = None
         if {Offload.RECOMPUTE, Offload.SWAP} & self.space.offload:
             tiers = memory_tiers(self.device, self.space, config.state, activations=True)
@@ -197,11 +201,27 @@ class Search:
     def schedule(self, config: Config) -> Schedule:
         """``config``'s generated programs and layout (cached: alike for every state mode)."""
         key = (config.schedule, config.num_stages, config.num_microbatches, config.data_parallel,
-               config.stage_tiles)
+               config.stage_tiles, config.virtual_stages)
         if key not in self._schedules:
             self._schedules[key] = generate(config.schedule, config.num_stages, config.num_microbatches,
-                                            data_parallel=config.data_parallel, tiles=config.stage_tiles)
+                                            data_parallel=config.data_parallel, **_shape(config))
         return self._schedules[key]
+
+    def balanced(self, config: Config, units: Coarsening) -> BalancedStep | None:
+        """A family without a closed form: its programs (one replica) replayed with every part costing the
+        model's average part over ``units``, normalised to a part-time of 1 (the objective needs the
+        shape only; cached by the shares of forward and weight gradient, to the percent)."""
+        if config.schedule.closed_form:
+            return None
+        forward = sum(unit.fwd_ms for unit in units.units)
+        total = forward + sum(unit.bwd_ms for unit in units.units)
+        weight_grad = sum(unit.weight_grad_ms for unit in units.units)
+        shares = (round(forward / total, 2), round(weight_grad / total, 2)) if total > 0 else (0.5, 0.0)
+        key = (config.schedule, config.num_stages, config.num_microbatches, config.virtual_stages, shares)
+        if key not in self._balanced:
+            schedule = generate(config.schedule, config.num_stages, config.num_microbatches, **_shape(config))
+            self._balanced[key] = balanced_step(schedule, shares[0], 1.0 - shares[0], shares[1])
+        return self._balanced[key]
 
     def distinct(self, configs: Sequence[Config]) -> list[Config]:
         """``configs`` less those whose schedule runs the very programs of an earlier one's on the same
@@ -316,7 +336,7 @@ class Search:
         # First every configuration keeping each activation (exact and fast), then recompute and swap
         # where that plan is missing or binds, each cut off by the best plan of either pass.
         for index, config in enumerate(ranked):
-            best = min((c.objective_ms for c in solved), default=None)
+            best = _cutoff(config, min((c.objective_ms for c in solved), default=None))
             own_seed = seed if seed is not None and seed.setup.config == config else None
             if best is not None and self.lower_bound(config) >= best:
                 if own_seed is not None and self.lower_bound(config) >= own_seed.objective_ms:
@@ -325,7 +345,7 @@ class Search:
                 continue
             remaining = self.space.time_limit_s - (time.perf_counter() - start)
             if remaining <= 0 and solved:
-                unexamined = sum(1 for c in ranked[index:] if self.lower_bound(c) < best)
+                unexamined = sum(1 for c in ranked[index:] if self.lower_bound(c) < _cutoff(c, best))
                 break
             if not self._kept_fits(config):  # only memory decisions could fit it: whether they may is
                 if self.setup(config).decided_problem is not None:  # checked when (if) its turn comes
@@ -342,12 +362,12 @@ class Search:
             if decide:
                 pending.append((index, config, kept))
         for position, (index, config, kept) in enumerate(pending):
-            best = min((c.objective_ms for c in solved), default=None)
+            best = _cutoff(config, min((c.objective_ms for c in solved), default=None))
             if best is not None and self.decided_bound(config, best) >= best:
                 continue
             remaining = self.space.time_limit_s - (time.perf_counter() - start)
             if remaining <= 0 and solved:
-                unexamined += sum(1 for _, c, _ in pending[position:] if self.decided_bound(c) < best)
+                unexamined += sum(1 for _, c, _ in pending[position:] if self.decided_bound(c) < _cutoff(c, best))
                 break
             if not self.fits(config):
                 continue
@@ -373,10 +393,14 @@ class Search:
         if untiled is not None and untiled.objective_ms <= (1 + TILES_MUST_GAIN) * solved[0].objective_ms:
             solved.remove(untiled)  # within the margin, a plan without tiles is preferred
             solved.insert(0, untiled)
+        family_best = [min(family, key=lambda c: c.objective_ms) for kind in self.space.schedules
+                       for family in [[c for c in solved if c.setup.config.schedule is kind]] if family]
+        close = [c for c in solved[:FINALISTS] if c.objective_ms <= (1 + FAMILY_SLACK) * solved[0].objective_ms]
+        finalists = tuple({id(c): c for c in close + family_best}.values())
         return SearchResult(solved[0], solved[1] if len(solved) > 1 else None, len(configs),
                             len(solved), time.perf_counter() - start, solver_s,
                             configs_unexamined=unexamined, best_on_gpu=on_gpu, best_untiled=untiled,
-                            spatial_note=self.spatial_note)
+                            spatial_note=self.spatial_note, finalists=finalists)
 
     def _report(self, event: ProgressEvent) -> None:
         if self.progress is not None:
@@ -476,10 +500,14 @@ class Search:
         kept = None
         if setup.decided_problem is None or self._kept_fits(config):
             proven = _cannot_beat(setup.costs, cutoff_ms)  # then the ILP would find nothing either
-            result = None if proven else solve_partition(setup.costs, time_limit_s=time_limit_s, cutoff_ms=cutoff_ms)
+            window = _shared_slot_window(setup.costs)
+            if window is not None:
+                time_limit_s = min(time_limit_s, SHARED_SLOT_SOLVE_S)
+            result = None if proven else solve_partition(setup.costs, time_limit_s=time_limit_s, cutoff_ms=cutoff_ms,
+                                                         window=window)
             if result is not None and result.cuts is not None:
                 kept = Candidate(setup, evaluate(setup.costs, result.cuts), result.objective, result.status,
-                                 result.solver, result.gap, result.binding)
+                                 result.solver, result.gap, result.binding, local=window is not None)
             elif seed is not None and (proven or result.status is SolveStatus.INFEASIBLE) and cutoff_ms is not None \
                     and cutoff_ms >= seed.objective_ms:  # it is proven that nothing beats the seed
                 kept = dataclasses.replace(seed, status=SolveStatus.OPTIMAL, gap=0.0,
@@ -513,11 +541,10 @@ class Search:
         assert costs is not None
         deadline = time.perf_counter() + time_limit_s
         if cuts is None:
-            cuts = min_peak_partition(costs).cuts
-        width = max(2, min(DECISION_WINDOW_UNITS, costs.num_units // (2 * costs.num_parts)))
+            cuts = min_peak_partition(costs).cuts if _shared_slot_window(costs) is None else even_cuts(costs)
         best: Candidate | None = None
         for _ in range(DECISION_ROUNDS):
-            window = tuple((max(-1, cut - width), min(costs.num_units - 2, cut + width)) for cut in cuts)
+            window = _window(costs, cuts)
             remaining = deadline - time.perf_counter()
             if remaining <= 0 or _cannot_beat(costs, cutoff_ms, window):
                 break
@@ -569,8 +596,13 @@ class Search:
         return self._decided_bounds[config]
 
     def infeasible(self, configs: Sequence[Config]) -> PlanInfeasible:
-        """The error for a budget nothing fits: the smallest memory the most frugal layout needs."""
-        frugal = min(configs, key=lambda c: (-c.num_stages, c.micro_batch_size,
+        """The error for a budget nothing fits: the smallest memory the most frugal layout needs (of a layout
+        with one part per slot, which the exact dynamic programs measure: a family holding several parts per
+        slot is measured as 1F1B on as many ranks)."""
+        one_per_slot = [c for c in configs if _shared_slot_window(self.setup(c).costs) is None]
+        if not one_per_slot:
+            return self._shared_slots_infeasible(configs)
+        frugal = min(one_per_slot, key=lambda c: (-c.num_stages, c.micro_batch_size,
                                              sum(self.setup(c).problem.in_flight),
                                              c.state.optimizer is StateTier.GPU, c.state.optimizer is StateTier.HOST,
                                              -c.state.zero_stage))
@@ -579,6 +611,24 @@ class Search:
         if lowest.peak_bytes <= self.space.mem_bytes:  # the GPUs would fit it: host memory or NVMe do not
             return capacity_error(setup, lowest.cuts, lowest.peak_bytes)
         return infeasible_error(setup, self._budget(), self.space.gpus, self.device.name, self.space.reserve)
+
+    def _shared_slots_infeasible(self, configs: Sequence[Config]) -> PlanInfeasible:
+        """Only families holding several parts per rank were asked for and none fits: what the most frugal
+        configuration's even cuts need with every unit recomputed (or swapped) where allowed, a budget that
+        surely fits (no exact program measures such layouts)."""
+        def need(config: Config) -> int:
+            costs = self.setup(config).frugal_costs
+            every, none = (1.0,) * costs.num_units, (0.0,) * costs.num_units
+            tiers = costs.problem.tiers
+            decisions = (Decisions(every, none) if tiers.recompute else Decisions(none, every)) if costs.decides else None
+            return evaluate(costs, even_cuts(costs), decisions).peak_mem_bytes
+        frugal = min(configs, key=need)
+        families = sorted({c.schedule.value for c in configs})
+        return PlanInfeasible(
+            f"no plan of schedules {families} fits {self._budget()} per GPU on {self.space.gpus} x {self.device.name}: "
+            f"their ranks hold several parts each, and the most frugal ({frugal.describe()}) fits in "
+            f"{format_bytes(need(frugal))} on even cuts. Give mem >= {format_bytes(need(frugal))}, or add "
+            f"schedules gpipe or 1f1b", min_mem_bytes=need(frugal), binding="memory")
 
     def _budget(self) -> str:
         usable, reserve = self.space.mem_bytes, self.space.reserve_bytes
@@ -614,8 +664,27 @@ DECISION_WINDOW_UNITS = 8
 """How far (in units) each cut may move either way in one ILP with memory decisions: wider windows
 found no better plans on the zoo but let one ILP run into its time limit on deep networks."""
 
+FAMILY_SLACK = 0.1
+"""How far above the best plan so far a plan of a family costed from its programs (interleaved 1F1B,
+GEMS-MASTER, ZB-H1) is still solved: their step models are off the simulated step by up to about this
+much (tests/unit/test_family_search.py measures it), so a plan they rank second may simulate first."""
+
+FINALISTS = 12
+"""At most this many plans within FAMILY_SLACK of the best one are simulated to pick the winner (with
+the best plan of each schedule family)."""
+
+SHARED_SLOT_SOLVE_S = 3.0
+"""Time limit of the ILP keeping every activation of a configuration whose slots hold several parts."""
+
 DECISION_ROUNDS = 3
 """How many times the window of the ILP with memory decisions moves after the best plan's cuts."""
+
+
+def _shape(config: Config) -> dict[str, Any]:
+    """The generator options of ``config``'s family beyond the part and micro-batch counts."""
+    if config.schedule is ScheduleKind.INTERLEAVED_1F1B:
+        return {"virtual_stages": config.virtual_stages}
+    return {"tiles": config.stage_tiles} if config.spatial else {}
 
 
 def _activations(decisions: Decisions | None) -> str:
@@ -636,6 +705,50 @@ def _cannot_beat(costs: CostModel, cutoff_ms: float | None, window: Window | Non
         return decided_step_floor(costs, cutoff_ms, window) >= cutoff_ms
     except ValueError:  # several stages share a slot: the DP does not apply
         return False
+
+
+def _cutoff(config: Config, best_ms: float | None) -> float | None:
+    """The step a plan of ``config`` must beat to be solved and kept: the best so far, or FAMILY_SLACK
+    above it for a family whose step model is estimated from its programs (the simulator then chooses
+    among the families' best plans: planner/assemble.py)."""
+    if best_ms is None or config.schedule.closed_form:
+        return best_ms
+    return best_ms * (1 + FAMILY_SLACK)
+
+
+def even_cuts(costs: CostModel) -> tuple[int, ...]:
+    """The cuts that give every part about the same compute (forward and backward) per micro-batch.
+
+    >>> from planner.search.problem import Unit
+    >>> problem = type("P", (), {"units": [Unit((str(i),), 1.0, 2.0, 0, 0, 0, 0) for i in range(8)]})
+    >>> even_cuts(type("C", (), {"problem": problem, "num_parts": 4, "num_units": 8})())
+    (1, 3, 5)
+    """
+    compute = list(itertools.accumulate(unit.fwd_ms + unit.bwd_ms for unit in costs.problem.units))
+    cuts: list[int] = []
+    for part in range(1, costs.num_parts):
+        share = compute[-1] * part / costs.num_parts
+        cut = next(unit for unit, done in enumerate(compute) if done >= share - 1e-12)
+        lowest = cuts[-1] + 1 if cuts else 0
+        cuts.append(min(max(cut, lowest), costs.num_units - 1 - (costs.num_parts - part)))
+    return tuple(cuts)
+
+
+def _window(costs: CostModel, cuts: tuple[int, ...]) -> Window:
+    """Each cut free within a few units either way (fewer the more parts share the units)."""
+    width = max(2, min(DECISION_WINDOW_UNITS, costs.num_units // (2 * costs.num_parts)))
+    return tuple((max(-1, cut - width), min(costs.num_units - 2, cut + width)) for cut in cuts)
+
+
+def _shared_slot_window(costs: CostModel) -> Window | None:
+    """Where a slot holds several parts (interleaved 1F1B, GEMS-MASTER: no dynamic program prunes or seeds
+    them, and their ILP grows with the parts), the window around the even cuts its ILP is solved in;
+    None where every slot holds one part (the ILP over every partition)."""
+    try:
+        check_exact(costs, decisions_allowed=True)
+    except ValueError:
+        return _window(costs, even_cuts(costs))
+    return None
 
 
 def whole_units(decisions: Decisions | None) -> Decisions | None:

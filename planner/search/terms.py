@@ -206,7 +206,7 @@ class CapacityRow:
     members: tuple[tuple[int, float, Term], ...]  # (part, weight: ranks or micro-batches, member)
 
 
-BREAKDOWN = ("fwd_ms", "bwd_ms", "send_ms", "allreduce_ms", "optimizer_ms", "swap_ms", "grad_bytes",
+BREAKDOWN = ("fwd_ms", "bwd_ms", "weight_grad_ms", "send_ms", "allreduce_ms", "optimizer_ms", "swap_ms", "grad_bytes",
              "static_bytes", "activation_bytes", "swap_bytes", "recompute_bytes", "host_bytes", "nvme_bytes")
 """The per-part terms every evaluation reports (planner/search/evaluate.py: PartSummary)."""
 
@@ -313,6 +313,7 @@ def _shared_terms(problem: PipelineProblem, units: tuple[Unit, ...],
         "fwd_ms": Term(per_unit=tuple(u.fwd_ms for u in units)),
         "bwd_ms": Term(per_unit=tuple(u.bwd_ms for u in units),
                        per_recompute=tuple(u.fwd_ms for u in units) if recompute else ()),
+        "weight_grad_ms": Term(per_unit=tuple(u.weight_grad_ms for u in units)),  # of bwd_ms
         "grad_bytes": Term(per_unit=tuple(float(u.grad_bytes) for u in units),
                            per_shared=tuple(float(p.grad_bytes) for p in shared)),
         "transient_bytes": Term(unit_max=tuple(float(u.transient_bytes) for u in units), max_name="transient"),
@@ -400,7 +401,7 @@ def _part_terms(problem: PipelineProblem, part: int, shared: dict[str, Term],
     boundary = problem.boundary_bytes
     allreduce = problem.allreduce[part]
     terms: dict[str, Term] = {name: shared[name] for name in (
-        "fwd_ms", "bwd_ms", "compute_ms", "grad_bytes", "swap_bytes", "swap_ms", "recompute_bytes")}
+        "fwd_ms", "bwd_ms", "weight_grad_ms", "compute_ms", "grad_bytes", "swap_bytes", "swap_ms", "recompute_bytes")}
     copies = len(problem.layout.part_ranks(part))
     if copies not in states:
         states[copies] = _state_terms(problem, copies)
@@ -421,6 +422,8 @@ def _part_terms(problem: PipelineProblem, part: int, shared: dict[str, Term],
 
 
 def _objective(problem: PipelineProblem, parts: tuple[dict[str, Term], ...]) -> Objective:
+    if not problem.schedule.closed_form:
+        return _replayed_objective(problem, parts)
     every = range(problem.num_parts)
     sends = tuple((p, parts[p]["send_ms"]) for p in range(problem.num_parts - 1))
     swaps = tuple((p, parts[p]["swap_ms"]) for p in every) if problem.tiers.swap else ()
@@ -440,6 +443,38 @@ def _objective(problem: PipelineProblem, parts: tuple[dict[str, Term], ...]) -> 
         Aggregate("bottleneck", Reduce.MAX, repeats, pace),
         Drain("backward", 1.0, tuple((p, parts[p]["bwd_ms"]) for p in every) + sends + swaps,
               repeats if drain_pace else 0.0, drain_pace, tails),
+    )
+
+
+def _replayed_objective(problem: PipelineProblem, parts: tuple[dict[str, Term], ...]) -> Objective:
+    """The step of a family without a closed form (interleaved 1F1B, GEMS-MASTER, ZB-H1), scaled by its
+    own programs: replayed on balanced parts (planner/schedules/balanced.py) they take
+    ``rank_work - 1 + path_parts`` part-times, so here
+
+        step = (rank_work - 1) max_s(C_s, c_s, w_s) + path_parts / P x sum_s C_s + 2 sum_s c_s + k max_s (a_s + o_s)
+
+    with C_s = F_s + B_s (its W included), c_s its link and w_s its swaps per micro-batch (the first
+    micro-batch crosses every cut forward and back, however many parts a rank holds), and k the
+    most stages a slot holds (their all-reduces and optimizer steps follow each other): exact for
+    balanced parts with free transfers, an estimate otherwise (the simulator gives the plan's step, and
+    the search compares the families' best plans on it: planner/assemble.py).
+    """
+    balanced = problem.balanced
+    if balanced is None:
+        raise ValueError(f"{problem.schedule.value} is costed from its programs replayed on balanced parts; "
+                         f"give the problem's balanced step (planner/schedules/balanced.py)")
+    every = range(problem.num_parts)
+    along = balanced.path_parts / problem.num_parts
+    sends = tuple((p, parts[p]["send_ms"]) for p in range(problem.num_parts - 1))
+    swaps = tuple((p, parts[p]["swap_ms"]) for p in every) if problem.tiers.swap else ()
+    return (
+        Aggregate("path", Reduce.SUM, along, tuple((p, parts[p]["compute_ms"]) for p in every)),
+        Aggregate("path_transfers", Reduce.SUM, 2.0, sends),
+        Aggregate("bottleneck", Reduce.MAX, float(balanced.rank_work - 1),
+                  tuple((p, parts[p]["compute_ms"]) for p in every) + sends + swaps),
+        Aggregate("tail", Reduce.MAX, float(max(len(problem.layout.stages_on_slot(slot))
+                                                for slot in range(problem.layout.num_slots))),
+                  tuple((p, parts[p]["allreduce_ms"].plus(parts[p]["optimizer_ms"])) for p in every)),
     )
 
 

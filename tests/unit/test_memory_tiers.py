@@ -62,7 +62,7 @@ def decided_problems(draw, max_stages: int = 2) -> PipelineProblem:
         saved = draw(st.integers(0, 1000))
         units.append(Unit((f"n{i}",), draw(ms), draw(ms), draw(st.integers(0, 500)), 0, saved,
                           draw(st.integers(0, 200)), (), 0, 0, 0, saved, draw(st.integers(0, saved))))
-    schedule = draw(st.sampled_from([k for k in ScheduleKind if k.is_searched]))
+    schedule = draw(st.sampled_from([k for k in ScheduleKind if k.closed_form]))
     in_flight = tuple(microbatches if schedule is ScheduleKind.GPIPE else min(microbatches, num_stages - s)
                       for s in range(num_stages))
     return PipelineProblem(tuple(units), tuple(draw(st.integers(0, 300)) for _ in range(num_units - 1)), (),

@@ -44,7 +44,7 @@ def problems(draw) -> PipelineProblem:
                   for _ in range(num_stages - 1))
     allreduce = tuple(LinearCost(draw(st.floats(0, 1)), draw(st.floats(0, 0.01))) for _ in range(num_stages))
     return PipelineProblem(units, tuple(draw(nbytes) for _ in range(num_units - 1)), SHARED,
-                           Layout.pipeline(num_stages), draw(st.sampled_from([k for k in ScheduleKind if k.is_searched])),
+                           Layout.pipeline(num_stages), draw(st.sampled_from([k for k in ScheduleKind if k.closed_form])),
                            microbatches, in_flight, links, allreduce, draw(st.integers(500, 8000)))
 
 

@@ -1,0 +1,58 @@
+"""The bubble a schedule family's programs actually have: their step when every part costs the same.
+
+The search's step model of a family without a closed form (planner/search/terms.py) is scaled by
+this replay, so a family is costed by its own programs (what its generator emits), not by a
+textbook formula: interleaving, mirrored copies and split backwards each shrink the replayed
+bubble by what they really gain for the configuration's stage and micro-batch counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner.schedules.actions import ActionKind
+from planner.schedules.generate import Schedule
+from planner.schedules.lower import lower
+from planner.schedules.simulate import SimCosts, StageCosts, simulate
+
+
+@dataclass(frozen=True)
+class BalancedStep:
+    """A schedule replayed with every part costing ``part_ms`` per micro-batch and free transfers."""
+
+    step_ms: float
+    part_ms: float  # forward plus backward of one part for one micro-batch
+    rank_work: int  # the most (part, micro-batch) forwards one rank runs: its compute is rank_work x part_ms
+
+    @property
+    def path_parts(self) -> float:
+        """How many parts' worth of one micro-batch the step takes beyond the busiest rank's own
+        compute less one part: the step is ``(rank_work - 1 + path_parts) x part_ms``.
+
+        >>> BalancedStep(step_ms=33.0, part_ms=3.0, rank_work=8).path_parts  # 1F1B: 4 stages, 8 micro-batches
+        4.0
+        """
+        return self.step_ms / self.part_ms - (self.rank_work - 1)
+
+
+def balanced_step(schedule: Schedule, fwd_ms: float, bwd_ms: float, weight_grad_ms: float = 0.0) -> BalancedStep:
+    """Replay ``schedule`` (one replica) with every stage costing ``fwd_ms`` and ``bwd_ms`` per micro-batch
+    (``weight_grad_ms`` of it a split backward's W) and transfers free.
+
+    >>> from planner.schedules.generate import interleaved_one_f_one_b, one_f_one_b
+    >>> balanced_step(one_f_one_b(4, 8), 1.0, 2.0).step_ms  # (M + S - 1) x 3
+    33.0
+    >>> step = balanced_step(interleaved_one_f_one_b(8, 8, virtual_stages=2), 1.0, 2.0)
+    >>> step.rank_work, step.path_parts  # (M v - 1 + ranks) parts: the bubble shrinks v-fold
+    (16, 4.0)
+    """
+    layout = schedule.layout
+    if fwd_ms + bwd_ms <= 0:
+        raise ValueError(f"a part must cost time to replay a schedule, got fwd_ms={fwd_ms}, bwd_ms={bwd_ms}")
+    edges = {(src, dst) for part in range(layout.num_parts - 1)
+             for src, dst in zip(layout.stages_of_part(part), layout.stages_of_part(part + 1))}
+    programs = layout.rank_programs(lower(schedule.programs, layout, edges))
+    stage = StageCosts(fwd_ms, bwd_ms, 0, 0, weight_grad_ms=weight_grad_ms)
+    result = simulate(programs, layout, SimCosts((stage,) * layout.num_stages, {}))
+    rank_work = max(sum(action.kind is ActionKind.F for action in program) for program in schedule.programs)
+    return BalancedStep(result.step_ms, fwd_ms + bwd_ms, rank_work)

@@ -1,0 +1,96 @@
+"""The search costs and chooses every synchronous schedule family (issue 12).
+
+The families without a closed form (interleaved 1F1B, GEMS-MASTER, ZB-H1) are costed from their own
+programs replayed on balanced parts (planner/schedules/balanced.py); these tests check that replay
+against the closed forms and the simulator, that each family's step model stays within FAMILY_SLACK
+of the simulated step of the plans it chooses, and that ``plan()`` picks the family whose plan
+simulates fastest and names the runner-up family.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from cost_models.errors import InvalidArgument
+from examples.models.gpt import gpt_tiny
+from planner import plan
+from planner.plan import Plan
+from planner.plan.kinds import ScheduleKind
+from planner.schedules.balanced import balanced_step
+from planner.schedules.generate import generate, gems_master, interleaved_one_f_one_b, one_f_one_b, zb_h1
+from planner.search.search import FAMILY_SLACK
+
+FAMILIES = [kind for kind in ScheduleKind if not kind.closed_form]
+
+
+@pytest.mark.parametrize(("stages", "microbatches"), list(itertools.product((2, 3, 4, 6), (1, 2, 4, 8, 12))))
+def test_balanced_replay_of_one_f_one_b_is_its_closed_form(stages: int, microbatches: int) -> None:
+    step = balanced_step(one_f_one_b(stages, microbatches), 1.0, 2.0)
+    assert step.step_ms == pytest.approx((microbatches + stages - 1) * 3.0)
+    assert step.rank_work == microbatches and step.path_parts == pytest.approx(stages)
+
+
+@pytest.mark.parametrize(("ranks", "virtual", "rounds"), list(itertools.product((2, 4), (2, 3), (1, 2, 3))))
+def test_interleaving_shrinks_the_replayed_bubble_v_fold(ranks: int, virtual: int, rounds: int) -> None:
+    """Megatron's interleaved 1F1B on balanced chunks: (M v + ranks - 1) chunk-times, the bubble of
+    1F1B on the whole rank's layers divided by v (micro-batch count a multiple of the ranks)."""
+    microbatches = ranks * rounds
+    step = balanced_step(interleaved_one_f_one_b(ranks * virtual, microbatches, virtual_stages=virtual), 1.0, 2.0)
+    assert step.rank_work == microbatches * virtual
+    if rounds > 1:  # one round runs every forward first: GPipe's order, a larger bubble
+        assert step.step_ms == pytest.approx((microbatches * virtual + ranks - 1) * 3.0)
+
+
+def test_split_backwards_and_mirrored_copies_replay_below_one_f_one_b() -> None:
+    for stages, microbatches in [(2, 2), (4, 4), (4, 8), (8, 8)]:
+        plain = balanced_step(one_f_one_b(stages, microbatches), 1.0, 2.0, 1.0).step_ms
+        assert balanced_step(zb_h1(stages, microbatches), 1.0, 2.0, 1.0).step_ms < plain
+        assert balanced_step(zb_h1(stages, microbatches), 1.0, 2.0, 0.0).step_ms == pytest.approx(plain)
+        if microbatches <= stages:  # GEMS fills the bubble of a short pipeline
+            assert balanced_step(gems_master(stages, microbatches), 1.0, 2.0).step_ms < plain
+
+
+def _gpt(**options: object) -> Plan:
+    with torch.device("meta"):
+        model = gpt_tiny()
+    inputs = torch.zeros((1, 32), dtype=torch.int64, device="meta")
+    return plan(model, mem="16GB", example_inputs=inputs, device="V100-16GB", **options)
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_each_family_is_searched_and_its_step_model_is_within_the_slack(kind: ScheduleKind) -> None:
+    result = _gpt(gpus=4, batch_size=8, data_parallel=(1,), schedules=(kind.value,))
+    assert result.schedule.kind is kind
+    assert result.layout.world_size == 4
+    error = abs(result.solver.objective / result.predicted.step_ms - 1)
+    assert error <= FAMILY_SLACK, f"{kind.value}: step model {result.solver.objective} vs {result.predicted.step_ms}"
+    if kind is ScheduleKind.INTERLEAVED_1F1B:
+        assert result.num_stages > 4 and result.num_stages % 4 == 0  # v parts on each of the 4 ranks
+
+
+def test_the_search_picks_a_family_no_slower_than_each_one_alone_and_names_the_runner_up() -> None:
+    alone = {kind: _gpt(gpus=4, batch_size=8, data_parallel=(1,), schedules=(kind.value,)).predicted.step_ms
+             for kind in ScheduleKind}
+    picked = _gpt(gpus=4, batch_size=8, data_parallel=(1,))
+    assert picked.predicted.step_ms <= min(alone.values()) * (1 + 1e-9), (picked.schedule.kind, alone)
+    runner = picked.solver.runner_up
+    assert runner is not None and runner.schedule is not picked.schedule.kind
+    assert "runner-up" in picked.solver.why and runner.schedule.value in picked.solver.why
+    assert runner.step_ms == pytest.approx(alone[runner.schedule], rel=0.05)
+
+
+def test_a_micro_batch_count_the_family_cannot_use_names_what_it_needs() -> None:
+    with pytest.raises(InvalidArgument, match=r"gems-master needs an even number .*valid: gpipe, 1f1b"):
+        _gpt(gpus=2, batch_size=6, micro_batch_sizes=(2,), data_parallel=(1,), schedules=("gems-master",))
+    with pytest.raises(InvalidArgument, match=r"interleaved-1f1b needs 2\+ pipeline ranks and a micro-batch count"):
+        _gpt(gpus=4, batch_size=6, micro_batch_sizes=(2,), data_parallel=(1,), schedules=("interleaved-1f1b",))
+    with pytest.raises(InvalidArgument, match=r"schedules \['wpipe'\] not supported; choose from"):
+        _gpt(gpus=2, batch_size=4, schedules=("wpipe",))
+
+
+def test_generate_rejects_counts_a_family_cannot_use() -> None:
+    with pytest.raises(ValueError, match="multiple of 4"):
+        generate("interleaved-1f1b", 8, 6, virtual_stages=2)
