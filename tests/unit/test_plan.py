@@ -315,6 +315,7 @@ def test_plan_reports_progress_only_to_a_callback(capfd) -> None:
 
 def test_a_batch_smaller_than_the_gpus_may_use_fewer_and_says_so(resnet_graph) -> None:
     result = plan(resnet50(), gpus=16, mem="16GB", batch_size=2, graph=resnet_graph, spatial=False,
+                  schedules=("gpipe", "1f1b"),  # one copy of a part per rank (GEMS runs two per rank)
                   example_inputs=torch.empty(1, 3, 224, 224, device="meta"))  # tiles could keep all 16 busy
     used = result.cluster.gpus
     assert used < 16 and result.cluster.gpus_available == 16
@@ -326,7 +327,8 @@ def test_a_batch_smaller_than_the_gpus_may_use_fewer_and_says_so(resnet_graph) -
 
 def test_num_stages_and_data_parallel_pick_the_layout(resnet_graph) -> None:
     result = plan(resnet50(), gpus=8, mem="16GB", batch_size=64, graph=resnet_graph, num_stages=(2,),
-                  data_parallel=(2,), example_inputs=torch.empty(1, 3, 224, 224, device="meta"))
+                  data_parallel=(2,), schedules=("gpipe", "1f1b"),  # a GEMS plan shows 2 copies x 2 stages
+                  example_inputs=torch.empty(1, 3, 224, 224, device="meta"))
     assert (result.num_stages, result.data_parallel, result.cluster.gpus) == (2, 2, 4)
     assert "uses 4 of 8 GPUs, as the stage count and data-parallel degree asked" in result.solver.why
     assert _tiny(gpus=4, data_parallel=(4,)).data_parallel == 4
