@@ -1,0 +1,89 @@
+"""Which schedule family wins: the best plan of each family, and the one the search picks.
+
+For GPT-8.3B in 16 stages, BERT-large and AmoebaNet-D on 16 GPUs, at a roomy and a tight memory budget
+each, the predicted (simulated) step and peak memory of the best plan of every schedule family
+(``plan(..., schedules=(family,))``), and the family ``plan()`` picks when it may use them all. The picked
+plan should be no slower than the best single family (the "vs best" column: its step over the best
+family's), and at the tight budget the winning family may change. "-" is a family with no plan that fits.
+
+Run: python benchmarks/schedules.py [--quick]   (--quick: BERT-large only)
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cost_models.errors import InvalidArgument, PlanInfeasible  # noqa: E402
+from cost_models.units import format_bytes, format_ms  # noqa: E402
+from examples.models.amoebanet import amoebanet_d  # noqa: E402
+from examples.models.bert import bert_large  # noqa: E402
+from examples.models.gpt import megatron_8_3b  # noqa: E402
+from planner import plan, trace  # noqa: E402
+from planner.plan import Plan  # noqa: E402
+from planner.plan.kinds import ScheduleKind  # noqa: E402
+
+# name: (builder, example input, global batch, device, (roomy, tight) budgets, fixed search options)
+CASES: dict[str, tuple[Callable[[], torch.nn.Module], torch.Tensor, int, str, tuple[str, str], dict[str, Any]]] = {
+    "gpt_8_3b": (megatron_8_3b, torch.zeros((1, 1024), dtype=torch.int64, device="meta"), 32, "V100-32GB",
+                 ("32GB", "24GB"), {"num_stages": (16,)}),
+    "bert_large": (bert_large, torch.zeros((1, 512), dtype=torch.int64, device="meta"), 128, "V100-16GB",
+                   ("16GB", "3GB"), {}),
+    "amoebanet_d": (amoebanet_d, torch.empty((1, 3, 224, 224), device="meta"), 64, "V100-16GB",
+                    ("16GB", "4GB"), {}),
+}
+
+
+def _plan(model: torch.nn.Module, graph, inputs: torch.Tensor, batch: int, device: str, mem: str,
+          options: dict[str, Any], schedules: tuple[str, ...]) -> Plan | None:
+    try:
+        return plan(model, 16, mem, batch_size=batch, graph=graph, device=device, example_inputs=inputs,
+                    schedules=schedules, **options)
+    except (PlanInfeasible, InvalidArgument):
+        return None
+
+
+def _cell(result: Plan | None) -> str:
+    if result is None:
+        return "-"
+    return f"{format_ms(result.predicted.step_ms)} {format_bytes(max(result.predicted.peak_mem_bytes))}"
+
+
+def main() -> None:
+    names = ["bert_large"] if "--quick" in sys.argv else list(CASES)
+    families = [kind.value for kind in ScheduleKind]
+    header = (f"{'model':<12} {'budget':>6} " + " ".join(f"{family:>20}" for family in families)
+              + f" {'picked':>17} {'vs best':>8} {'plan s':>7}")
+    print("best plan per family: simulated step and peak memory per GPU; picked: plan() over every family")
+    print(header)
+    print("-" * len(header))
+    for name in names:
+        builder, inputs, batch, device, budgets, options = CASES[name]
+        with torch.device("meta"):
+            model = builder()
+        graph = trace(model, inputs)
+        for mem in budgets:
+            alone = {family: _plan(model, graph, inputs, batch, device, mem, options, (family,))
+                     for family in families}
+            start = time.perf_counter()
+            picked = _plan(model, graph, inputs, batch, device, mem, options, tuple(families))
+            seconds = time.perf_counter() - start
+            steps = [each.predicted.step_ms for each in alone.values() if each is not None]
+            versus = "-" if picked is None or not steps else f"{picked.predicted.step_ms / min(steps):.3f}x"
+            chosen = "-" if picked is None else picked.schedule.kind.value
+            print(f"{name:<12} {mem:>6} " + " ".join(f"{_cell(alone[family]):>20}" for family in families)
+                  + f" {chosen:>17} {versus:>8} {seconds:>7.1f}", flush=True)
+            if picked is not None:
+                print(f"{'':<20}picked: {picked.solver.why.split(';')[0]}; "
+                      f"{picked.solver.why.split(';')[1].strip() if ';' in picked.solver.why else ''}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
