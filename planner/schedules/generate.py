@@ -266,6 +266,26 @@ def max_in_flight(schedule: Schedule) -> tuple[int, ...]:
     return tuple(peak)
 
 
+def swapped_resident(schedule: Schedule) -> tuple[int, ...]:
+    """Per stage, the most micro-batches whose swapped activations are back on the device at once when the
+    stage swaps (planner/schedules/swaps.py): the one in its backward, the one prefetched for the next,
+    and those whose input gradient ran but whose weight gradient waits (a split backward keeps what it
+    saved until its W).
+
+    >>> swapped_resident(one_f_one_b(2, 4)), swapped_resident(zb_h1(3, 6))
+    ((2, 2), (2, 3, 4))
+    """
+    open_, peak = [0] * schedule.num_stages, [0] * schedule.num_stages
+    for program in schedule.programs:
+        for action in program:
+            if action.kind is ActionKind.I:
+                open_[action.stage] += 1
+                peak[action.stage] = max(peak[action.stage], open_[action.stage])
+            elif action.kind is ActionKind.W:
+                open_[action.stage] -= 1
+    return tuple(2 + max(0, waiting - 1) for waiting in peak)
+
+
 def in_flight_profiles(schedule: Schedule) -> tuple[tuple[tuple[int, ...], ...], ...]:
     """Per slot, the in-flight counts that can be its activation peak: one vector per candidate moment,
     holding per stage of the slot (in ``layout.stages_on_slot`` order) the micro-batches between

@@ -280,7 +280,8 @@ def cost_model(problem: PipelineProblem) -> CostModel:
       their own engine, so they cost time only where they are slower than the compute they hide
       behind: w_s is a resource of the pace (per micro-batch), and the first prefetch of the drain
       is exposed. Two micro-batches' swapped bytes are on the device at once (the one in its
-      backward and the one prefetched), the rest on the host;
+      backward and the one prefetched; more where a split backward's W waits: ``swapped_resident``),
+      the rest on the host;
     * the state mode (one per configuration) decides where the fp32 master weights and optimizer state live (divided by the
       part's copies under ZeRO-1) and what the step costs: on the GPU, its state traffic at memory
       bandwidth; on the host, the gradients down and the weights up over the host link and the
@@ -488,7 +489,8 @@ def _memory_rows(problem: PipelineProblem, parts: tuple[dict[str, Term], ...]) -
             terms = parts[part]
             held = terms["activation_bytes"].scaled(problem.in_flight[stage])
             if problem.tiers.swap:
-                held = held.plus(terms["swap_bytes"], 2.0)
+                resident = problem.swapped_resident[stage] if problem.swapped_resident else 2
+                held = held.plus(terms["swap_bytes"], float(resident))
             if problem.tiers.recompute:
                 held = held.plus(terms["recompute_bytes"])
             members += [(part, terms["static_bytes"]), (part, held)]

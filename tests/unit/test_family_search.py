@@ -14,7 +14,7 @@ import itertools
 import pytest
 import torch
 
-from cost_models.errors import InvalidArgument
+from cost_models.errors import InvalidArgument, PlanInfeasible
 from examples.models.gpt import gpt_tiny
 from planner import plan
 from planner.plan import Plan
@@ -57,7 +57,8 @@ def _gpt(**options: object) -> Plan:
     with torch.device("meta"):
         model = gpt_tiny()
     inputs = torch.zeros((1, 32), dtype=torch.int64, device="meta")
-    return plan(model, mem="16GB", example_inputs=inputs, device="V100-16GB", **options)
+    options.setdefault("mem", "16GB")
+    return plan(model, example_inputs=inputs, device="V100-16GB", **options)
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
@@ -94,3 +95,22 @@ def test_a_micro_batch_count_the_family_cannot_use_names_what_it_needs() -> None
 def test_generate_rejects_counts_a_family_cannot_use() -> None:
     with pytest.raises(ValueError, match="multiple of 4"):
         generate("interleaved-1f1b", 8, 6, virtual_stages=2)
+
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_under_a_tight_budget_every_rank_of_a_family_plan_fits_as_simulated(kind: ScheduleKind) -> None:
+    """The ILP's memory rows hold each rank's peak as the simulator replays it: the stages of a rank added
+    up, and for ZB-H1 the swapped activations of micro-batches whose W waits (swapped_resident)."""
+    common = dict(gpus=4, batch_size=16, micro_batch_sizes=(2,), data_parallel=(1,), schedules=(kind.value,),
+                  reserve=0)
+    with pytest.raises(PlanInfeasible) as nothing_fits:
+        _gpt(offload=False, mem=1, **common)
+    need = nothing_fits.value.min_mem_bytes  # what keeping every activation needs (shared ranks: on even cuts)
+    for share in (0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65):
+        tight = _gpt(offload=("recompute", "swap"), mem=int(share * need), **common)
+        assert tight.schedule.kind is kind
+        assert max(tight.predicted.peak_mem_bytes) <= int(share * need), share
+        if any(stage.offload.recompute or stage.offload.swap for stage in tight.stages):
+            return
+    raise AssertionError(f"no budget down to 65% of {need} bytes made the search recompute or swap")
