@@ -35,9 +35,9 @@ CASES: dict[str, tuple[Callable[[], torch.nn.Module], torch.Tensor, int, str, tu
     "gpt_8_3b": (megatron_8_3b, torch.zeros((1, 1024), dtype=torch.int64, device="meta"), 32, "V100-32GB",
                  ("32GB", "24GB"), {"num_stages": (16,)}),
     "bert_large": (bert_large, torch.zeros((1, 512), dtype=torch.int64, device="meta"), 128, "V100-16GB",
-                   ("16GB", "3GB"), {}),
+                   ("16GB", "2.5GB"), {}),
     "amoebanet_d": (amoebanet_d, torch.empty((1, 3, 224, 224), device="meta"), 64, "V100-16GB",
-                    ("16GB", "4GB"), {}),
+                    ("16GB", "1.5GB"), {}),
 }
 
 

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import Any
+
+from planner.plan.kinds import ScheduleKind
 from planner.schedules.actions import ActionKind
-from planner.schedules.generate import Schedule
+from planner.schedules.generate import Schedule, generate
 from planner.schedules.lower import lower
 from planner.schedules.simulate import SimCosts, StageCosts, simulate
 
@@ -56,3 +59,26 @@ def balanced_step(schedule: Schedule, fwd_ms: float, bwd_ms: float, weight_grad_
     result = simulate(programs, layout, SimCosts((stage,) * layout.num_stages, {}))
     rank_work = max(sum(action.kind is ActionKind.F for action in program) for program in schedule.programs)
     return BalancedStep(result.step_ms, fwd_ms + bwd_ms, rank_work)
+
+
+def family_step(kind: ScheduleKind, num_parts: int, num_microbatches: int, fwd_ms: float, bwd_ms: float,
+                weight_grad_ms: float = 0.0, **options: Any) -> BalancedStep:
+    """:func:`balanced_step` of ``kind``'s programs for ``num_parts`` parts and ``num_microbatches``, replayed
+    at no more than two rounds of micro-batches (two per pipeline rank) and extended by the busiest rank's
+    compute per further micro-batch: from the second round on, interleaved 1F1B and ZB-H1 on balanced
+    parts never idle, so each micro-batch more adds exactly that (tests/unit/test_family_search.py checks
+    the extension against full replays). GEMS-MASTER is replayed whole (its bubble keeps growing).
+
+    >>> family_step(ScheduleKind.INTERLEAVED_1F1B, 8, 64, 1.0, 2.0, virtual_stages=2).step_ms  # (64 x 2 + 3) x 3
+    393.0
+    """
+    ranks = num_parts // options.get("virtual_stages", 1)
+    rounds = 2 * ranks if kind is not ScheduleKind.GEMS_MASTER else num_microbatches
+    replayed = min(num_microbatches, rounds)
+    step = balanced_step(generate(kind, num_parts, replayed, **options), fwd_ms, bwd_ms, weight_grad_ms)
+    if replayed == num_microbatches:
+        return step
+    per_microbatch = step.rank_work // replayed  # parts a rank computes per micro-batch
+    extra = num_microbatches - replayed
+    return BalancedStep(step.step_ms + extra * per_microbatch * step.part_ms, step.part_ms,
+                        step.rank_work + extra * per_microbatch)

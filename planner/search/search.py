@@ -29,7 +29,7 @@ from planner.plan.kinds import ScheduleKind
 from planner.plan.parts import StateTier
 from planner.plan.spatial import Slicing
 from planner.progress import Phase, Progress, ProgressEvent
-from planner.schedules.balanced import BalancedStep, balanced_step
+from planner.schedules.balanced import BalancedStep, family_step
 from planner.schedules.generate import Schedule, generate, max_in_flight, swapped_resident
 from planner.search.configs import Config, SearchSpace, configurations, gpu_counts
 from planner.search.evaluate import Decisions, Evaluation, evaluate
@@ -219,8 +219,8 @@ class Search:
         shares = (round(forward / total, 2), round(weight_grad / total, 2)) if total > 0 else (0.5, 0.0)
         key = (config.schedule, config.num_stages, config.num_microbatches, config.virtual_stages, shares)
         if key not in self._balanced:
-            schedule = generate(config.schedule, config.num_stages, config.num_microbatches, **_shape(config))
-            self._balanced[key] = balanced_step(schedule, shares[0], 1.0 - shares[0], shares[1])
+            self._balanced[key] = family_step(config.schedule, config.num_stages, config.num_microbatches,
+                                              shares[0], 1.0 - shares[0], shares[1], **_shape(config))
         return self._balanced[key]
 
     def distinct(self, configs: Sequence[Config]) -> list[Config]:

@@ -19,7 +19,7 @@ from examples.models.gpt import gpt_tiny
 from planner import plan
 from planner.plan import Plan
 from planner.plan.kinds import ScheduleKind
-from planner.schedules.balanced import balanced_step
+from planner.schedules.balanced import balanced_step, family_step
 from planner.schedules.generate import generate, gems_master, interleaved_one_f_one_b, one_f_one_b, zb_h1
 from planner.search.search import FAMILY_SLACK
 
@@ -51,6 +51,29 @@ def test_split_backwards_and_mirrored_copies_replay_below_one_f_one_b() -> None:
         assert balanced_step(zb_h1(stages, microbatches), 1.0, 2.0, 0.0).step_ms == pytest.approx(plain)
         if microbatches <= stages:  # GEMS fills the bubble of a short pipeline
             assert balanced_step(gems_master(stages, microbatches), 1.0, 2.0).step_ms < plain
+
+
+@pytest.mark.parametrize(("kind", "ranks", "virtual"), [(ScheduleKind.INTERLEAVED_1F1B, r, v) for r in (2, 3, 4)
+                                                      for v in (2, 3)] + [(ScheduleKind.ZB_H1, r, 1) for r in (2, 3, 5)])
+def test_the_extended_replay_equals_the_full_one(kind: ScheduleKind, ranks: int, virtual: int) -> None:
+    """Beyond two rounds of micro-batches the search extends the replay instead of running it."""
+    options = {"virtual_stages": virtual} if virtual > 1 else {}
+    for microbatches in range(2 * ranks, 6 * ranks + 1, ranks):
+        full = balanced_step(generate(kind, ranks * virtual, microbatches, **options), 0.3, 0.7, 0.3)
+        extended = family_step(kind, ranks * virtual, microbatches, 0.3, 0.7, 0.3, **options)
+        assert extended.step_ms == pytest.approx(full.step_ms) and extended.rank_work == full.rank_work
+
+
+def test_gems_master_beats_one_f_one_b_only_within_two_rounds() -> None:
+    """Why the search keeps GEMS-MASTER to GEMS_MAX_ROUNDS micro-batches per rank: beyond, it gains
+    nothing over 1F1B and holds two copies of the model state."""
+    for ranks in (4, 8):
+        within = 2 * ranks
+        assert balanced_step(gems_master(ranks, within), 1.0, 2.0).step_ms < \
+            balanced_step(one_f_one_b(ranks, within), 1.0, 2.0).step_ms
+        beyond = 6 * ranks
+        assert balanced_step(gems_master(ranks, beyond), 1.0, 2.0).step_ms >= \
+            balanced_step(one_f_one_b(ranks, beyond), 1.0, 2.0).step_ms
 
 
 def _gpt(**options: object) -> Plan:
