@@ -7,8 +7,8 @@ import math
 from dataclasses import dataclass
 
 from cost_models.devices import DeviceSpec
-from cost_models.graph.ir import LayerGraph, NodeKind
 from cost_models.fused import FusedHalos
+from cost_models.graph.ir import LayerGraph, NodeKind
 from cost_models.spatial import halo_bytes, stage_geometry, tile_geometry
 from cost_models.units import format_ms, plural
 from planner.plan import (
@@ -37,7 +37,8 @@ from planner.schedules.validate import validate
 from planner.search.configs import gpus_note
 from planner.search.evaluate import region_start
 from planner.search.ilp import SolveStatus
-from planner.search.search import OFFLOAD_MUST_GAIN, Candidate, SearchResult, SearchSpace
+from planner.search.problem import ON_GPU
+from planner.search.search import OFFLOAD_MUST_GAIN, TILES_MUST_GAIN, Candidate, SearchResult, SearchSpace
 from planner.simulation import sim_costs
 
 
@@ -103,18 +104,20 @@ def build_plan(graph: LayerGraph, device: DeviceSpec, space: SearchSpace, result
 
 
 def by_simulation(result: SearchResult, graph: LayerGraph) -> tuple[SearchResult, Lowered, SimResult | None]:
-    """The search's winner, or the finalist (planner/search/search.py: SearchResult.finalists) that simulates
-    fastest where it beats the winner by more than FAMILY_MUST_GAIN (the search ranks by step models, of
-    which only GPipe's is exact: the simulator decides between the finalists); the runner-up is the best
-    plan of another schedule family when there is one. Returns the result so reordered, the winner lowered, and the runner-up's simulation."""
+    """The finalist (planner/search/search.py: SearchResult.finalists) that simulates fastest: the search
+    ranks by step models, of which only GPipe's is exact, so the simulator decides between them; one that
+    offloads or tiles where the search's winner does not must beat it by the search's margins for that.
+    The runner-up is the best plan of another schedule family when there is one. Returns the result so
+    reordered, the winner lowered, and the runner-up's simulation."""
     finalists = [candidate for candidate in (result.runner_up, *result.finalists) if candidate is not None]
     lowered = {id(result.best): lower_candidate(result.best, graph)}
     for candidate in finalists:
         if id(candidate) not in lowered:
             lowered[id(candidate)] = lower_candidate(candidate, graph)
     best = result.best
-    for candidate in finalists:
-        if lowered[id(candidate)].simulated.step_ms < (1 - FAMILY_MUST_GAIN) * lowered[id(best)].simulated.step_ms:
+    for candidate in sorted(finalists, key=lambda c: lowered[id(c)].simulated.step_ms):
+        if lowered[id(candidate)].simulated.step_ms < (1 - _must_gain(candidate, best)) * (
+                lowered[id(best)].simulated.step_ms) - 1e-9:
             best = candidate
     others = [c for c in finalists if c.setup.config.schedule is not best.setup.config.schedule]
     runner_up = min(others, key=lambda c: lowered[id(c)].simulated.step_ms, default=None)
@@ -126,9 +129,15 @@ def by_simulation(result: SearchResult, graph: LayerGraph) -> tuple[SearchResult
     return chosen, lowered[id(best)], None if runner_up is None else lowered[id(runner_up)].simulated
 
 
-FAMILY_MUST_GAIN = 0.01
-"""Another family's plan replaces the search's winner only when it simulates at least this much faster
-(the winner's margins for keeping everything on the GPU and for no tiles stay within it)."""
+def _must_gain(candidate: Candidate, best: Candidate) -> float:
+    """How much faster ``candidate`` must simulate to replace ``best``: the search's margin for offloading
+    or for tiles where it uses them and ``best`` does not, else nothing."""
+    def offloads(c: Candidate) -> bool:
+        return c.setup.config.state != ON_GPU or c.evaluation.decisions is not None
+    gain = OFFLOAD_MUST_GAIN if offloads(candidate) and not offloads(best) else 0.0
+    if candidate.setup.config.spatial and not best.setup.config.spatial:
+        gain = max(gain, TILES_MUST_GAIN)
+    return gain
 
 
 def _part_nodes(best: Candidate) -> list[tuple[str, ...]]:

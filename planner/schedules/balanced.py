@@ -9,7 +9,6 @@ bubble by what they really gain for the configuration's stage and micro-batch co
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 from typing import Any
 
 from planner.plan.kinds import ScheduleKind

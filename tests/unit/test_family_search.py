@@ -20,7 +20,7 @@ from planner import plan
 from planner.plan import Plan
 from planner.plan.kinds import ScheduleKind
 from planner.schedules.balanced import balanced_step, family_step
-from planner.schedules.generate import generate, gems_master, interleaved_one_f_one_b, one_f_one_b, zb_h1
+from planner.schedules.generate import gems_master, generate, interleaved_one_f_one_b, one_f_one_b, zb_h1
 from planner.search.search import FAMILY_SLACK
 
 FAMILIES = [kind for kind in ScheduleKind if not kind.closed_form]
