@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from cost_models.devices import DeviceSpec
@@ -78,7 +79,10 @@ def build_plan(graph: LayerGraph, device: DeviceSpec, space: SearchSpace, result
     No plan leaves the planner that the validator rejects. Every step time the plan reports is
     the simulator's (the runner-up's too); the ILP objective stays in the solver report.
     """
-    result, lowered, runner_up = by_simulation(result, graph)
+    simulations = Simulations(graph)
+    result = by_simulation(result, simulations)
+    lowered = simulations.lowered(result.best)
+    runner_up = None if result.runner_up is None else simulations.lowered(result.runner_up).simulated
     best = result.best
     setup = best.setup
     simulated = lowered.simulated
@@ -99,34 +103,44 @@ def build_plan(graph: LayerGraph, device: DeviceSpec, space: SearchSpace, result
         transfers=lowered.transfers,
         predicted=Prediction(simulated.step_ms, space.global_batch_size / simulated.step_ms * 1e3,
                              simulated.bubble_fraction, simulated.peak_mem_bytes),
-        solver=_report(result, space, simulated, runner_up),
+        solver=_report(result, space, simulated, runner_up, simulations.step_ms),
     )
 
 
-def by_simulation(result: SearchResult, graph: LayerGraph) -> tuple[SearchResult, Lowered, SimResult | None]:
-    """The finalist (planner/search/search.py: SearchResult.finalists) that simulates fastest: the search
-    ranks by step models, of which only GPipe's is exact, so the simulator decides between them; one that
-    offloads or tiles where the search's winner does not must beat it by the search's margins for that.
-    The runner-up is the best plan of another schedule family when there is one. Returns the result so
-    reordered, the winner lowered, and the runner-up's simulation."""
-    finalists = [candidate for candidate in (result.runner_up, *result.finalists) if candidate is not None]
-    lowered = {id(result.best): lower_candidate(result.best, graph)}
-    for candidate in finalists:
-        if id(candidate) not in lowered:
-            lowered[id(candidate)] = lower_candidate(candidate, graph)
+class Simulations:
+    """Candidates lowered and simulated, each once (by identity: candidates are not hashable)."""
+
+    def __init__(self, graph: LayerGraph) -> None:
+        self.graph = graph
+        self._lowered: dict[int, tuple[Candidate, Lowered]] = {}
+
+    def lowered(self, candidate: Candidate) -> Lowered:
+        if id(candidate) not in self._lowered:
+            self._lowered[id(candidate)] = (candidate, lower_candidate(candidate, self.graph))
+        return self._lowered[id(candidate)][1]
+
+    def step_ms(self, candidate: Candidate) -> float:
+        return self.lowered(candidate).simulated.step_ms
+
+
+def by_simulation(result: SearchResult, simulations: Simulations) -> SearchResult:
+    """``result`` with the finalist (planner/search/search.py: SearchResult.finalists) that simulates fastest
+    (with its runner-up and its best plans keeping everything on the GPU and without tiles) as its winner:
+    the search ranks by step models, of which only GPipe's is exact, so the simulator decides between them; one that offloads or tiles where the search's winner does not must beat it by
+    the search's margins for that. The runner-up is the best plan of another schedule family when there is
+    one."""
+    finalists = [candidate for candidate in (result.runner_up, result.best_on_gpu, result.best_untiled,
+                                             *result.finalists) if candidate is not None]
+    step_ms = simulations.step_ms
     best = result.best
-    for candidate in sorted(finalists, key=lambda c: lowered[id(c)].simulated.step_ms):
-        if lowered[id(candidate)].simulated.step_ms < (1 - _must_gain(candidate, best)) * (
-                lowered[id(best)].simulated.step_ms) - 1e-9:
+    for candidate in sorted(finalists, key=step_ms):
+        if step_ms(candidate) < (1 - _must_gain(candidate, best)) * step_ms(best) - 1e-9:
             best = candidate
     others = [c for c in finalists if c.setup.config.schedule is not best.setup.config.schedule]
-    runner_up = min(others, key=lambda c: lowered[id(c)].simulated.step_ms, default=None)
+    runner_up = min(others, key=step_ms, default=None)
     if runner_up is None:
         runner_up = result.best if best is not result.best else result.runner_up
-    if runner_up is not None and id(runner_up) not in lowered:
-        lowered[id(runner_up)] = lower_candidate(runner_up, graph)
-    chosen = dataclasses.replace(result, best=best, runner_up=runner_up)
-    return chosen, lowered[id(best)], None if runner_up is None else lowered[id(runner_up)].simulated
+    return dataclasses.replace(result, best=best, runner_up=runner_up)
 
 
 def _must_gain(candidate: Candidate, best: Candidate) -> float:
@@ -224,7 +238,7 @@ def _offload(best: Candidate, index: int, graph: LayerGraph) -> OffloadSpec:
 
 
 def _report(result: SearchResult, space: SearchSpace, simulated: SimResult,
-            runner_up_simulated: SimResult | None) -> SolverReport:
+            runner_up_simulated: SimResult | None, simulated_ms: Callable[[Candidate], float]) -> SolverReport:
     best, runner_up = result.best, result.runner_up
     if best.solver == "manual split":
         return SolverReport(best.solver, best.status.value, best.objective_ms, 0.0, result.wall_s, 1,
@@ -246,8 +260,8 @@ def _report(result: SearchResult, space: SearchSpace, simulated: SimResult,
     why += (f"; {result.configs_solved} of {plural(result.configs_total, 'configuration')} solved, the rest "
             f"could not fit the memory or could not beat it (lower bound)")
     note = gpus_note(space, best.setup.config.gpus)
-    why += (f"; {note}" if note else "") + (f"; {result.offload_note}" if result.offload_note else "")
-    why += f"; {result.tiles_note}" if result.tiles_note else ""
+    offload, tiles = result.offload_note(simulated_ms), result.tiles_note(simulated_ms)
+    why += (f"; {note}" if note else "") + (f"; {offload}" if offload else "") + (f"; {tiles}" if tiles else "")
     why += _unproven(best, result, space)
     gap = None if math.isnan(best.gap) else best.gap  # unknown: the solve stopped before proving a bound
     return SolverReport(best.solver, best.status.value, best.objective_ms, gap, result.wall_s,

@@ -110,9 +110,9 @@ class SearchResult:
     spatial_note: str = ""  # why no plan tiles the image, when the search could not consider any
     finalists: tuple[Candidate, ...] = ()  # what the simulator chooses among (planner/assemble.py: by_simulation)
 
-    @property
-    def offload_note(self) -> str:
-        """Which memory decision bought the winner its fit or its speed ("" when it made none)."""
+    def offload_note(self, step_ms: Callable[[Candidate], float] = lambda c: c.objective_ms) -> str:
+        """Which memory decision bought the winner its fit or its speed ("" when it made none), plans
+        compared by ``step_ms`` (default their objective; the plan's report passes their simulated step)."""
         best = self.best
         decisions = best.evaluation.decisions
         said = [text for text in (best.setup.config.state.describe(), _activations(decisions)) if text]
@@ -121,12 +121,12 @@ class SearchResult:
         if self.best_on_gpu is None:
             return f"{' and '.join(said)} bought the fit: no plan keeping everything on the GPU fits"
         other = self.best_on_gpu
-        return (f"{' and '.join(said)} bought the speed: {other.objective_ms / best.objective_ms:.2f}x the "
+        return (f"{' and '.join(said)} bought the speed: {step_ms(other) / step_ms(best):.2f}x the "
                 f"best plan keeping everything on the GPU ({other.setup.config.describe()})")
 
-    @property
-    def tiles_note(self) -> str:
-        """What tiling the image bought the winner, or why no plan tiles it ("" when neither applies)."""
+    def tiles_note(self, step_ms: Callable[[Candidate], float] = lambda c: c.objective_ms) -> str:
+        """What tiling the image bought the winner, or why no plan tiles it ("" when neither applies), plans
+        compared by ``step_ms`` (as for :meth:`offload_note`)."""
         spatial = self.best.setup.config.spatial
         if not spatial:
             return self.spatial_note
@@ -137,7 +137,7 @@ class SearchResult:
             return (f"{tiles} bought the fit or the speed: no plan without tiles fits, or could beat "
                     f"it (its configuration's lower bound){reach}")
         other = self.best_untiled
-        return (f"{tiles} bought the speed: {other.objective_ms / self.best.objective_ms:.2f}x the "
+        return (f"{tiles} bought the speed: {step_ms(other) / step_ms(self.best):.2f}x the "
                 f"best plan without tiles ({other.setup.config.describe()}){reach}")
 
 
