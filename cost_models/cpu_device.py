@@ -92,6 +92,73 @@ def _op_overhead_us() -> float:
     return _median_seconds(batch, repeats=_REPEATS, budget_s=0.05) / calls * 1e6
 
 
+_PING_BYTES = 4 * 2**10  # small enough that its round trip is latency
+_STREAM_BYTES = 16 * 2**20  # large enough that its round trip is bandwidth
+_GLOO_TIMEOUT_S = 60
+
+
+def measure_gloo_link() -> LinkSpec:
+    """Point-to-point between two processes of this machine through gloo (TCP loopback), as the runtime's
+    CPU ranks talk: the latency is half a small message's round trip, the bandwidth what a large one's
+    adds beyond it. Two spawned processes, a few seconds (most of it their start)."""
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as scratch:
+        results = context.SimpleQueue()
+        store = str(Path(scratch) / "store")
+        ranks = [context.Process(target=_ping_pong, args=(rank, store, results), daemon=True) for rank in range(2)]
+        for process in ranks:
+            process.start()
+        for process in ranks:
+            process.join(_GLOO_TIMEOUT_S)
+        failed = [process.exitcode for process in ranks if process.exitcode != 0]
+        for process in ranks:
+            if process.is_alive():
+                process.kill()
+        if failed or results.empty():
+            raise InvalidArgument(f"measuring gloo between two local processes failed (exit codes {failed}); "
+                                  f"describe the CPU as a JSON device file instead (see DeviceSpec.to_dict)")
+        ping_s, stream_s = results.get()
+    latency_s = ping_s / 2
+    per_byte_s = max(stream_s / 2 - latency_s, 1e-9) / _STREAM_BYTES
+    return LinkSpec(name="gloo TCP loopback (measured)", bandwidth_gb_per_s=1 / per_byte_s / BYTES_PER_GB,
+                    latency_us=latency_s * 1e6)
+
+
+def _ping_pong(rank: int, store_path: str, results: Any) -> None:
+    """One of the two processes of :func:`measure_gloo_link`: median round trips, reported by rank 0."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, 2)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=_GLOO_TIMEOUT_S))
+
+    def round_trip_s(nbytes: int, repeats: int) -> float:
+        message = torch.zeros(nbytes // 4)
+        samples = []
+        for _ in range(repeats + 1):  # the first warms the connection up
+            dist.barrier()
+            start = time.perf_counter()
+            if rank == 0:
+                dist.send(message, 1)
+                dist.recv(message, 1)
+            else:
+                dist.recv(message, 0)
+                dist.send(message, 0)
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples[1:])
+
+    ping_s, stream_s = round_trip_s(_PING_BYTES, 20), round_trip_s(_STREAM_BYTES, 5)
+    if rank == 0:
+        results.put((ping_s, stream_s))
+    dist.destroy_process_group()
+
+
 def _read_int_file(path: str) -> int | None:
     try:
         text = Path(path).read_text().strip()
@@ -125,15 +192,16 @@ def _total_memory_bytes() -> int:
     return total
 
 
-def measure_cpu_device(*, threads: int | None = None) -> DeviceSpec:
+def measure_cpu_device(*, threads: int | None = None, link: LinkSpec | None = None) -> DeviceSpec:
     """Benchmark this machine's CPU with torch (well under a second) and describe it as a DeviceSpec.
 
     Measured: fp64/fp32/fp16/bf16 matmul FLOP/s (0 where torch cannot run the dtype), copy
-    bandwidth, per-op overhead and memory size. tf32 is 0 (CPUs have no TF32 mode). The host,
-    intra- and inter-node links are loopback memcpy at the measured copy bandwidth (one machine,
-    no network is modelled). The NVMe link is a documented default, not measured. Efficiencies are
-    1.0 because the peaks are already achieved figures. `threads` sets torch's intra-op thread
-    count for the measurement only (default: torch's current setting).
+    bandwidth, per-op overhead and memory size. tf32 is 0 (CPUs have no TF32 mode). The host link
+    is memcpy at the measured copy bandwidth; the intra- and inter-node links are ``link`` (what
+    :func:`measure_gloo_link` measures between the runtime's CPU ranks; default a loopback memcpy,
+    one machine, no network modelled). The NVMe link is a documented default, not measured.
+    Efficiencies are 1.0 because the peaks are already achieved figures. `threads` sets torch's
+    intra-op thread count for the measurement only (default: torch's current setting).
     """
     import torch
 
@@ -159,6 +227,7 @@ def measure_cpu_device(*, threads: int | None = None) -> DeviceSpec:
             "fp32 matmul could not be measured on this CPU; describe it as a JSON device file instead"
         )
     loopback = LinkSpec(name="loopback memcpy (measured)", bandwidth_gb_per_s=copy_gb_per_s, latency_us=overhead_us)
+    ranks = link or loopback
     return DeviceSpec(
         name=CPU_NAME,
         mem_bytes=mem_bytes,
@@ -168,9 +237,9 @@ def measure_cpu_device(*, threads: int | None = None) -> DeviceSpec:
         fp16_tflops=fp16,
         bf16_tflops=bf16,
         mem_bandwidth_gb_per_s=copy_gb_per_s,
-        intra_node=loopback,
-        # Same machine: "another node" is modelled as loopback too; a CPU cluster needs a JSON device.
-        inter_node=dataclasses.replace(loopback, name="loopback memcpy (measured; no network modelled)"),
+        intra_node=ranks,
+        # Same machine: "another node" is modelled as the same link; a CPU cluster needs a JSON device.
+        inter_node=dataclasses.replace(ranks, name=f"{ranks.name}; no network modelled"),
         host_link=loopback,
         nvme=NVME_GEN3_X4,  # not measured (disk benchmarks are slow and touch the filesystem)
         matmul_efficiency=1.0,

@@ -2,30 +2,61 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import platform
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import MappingProxyType
 
-from cost_models.cpu_device import CPU_NAME, measure_cpu_device
+from cost_models.cpu_device import CPU_NAME, measure_cpu_device, measure_gloo_link
 from cost_models.device_spec import DEVICE_KEYS, LINK_FIELDS, LINK_KEYS, MATH_FORMATS, DeviceSpec, LinkSpec
 from cost_models.errors import InvalidArgument, UnknownDevice
 from cost_models.presets import A100_40GB, A100_80GB, H100_80GB, H200_141GB, PRESETS, V100_16GB, V100_32GB
 
 __all__ = ["A100_40GB", "A100_80GB", "DEVICES", "H100_80GB", "H200_141GB", "MATH_FORMATS", "PRESETS",
-           "V100_16GB", "V100_32GB", "DeviceCatalog", "DeviceSpec", "LinkSpec", "get_device",
+           "V100_16GB", "V100_32GB", "DeviceCatalog", "DeviceSpec", "LinkSpec", "cached_cpu_device", "get_device",
            "load_device", "measure_cpu_device", "save_device"]
 
+CPU_CACHE_ENV = "TESSERA_CACHE_DIR"
+"""Where the measured CPU is cached (default ~/.cache/tessera; its ``devices`` folder)."""
+
+
+def cached_cpu_device(cache_dir: str | os.PathLike[str] | None = None,
+                      measure: Callable[[], DeviceSpec] | None = None) -> DeviceSpec:
+    """This machine's measured CPU (its matmul, copy and op figures and the gloo link between its ranks),
+    measured once and cached as a device JSON keyed by the machine, its cores, torch and the thread
+    count, so the same command plans alike every time. ``cache_dir`` defaults to $TESSERA_CACHE_DIR or
+    ~/.cache/tessera; delete the file to measure again.
+    """
+    import torch
+
+    root = Path(cache_dir or os.environ.get(CPU_CACHE_ENV) or "~/.cache/tessera").expanduser() / "devices"
+    machine = f"{platform.node()}|{platform.machine()}|{os.cpu_count()}|{torch.__version__}|{torch.get_num_threads()}"
+    path = root / f"cpu-{hashlib.sha256(machine.encode()).hexdigest()[:16]}.json"
+    if path.exists():
+        try:
+            return load_device(path)
+        except (InvalidArgument, UnknownDevice):
+            pass  # unreadable: measured again and rewritten below
+    spec = (measure or (lambda: measure_cpu_device(link=measure_gloo_link())))()
+    root.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.tmp")
+    save_device(spec, partial)
+    partial.replace(path)  # atomic: a concurrent planner reads the old file or the new one
+    return spec
+
 class DeviceCatalog(Mapping[str, DeviceSpec]):
-    """Read-only mapping of the GPU presets plus "cpu"; the CPU is measured on first access, once."""
+    """Read-only mapping of the GPU presets plus "cpu"; the CPU is measured on first access, once (and
+    cached across processes: :func:`cached_cpu_device`)."""
 
     def __init__(
         self,
         presets: Mapping[str, DeviceSpec] = PRESETS,
         *,
-        measure_cpu: Callable[[], DeviceSpec] = measure_cpu_device,
+        measure_cpu: Callable[[], DeviceSpec] = cached_cpu_device,
     ) -> None:
         if CPU_NAME in presets:
             raise InvalidArgument(f"preset name {CPU_NAME!r} is reserved for the measured CPU; rename the preset")

@@ -50,6 +50,7 @@ class P2P:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.stream: AnyStream = new_stream(device)
         self.sends: list[_InFlight] = []
+        self.bytes_sent = 0  # every tensor posted by a send so far
 
     def exchange(self, messages: Sequence[Message]) -> None:
         """Post every message of the run in one batch, then wait for the receives."""
@@ -58,6 +59,7 @@ class P2P:
             for tensor in message.tensors:
                 op = dist.isend if message.is_send else dist.irecv
                 ops.append(dist.P2POp(op, tensor, message.peer_rank, self.group))
+                self.bytes_sent += tensor.numel() * tensor.element_size() if message.is_send else 0
                 labels.append((message.is_send, f"{message.action} (rank {message.peer_rank})"))
         if not ops:
             return

@@ -111,6 +111,7 @@ class Executor:
         self.memory = MemoryTracker(self.device, self._model_state)
         self.steps_done = 0
         self.halo_bytes_sent = 0  # by this rank's halo exchanges in the last step (runtime/tiles.py)
+        self.p2p_bytes_sent = 0  # by this rank's pipeline sends (activations, gradients) in the last step
         self.busy_ms = 0.0  # wall time of this rank's compute actions in the last step (CPU: its busy time)
         self.action_ms: dict[tuple[int, ActionKind], list[float]] = {}  # the last step's, per (stage, kind)
 
@@ -165,7 +166,7 @@ class Executor:
     def _run(self, microbatches: Sequence[Microbatch]) -> float:
         state = StepState(tuple(microbatches))
         self.swaps.new_step()
-        halo_before = self._halo_bytes()
+        halo_before, p2p_before = self._halo_bytes(), self.p2p.bytes_sent
         busy_s, self.action_ms = 0.0, {}
         for segment in self.segments:
             if isinstance(segment, tuple):
@@ -181,6 +182,7 @@ class Executor:
                 self.memory.sample([*state.held(), *self.p2p.in_flight()])
         self.p2p.finish()
         self.halo_bytes_sent = self._halo_bytes() - halo_before
+        self.p2p_bytes_sent = self.p2p.bytes_sent - p2p_before
         self.busy_ms = busy_s * 1e3
         self.steps_done += 1
         return self._global_loss(state)

@@ -78,6 +78,7 @@ def run(plan: Plan, options: RunOptions, device: torch.device) -> RunReport:
                          fingerprint=plan.model.fingerprint, device=device,
                          global_batch_size=plan.training.global_batch_size, start_step=start,
                          host_swap_bytes=executor.swaps.step_bytes, halo_bytes_sent=executor.halo_bytes_sent,
+                         p2p_bytes_sent=executor.p2p_bytes_sent,
                          busy_ms=busy_ms, action_ms=_median_actions(action_ms),
                          optimizer_bytes=(sum(s.host_bytes for s in states), sum(s.nvme_bytes for s in states)))
 

@@ -4,8 +4,10 @@ Compared, where the run report measures them: the step time (of the job: the slo
 per rank: its own), samples/s, the bubble (of the job, and per rank its idle share, against the
 simulator's replay of the plan; measured on CPU, where the runtime times its compute actions; and
 the job's against a replay on the compute times the run measured, which isolates the schedule),
-each rank's peak memory and the halo bytes each rank's spatial exchanges sent; the pipeline's
-point-to-point bytes are not (the runtime does not count them). Every error is ``(measured -
+each rank's peak memory, the halo bytes each rank's spatial exchanges sent, and the bytes its pipeline
+sends posted (the plan's transfers: a gradient as large as its value, so an integer value crossing a
+cut, which carries no gradient back, shows as fewer bytes measured; not compared in plans with
+spatial stages, whose tiles send pieces of values). Every error is ``(measured -
 predicted) / predicted`` in percent, a share's (the bubble's) ``measured - predicted`` in
 percentage points; the line with the largest magnitude is marked, and ``verdict`` names it when
 it is above a tolerance.
@@ -20,6 +22,7 @@ from cost_models.errors import PlanFileError
 from cost_models.units import format_bytes, format_ms
 from planner.plan import Plan
 from planner.reports.run_report import RunReport
+from planner.schedules.actions import ActionKind, parse_programs
 from planner.simulation import simulate_measured, simulate_plan
 
 WORST_MARK = "<- worst"
@@ -60,6 +63,8 @@ def checks(plan: Plan, report: RunReport) -> tuple[Check, ...]:
                    format_ms),
              Check("samples/s", None, plan.predicted.samples_per_s, report.samples_per_s, _per_second)]
     halos = predicted_halo_bytes(plan)
+    spatial = any(part.spatial is not None for part in plan.stages)
+    sends = predicted_p2p_bytes(plan) if report.p2p_bytes_sent and not spatial else ()
     idle = predicted_idle_fraction(plan) if report.rank_busy_ms else ()
     if report.bubble_fraction is not None:
         found.append(Check("bubble", None, plan.predicted.bubble_fraction, report.bubble_fraction, _share,
@@ -79,7 +84,26 @@ def checks(plan: Plan, report: RunReport) -> tuple[Check, ...]:
         if report.halo_bytes_sent and (halos[rank] or report.halo_bytes_sent[rank]):
             found.append(Check("halo bytes sent", rank, halos[rank], report.halo_bytes_sent[rank],
                                format_bytes))
+        if sends and (sends[rank] or report.p2p_bytes_sent[rank]):
+            found.append(Check("pipeline bytes sent", rank, sends[rank], report.p2p_bytes_sent[rank],
+                               format_bytes))
     return tuple(found)
+
+
+def predicted_p2p_bytes(plan: Plan) -> tuple[int, ...]:
+    """Per rank, the bytes its programs' sends post in one step: per SEND_F the transfer to its peer, per
+    SEND_B the gradient of the transfer its peer sent (as many bytes)."""
+    crossing = {(t.src_stage, t.dst_stage): t.nbytes for t in plan.transfers}
+    sent = []
+    for program in parse_programs(plan.programs):
+        total = 0
+        for action in program:
+            if action.kind is ActionKind.SEND_F:
+                total += crossing.get((action.stage, action.peer), 0)
+            elif action.kind is ActionKind.SEND_B:
+                total += crossing.get((action.peer, action.stage), 0)
+        sent.append(total)
+    return tuple(sent)
 
 
 def predicted_halo_bytes(plan: Plan) -> tuple[int, ...]:

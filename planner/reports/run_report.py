@@ -43,6 +43,8 @@ class RunReport:
     # recomputed regions twice) and halo gradients back to their owners; 0 without a spatial stage
     halo_bytes_sent: tuple[int, ...] = ()
     warmup_steps: int = 1
+    # per rank: bytes its pipeline sends posted in the last step (activations forward, gradients back)
+    p2p_bytes_sent: tuple[int, ...] = ()
     # per rank, when any stage offloads its optimizer: master weights and optimizer state held in
     # host memory and in --nvme-dir after the last step (runtime/stage_optimizer.py)
     optimizer_host_bytes: tuple[int, ...] = ()

@@ -237,3 +237,17 @@ def test_the_run_report_times_each_ranks_compute_and_validate_checks_the_bubble(
         assert all(ms > 0 for ms in times.values())
     labels = {check.label for check in checks(plan, one_node)}
     assert {"bubble", "bubble on measured compute", *(f"rank {rank} idle share" for rank in range(4))} <= labels
+
+
+def test_each_rank_posts_the_pipeline_bytes_the_plan_predicts(plans: dict[str, Path], one_node: RunReport) -> None:
+    """The run report counts each rank's pipeline sends in the last step; on the GPT plan (2 stages x 2
+    replicas, only float values cross the cut) they equal the plan's transfers exactly, and validate
+    checks them per rank."""
+    from planner.plan import Plan
+    from planner.reports.compare import checks, predicted_p2p_bytes
+
+    plan = Plan.load(plans["gpt2x2"])
+    predicted = predicted_p2p_bytes(plan)
+    assert all(predicted) and one_node.p2p_bytes_sent == predicted
+    sent = [check for check in checks(plan, one_node) if check.metric == "pipeline bytes sent"]
+    assert len(sent) == 4 and all(check.error_pct == 0 for check in sent)

@@ -305,3 +305,26 @@ def test_device_files_without_host_fields_load_with_defaults() -> None:
     spec = DeviceSpec.from_dict(data)
     assert spec.host_mem_bytes == DeviceSpec.__dataclass_fields__["host_mem_bytes"].default
     assert DeviceSpec.from_dict(PRESETS["V100-32GB"].to_dict()) == PRESETS["V100-32GB"]
+
+
+def test_the_measured_cpu_is_cached_per_machine_and_read_back(tmp_path: Path) -> None:
+    """Measured once, then read from the cache: the same command plans alike every time."""
+    calls: list[int] = []
+
+    def measure() -> DeviceSpec:
+        calls.append(1)
+        return _fake_cpu()
+
+    first = devices.cached_cpu_device(tmp_path, measure)
+    (cached,) = (tmp_path / "devices").glob("cpu-*.json")
+    assert devices.cached_cpu_device(tmp_path, measure) == first and calls == [1]
+    cached.write_text("{ not json")
+    assert devices.cached_cpu_device(tmp_path, measure) == first and calls == [1, 1]  # a bad file: measured again
+
+
+def test_the_gloo_link_between_two_local_processes_is_measured() -> None:
+    link = devices.measure_gloo_link()
+    assert link.name == "gloo TCP loopback (measured)"
+    assert 0 < link.latency_us < 10_000 and 0.01 < link.bandwidth_gb_per_s < 1_000
+    cpu = devices.measure_cpu_device(link=link)
+    assert cpu.intra_node == link and cpu.inter_node.bandwidth_gb_per_s == link.bandwidth_gb_per_s

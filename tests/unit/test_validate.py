@@ -12,7 +12,14 @@ import pytest
 from cost_models.units import format_bytes
 from planner.cli import main
 from planner.plan import Plan, SpatialSpec
-from planner.reports.compare import WORST_MARK, checks, compare, predicted_halo_bytes, verdict
+from planner.reports.compare import (
+    WORST_MARK,
+    checks,
+    compare,
+    predicted_halo_bytes,
+    predicted_p2p_bytes,
+    verdict,
+)
 from planner.reports.run_report import RunReport
 from tests.runtime_plans import GPT, RESNET, make_plan
 
@@ -135,3 +142,15 @@ def test_the_schedule_replayed_on_measured_compute(plan: Plan) -> None:
                                    rank_action_ms=tuple(own))
     found = {check.label: check for check in checks(plan, measured)}
     assert found["bubble on measured compute"].predicted == pytest.approx(expected.bubble_fraction)
+
+
+def test_pipeline_bytes_are_each_sends_transfer_and_checked_per_rank(plan: Plan) -> None:
+    """By hand: on 2 stages, rank 0 sends every micro-batch's activations forward, rank 1 as many gradient
+    bytes back; a run sending fewer on rank 1 shows in its check."""
+    (transfer,) = plan.transfers
+    per_step = transfer.nbytes * plan.training.num_microbatches
+    assert predicted_p2p_bytes(plan) == (per_step, per_step)
+    measured = dataclasses.replace(_measured(plan), p2p_bytes_sent=(per_step, per_step // 2))
+    sent = {check.label: check.error_pct for check in checks(plan, measured) if check.metric == "pipeline bytes sent"}
+    assert sent == {"rank 0 pipeline bytes sent": 0.0, "rank 1 pipeline bytes sent": -50.0}
+    assert not [check for check in checks(plan, _measured(plan)) if check.metric == "pipeline bytes sent"]
