@@ -100,34 +100,40 @@ _GLOO_TIMEOUT_S = 60
 def measure_gloo_link() -> LinkSpec:
     """Point-to-point between two processes of this machine through gloo (TCP loopback), as the runtime's
     CPU ranks talk: the latency is half a small message's round trip, the bandwidth what a large one's
-    adds beyond it. Two spawned processes, a few seconds (most of it their start)."""
-    import torch.multiprocessing as mp
+    adds beyond it. Two fresh interpreters (``python -m cost_models.cpu_device``, so nothing re-imports the
+    caller's script), a few seconds, most of it their start."""
+    import subprocess
+    import sys
 
-    context = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as scratch:
-        results = context.SimpleQueue()
         store = str(Path(scratch) / "store")
-        ranks = [context.Process(target=_ping_pong, args=(rank, store, results), daemon=True) for rank in range(2)]
+        command = [sys.executable, "-m", "cost_models.cpu_device"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        ranks = [subprocess.Popen([*command, str(rank), store], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, env=env) for rank in range(2)]
+        outputs = []
         for process in ranks:
-            process.start()
-        for process in ranks:
-            process.join(_GLOO_TIMEOUT_S)
-        failed = [process.exitcode for process in ranks if process.exitcode != 0]
-        for process in ranks:
-            if process.is_alive():
-                process.kill()
-        if failed or results.empty():
-            raise InvalidArgument(f"measuring gloo between two local processes failed (exit codes {failed}); "
-                                  f"describe the CPU as a JSON device file instead (see DeviceSpec.to_dict)")
-        ping_s, stream_s = results.get()
+            try:
+                outputs.append(process.communicate(timeout=_GLOO_TIMEOUT_S))
+            except subprocess.TimeoutExpired:
+                for each in ranks:
+                    each.kill()
+                outputs.append(("", "timed out"))
+        failed = [(process.returncode, err.strip().splitlines()[-1:] or [""])
+                  for process, (_, err) in zip(ranks, outputs) if process.returncode != 0]
+    if failed:
+        raise InvalidArgument(f"measuring gloo between two local processes failed ({failed[0][1][0][:200]}); "
+                              f"describe the CPU as a JSON device file instead (see DeviceSpec.to_dict)")
+    ping_s, stream_s = (float(value) for value in outputs[0][0].split())
     latency_s = ping_s / 2
     per_byte_s = max(stream_s / 2 - latency_s, 1e-9) / _STREAM_BYTES
     return LinkSpec(name="gloo TCP loopback (measured)", bandwidth_gb_per_s=1 / per_byte_s / BYTES_PER_GB,
                     latency_us=latency_s * 1e6)
 
 
-def _ping_pong(rank: int, store_path: str, results: Any) -> None:
-    """One of the two processes of :func:`measure_gloo_link`: median round trips, reported by rank 0."""
+def _ping_pong(rank: int, store_path: str) -> tuple[float, float]:
+    """One of the two processes of :func:`measure_gloo_link`: median round trips of a small and a large
+    message."""
     import datetime
 
     import torch
@@ -153,10 +159,10 @@ def _ping_pong(rank: int, store_path: str, results: Any) -> None:
             samples.append(time.perf_counter() - start)
         return statistics.median(samples[1:])
 
-    ping_s, stream_s = round_trip_s(_PING_BYTES, 20), round_trip_s(_STREAM_BYTES, 5)
-    if rank == 0:
-        results.put((ping_s, stream_s))
-    dist.destroy_process_group()
+    try:
+        return round_trip_s(_PING_BYTES, 20), round_trip_s(_STREAM_BYTES, 5)
+    finally:
+        dist.destroy_process_group()
 
 
 def _read_int_file(path: str) -> int | None:
@@ -248,3 +254,9 @@ def measure_cpu_device(*, threads: int | None = None, link: LinkSpec | None = No
         host_mem_bytes=mem_bytes,  # the "device" is the host: one memory (each rank's share of it)
         nvme_bytes=shutil.disk_usage(tempfile.gettempdir()).free,  # where --nvme-dir defaults to
     )
+
+
+if __name__ == "__main__":  # one rank of measure_gloo_link: python -m cost_models.cpu_device RANK STORE
+    import sys
+
+    print(*_ping_pong(int(sys.argv[1]), sys.argv[2]))

@@ -17,11 +17,18 @@ from cost_models.errors import InvalidArgument, UnknownDevice
 from cost_models.presets import A100_40GB, A100_80GB, H100_80GB, H200_141GB, PRESETS, V100_16GB, V100_32GB
 
 __all__ = ["A100_40GB", "A100_80GB", "DEVICES", "H100_80GB", "H200_141GB", "MATH_FORMATS", "PRESETS",
-           "V100_16GB", "V100_32GB", "DeviceCatalog", "DeviceSpec", "LinkSpec", "cached_cpu_device", "get_device",
+           "V100_16GB", "V100_32GB", "DeviceCatalog", "DeviceSpec", "LinkSpec", "cache_root", "cached_cpu_device",
+           "get_device",
            "load_device", "measure_cpu_device", "save_device"]
 
-CPU_CACHE_ENV = "TESSERA_CACHE_DIR"
-"""Where the measured CPU is cached (default ~/.cache/tessera; its ``devices`` folder)."""
+CACHE_ENV = "TESSERA_CACHE_DIR"
+"""Where tessera caches what it measures on this machine: the CPU device (``devices``) and the node times
+plan() profiles (``profiles``); default ~/.cache/tessera."""
+
+
+def cache_root() -> Path:
+    """$TESSERA_CACHE_DIR, or ~/.cache/tessera."""
+    return Path(os.environ.get(CACHE_ENV) or "~/.cache/tessera").expanduser()
 
 
 def cached_cpu_device(cache_dir: str | os.PathLike[str] | None = None,
@@ -33,7 +40,7 @@ def cached_cpu_device(cache_dir: str | os.PathLike[str] | None = None,
     """
     import torch
 
-    root = Path(cache_dir or os.environ.get(CPU_CACHE_ENV) or "~/.cache/tessera").expanduser() / "devices"
+    root = (Path(cache_dir).expanduser() if cache_dir else cache_root()) / "devices"
     machine = f"{platform.node()}|{platform.machine()}|{os.cpu_count()}|{torch.__version__}|{torch.get_num_threads()}"
     path = root / f"cpu-{hashlib.sha256(machine.encode()).hexdigest()[:16]}.json"
     if path.exists():

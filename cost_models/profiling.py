@@ -18,7 +18,7 @@ import torch.fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from cost_models.devices import DeviceSpec, get_device
+from cost_models.devices import DeviceSpec, cache_root, get_device
 from cost_models.estimation import CostTable, estimate
 from cost_models.fake_measure import detach_tree
 from cost_models.graph.shapes import tensor_leaves
@@ -91,6 +91,31 @@ def profile_with_graph(model: nn.Module, example_inputs: torch.Tensor | Sequence
                                       measured_fwd_peak_bytes=timings[cost.name].fwd_peak_bytes)
                   if cost.name in timings else cost for cost in table.costs)
     return graph, dataclasses.replace(table, costs=costs, source="measured")
+
+
+def measured_table(model: nn.Module, graph: "LayerGraph", example_inputs: Sequence[torch.Tensor],
+                   batch_size: int, *, optimizer: str, precision: str,
+                   cache_dir: str | Path | None = None) -> CostTable:
+    """``graph``'s costs at micro-batch ``batch_size`` (estimate()) with every node's forward and backward
+    time measured on this CPU at that batch (profile(), cached): what plan() costs a CPU plan with.
+    ``example_inputs`` give each input's sample shape and dtype (any device; meta is fine): the
+    profile runs on random floats and zero integers (token ids) of that batch. ``cache_dir`` defaults to
+    the ``profiles`` folder of :func:`cost_models.devices.cache_root`."""
+    generator = torch.Generator().manual_seed(0)
+    inputs = tuple(torch.randn((batch_size, *x.shape[1:]), generator=generator, dtype=x.dtype)
+                   if x.is_floating_point() else torch.zeros((batch_size, *x.shape[1:]), dtype=x.dtype)
+                   for x in example_inputs)
+    _, measured = profile_with_graph(model, inputs, "cpu", optimizer=optimizer, precision=precision,
+                                     cache_dir=cache_dir or cache_root() / "profiles")
+    times = {cost.name: cost for cost in measured.costs}
+    table = estimate(graph, measured.device, optimizer, precision, batch_size=batch_size)
+    unmatched = [cost.name for cost in table.costs if cost.name not in times]
+    if unmatched:
+        raise ProfileError(f"the profiled graph at batch {batch_size} has no node {unmatched[0]!r} of the "
+                           f"planned graph ({len(unmatched)} missing); plan with profile=False (roofline costs)")
+    return dataclasses.replace(table, costs=tuple(
+        dataclasses.replace(cost, fwd_ms=times[cost.name].fwd_ms, bwd_ms=times[cost.name].bwd_ms)
+        for cost in table.costs), source="measured")
 
 
 def _resolve_device(device: str) -> tuple[torch.device, DeviceSpec]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from cost_models.cpu_device import CPU_NAME
 from cost_models.devices import DeviceSpec, get_device
 from cost_models.errors import InvalidArgument, TesseraWarning
 from cost_models.estimation import model_precision
@@ -18,6 +20,7 @@ from cost_models.graph.ir import LayerGraph
 from cost_models.graph.model_spec import builder_forms
 from cost_models.graph.tracing import normalise_inputs, trace
 from cost_models.memory import Optimizer, Precision, get_optimizer, get_precision
+from cost_models.profiling import measured_table
 from cost_models.units import format_bytes, parse_mem_bytes
 from planner.assemble import build_plan
 from planner.budget import DEFAULT_RESERVE, Reserve, parse_reserve, usable_bytes
@@ -39,7 +42,7 @@ def plan(model: nn.Module, gpus: int, mem: str | int, *, batch_size: int,
          graph: LayerGraph | None = None, reserve: str | int | Reserve = DEFAULT_RESERVE,
          progress: Progress | None = None, data_parallel: Sequence[int] | None = None,
          offload: bool | Sequence[str] = True, host_mem: str | int | None = None,
-         nvme: str | int | None = None, spatial: bool = True) -> Plan:
+         nvme: str | int | None = None, spatial: bool = True, profile: bool | None = None) -> Plan:
     """Choose the fastest pipeline x data-parallel plan of ``model`` that fits ``mem`` per GPU.
 
     ``batch_size`` is the global batch per step; ``example_inputs`` only fix shapes (any batch
@@ -60,6 +63,11 @@ def plan(model: nn.Module, gpus: int, mem: str | int, *, batch_size: int,
     host or NVMe (the step then runs on the host). ``host_mem`` and ``nvme`` are each node's host
     memory and NVMe capacity (default: the device preset's node); ``offload=False`` keeps
     everything on the GPU, and a list of "recompute", "swap", "zero", "host", "nvme" allows only those.
+
+    On ``device="cpu"`` a model whose weights are on the CPU is costed from per-node times measured on
+    this machine at each micro-batch size the search tries (cached under ~/.cache/tessera/profiles, or
+    $TESSERA_CACHE_DIR),
+    not the roofline; ``profile=False`` estimates instead, ``profile=True`` insists on measuring.
 
     An image model's first stage may run on P image tiles (P ranks per replica, halos exchanged
     between them, joined before the next stage), cut square or in strips: chosen where it is
@@ -83,10 +91,30 @@ def plan(model: nn.Module, gpus: int, mem: str | int, *, batch_size: int,
         report(ProgressEvent(Phase.TRACING, detail=type(model).__name__))
         graph = trace(model, inputs, leaf_modules=leaf_modules)
     space = dataclasses.replace(space, precision=mode or model_precision(graph))
-    result = Search(graph, spec, space, progress).run()
+    measure = None
+    if _measures(model, spec, profile):
+        measure = functools.partial(measured_table, model, graph, inputs, optimizer=space.optimizer.value,
+                                    precision=space.precision.value)
+    result = Search(graph, spec, space, progress, measure).run()
     report(ProgressEvent(Phase.ASSEMBLING, detail="lowering, validating and simulating the winner"))
     return build_plan(graph, spec, space, result,
                       model_ref(graph, inputs, space, builder, builder_kwargs))
+
+
+def _measures(model: nn.Module, device: DeviceSpec, profile: bool | None) -> bool:
+    """Whether plan() costs from times measured on this CPU: asked (``profile``) or, by default, for the
+    "cpu" device and a model whose weights are on it."""
+    on_cpu = any(True for _ in model.parameters()) and all(p.device.type == "cpu" for p in model.parameters())
+    if profile is None:
+        return device.name == CPU_NAME and on_cpu
+    if profile and device.name != CPU_NAME:
+        raise InvalidArgument(f"profile=True measures node times on this CPU, but the plan is for "
+                              f"{device.name!r}; plan with device='cpu', or measure a GPU with "
+                              f"`tessera profile --device cuda` and plan with profile=False")
+    if profile and not on_cpu:
+        raise InvalidArgument("profile=True needs the model's weights on the CPU to time its nodes; build it "
+                              "with device='cpu' (not meta), or plan with profile=False (roofline costs)")
+    return profile
 
 
 def model_ref(graph: LayerGraph, inputs: tuple[torch.Tensor, ...], space: SearchSpace,

@@ -160,6 +160,9 @@ def _add_plan(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-spatial", dest="spatial", action="store_false",
                         help="never run the first stage of an image model on spatial tiles (by default "
                              "the search tiles it where that is faster or the only fit)")
+    parser.add_argument("--no-profile", dest="profile", action="store_false",
+                        help="on --device cpu, cost from the roofline instead of node times measured on this "
+                             "machine (which builds the model with real weights; cached)")
     parser.add_argument("-o", "--output", type=Path, default=None, help="write the plan here (JSON)")
     shown = parser.add_mutually_exclusive_group()
     shown.add_argument("--progress", action="store_true",
@@ -182,7 +185,8 @@ def _run_plan(args: argparse.Namespace) -> None:
         num_stages=tuple(args.num_stages) if args.num_stages else None,
         data_parallel=tuple(args.data_parallel) if args.data_parallel else None,
         time_limit_s=args.time_limit, leaf_modules=tuple(args.leaf), output=args.output,
-        offload=args.offload, host_mem=args.host_mem, nvme=args.nvme, spatial=args.spatial)
+        offload=args.offload, host_mem=args.host_mem, nvme=args.nvme, spatial=args.spatial,
+        profile=args.profile)
     terminal = sys.stderr.isatty()
     progress = ProgressLine(sys.stderr, terminal) if args.progress or (terminal and not args.quiet) else None
     print(run_plan(request, search_root=Path.cwd(), progress=progress))

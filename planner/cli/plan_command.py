@@ -37,11 +37,13 @@ class PlanRequest:
     host_mem: str | None = None  # per node, with a unit (None: the device preset's node)
     nvme: str | None = None
     spatial: bool = True  # may the first stage run on image tiles
+    profile: bool = True  # on the "cpu" device: measure node times (the model built with real weights)
 
 
 def run_plan(request: PlanRequest, search_root: Path | None = None,
              progress: ProgressLine | None = None) -> str:
-    """Build the model on the meta device, plan it, save the plan if asked; returns the printout."""
+    """Build the model (on the meta device; on the CPU with real weights to measure it for the "cpu"
+    device), plan it, save the plan if asked; returns the printout."""
     try:
         return _plan_and_save(request, search_root, progress)
     finally:
@@ -57,6 +59,8 @@ def _plan_and_save(request: PlanRequest, search_root: Path | None, progress: Pro
         parse_input,
         parse_model_args,
     )
+    from cost_models.cpu_device import CPU_NAME
+    from cost_models.devices import get_device
     from cost_models.units import parse_mem_bytes
     from planner.api import plan
     from planner.budget import parse_reserve
@@ -69,7 +73,8 @@ def _plan_and_save(request: PlanRequest, search_root: Path | None, progress: Pro
         raise InvalidArgument(f"cannot write the plan to {str(request.output)!r}: folder "
                               f"{str(request.output.parent)!r} does not exist")
     builder = load_builder(request.model, search_root)
-    model = build_model(builder, kwargs, "meta")
+    measured = request.profile and get_device(request.device).name == CPU_NAME
+    model = build_model(builder, kwargs, "cpu" if measured else "meta")
     result = plan(model, request.gpus, mem_bytes, reserve=reserve, batch_size=request.batch_size,
                   example_inputs=example_inputs(specs, 1, "meta"), device=request.device,
                   gpus_per_node=request.gpus_per_node, optimizer=request.optimizer,
@@ -80,7 +85,7 @@ def _plan_and_save(request: PlanRequest, search_root: Path | None, progress: Pro
                   progress=progress, offload=request.offload,
                   host_mem=None if request.host_mem is None else parse_mem_bytes(request.host_mem, unit_required=True),
                   nvme=None if request.nvme is None else parse_mem_bytes(request.nvme, unit_required=True),
-                  spatial=request.spatial)
+                  spatial=request.spatial, profile=measured)
     if request.output is not None:
         result.save(request.output)
     return str(result) + (f"\nplan written to {request.output}" if request.output else "")

@@ -145,11 +145,12 @@ class Search:
     """Costs per micro-batch size, and each configuration's setup, are computed once and shared."""
 
     def __init__(self, graph: LayerGraph, device: DeviceSpec, space: SearchSpace,
-                 progress: Progress | None = None) -> None:
+                 progress: Progress | None = None, measure: Callable[[int], CostTable] | None = None) -> None:
         self.graph = graph
         self.device = device
         self.space = space
         self.progress = progress
+        self.measure = measure  # the costs at a micro-batch size, measured (default: estimated by roofline)
         self._tables: dict[int, tuple[CostTable, Coarsening]] = {}
         self._setups: dict[Config, Setup] = {}
         self._min_peaks: dict[tuple[Config, bool], OracleResult | None] = {}
@@ -167,8 +168,8 @@ class Search:
     def costs(self, micro_batch_size: int) -> tuple[CostTable, Coarsening]:
         if micro_batch_size not in self._tables:
             self._report(ProgressEvent(Phase.COSTING, detail=f"micro-batch size {micro_batch_size}"))
-            table = estimate(self.graph, self.device, self.space.optimizer, self.space.precision,
-                             batch_size=micro_batch_size)
+            table = self.measure(micro_batch_size) if self.measure else estimate(
+                self.graph, self.device, self.space.optimizer, self.space.precision, batch_size=micro_batch_size)
             self._tables[micro_batch_size] = (table, coarsen(
                 self.graph, table, self.space.precision, self.space.optimizer, self.space.max_units))
         return self._tables[micro_batch_size]

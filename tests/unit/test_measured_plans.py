@@ -1,0 +1,59 @@
+"""plan() on the "cpu" device costs a model whose weights are on the CPU from node times measured on this
+machine (issue 13): the plan's per-layer times are the profile's at the chosen micro-batch, the same
+request plans alike from the cache, and profile= says when not to measure or refuses what it cannot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from cost_models.errors import InvalidArgument
+from cost_models.profiling import profile
+from examples.models.gpt import gpt_tiny
+from planner import plan
+
+
+@pytest.fixture()
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("TESSERA_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def _plan(model: torch.nn.Module, **options: object):
+    return plan(model, 2, "8GB", batch_size=8, micro_batch_sizes=(2, 4), example_inputs=torch.zeros((1, 32),
+                dtype=torch.int64), device="cpu", optimizer="momentum", reserve=0, **options)
+
+
+def test_a_cpu_plan_is_costed_from_measured_node_times_and_repeats_from_the_cache(cache: Path) -> None:
+    torch.manual_seed(0)
+    model = gpt_tiny(device="cpu")
+    first = _plan(model)
+    micro = first.training.micro_batch_size
+    measured = profile(model, (torch.zeros((micro, 32), dtype=torch.int64),), "cpu", optimizer="momentum",
+                       cache_dir=cache / "profiles")  # the same cached measurement plan() made
+    assert measured.source == "measured"
+    by_name = {cost.name: cost for cost in measured.costs}
+    for row in first.layers:
+        assert (row.fwd_ms, row.bwd_ms) == (by_name[row.name].fwd_ms, by_name[row.name].bwd_ms)
+    part = first.stages[0]
+    assert part.predicted.fwd_ms == pytest.approx(sum(by_name[name].fwd_ms for name in part.nodes))
+    def decided(made: object) -> str:  # the plan less the solver's report (its wall time differs)
+        data = made.to_dict()  # type: ignore[attr-defined]
+        data.pop("solver")
+        return json.dumps(data, sort_keys=True)
+    assert decided(_plan(model)) == decided(first)
+    roofline = _plan(model, profile=False)
+    assert [row.fwd_ms for row in roofline.layers] != [row.fwd_ms for row in first.layers]
+
+
+def test_profile_refuses_what_it_cannot_measure(cache: Path) -> None:
+    with pytest.raises(InvalidArgument, match="needs the model's weights on the CPU"):
+        _plan(gpt_tiny(), profile=True)  # built on meta
+    with pytest.raises(InvalidArgument, match="measures node times on this CPU, but the plan is for 'V100-16GB'"):
+        plan(gpt_tiny(device="cpu"), 2, "8GB", batch_size=8, example_inputs=torch.zeros((1, 32), dtype=torch.int64),
+             device="V100-16GB", profile=True)
+    meta = _plan(gpt_tiny())  # a model on meta on the cpu device: roofline, as before
+    assert meta.stages
