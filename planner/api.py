@@ -35,7 +35,7 @@ def plan(model: nn.Module, gpus: int, mem: str | int, *, batch_size: int,
          example_inputs: torch.Tensor | Sequence[torch.Tensor], device: str | DeviceSpec = "V100-16GB",
          gpus_per_node: int | None = None, optimizer: str | Optimizer = "adam",
          precision: str | Precision | None = None,
-         schedules: Sequence[str | ScheduleKind] = tuple(ScheduleKind),
+         schedules: Sequence[str | ScheduleKind] | None = None, allow_stale_weights: bool = False,
          micro_batch_sizes: Sequence[int] | None = None,
          num_stages: Sequence[int] | None = None, time_limit_s: float = 60.0, builder: str | None = None,
          builder_kwargs: Mapping[str, Any] | None = None, leaf_modules: Sequence[type | str] = (),
@@ -49,7 +49,9 @@ def plan(model: nn.Module, gpus: int, mem: str | int, *, batch_size: int,
     dimension; meta tensors are fine). Costs are roofline estimates on ``device``. ``precision``
     defaults to the model's own (the dtype of its weights: a float64 model is costed at 8 bytes).
     ``micro_batch_sizes``, ``num_stages`` and ``data_parallel`` restrict the search (default: every
-    divisor). A plan uses all ``gpus`` unless the batch is smaller than ``gpus`` (then at most
+    divisor); ``schedules`` the schedule families (default: every synchronous one). WPipe ("wpipe"),
+    whose first half of the parts trains on weights one update old, is considered only with
+    ``allow_stale_weights=True``, which changes the training semantics. A plan uses all ``gpus`` unless the batch is smaller than ``gpus`` (then at most
     ``batch_size`` GPUs can work at once, and a plan on fewer GPUs wins when it is as fast) or
     ``num_stages`` x ``data_parallel`` asks for fewer; ``plan.cluster.gpus`` is the number it uses.
     ``mem`` is each GPU's memory ("16GB" or bytes); ``reserve`` ("5%" of it by default, or a size)
@@ -84,7 +86,7 @@ def plan(model: nn.Module, gpus: int, mem: str | int, *, batch_size: int,
     space, spec = validate_space(gpus, mem, batch_size, device, gpus_per_node, optimizer,
                                  mode or Precision.FP32, schedules, micro_batch_sizes, time_limit_s, num_stages,
                                  reserve, data_parallel=data_parallel, offload=offload, host_mem=host_mem,
-                                 nvme=nvme, spatial=spatial)
+                                 nvme=nvme, spatial=spatial, allow_stale_weights=allow_stale_weights)
     _warn_above_device(space, spec)
     report = progress or (lambda event: None)
     if graph is None:
@@ -129,23 +131,18 @@ def model_ref(graph: LayerGraph, inputs: tuple[torch.Tensor, ...], space: Search
 
 def validate_space(gpus: int, mem: str | int, batch_size: int, device: str | DeviceSpec,
                    gpus_per_node: int | None, optimizer: str | Optimizer, precision: str | Precision,
-                   schedules: Sequence[str | ScheduleKind], micro_batch_sizes: Sequence[int] | None,
+                   schedules: Sequence[str | ScheduleKind] | None, micro_batch_sizes: Sequence[int] | None,
                    time_limit_s: float, num_stages: Sequence[int] | None = None,
                    reserve: str | int | Reserve = DEFAULT_RESERVE, *,
                    data_parallel: Sequence[int] | None = None, offload: bool | Sequence[str] = True,
                    host_mem: str | int | None = None, nvme: str | int | None = None,
-                   spatial: bool = True) -> tuple[SearchSpace, DeviceSpec]:
+                   spatial: bool = True, allow_stale_weights: bool = False) -> tuple[SearchSpace, DeviceSpec]:
     """Validate every argument before any tracing, with messages that name the value and fix."""
     _check_whole("gpus", gpus)
     _check_whole("batch_size", batch_size)
     per_node = min(gpus, 8) if gpus_per_node is None else gpus_per_node
     _check_whole("gpus_per_node", per_node)
-    known = {kind.value for kind in ScheduleKind}
-    unknown = [s for s in schedules if s not in known]
-    if unknown or not schedules:
-        raise InvalidArgument(f"schedules {list(unknown or schedules)} not supported; choose from "
-                              f"{', '.join(sorted(known))}")
-    searched = tuple(dict.fromkeys(ScheduleKind(s) for s in schedules))
+    searched = _schedules(schedules, allow_stale_weights)
     if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) or not (
             0 < time_limit_s < float("inf")):
         raise InvalidArgument(f"the time limit must be a number of seconds > 0, got {time_limit_s!r}; "
@@ -168,6 +165,26 @@ def validate_space(gpus: int, mem: str | int, batch_size: int, device: str | Dev
                         host_mem_bytes=None if host_mem is None else parse_mem_bytes(host_mem),
                         nvme_bytes=None if nvme is None else parse_mem_bytes(nvme), spatial=spatial)
     return space, spec
+
+
+def _schedules(schedules: Sequence[str | ScheduleKind] | None, allow_stale_weights: bool) -> tuple[ScheduleKind, ...]:
+    """The families to search: those given (default every synchronous one, and WPipe if stale weights are
+    allowed); a family that trains on stale weights only with ``allow_stale_weights``."""
+    if schedules is None:
+        return tuple(kind for kind in ScheduleKind if allow_stale_weights or not kind.stale_weights)
+    known = {kind.value for kind in ScheduleKind}
+    unknown = [s for s in schedules if s not in known]
+    if unknown or not schedules:
+        raise InvalidArgument(f"schedules {list(unknown or schedules)} not supported; choose from "
+                              f"{', '.join(sorted(known))}")
+    searched = tuple(dict.fromkeys(ScheduleKind(s) for s in schedules))
+    stale = [kind.value for kind in searched if kind.stale_weights]
+    if stale and not allow_stale_weights:
+        synchronous = ", ".join(kind.value for kind in ScheduleKind if not kind.stale_weights)
+        raise InvalidArgument(f"schedule {stale[0]!r} trains the first half of the model's parts on weights one "
+                              f"update old (a different training rule); allow it with allow_stale_weights=True "
+                              f"(--allow-stale-weights), or choose a synchronous schedule: {synchronous}")
+    return searched
 
 
 def _check_whole(name: str, value: int) -> None:

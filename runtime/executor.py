@@ -15,7 +15,11 @@ action's stage id, and the values it reads and sends by the parts the stages com
 mirror's two model copies: the dataflow of the stages' parts, within the stage's copy); values
 between two stages on the same rank are handed over in memory. A spatial
 stage's tiles are joined by a later ordinary stage's receive, and re-tiled onto a later spatial
-stage's tiles (runtime/retiling.py).
+stage's tiles (runtime/retiling.py). A program that runs forwards ahead for the next step (WPipe,
+planner/schedules/periods.py) takes the next step's micro-batches too: the first step runs those
+forwards alone first, each step hands what they left to the next, and a step given no next
+micro-batches leaves them out (a flush); its first group computes on stashed weight versions
+(runtime/stale.py).
 """
 
 from __future__ import annotations
@@ -33,7 +37,10 @@ from torch import nn
 
 from cost_models.graph.capture import LeafSpec
 from planner.plan import Plan
+from planner.preflight import programs
 from planner.schedules import Action, ActionKind
+from planner.schedules.periods import Periods
+from runtime.checks import segments as grouped
 from runtime.comm import P2P, Message, wait_for
 from runtime.dataflow import SourceKind
 from runtime.grads import GradientSync
@@ -45,6 +52,7 @@ from runtime.retiling import Retiling
 from runtime.seeding import seeded
 from runtime.setup import set_up
 from runtime.stages import LocalStage, OptimizerFactory
+from runtime.stale import WeightVersions
 from runtime.state import MicrobatchState, StepState
 from runtime.tiles import halo_bytes_sent
 
@@ -108,6 +116,13 @@ class Executor:
         self.mixed, self.tiled = ready.mixed, ready.tiled
         self.p2p = P2P(None, self.device, timeout_s)
         self.sync = GradientSync(self.device, timeout_s)
+        self.periods = Periods.of(programs(plan))
+        stale = plan.schedule.kind.stale_parts(plan.layout.num_parts)
+        self.versions = WeightVersions(self.stages, [i for i, stage in self.stages.items() if stage.part in stale])
+        self._carried: dict[str, dict[tuple[int, int], Any]] | None = None  # left by the last step's ahead forwards
+        program = [a for segment in self.segments for a in (segment if isinstance(segment, tuple) else (segment,))]
+        self._ahead_segments = grouped([a for a in program if self.periods.is_ahead(a)])
+        self._flush_segments = grouped([a for a in program if not self.periods.is_ahead(a)])
         self.memory = MemoryTracker(self.device, self._model_state)
         self.steps_done = 0
         self.halo_bytes_sent = 0  # by this rank's halo exchanges in the last step (runtime/tiles.py)
@@ -123,23 +138,35 @@ class Executor:
             tensors += [p.grad for p in stage.params.values() if p.grad is not None]
             if stage.state is not None:
                 tensors += stage.state.held_tensors()
-        return tensors
+        return tensors + self.versions.tensors()
 
     def _params_in_use(self, stage: LocalStage) -> contextlib.AbstractContextManager[None]:
         """ZeRO-3: the stage's parameters gathered for one forward or backward (else nothing)."""
         return stage.state.in_use() if stage.state is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------------------- step
-    def step(self, inputs: torch.Tensor | Sequence[torch.Tensor] | None, targets: Targets | None) -> float:
+    def step(self, inputs: torch.Tensor | Sequence[torch.Tensor] | None, targets: Targets | None, *,
+             next_inputs: torch.Tensor | Sequence[torch.Tensor] | None = None) -> float:
         """Train on one global batch (the same on every rank; None where a rank does not need it).
 
         Inputs are used by the first stage, targets by the last; each replica takes its slice
         and cuts it into the plan's micro-batches. Returns the mean loss over the global batch.
+        A plan whose forwards run ahead (WPipe) also takes the next step's inputs (``next_inputs``);
+        without them the step flushes (``crosses_steps`` says whether the plan's do).
         """
         training = self.plan.training
-        return self.run(split_batch(inputs, targets, global_batch_size=training.global_batch_size,
-                                    data_parallel=self.plan.data_parallel, replica=self.replica,
-                                    num_microbatches=training.num_microbatches))
+
+        def split(batch: Any, targets: Targets | None) -> list[Microbatch]:
+            return split_batch(batch, targets, global_batch_size=training.global_batch_size,
+                               data_parallel=self.plan.data_parallel, replica=self.replica,
+                               num_microbatches=training.num_microbatches)
+        following = None if next_inputs is None or not self.crosses_steps else split(next_inputs, None)
+        return self.run(split(inputs, targets), next_microbatches=following)
+
+    @property
+    def crosses_steps(self) -> bool:
+        """Whether the plan's forwards run ahead into the next step (then pass the next micro-batches)."""
+        return self.periods.crosses_steps
 
     @property
     def needs_inputs(self) -> bool:
@@ -149,26 +176,60 @@ class Executor:
     def needs_targets(self) -> bool:
         return any(stage.part == self.flow.last_stage for stage in self.stages.values())
 
-    def run(self, microbatches: Sequence[Microbatch], *, profile_memory: bool = False) -> float:
+    def run(self, microbatches: Sequence[Microbatch], *, profile_memory: bool = False,
+            next_microbatches: Sequence[Microbatch] | None = None) -> float:
         """One step on this replica's micro-batches (``plan.training.num_microbatches`` of them).
 
         ``profile_memory`` records this step's CPU allocations for the measured peak (slower;
         see runtime/memory.py); on CUDA the allocator's own peak is always used.
+        ``next_microbatches``: the next step's, for a plan whose forwards run ahead (``crosses_steps``);
+        None flushes (the last step).
         """
-        if len(microbatches) != self.plan.training.num_microbatches:
-            raise ValueError(f"got {len(microbatches)} micro-batches, the plan has "
-                             f"{self.plan.training.num_microbatches}")
+        count = self.plan.training.num_microbatches
+        for name, given in (("micro-batches", microbatches), ("next micro-batches", next_microbatches)):
+            if given is not None and len(given) != count:
+                raise ValueError(f"got {len(given)} {name}, the plan has {count}")
+        following = tuple(next_microbatches) if next_microbatches is not None and self.crosses_steps else None
         if not profile_memory:
-            return self._run(microbatches)
+            return self._run(microbatches, following)
         with self.memory.profiling():
-            return self._run(microbatches)
+            return self._run(microbatches, following)
 
-    def _run(self, microbatches: Sequence[Microbatch]) -> float:
-        state = StepState(tuple(microbatches))
+    def _run(self, microbatches: Sequence[Microbatch], following: tuple[Microbatch, ...] | None) -> float:
+        state = StepState(tuple(microbatches), period=self.steps_done, ahead=following or ())
         self.swaps.new_step()
         halo_before, p2p_before = self._halo_bytes(), self.p2p.bytes_sent
-        busy_s, self.action_ms = 0.0, {}
-        for segment in self.segments:
+        self.action_ms = {}
+        segments = self.segments
+        if self.crosses_steps:
+            if self._carried is None:  # the first step, or the one after a flush: its ahead forwards first
+                self._prologue(microbatches)
+            assert self._carried is not None
+            state.adopt(self._carried)
+            self._carried = None
+            segments = self.segments if following is not None else self._flush_segments
+        busy_s = self._execute(segments, state)
+        self.p2p.finish()
+        if following is not None:
+            self._carried = state.carry()
+        self.halo_bytes_sent = self._halo_bytes() - halo_before
+        self.p2p_bytes_sent = self.p2p.bytes_sent - p2p_before
+        self.busy_ms = busy_s * 1e3
+        self.steps_done += 1
+        return self._global_loss(state)
+
+    def _prologue(self, microbatches: Sequence[Microbatch]) -> None:
+        """The forwards the previous step would have run ahead for this one (their period is this step's)."""
+        state = StepState((), period=self.steps_done - 1, ahead=tuple(microbatches),
+                          num_microbatches=self.plan.training.num_microbatches)
+        self._execute(self._ahead_segments, state)
+        self.p2p.finish()
+        self._carried = state.carry()
+
+    def _execute(self, segments: Sequence[Action | tuple[Action, ...]], state: StepState) -> float:
+        """Run ``segments`` on ``state``; returns the seconds spent in compute actions."""
+        busy_s = 0.0
+        for segment in segments:
             if isinstance(segment, tuple):
                 self._communicate(segment, state)
             else:
@@ -180,12 +241,7 @@ class Executor:
                     self.action_ms.setdefault((segment.stage, segment.kind), []).append(took_s * 1e3)
             if self.memory.active:
                 self.memory.sample([*state.held(), *self.p2p.in_flight()])
-        self.p2p.finish()
-        self.halo_bytes_sent = self._halo_bytes() - halo_before
-        self.p2p_bytes_sent = self.p2p.bytes_sent - p2p_before
-        self.busy_ms = busy_s * 1e3
-        self.steps_done += 1
-        return self._global_loss(state)
+        return busy_s
 
     def _halo_bytes(self) -> int:
         """Bytes this rank's spatial stages have sent through halo exchanges so far."""
@@ -218,9 +274,10 @@ class Executor:
 
     # ---------------------------------------------------------------- compute
     def _forward(self, action: Action, state: StepState) -> None:
+        assert action.microbatch is not None
         key = (action.stage, action.microbatch)
         stage, micro = self.stages[action.stage], state.micro(*key)
-        data = state.microbatches[action.microbatch]
+        data, period = state.data(action.microbatch), state.period_of(action.microbatch)
         if stage.part == self.flow.data_stage:
             if data.inputs is None:
                 raise ValueError(f"rank {self.rank} runs the first stage and needs the inputs")
@@ -231,11 +288,13 @@ class Executor:
         args = [self._input(stage, name, action.microbatch, state) for name in stage.io.inputs]
         micro.env.update(zip(stage.io.inputs, args))
         micro.env.update(state.inbox.pop(key, {}))  # received values the loss reads, not the stage
-        global_microbatch = self.replica * self.plan.training.num_microbatches + action.microbatch
-        with self.memory.saving(key), seeded(self.seed, "forward", self.steps_done, action.stage,
-                                             global_microbatch, device=self.device):
+        index = state.index_in_period(action.microbatch)
+        global_microbatch = self.replica * self.plan.training.num_microbatches + index
+        with self.memory.saving((action.stage, period, index)), seeded(self.seed, "forward", period, action.stage,
+                                                                       global_microbatch, device=self.device):
             with self.swaps.forward(key), self._params_in_use(stage):
-                micro.env.update(zip(stage.io.outputs, stage.module(*args)))
+                module = self.versions.module(stage.index, period)
+                micro.env.update(zip(stage.io.outputs, module(*args)))
             if stage.part == self.flow.last_stage:
                 self._loss(stage, micro, data, state)
         micro.roots = {name: micro.env[name] for dst in self._consumers(stage.index)
@@ -252,7 +311,7 @@ class Executor:
     def _input(self, stage: LocalStage, name: str, microbatch: int, state: StepState) -> Any:
         source = stage.io.sources[name]
         if source.kind is SourceKind.PARAM:
-            return stage.attrs[name]
+            return self.versions.attrs(stage.index, state.period_of(microbatch))[name]
         if source.kind is SourceKind.DATA:
             return state.micro(stage.index, microbatch).env[name]
         spec = self.flow.specs[name]
@@ -291,7 +350,7 @@ class Executor:
         micro = self._start_backward(action, state)
         self._run_backward(action, micro, inputs=None)
         self._collect_input_grads(action, micro, state)
-        self._end_backward(action, micro)
+        self._end_backward(action, micro, state)
 
     def _backward_input(self, action: Action, state: StepState) -> None:
         """I: the gradients of the stage's received inputs only (the graph is kept for W), then out."""
@@ -305,11 +364,12 @@ class Executor:
 
     def _backward_weight(self, action: Action, state: StepState) -> None:
         """W: the gradients of the stage's weights from the graph I kept; frees the micro-batch."""
+        assert action.microbatch is not None
         micro = state.micro(action.stage, action.microbatch)
-        weights = self.stages[action.stage].weights()
+        weights = self.versions.weights(action.stage, state.period_of(action.microbatch))
         if weights:
             self._run_backward(action, micro, inputs=weights)
-        self._end_backward(action, micro)
+        self._end_backward(action, micro, state)
 
     def _start_backward(self, action: Action, state: StepState) -> MicrobatchState:
         """The micro-batch's state on the stage, with the stage's paged optimizer state being read back
@@ -343,10 +403,10 @@ class Executor:
                 else:
                     micro.input_grads[name] = grad
 
-    def _end_backward(self, action: Action, micro: MicrobatchState) -> None:
+    def _end_backward(self, action: Action, micro: MicrobatchState, state: StepState) -> None:
         """The micro-batch's backward on the stage is complete: free what it held."""
         assert action.microbatch is not None
-        self.memory.release((action.stage, action.microbatch))
+        self.memory.release((action.stage, state.period_of(action.microbatch), state.index_in_period(action.microbatch)))
         self.swaps.release((action.stage, action.microbatch))
         self.memory.state_changed()
         micro.env.clear()
@@ -456,6 +516,7 @@ class Executor:
 
     # ------------------------------------------------------------- per stage
     def _allreduce(self, action: Action, state: StepState) -> None:
+        self.versions.collect_gradients(action.stage, state.period)
         stage = self.stages[action.stage]
         params = [p for name, p in stage.params.items() if name not in self.groups.tied_names]
         if stage.state is not None and stage.state.reduces_gradients:  # ZeRO-2/3: reduce-scatter
@@ -466,6 +527,8 @@ class Executor:
         self.sync.all_reduce(params, group, str(action))
 
     def _optimizer_step(self, action: Action, state: StepState) -> None:
+        for stage in self.versions.stale_stages:  # every stale stage's gradients, before the tied sum
+            self.versions.collect_gradients(stage, state.period)
         if not state.tied_synced:
             self._sync_tied()
             state.tied_synced = True
@@ -474,6 +537,7 @@ class Executor:
             self.mixed.step(action.stage)  # the fp32 masters, at this rank's last stage
         elif stage_state is not None:
             stage_state.step()
+        self.versions.after_update(action.stage, state.period)
         self.memory.state_changed()
 
     def _sync_tied(self) -> None:

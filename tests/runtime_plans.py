@@ -80,7 +80,7 @@ def scheduled(plan_json: str, kind: str, **options: Any) -> str:
 
 def searched_plan(builder: str, *, gpus: int, budget_share: float, offload: tuple[str, ...],
                   schedule: str = "gpipe", batch_size: int = 16, micro_batch_size: int = 4,
-                  data_parallel: int = 1, optimizer: str = "momentum") -> str:
+                  data_parallel: int = 1, optimizer: str = "momentum", allow_stale_weights: bool = False) -> str:
     """A float64 plan the search makes (``plan()``) for a budget ``budget_share`` of the smallest one
     that fits without offload, allowed only the memory decisions ``offload``."""
     from cost_models.errors import PlanInfeasible
@@ -92,7 +92,8 @@ def searched_plan(builder: str, *, gpus: int, budget_share: float, offload: tupl
         model = build_model(load_builder(builder), kwargs, "meta")
     common = dict(gpus=gpus, batch_size=batch_size, example_inputs=inputs, precision="fp64", reserve=0,
                   optimizer=optimizer, micro_batch_sizes=(micro_batch_size,), schedules=(schedule,),
-                  data_parallel=(data_parallel,), builder=builder, builder_kwargs=kwargs)
+                  data_parallel=(data_parallel,), builder=builder, builder_kwargs=kwargs,
+                  allow_stale_weights=allow_stale_weights)
     try:
         plan(model, mem=1, offload=False, **common)
         raise AssertionError("a 1-byte budget fitted")

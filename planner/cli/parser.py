@@ -134,7 +134,11 @@ def _add_plan(parser: argparse.ArgumentParser) -> None:
     _add_training_modes(parser)
     parser.add_argument("--schedule", action="append", default=None, type=str.lower,
                         choices=[kind.value for kind in ScheduleKind],
-                        help="schedule families to consider (repeatable; default every synchronous one)")
+                        help="schedule families to consider (repeatable; default every synchronous one, "
+                             "and wpipe with --allow-stale-weights)")
+    parser.add_argument("--allow-stale-weights", action="store_true",
+                        help="also consider wpipe, whose first half of the parts trains on weights one "
+                             "update old (this changes the training rule; the plan says so)")
     parser.add_argument("--micro-batch-size", action="append", type=int, default=None,
                         help="micro-batch sizes to consider (repeatable; default every divisor of "
                              "the batch per replica)")
@@ -180,7 +184,7 @@ def _run_plan(args: argparse.Namespace) -> None:
         model=args.model, model_args=tuple(args.model_arg), inputs=tuple(args.input),
         batch_size=args.batch_size, gpus=args.gpus, mem=args.mem, reserve=args.reserve, device=args.device,
         gpus_per_node=args.gpus_per_node, optimizer=args.optimizer, precision=args.precision,
-        schedules=tuple(args.schedule or (kind.value for kind in ScheduleKind)),
+        schedules=tuple(args.schedule) if args.schedule else None, allow_stale_weights=args.allow_stale_weights,
         micro_batch_sizes=tuple(args.micro_batch_size) if args.micro_batch_size else None,
         num_stages=tuple(args.num_stages) if args.num_stages else None,
         data_parallel=tuple(args.data_parallel) if args.data_parallel else None,

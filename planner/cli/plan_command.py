@@ -26,7 +26,8 @@ class PlanRequest:
     gpus_per_node: int | None = None
     optimizer: str = "adam"
     precision: str | None = None  # None: the model's own (its weights' dtype)
-    schedules: tuple[str, ...] = ("gpipe", "1f1b")
+    schedules: tuple[str, ...] | None = ("gpipe", "1f1b")  # None: every synchronous family
+    allow_stale_weights: bool = False  # also consider wpipe (its first group trains on stale weights)
     micro_batch_sizes: tuple[int, ...] | None = None
     num_stages: tuple[int, ...] | None = None
     data_parallel: tuple[int, ...] | None = None
@@ -52,6 +53,8 @@ def run_plan(request: PlanRequest, search_root: Path | None = None,
 
 
 def _plan_and_save(request: PlanRequest, search_root: Path | None, progress: ProgressLine | None) -> str:
+    from cost_models.cpu_device import CPU_NAME
+    from cost_models.devices import get_device
     from cost_models.graph.model_spec import (
         build_model,
         example_inputs,
@@ -59,8 +62,6 @@ def _plan_and_save(request: PlanRequest, search_root: Path | None, progress: Pro
         parse_input,
         parse_model_args,
     )
-    from cost_models.cpu_device import CPU_NAME
-    from cost_models.devices import get_device
     from cost_models.units import parse_mem_bytes
     from planner.api import plan
     from planner.budget import parse_reserve
@@ -79,6 +80,7 @@ def _plan_and_save(request: PlanRequest, search_root: Path | None, progress: Pro
                   example_inputs=example_inputs(specs, 1, "meta"), device=request.device,
                   gpus_per_node=request.gpus_per_node, optimizer=request.optimizer,
                   precision=request.precision, schedules=request.schedules,
+                  allow_stale_weights=request.allow_stale_weights,
                   micro_batch_sizes=request.micro_batch_sizes, time_limit_s=request.time_limit_s,
                   num_stages=request.num_stages, data_parallel=request.data_parallel,
                   builder=request.model, builder_kwargs=kwargs, leaf_modules=request.leaf_modules,

@@ -17,6 +17,7 @@ class ScheduleKind(str, Enum):
     INTERLEAVED_1F1B = "interleaved-1f1b"
     ZB_H1 = "zb-h1"
     GEMS_MASTER = "gems-master"
+    WPIPE = "wpipe"
 
     @classmethod
     def parse(cls, name: str | ScheduleKind) -> ScheduleKind:
@@ -37,3 +38,22 @@ class ScheduleKind(str, Enum):
         ['gpipe', '1f1b']
         """
         return self in (ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B)
+
+    @property
+    def stale_weights(self) -> bool:
+        """Whether the family changes the training semantics: WPipe's first group of parts computes each
+        step on its weights from one update earlier (planner/schedules/generate.py). The search considers
+        it only when the user allows stale weights.
+
+        >>> [kind.value for kind in ScheduleKind if kind.stale_weights]
+        ['wpipe']
+        """
+        return self is ScheduleKind.WPIPE
+
+    def stale_parts(self, num_parts: int) -> range:
+        """The parts whose forwards read weights one update old: WPipe's first group (none for the others).
+
+        >>> ScheduleKind.WPIPE.stale_parts(6), ScheduleKind.ONE_F_ONE_B.stale_parts(6)
+        (range(0, 3), range(0, 0))
+        """
+        return range(num_parts // 2) if self.stale_weights else range(0)

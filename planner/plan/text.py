@@ -35,6 +35,7 @@ def format_plan(model: ModelRef, cluster: ClusterSpec, training: TrainingSpec, s
             lines.append("-" * len(lines[-1]))
     lines.append("-" * len(lines[1]))
     lines.extend(_spatial(parts, layout))
+    lines.extend(_stale(schedule, layout))
     lines.extend(_memory_decisions(cluster, parts, layout))
     lines.extend(_summary(predicted, solver, cluster.usable_mem_bytes, layout.num_stages))
     return "\n".join(lines)
@@ -45,6 +46,17 @@ def _spatial(parts: tuple[StagePlan, ...], layout: Layout) -> list[str]:
     return [f"stage {stage}: {parts[layout.part(stage)].spatial.describe()}, ranks "  # type: ignore[union-attr]
             f"{layout.describe_ranks(stage)}" for stage in range(layout.num_stages)
             if parts[layout.part(stage)].spatial is not None]
+
+
+def _stale(schedule: ScheduleSpec, layout: Layout) -> list[str]:
+    """What a schedule that trains on stale weights changes (WPipe), said where the user reads the plan."""
+    stale = schedule.kind.stale_parts(layout.num_parts)
+    if not stale:
+        return []
+    stages = [stage for stage in range(layout.num_stages) if layout.part(stage) in stale]
+    return [f"stale weights ({schedule.kind.value}, allowed by allow_stale_weights): stages {stages[0]}-{stages[-1]} "
+            f"compute each step on their weights from before the previous update (one update late); "
+            f"stages {stages[-1] + 1}-{layout.num_stages - 1} update as usual"]
 
 
 def _memory_decisions(cluster: ClusterSpec, parts: tuple[StagePlan, ...], layout: Layout) -> list[str]:

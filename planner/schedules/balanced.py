@@ -66,13 +66,15 @@ def family_step(kind: ScheduleKind, num_parts: int, num_microbatches: int, fwd_m
     at no more than two rounds of micro-batches (two per pipeline rank) and extended by the busiest rank's
     compute per further micro-batch: from the second round on, interleaved 1F1B and ZB-H1 on balanced
     parts never idle, so each micro-batch more adds exactly that (tests/unit/test_family_search.py checks
-    the extension against full replays). GEMS-MASTER is replayed whole (its bubble keeps growing).
+    the extension against full replays). GEMS-MASTER and WPipe, whose slots merge two stages' programs in
+    the order a greedy replay starts them, are replayed whole (that order shifts with the count).
 
     >>> family_step(ScheduleKind.INTERLEAVED_1F1B, 8, 64, 1.0, 2.0, virtual_stages=2).step_ms  # (64 x 2 + 3) x 3
     393.0
     """
     ranks = num_parts // options.get("virtual_stages", 1)
-    rounds = 2 * ranks if kind is not ScheduleKind.GEMS_MASTER else num_microbatches
+    merged = kind in (ScheduleKind.GEMS_MASTER, ScheduleKind.WPIPE)  # programs merged by a greedy replay
+    rounds = num_microbatches if merged else 2 * ranks
     replayed = min(num_microbatches, rounds)
     step = balanced_step(generate(kind, num_parts, replayed, **options), fwd_ms, bwd_ms, weight_grad_ms)
     if replayed == num_microbatches:

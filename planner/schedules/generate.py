@@ -10,6 +10,7 @@ from typing import Any
 from planner.plan.kinds import ScheduleKind
 from planner.plan.layout import Layout
 from planner.schedules.actions import Action, ActionKind, Program, Programs
+from planner.schedules.periods import Periods
 
 
 @dataclass(frozen=True)
@@ -179,24 +180,74 @@ def gems_master(num_stages: int, num_microbatches: int, *, data_parallel: int = 
         Action(layout.stage_of_copy(part, copy), action.kind, copy * half + action.microbatch)
         for action in _one_f_one_b_stage(part, num_stages, half) if action.microbatch is not None)
         for part in range(num_stages) for copy in range(2)}
-    return Schedule(ScheduleKind.GEMS_MASTER, num_microbatches, layout, _merged(layout, streams))
+    return Schedule(ScheduleKind.GEMS_MASTER, num_microbatches, layout,
+                    _merged(layout, streams, lambda action, finished: _ready_at(layout, action, finished)))
 
 
-def _merged(layout: Layout, streams: Mapping[int, Program]) -> Programs:
+def wpipe(num_stages: int, num_microbatches: int, *, data_parallel: int = 1) -> Schedule:
+    """WPipe (Yang et al. 2022): the ``num_stages`` parts in two groups on ``ranks = num_stages / 2`` slots
+    (part s on slot s % ranks, as interleaved 1F1B with 2 virtual stages); the first group never
+    flushes. Its stage s keeps ``a_s = min(M, num_stages - s)`` micro-batches in flight across the step
+    boundary: its program alternates the backward of micro-batch j with the forward of micro-batch
+    j + a_s, and those forwards reaching past M are the next step's (named ``M + j``,
+    planner/schedules/periods.py), run ahead to fill the drain where 1F1B idles. The second group runs
+    1F1B and flushes every step, so its weights are never stale; the first group's forwards of a step
+    run on its weights from before the previous step's update (the runtime stashes that version), the
+    one-step delay WPipe trades for the bubble. Each slot merges its two stages' actions in the
+    order a replay with unit costs (F 1, B 2) starts them.
+
+    >>> [str(a) for a in wpipe(2, 2).programs[0]]
+    ['1F0', '1B0', '0B0', '1F1', '1B1', '0F2', '0B1', '0F3']
+    """
+    _check_sizes(num_stages, num_microbatches)
+    if num_stages % 2:
+        raise ValueError(f"wpipe splits the parts into two groups of equal size and needs an even number of "
+                         f"parts, got {num_stages}; valid: 2, 4, 6, ...")
+    ranks = num_stages // 2
+    layout = Layout.replicated(tuple(stage % ranks for stage in range(num_stages)), data_parallel)
+    ahead = tuple(min(num_microbatches, num_stages - stage) for stage in range(ranks))
+    streams = {stage: tuple(action for j in range(num_microbatches) for action in (
+        Action(stage, ActionKind.B, j), Action(stage, ActionKind.F, j + ahead[stage]))) for stage in range(ranks)}
+    streams.update({stage: _one_f_one_b_stage(stage, num_stages, num_microbatches)
+                    for stage in range(ranks, num_stages)})
+
+    def ready(action: Action, finished: Mapping[tuple[ActionKind, int, int | None], int]) -> int | None:
+        assert action.microbatch is not None
+        neighbour = action.stage - 1 if action.kind is ActionKind.F else action.stage + 1
+        if not 0 <= neighbour < num_stages:
+            return 0
+        if action.kind is ActionKind.F and neighbour < ranks and action.microbatch < ahead[neighbour]:
+            return 0  # the neighbour's forward ran in the previous step
+        return finished.get((action.kind, neighbour, action.microbatch))
+
+    return Schedule(ScheduleKind.WPIPE, num_microbatches, layout, _merged(layout, streams, ready))
+
+
+STASHED_WEIGHT_VERSIONS = 2
+"""Copies of a stale part's weights held besides the ones its optimizer steps: the version this step's
+micro-batches read and the one the next step's ahead forwards read (runtime/stale.py makes these)."""
+
+
+ReadyAt = Callable[[Action, Mapping[tuple[ActionKind, int, "int | None"], int]], "int | None"]
+"""When an action's input is there, given the finish times of the actions run so far (None: not yet)."""
+
+
+def _merged(layout: Layout, streams: Mapping[int, Program], ready_at: ReadyAt) -> Programs:
     """Each slot's stage programs merged in the order a replay with unit costs (F 1, B 2) starts them:
-    repeatedly the action that can start earliest runs next (ties: a B before an F, as 1F1B frees
-    activations first; then the lower slot and stage). That replay is an execution, so the merged
-    programs cannot deadlock."""
+    repeatedly the action that can start earliest runs next (ties: this step's work before a forward run
+    ahead for the next, then a B before an F, as 1F1B frees activations first; then the lower slot and
+    stage). That replay is an execution, so the merged programs cannot deadlock."""
+    periods = Periods.of(streams.values())
     duration = {ActionKind.F: 1, ActionKind.B: 2}
     finished: dict[tuple[ActionKind, int, int | None], int] = {}
     position = dict.fromkeys(streams, 0)
     free = [0] * layout.num_slots
     programs: list[list[Action]] = [[] for _ in range(layout.num_slots)]
     while any(position[stage] < len(stream) for stage, stream in streams.items()):
-        start, _, slot, stage = min((max(free[layout.slot(stage)], ready), stream[position[stage]].kind is ActionKind.F,
-                                     layout.slot(stage), stage)
+        start, *_, slot, stage = min((max(free[layout.slot(stage)], ready), periods.is_ahead(stream[position[stage]]),
+                                      stream[position[stage]].kind is ActionKind.F, layout.slot(stage), stage)
                                     for stage, stream in streams.items() if position[stage] < len(stream)
-                                    for ready in [_ready_at(layout, stream[position[stage]], finished)]
+                                    for ready in [ready_at(stream[position[stage]], finished)]
                                     if ready is not None)
         action = streams[stage][position[stage]]
         position[stage] += 1
@@ -234,6 +285,7 @@ GENERATORS: Mapping[ScheduleKind, ScheduleGenerator] = MappingProxyType({
     ScheduleKind.INTERLEAVED_1F1B: interleaved_one_f_one_b,
     ScheduleKind.ZB_H1: zb_h1,
     ScheduleKind.GEMS_MASTER: gems_master,
+    ScheduleKind.WPIPE: wpipe,
 })
 """Schedule kind (the plan's ``schedule.kind``) -> generator. A new kind is a new entry here."""
 
@@ -250,12 +302,15 @@ def generate(kind: str | ScheduleKind, num_stages: int, num_microbatches: int, *
 
 
 def max_in_flight(schedule: Schedule) -> tuple[int, ...]:
-    """Per stage, the most micro-batches between their F and their B at once (running max of F - B).
+    """Per stage, the most micro-batches between their F and their B at once (running max of F - B,
+    from the micro-batches carried into the step).
 
-    >>> max_in_flight(one_f_one_b(3, 8))
-    (3, 2, 1)
+    >>> max_in_flight(one_f_one_b(3, 8)), max_in_flight(wpipe(4, 4))
+    ((3, 2, 1), (4, 3, 2, 1))
     """
-    held, peak = [0] * schedule.num_stages, [0] * schedule.num_stages
+    periods = Periods.of(schedule.programs)
+    held = [len(periods.carried_on(stage)) for stage in range(schedule.num_stages)]
+    peak = list(held)
     for program in schedule.programs:
         for action in program:
             if action.kind is ActionKind.F:
@@ -289,7 +344,8 @@ def swapped_resident(schedule: Schedule) -> tuple[int, ...]:
 def in_flight_profiles(schedule: Schedule) -> tuple[tuple[tuple[int, ...], ...], ...]:
     """Per slot, the in-flight counts that can be its activation peak: one vector per candidate moment,
     holding per stage of the slot (in ``layout.stages_on_slot`` order) the micro-batches between
-    their F and their B, only vectors that no other one covers.
+    their F and their B (those carried into the step count from its start), only vectors that no
+    other one covers.
 
     A rank's peak activation bytes is the largest ``sum(held * activation_bytes)`` over its slot's
     vectors, whatever the stages' sizes (one memory row per vector keeps that linear).
@@ -297,13 +353,14 @@ def in_flight_profiles(schedule: Schedule) -> tuple[tuple[tuple[int, ...], ...],
     >>> in_flight_profiles(interleaved_one_f_one_b(4, 2))
     (((2, 2),), ((2, 2),))
     """
-    return tuple(_slot_profiles(program, schedule.layout.stages_on_slot(slot))
+    periods = Periods.of(schedule.programs)
+    return tuple(_slot_profiles(program, schedule.layout.stages_on_slot(slot), periods)
                  for slot, program in enumerate(schedule.programs))
 
 
-def _slot_profiles(program: Program, stages: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
-    held = dict.fromkeys(stages, 0)
-    moments: list[tuple[int, ...]] = []
+def _slot_profiles(program: Program, stages: tuple[int, ...], periods: Periods) -> tuple[tuple[int, ...], ...]:
+    held = {stage: len(periods.carried_on(stage)) for stage in stages}
+    moments: list[tuple[int, ...]] = [tuple(held.values())]
     for action in program:
         if action.kind is ActionKind.F:
             held[action.stage] += 1

@@ -19,15 +19,21 @@ Ordering rule (why lowered programs cannot deadlock or mismatch):
 * Hence each channel's send order equals its receive order, and a receive waits only on
   computes the compute schedule already orders before it: if the compute schedule is free of
   cycles, so is the lowered one.
+* Programs that run forwards ahead into the next step (planner/schedules/periods.py): a value goes
+  in the step of the F that consumes it. An ahead F's output for a consumer that does not run ahead
+  is sent in the next step, as a carried value, which a program makes available at its start (it
+  was produced in the previous step), in the same consumption order.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from planner.plan.layout import Layout
 from planner.schedules.actions import Action, ActionKind, Program, Programs, matching_send
+from planner.schedules.periods import Periods
 
 Edge = tuple[int, int]
 Channel = tuple[int, int]  # (src slot, dst slot)
@@ -51,7 +57,9 @@ def lower(compute_programs: Programs, layout: Layout, edges: Iterable[Edge]) -> 
     cross_edges = _cross_slot_edges(edges, layout)
     with_receives = tuple(_insert_receives(program, cross_edges) for program in compute_programs)
     consumption = _consumption_order(with_receives, layout)
-    return tuple(_insert_sends(slot, program, layout, cross_edges, consumption)
+    sends = _Sends(cross_edges, Periods.of(compute_programs),
+                   frozenset((a.stage, a.microbatch) for p in compute_programs for a in p if a.kind is ActionKind.F))
+    return tuple(_insert_sends(slot, program, layout, sends, consumption)
                  + _epilogue(layout, slot)
                  for slot, program in enumerate(with_receives))
 
@@ -86,14 +94,33 @@ def _receives_before(action: Action, cross_edges: frozenset[Edge]) -> Program:
     return ()
 
 
-def _sends_after(action: Action, cross_edges: frozenset[Edge]) -> Program:
-    if action.kind is ActionKind.F:
-        consumers = sorted(dst for src, dst in cross_edges if src == action.stage)
-        return tuple(Action(action.stage, ActionKind.SEND_F, action.microbatch, peer=dst) for dst in consumers)
-    if action.kind.computes_input_grads:
-        sources = sorted(src for src, dst in cross_edges if dst == action.stage)
-        return tuple(Action(action.stage, ActionKind.SEND_B, action.microbatch, peer=src) for src in sources)
-    return ()
+@dataclass(frozen=True)
+class _Sends:
+    """Which sends a compute action produces in this step, and which values a step inherits to send."""
+
+    cross_edges: frozenset[Edge]
+    periods: Periods
+    forwards: frozenset[tuple[int, int | None]]  # (stage, micro-batch) of every F in the programs
+
+    def after(self, action: Action) -> Program:
+        """The sends the action's output makes in this step: an activation to each consumer whose F
+        runs in this step, a gradient to each producer."""
+        if action.kind is ActionKind.F:
+            consumers = sorted(dst for src, dst in self.cross_edges if src == action.stage
+                               and (dst, action.microbatch) in self.forwards)
+            return tuple(Action(action.stage, ActionKind.SEND_F, action.microbatch, peer=dst) for dst in consumers)
+        if action.kind.computes_input_grads:
+            sources = sorted(src for src, dst in self.cross_edges if dst == action.stage)
+            return tuple(Action(action.stage, ActionKind.SEND_B, action.microbatch, peer=src) for src in sources)
+        return ()
+
+    def carried(self, slot: int, layout: Layout) -> Program:
+        """The activations this slot's stages produced in the previous step (carried forwards) for
+        consumers whose F runs in this step."""
+        return tuple(Action(src, ActionKind.SEND_F, microbatch, peer=dst)
+                     for src in layout.stages_on_slot(slot) for microbatch in self.periods.carried_on(src)
+                     for dst in sorted(d for s, d in self.cross_edges if s == src)
+                     if (dst, microbatch) in self.forwards)
 
 
 def _insert_receives(program: Program, cross_edges: frozenset[Edge]) -> Program:
@@ -111,14 +138,15 @@ def _consumption_order(programs: Programs, layout: Layout) -> dict[Channel, tupl
     return {channel: tuple(sends) for channel, sends in order.items()}
 
 
-def _insert_sends(slot: int, program: Program, layout: Layout, cross_edges: frozenset[Edge],
+def _insert_sends(slot: int, program: Program, layout: Layout, sends: _Sends,
                   consumption: dict[Channel, tuple[Action, ...]]) -> Program:
     waiting = {channel: deque(sends) for channel, sends in sorted(consumption.items()) if channel[0] == slot}
-    produced: list[Action] = []
+    produced: list[Action] = list(sends.carried(slot, layout))
     lowered: list[Action] = []
-    for action in program:
-        lowered.append(action)
-        produced.extend(_sends_after(action, cross_edges))
+    for action in (None, *program):
+        if action is not None:
+            lowered.append(action)
+            produced.extend(sends.after(action))
         for queue in waiting.values():
             while queue and queue[0] in produced:
                 lowered.append(queue.popleft())

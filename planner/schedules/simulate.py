@@ -12,7 +12,9 @@ A message between stages of different slots travels from every rank of the sende
 of the receiver (spatial tiles join and split), each at the edge's cost, and the receive waits
 for all of them. Memory per rank is the static bytes of its stages plus ``activation_bytes`` for
 each micro-batch from the start of its F to the end of its B (or W: the weight gradient reads the
-saved inputs, so a split backward frees the micro-batch only after both halves).
+saved inputs, so a split backward frees the micro-batch only after both halves). A micro-batch whose F
+ran in the previous step (a carried forward, planner/schedules/periods.py) is held from the step's
+start; one whose F runs ahead for the next step, until its end.
 
 Swaps: a stage that swaps copies ``swap_bytes`` per micro-batch to the host, starting with its F,
 on the rank's device-to-host copy engine (one copy at a time, ``swap_ms`` each); ``SWAP_OUT``
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 
 from planner.plan.layout import Layout
 from planner.schedules.actions import Action, ActionKind, Programs, matching_send
+from planner.schedules.periods import Periods
 from planner.schedules.replay import replay, stuck_ranks
 from planner.schedules.validate import ScheduleError
 
@@ -106,7 +109,7 @@ def simulate(programs: Programs, layout: Layout, costs: SimCosts) -> SimResult:
         raise ValueError(f"costs give {len(costs.stages)} stages but the layout has {layout.num_stages}")
     if len(programs) != layout.world_size:
         raise ValueError(f"got {len(programs)} programs for {layout.world_size} ranks")
-    state = _Clocks(layout, costs)
+    state = _Clocks(layout, costs, Periods.of(programs))
     positions = replay(programs, state.try_step)
     stuck = stuck_ranks(programs, positions)
     if stuck:
@@ -122,6 +125,7 @@ class _Clocks:
 
     layout: Layout
     costs: SimCosts
+    periods: Periods
     clock_ms: list[float] = field(default_factory=list)
     busy_ms: list[float] = field(default_factory=list)
     memory: list[list[tuple[float, int]]] = field(default_factory=list)
@@ -135,7 +139,12 @@ class _Clocks:
         ranks = range(self.layout.world_size)
         self.clock_ms = [0.0 for _ in ranks]
         self.busy_ms = [0.0 for _ in ranks]
-        self.memory = [[] for _ in ranks]  # (time, change) after the static bytes
+        self.memory = [[(0.0, self._activation_bytes(stage)) for stage in self.layout.stages_of_rank(rank)
+                        for _ in self.periods.carried_on(stage)] for rank in ranks]  # (time, change) after static
+
+    def _activation_bytes(self, stage: int) -> int:
+        """What a stage holds for one micro-batch from its F until its backward ends."""
+        return self.costs.stages[stage].activation_bytes + self.costs.stages[stage].swap_bytes
 
     def _static_bytes(self, rank: int) -> int:
         return sum(self.costs.stages[stage].static_bytes for stage in self.layout.stages_of_rank(rank))
@@ -180,7 +189,7 @@ class _Clocks:
             start = max(start, self.copied_ms.get((rank, "in", action.stage, action.microbatch), start))
         end = start + self._duration_ms(action)
         self.clock_ms[rank] = end
-        activation = stage.activation_bytes + stage.swap_bytes
+        activation = self._activation_bytes(action.stage)
         if action.kind is ActionKind.F:
             self._change_memory(rank, start, activation)
             if stage.swap_bytes:

@@ -30,7 +30,7 @@ def chrome_trace(result: SimResult, *, rank_names: Sequence[str] | None = None) 
     >>> from planner.schedules.simulate import SimEvent, SimResult
     >>> one = SimResult(2.0, 0.0, (2.0,), (5,), (((0.0, 5),),), (SimEvent(0, "0F0", 0.0, 2.0, "compute"),))
     >>> [event["ph"] for event in chrome_trace(one)["traceEvents"]]
-    ['M', 'M', 'M', 'X', 'C']
+    ['M', 'M', 'M', 'M', 'X', 'C']
     """
     names = _rank_names(result, rank_names)
     events: list[dict[str, Any]] = []

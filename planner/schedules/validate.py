@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from cost_models.errors import TesseraError
 from planner.plan.layout import Layout
 from planner.schedules.actions import Action, ActionKind, Programs, matching_recv, matching_send
+from planner.schedules.periods import Periods
 from planner.schedules.replay import replay, stuck_ranks
 
 Cell = tuple[int, int]  # (rank, step)
@@ -80,7 +81,9 @@ def validate(programs: Programs, layout: Layout, *, edges: Iterable[tuple[int, i
     Checks: every action on a rank that runs its stage; every micro-batch through every part once
     (on one model copy's stage), with one F and one B (or one I and one W) on every rank of that stage; every B or I after its F, every W after its I; sends after the compute that produced them,
     receives before the compute that needs them; every send received in order and every receive
-    sent; no deadlock; the all-reduce and optimizer step after all of a stage's backwards. With
+    sent; no deadlock; the all-reduce and optimizer step after all of a stage's backwards. Programs
+    that run forwards ahead into the next step are read by planner/schedules/periods.py's rule (a
+    carried F counts as run before the step starts; an ahead F needs no backward in it). With
     ``edges`` (as given to ``lower``), also that exactly the communication those edges need is present.
 
     >>> from planner.schedules.generate import one_f_one_b
@@ -90,8 +93,9 @@ def validate(programs: Programs, layout: Layout, *, edges: Iterable[tuple[int, i
     """
     _check_placement(programs, layout)
     _check_once_per_stage(programs)
-    microbatches = _check_coverage(programs, layout)
-    _Replay(programs, layout, {stage: len(runs) for stage, runs in microbatches.items()}).run()
+    periods = Periods.of(programs)
+    microbatches = _check_coverage(programs, layout, periods)
+    _Replay(programs, layout, {stage: len(runs) for stage, runs in microbatches.items()}, periods).run()
     if edges is not None:
         _check_edges(programs, layout, edges, microbatches)
 
@@ -117,19 +121,29 @@ def _ranks_text(layout: Layout, stage: int) -> str:
                      for rank in layout.ranks_of(stage, replica))
 
 
-def _check_coverage(programs: Programs, layout: Layout) -> dict[int, tuple[int, ...]]:
+def _check_coverage(programs: Programs, layout: Layout, periods: Periods) -> dict[int, tuple[int, ...]]:
     """Every micro-batch 0..M-1 runs every part once, on one model copy's stage; a stage runs the same
-    micro-batches on all its ranks, each with one F and one backward (a B, or its halves I and W);
-    returns each stage's micro-batches."""
+    micro-batches on all its ranks, each with one F (or a carried one) and one backward (a B, or its
+    halves I and W); returns each stage's micro-batches."""
     where: dict[tuple[int, ActionKind, int, int], list[Cell]] = {}
     runs: dict[tuple[int, int], set[int]] = {}  # (rank, stage) -> its micro-batches
+    num_microbatches = periods.num_microbatches
     for rank, program in enumerate(programs):
         for step, action in enumerate(program):
             if action.kind in _COMPUTE:
                 assert action.microbatch is not None
                 where.setdefault((rank, action.kind, action.stage, action.microbatch), []).append((rank, step))
-                runs.setdefault((rank, action.stage), set()).add(action.microbatch)
-    num_microbatches = 1 + max((microbatch for *_, microbatch in where), default=-1)
+                if not periods.is_ahead(action):
+                    runs.setdefault((rank, action.stage), set()).add(action.microbatch)
+                elif action.microbatch >= 2 * num_microbatches:
+                    raise ScheduleError(f"{action} runs more than one step ahead: the next step's micro-batch j "
+                                        f"is {num_microbatches} + j, j < {num_microbatches}", programs, [(rank, step)])
+                elif (rank, ActionKind.F, action.stage, action.microbatch - num_microbatches) in where:
+                    raise ScheduleError(f"{action} runs ahead for the next step, so micro-batch "
+                                        f"{action.microbatch - num_microbatches}'s F on stage {action.stage} ran in "
+                                        f"the previous step; it cannot run again in this one", programs,
+                                        [(rank, step), *where[rank, ActionKind.F, action.stage,
+                                                                action.microbatch - num_microbatches]])
     for (rank, kind, stage, microbatch), cells in sorted(where.items()):
         if len(cells) > 1:
             raise ScheduleError(f"duplicated {kind.value}: stage {stage} micro-batch {microbatch} appears "
@@ -144,7 +158,7 @@ def _check_coverage(programs: Programs, layout: Layout) -> dict[int, tuple[int, 
                                     f"{sorted(theirs)} on rank {first}; every rank of a stage runs the same",
                                     programs)
             for microbatch in sorted(mine):
-                _check_one_backward(programs, where, rank, stage, microbatch)
+                _check_one_backward(programs, where, rank, stage, microbatch, periods.carried(stage, microbatch))
     for part in range(layout.num_parts):
         for microbatch in range(num_microbatches):
             stages = [stage for stage in layout.stages_of_part(part) if microbatch in stage_runs[stage][1]]
@@ -156,15 +170,16 @@ def _check_coverage(programs: Programs, layout: Layout) -> dict[int, tuple[int, 
 
 
 def _check_one_backward(programs: Programs, where: dict[tuple[int, ActionKind, int, int], list[Cell]],
-                        rank: int, stage: int, microbatch: int) -> None:
-    """One F and either a B or both I and W for the micro-batch on that rank."""
+                        rank: int, stage: int, microbatch: int, carried: bool) -> None:
+    """One F (unless it was carried from the previous step) and either a B or both I and W for the
+    micro-batch on that rank."""
     split = {kind for kind in (ActionKind.I, ActionKind.W) if (rank, kind, stage, microbatch) in where}
     if split and (rank, ActionKind.B, stage, microbatch) in where:
         raise ScheduleError(f"stage {stage} micro-batch {microbatch} has a B and its halves "
                             f"{'/'.join(sorted(k.value for k in split))} on rank {rank}; give either B or "
                             f"both I and W", programs, where[rank, ActionKind.B, stage, microbatch])
     for kind in (ActionKind.F, ActionKind.I, ActionKind.W) if split else (ActionKind.F, ActionKind.B):
-        if (rank, kind, stage, microbatch) not in where:
+        if (rank, kind, stage, microbatch) not in where and not (kind is ActionKind.F and carried):
             raise ScheduleError(f"missing {kind.value}: rank {rank} runs stage {stage} but has no "
                                 f"{kind.value} for micro-batch {microbatch}", programs)
 
@@ -189,9 +204,14 @@ class _Replay:
     programs: Programs
     layout: Layout
     stage_microbatches: dict[int, int]  # stage -> how many micro-batches it runs
+    periods: Periods
     done: set[tuple[int, ActionKind, int, int]] = field(default_factory=set)  # rank, kind, stage, micro
     backwards_done: Counter[tuple[int, int]] = field(default_factory=Counter)  # (rank, stage)
     channels: dict[tuple[int, int], deque[tuple[Action, Cell]]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.done.update((rank, ActionKind.F, stage, microbatch) for rank in range(len(self.programs))
+                         for stage in self.layout.stages_of_rank(rank) for microbatch in self.periods.carried_on(stage))
 
     def run(self) -> None:
         positions = replay(self.programs, self._try_step)
@@ -273,13 +293,19 @@ def _check_edges(programs: Programs, layout: Layout, edges: Iterable[tuple[int, 
                  microbatches: dict[int, tuple[int, ...]]) -> None:
     """Every rank of an edge's sender and receiver has exactly the sends and receives the edge needs."""
     expected: Counter[tuple[int, Action]] = Counter()
+    forwards: dict[int, set[int]] = {}  # stage -> the micro-batches of its F's in this step (ahead ones too)
+    for program in programs:
+        for action in program:
+            if action.kind is ActionKind.F:
+                assert action.microbatch is not None
+                forwards.setdefault(action.stage, set()).add(action.microbatch)
     for src, dst in edges:
         if layout.slot(src) == layout.slot(dst):
             continue
-        for microbatch in microbatches[src]:
-            forward = Action(src, ActionKind.SEND_F, microbatch, peer=dst)
-            backward = Action(dst, ActionKind.SEND_B, microbatch, peer=src)
-            for action in (forward, matching_recv(forward), backward, matching_recv(backward)):
+        messages = [Action(src, ActionKind.SEND_F, microbatch, peer=dst) for microbatch in sorted(forwards.get(dst, ()))]
+        messages += [Action(dst, ActionKind.SEND_B, microbatch, peer=src) for microbatch in microbatches[src]]
+        for send in messages:
+            for action in (send, matching_recv(send)):
                 for replica in range(layout.data_parallel):
                     expected.update((rank, action) for rank in layout.ranks_of(action.stage, replica))
     present = Counter((rank, action) for rank, program in enumerate(programs) for action in program

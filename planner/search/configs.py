@@ -137,7 +137,8 @@ def _family_message(space: SearchSpace) -> str:
                                             "them (and 2+ units per rank)",
              ScheduleKind.GEMS_MASTER: f"an even number (2+) of pipeline ranks and an even micro-batch count "
                                        f"of at most {GEMS_MAX_ROUNDS} per rank",
-             ScheduleKind.ZB_H1: "2+ pipeline ranks"}
+             ScheduleKind.ZB_H1: "2+ pipeline ranks",
+             ScheduleKind.WPIPE: "2+ pipeline ranks and fp32 or fp64 weights (it keeps no fp32 masters yet)"}
     said = "; ".join(f"{kind.value} needs {needs[kind]}" for kind in space.schedules if kind in needs)
     return (f"no configuration of schedules {[kind.value for kind in space.schedules]} fits {space.gpus} GPUs and "
             f"batch size {space.global_batch_size}: {said}; change the micro-batch sizes or the batch size, "
@@ -168,8 +169,9 @@ def _micro_batchings(space: SearchSpace, stages: int, replicas: int,
     modes = (ON_GPU,) if spatial else state_modes(space.offload, replicas > 1)  # tiles keep their state
     return [Config(stages * virtual, replicas, micro, per_replica // micro, schedule, state, spatial, virtual)
             for micro in sizes if per_replica % micro == 0 for schedule in space.schedules
+            if not (schedule.stale_weights and space.precision.master_weights)
             for virtual in _family_shapes(schedule, stages, per_replica // micro, bool(spatial))
-            for state in modes]
+            for state in ((ON_GPU,) if schedule.stale_weights else modes)]
 
 
 def _family_shapes(schedule: ScheduleKind, ranks: int, num_microbatches: int, spatial: bool) -> tuple[int, ...]:
@@ -184,6 +186,8 @@ def _family_shapes(schedule: ScheduleKind, ranks: int, num_microbatches: int, sp
     if schedule is ScheduleKind.GEMS_MASTER:
         fills = num_microbatches <= GEMS_MAX_ROUNDS * ranks
         return (1,) if ranks % 2 == 0 and num_microbatches % 2 == 0 and fills else ()
+    if schedule is ScheduleKind.WPIPE:
+        return (2,)  # two groups of parts, one part of each per rank
     return (1,)  # zb-h1
 
 

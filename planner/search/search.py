@@ -193,7 +193,10 @@ class Search:
         decided = None
         if {Offload.RECOMPUTE, Offload.SWAP} & self.space.offload:
             tiers = memory_tiers(self.device, self.space, config.state, activations=True)
-            decided = dataclasses.replace(problem, tiers=tiers)
+            if config.schedule.stale_weights:  # WPipe carries micro-batches across steps: it does not swap yet
+                tiers = dataclasses.replace(tiers, swap=False)
+            if tiers.recompute or tiers.swap:
+                decided = dataclasses.replace(problem, tiers=tiers)
         setup = Setup(config, schedule, problem, cost_model(problem), units, table, decided)
         if coarse is None:
             self._setups[config] = setup

@@ -42,6 +42,7 @@ import numpy as np
 
 from planner.plan.kinds import ScheduleKind
 from planner.plan.parts import StateTier
+from planner.schedules.generate import STASHED_WEIGHT_VERSIONS
 from planner.search.problem import MemoryTiers, PipelineProblem, SpatialPart, StateMode, Unit, block_of
 
 
@@ -367,7 +368,8 @@ def _state_terms(problem: PipelineProblem, copies: int) -> dict[str, Term]:
                     per_shared=tuple(float(value(p)) for p in shared))
 
     terms = _mode_terms(problem.tiers, problem.tiers.state, copies, per_parameter)
-    return dict(zip(("state_bytes", "host_bytes", "nvme_bytes", "optimizer_ms"), terms))
+    return {**dict(zip(("state_bytes", "host_bytes", "nvme_bytes", "optimizer_ms"), terms)),
+            "weight_bytes": per_parameter(lambda a: a.weight_bytes)}
 
 
 def _mode_terms(tiers: MemoryTiers, mode: StateMode, copies: int,
@@ -411,6 +413,8 @@ def _part_terms(problem: PipelineProblem, part: int, shared: dict[str, Term],
     if "untileable_bytes" in shared:
         working = working.plus(shared["untileable_bytes"])
     terms["static_bytes"] = state["state_bytes"].plus(working)  # + one send buffer
+    if part in problem.schedule.stale_parts(problem.num_parts):  # WPipe's stashed weight versions
+        terms["static_bytes"] = terms["static_bytes"].plus(state["weight_bytes"], float(STASHED_WEIGHT_VERSIONS))
     terms.update({name: state[name] for name in ("host_bytes", "nvme_bytes", "optimizer_ms")})
     terms["activation_bytes"] = shared["saved_bytes" if is_first else "activation_bytes"]  # + received inputs
     terms["send_ms"] = Term(ends_after=() if is_last else tuple(problem.links[part].ms(b) for b in boundary))

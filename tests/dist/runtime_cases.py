@@ -128,9 +128,11 @@ def _executor(plan_json: str, case: Case, grads: dict[int, torch.Tensor]) -> tup
 
 def _train(exe: Executor, data: SyntheticData, steps: range) -> list[float]:
     losses = []
-    for step in steps:  # the user's API: the whole global batch on every rank
-        batch = data.samples(step, 0, exe.plan.training.global_batch_size)
-        losses.append(exe.step(batch.inputs, batch.targets))
+    size = exe.plan.training.global_batch_size
+    for step in steps:  # the user's API: the whole global batch on every rank (and the next one's inputs)
+        batch = data.samples(step, 0, size)
+        following = data.samples(step + 1, 0, size).inputs if step + 1 in steps else None
+        losses.append(exe.step(batch.inputs, batch.targets, next_inputs=following))
     return losses
 
 

@@ -17,6 +17,7 @@ import torch
 from cost_models.errors import InvalidArgument, PlanInfeasible
 from examples.models.gpt import gpt_tiny
 from planner import plan
+from planner.api import validate_space
 from planner.plan import Plan
 from planner.plan.kinds import ScheduleKind
 from planner.schedules.balanced import balanced_step, family_step
@@ -57,7 +58,7 @@ def test_split_backwards_and_mirrored_copies_replay_below_one_f_one_b() -> None:
                                                       for v in (2, 3)] + [(ScheduleKind.ZB_H1, r, 1) for r in (2, 3, 5)])
 def test_the_extended_replay_equals_the_full_one(kind: ScheduleKind, ranks: int, virtual: int) -> None:
     """Beyond two rounds of micro-batches the search extends the replay instead of running it."""
-    options = {"virtual_stages": virtual} if virtual > 1 else {}
+    options = {"virtual_stages": virtual} if kind is ScheduleKind.INTERLEAVED_1F1B else {}
     for microbatches in range(2 * ranks, 6 * ranks + 1, ranks):
         full = balanced_step(generate(kind, ranks * virtual, microbatches, **options), 0.3, 0.7, 0.3)
         extended = family_step(kind, ranks * virtual, microbatches, 0.3, 0.7, 0.3, **options)
@@ -86,18 +87,19 @@ def _gpt(**options: object) -> Plan:
 
 @pytest.mark.parametrize("kind", FAMILIES)
 def test_each_family_is_searched_and_its_step_model_is_within_the_slack(kind: ScheduleKind) -> None:
-    result = _gpt(gpus=4, batch_size=8, data_parallel=(1,), schedules=(kind.value,))
+    result = _gpt(gpus=4, batch_size=8, data_parallel=(1,), schedules=(kind.value,),
+                  allow_stale_weights=kind.stale_weights)
     assert result.schedule.kind is kind
     assert result.layout.world_size == 4
     error = abs(result.solver.objective / result.predicted.step_ms - 1)
     assert error <= FAMILY_SLACK, f"{kind.value}: step model {result.solver.objective} vs {result.predicted.step_ms}"
-    if kind is ScheduleKind.INTERLEAVED_1F1B:
+    if kind in (ScheduleKind.INTERLEAVED_1F1B, ScheduleKind.WPIPE):
         assert result.num_stages > 4 and result.num_stages % 4 == 0  # v parts on each of the 4 ranks
 
 
 def test_the_search_picks_a_family_no_slower_than_each_one_alone_and_names_the_runner_up() -> None:
     alone = {kind: _gpt(gpus=4, batch_size=8, data_parallel=(1,), schedules=(kind.value,)).predicted.step_ms
-             for kind in ScheduleKind}
+             for kind in ScheduleKind if not kind.stale_weights}
     picked = _gpt(gpus=4, batch_size=8, data_parallel=(1,))
     assert picked.predicted.step_ms <= min(alone.values()) * (1 + 1e-9), (picked.schedule.kind, alone)
     runner = picked.solver.runner_up
@@ -111,8 +113,24 @@ def test_a_micro_batch_count_the_family_cannot_use_names_what_it_needs() -> None
         _gpt(gpus=2, batch_size=6, micro_batch_sizes=(2,), data_parallel=(1,), schedules=("gems-master",))
     with pytest.raises(InvalidArgument, match=r"interleaved-1f1b needs 2\+ pipeline ranks and a micro-batch count"):
         _gpt(gpus=4, batch_size=6, micro_batch_sizes=(2,), data_parallel=(1,), schedules=("interleaved-1f1b",))
-    with pytest.raises(InvalidArgument, match=r"schedules \['wpipe'\] not supported; choose from"):
+    with pytest.raises(InvalidArgument, match=r"schedules \['pipedream-2bw'\] not supported; choose from 1f1b, "):
+        _gpt(gpus=2, batch_size=4, schedules=("pipedream-2bw",))
+
+
+def test_wpipe_needs_stale_weights_allowed_and_is_searched_by_default_only_then() -> None:
+    with pytest.raises(InvalidArgument, match=r"schedule 'wpipe' trains the first half .* allow_stale_weights=True "
+                                              r"\(--allow-stale-weights\), or choose a synchronous schedule: gpipe"):
         _gpt(gpus=2, batch_size=4, schedules=("wpipe",))
+    assert ScheduleKind.WPIPE not in validate_space(4, "16GB", 8, "V100-16GB", None, "adam", "fp32", None, None,
+                                                    60.0)[0].schedules
+    allowed = validate_space(4, "16GB", 8, "V100-16GB", None, "adam", "fp32", None, None, 60.0,
+                             allow_stale_weights=True)[0]
+    assert set(allowed.schedules) == set(ScheduleKind)
+    stale = _gpt(gpus=4, batch_size=8, data_parallel=(1,), schedules=("wpipe",), allow_stale_weights=True)
+    assert "stale weights (wpipe, allowed by allow_stale_weights): stages 0-3 compute" in str(stale)
+    with pytest.raises(InvalidArgument, match=r"wpipe needs 2\+ pipeline ranks and fp32 or fp64 weights"):
+        _gpt(gpus=4, batch_size=8, data_parallel=(1,), schedules=("wpipe",), allow_stale_weights=True,
+             precision="fp16")
 
 
 def test_generate_rejects_counts_a_family_cannot_use() -> None:
@@ -126,7 +144,7 @@ def test_under_a_tight_budget_every_rank_of_a_family_plan_fits_as_simulated(kind
     """The ILP's memory rows hold each rank's peak as the simulator replays it: the stages of a rank added
     up, and for ZB-H1 the swapped activations of micro-batches whose W waits (swapped_resident)."""
     common = dict(gpus=4, batch_size=16, micro_batch_sizes=(2,), data_parallel=(1,), schedules=(kind.value,),
-                  reserve=0)
+                  reserve=0, allow_stale_weights=kind.stale_weights)
     with pytest.raises(PlanInfeasible) as nothing_fits:
         _gpt(offload=False, mem=1, **common)
     need = nothing_fits.value.min_mem_bytes  # what keeping every activation needs (shared ranks: on even cuts)

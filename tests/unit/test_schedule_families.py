@@ -23,7 +23,8 @@ from planner.schedules import (
     simulate,
     validate,
 )
-from planner.schedules.generate import Schedule, gems_master, interleaved_one_f_one_b, zb_h1
+from planner.schedules.generate import Schedule, gems_master, interleaved_one_f_one_b, wpipe, zb_h1
+from planner.schedules.periods import Periods
 
 STATIC = 50_000
 
@@ -202,7 +203,7 @@ def test_a_microbatch_through_a_part_twice_is_refused() -> None:
 @pytest.mark.parametrize("schedule", [
     generate("gpipe", 3, 4), generate("1f1b", 4, 6), interleaved_one_f_one_b(4, 4), zb_h1(4, 6),
     gems_master(2, 4), gems_master(4, 8),
-    interleaved_one_f_one_b(8, 8), interleaved_one_f_one_b(9, 6, virtual_stages=3)])
+    interleaved_one_f_one_b(8, 8), interleaved_one_f_one_b(9, 6, virtual_stages=3), wpipe(4, 4), wpipe(6, 5)])
 def test_in_flight_profiles_give_every_ranks_simulated_peak(schedule: Schedule) -> None:
     rng = random.Random(schedule.num_stages * 100 + schedule.num_microbatches)
     for _ in range(5):
@@ -220,6 +221,77 @@ def test_in_flight_profiles_give_every_ranks_simulated_peak(schedule: Schedule) 
     for slot, vectors in enumerate(in_flight_profiles(schedule)):
         stages = schedule.layout.stages_on_slot(slot)
         assert [max(vector[i] for vector in vectors) for i in range(len(stages))] == [per_stage[s] for s in stages]
+
+
+# WPipe, 2 ranks x 2 groups, M=4, by hand from the rule: stage 0 (group 1) alternates B j with F j + 4 (all
+# of its forwards run ahead: 4, 5, 6, 7 are the next step's 0..3), stage 1 with F j + 3 (F3 is this step's,
+# 4..6 the next one's), stages 2 and 3 (group 2) run 1F1B in a 4-stage pipeline; each slot merges its
+# two stages as a replay with F = 1, B = 2 starts them (ties: this step's work first, then a B, then the
+# lower stage): e.g. slot 1 at t = 7 runs 1B0 (ready at 7, tied with 3F2) and then 1F3 (carried input) at 9.
+WPIPE_4x4 = (
+    "2F0 2F1 2B0 2F2 2B1 0B0 2F3 0F4 0B1 2B2 0F5 2B3 0B2 0F6 0B3 0F7",
+    "3F0 3B0 3F1 3B1 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1F4 1B2 1F5 1B3 1F6",
+)
+
+
+def test_wpipe_programs_equal_a_literal_table_and_run_ahead_one_step() -> None:
+    schedule = wpipe(4, 4)
+    assert format_programs(schedule.programs) == _rows(WPIPE_4x4)
+    periods = Periods.of(schedule.programs)
+    assert periods.num_microbatches == 4
+    assert periods.carried_on(0) == (0, 1, 2, 3) and periods.carried_on(1) == (0, 1, 2)
+    assert periods.carried_on(2) == periods.carried_on(3) == ()  # the second group flushes every step
+    assert max_in_flight(schedule) == (4, 3, 2, 1)
+
+
+@pytest.mark.parametrize(("num_stages", "num_microbatches"), [(2, 1), (2, 3), (4, 2), (4, 8), (6, 6), (8, 16), (8, 3)])
+def test_wpipe_validates_with_skips_and_its_memory_starts_with_the_carried_micro_batches(
+        num_stages: int, num_microbatches: int) -> None:
+    schedule = wpipe(num_stages, num_microbatches)
+    stage = StageCosts(1.0, 2.0, 1, 0)
+    result = _simulate(schedule, (stage,) * num_stages)
+    ranks = num_stages // 2
+    assert result.busy_ms == (num_microbatches * 2 * 3.0,) * ranks
+    periods = Periods.of(schedule.programs)
+    for rank, timeline in enumerate(result.memory_timeline):
+        carried = sum(len(periods.carried_on(stage)) for stage in schedule.layout.stages_on_slot(rank))
+        assert timeline[-1][1] == carried  # stationary: a step ends holding what the next one inherits
+        assert result.peak_mem_bytes[rank] >= carried > 0  # held from the start (each rank has a first-group stage)
+
+
+def test_wpipe_lowering_sends_carried_values_at_the_start_and_ahead_ones_within_the_first_group() -> None:
+    schedule = wpipe(4, 4)
+    edges = {(0, 1), (1, 2), (2, 3), (0, 3)}  # (0, 3): a skip from the first group into the second
+    lowered = [[str(a) for a in program] for program in lower(schedule.programs, schedule.layout, edges)]
+    # stage 1 (slot 1) carries micro-batches 0..2 from the last step: their activations leave first, as slot 0
+    # takes them (the third after 3SEND_B0>2 on the same channel); micro-batch 3's leaves after its F
+    assert lowered[1][:2] == ["1SEND_F0>2", "1SEND_F1>2"]
+    assert lowered[1].index("3SEND_B0>2") < lowered[1].index("1SEND_F2>2") < lowered[1].index("1F3")
+    assert lowered[1].index("1F3") < lowered[1].index("1SEND_F3>2")
+    # stage 0's carried skip values to stage 3 go at slot 0's start too; ahead ones stay for the next step
+    assert [a for a in lowered[0] if a.startswith("0SEND_F") and a.endswith(">3")] == [
+        "0SEND_F0>3", "0SEND_F1>3", "0SEND_F2>3", "0SEND_F3>3"]
+    assert "0SEND_F4>1" in lowered[0] and "1RECV_F4<0" in lowered[1]  # ahead, within the first group
+    validate(schedule.layout.rank_programs(lower(schedule.programs, schedule.layout, edges)), schedule.layout,
+             edges=edges)
+
+
+def test_programs_that_run_ahead_wrongly_are_refused() -> None:
+    layout = Layout.pipeline(1)
+    two_ahead = (tuple(Action.parse(a) for a in ("0B0", "0F1", "0B1", "0F4")),)
+    with pytest.raises(ScheduleError, match=r"runs more than one step ahead"):
+        validate(two_ahead, layout)
+    again = (tuple(Action.parse(a) for a in ("0F0", "0B0", "0F1", "0B1", "0F2")),)  # F0 carried and run
+    with pytest.raises(ScheduleError, match=r"micro-batch 0's F on stage 0 ran in the previous step"):
+        validate(again, layout)
+    missing = (tuple(Action.parse(a) for a in ("0B0", "0F1", "0B1")),)  # nothing runs ahead: F0 is missing
+    with pytest.raises(ScheduleError, match=r"missing F: rank 0 runs stage 0 but has no F for micro-batch 0"):
+        validate(missing, layout)
+
+
+def test_wpipe_needs_an_even_part_count() -> None:
+    with pytest.raises(ValueError, match=r"wpipe splits the parts into two groups .* got 3; valid: 2, 4, 6"):
+        wpipe(3, 4)
 
 
 def _tiny_plan(schedule: str, stages: int):  # noqa: ANN202 - a Plan
