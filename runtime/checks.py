@@ -47,6 +47,7 @@ def check_executable(plan: Plan) -> None:
         raise RuntimeSetupError(f"the plan runs {layout.num_copies} model copies with spatial stages, which this "
                                 f"runtime does not execute together yet; re-plan without spatial stages")
     split = any(action.kind is ActionKind.W for program in programs(plan) for action in program)
+    _check_stale(plan)
     for stage in plan.stages:
         _check_offload(stage.index, stage.offload)
         if split and stage.offload.zero_stage == 3:
@@ -55,6 +56,21 @@ def check_executable(plan: Plan) -> None:
                                     f"re-plan with ZeRO 0-2 there or another schedule")
         if stage.spatial is not None:
             _check_spatial(plan, stage.index)
+
+
+def _check_stale(plan: Plan) -> None:
+    """Stages on stashed weight versions (WPipe's first group, runtime/stale.py) keep their model state whole
+    on the GPU in the training dtype, and recompute as their only memory decision."""
+    kind = plan.schedule.kind
+    stale = kind.stale_parts(plan.layout.num_parts)
+    if stale and plan.model.precision.master_weights:
+        raise RuntimeSetupError(f"the {kind.value} plan trains in {plan.model.precision.value} with fp32 master "
+                                f"weights, which this runtime does not stash yet; re-plan in fp32 or fp64")
+    for stage in plan.stages:
+        if stage.index in stale and stage.offload != OffloadSpec(recompute=stage.offload.recompute):
+            raise RuntimeSetupError(f"stage {stage.index} of the {kind.value} plan stashes weight versions and also "
+                                    f"{stage.offload.describe(len(stage.nodes))}, which this runtime does not "
+                                    f"execute together yet; re-plan it (the search keeps such stages on the GPU)")
 
 
 def _check_spatial(plan: Plan, stage: int) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from cost_models.errors import RuntimeSetupError
 from planner.plan import Plan
 from planner.schedules import ActionKind
 from runtime import checkpoint
@@ -42,7 +43,14 @@ class RunOptions:
 
 
 def run(plan: Plan, options: RunOptions, device: torch.device) -> RunReport:
-    """Train the plan's model on synthetic data for ``options.steps`` steps (collective)."""
+    """Train the plan's model on synthetic data for ``options.steps`` steps (collective).
+
+    A plan whose forwards run ahead (WPipe) is given each next step's micro-batches but the last's (it
+    flushes); its memory is measured on the last step that runs ahead."""
+    if options.checkpoint_dir and plan.schedule.kind.stale_weights:
+        raise RuntimeSetupError(f"{plan.schedule.kind.value} plans do not checkpoint yet (a checkpoint would also "
+                                f"need the stashed weight version of the first group); run without "
+                                f"--checkpoint-dir, or re-plan without --allow-stale-weights")
     start = _resume_step(plan, options)
     model = rebuild_model(plan, Path.cwd())
     executor = Executor(plan, model, _unbound_loss, optimizer_factory(plan.training.optimizer, options.lr),
@@ -55,16 +63,22 @@ def run(plan: Plan, options: RunOptions, device: torch.device) -> RunReport:
     if start:
         assert options.checkpoint_dir is not None
         checkpoint.restore(executor, options.checkpoint_dir, start)
+    crossing = executor.crosses_steps
+    measured = options.steps - 1 - (crossing and options.steps - start >= 2)  # the step whose memory is measured
     step_ms, busy_ms, losses = [], [], []
+    p2p_bytes_sent = 0
     action_ms: list[dict[tuple[int, ActionKind], list[float]]] = []  # per timed step (Executor.action_ms)
     for step in range(start, options.steps):
         if options.fail_at_step == step and executor.rank == options.fail_rank:
             raise RuntimeError(f"injected failure on rank {executor.rank} before step {step} "
                                f"(--fail-at-step)")
-        profiled = device.type == "cpu" and step == options.steps - 1  # memory peak (runtime/memory.py)
+        profiled = device.type == "cpu" and step == measured  # memory peak (runtime/memory.py)
         microbatches = _microbatches(executor, data, step)
+        following = _microbatches(executor, data, step + 1) if crossing and step + 1 < options.steps else None
         began = time.perf_counter()
-        losses.append(executor.run(microbatches, profile_memory=profiled))
+        losses.append(executor.run(microbatches, profile_memory=profiled, next_microbatches=following))
+        if step == measured:
+            p2p_bytes_sent = executor.p2p_bytes_sent  # a steady step's (a flush sends less)
         elapsed_ms = (time.perf_counter() - began) * 1e3
         if not profiled or step == start:  # the profiler slows its step down: not timed
             step_ms.append(elapsed_ms)
@@ -78,7 +92,7 @@ def run(plan: Plan, options: RunOptions, device: torch.device) -> RunReport:
                          fingerprint=plan.model.fingerprint, device=device,
                          global_batch_size=plan.training.global_batch_size, start_step=start,
                          host_swap_bytes=executor.swaps.step_bytes, halo_bytes_sent=executor.halo_bytes_sent,
-                         p2p_bytes_sent=executor.p2p_bytes_sent,
+                         p2p_bytes_sent=p2p_bytes_sent,
                          busy_ms=busy_ms, action_ms=_median_actions(action_ms),
                          optimizer_bytes=(sum(s.host_bytes for s in states), sum(s.nvme_bytes for s in states)))
 

@@ -218,3 +218,15 @@ def test_a_schedule_that_does_not_exist_is_one_line_naming_the_families() -> Non
     last = result.stderr.strip().splitlines()[-1]
     assert result.returncode == 2 and "argument --schedule: invalid choice: 'pipedream'" in last, result.stderr
     assert all(kind.value in last for kind in ScheduleKind), last
+
+
+def test_wpipe_needs_allow_stale_weights_and_the_plan_says_what_is_stale() -> None:
+    refused = _one_error_line(tessera(*TINY, "--mem", "16GB", "--schedule", "wpipe"))
+    assert "schedule 'wpipe' trains the first half of the model's parts on weights one update old" in refused
+    assert "--allow-stale-weights" in refused
+    result = tessera(*TINY, "--mem", "16GB", "--schedule", "wpipe", "--allow-stale-weights")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("plan: 4 stages x 1 data-parallel on 2 x V100-16GB") and ", wpipe, " in lines[0]
+    assert "stale weights (wpipe, allowed by allow_stale_weights): stages 0-1 compute each step on their weights " \
+           "from before the previous update (one update late); stages 2-3 update as usual" in lines

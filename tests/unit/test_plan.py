@@ -113,7 +113,8 @@ def _tiny(**overrides):
     ({"device": "TPU-v9"}, UnknownDevice, "TPU-v9"),
     ({"batch_size": 8, "micro_batch_sizes": (3,)}, InvalidArgument, "batch size 8 cannot be split"),
     ({"batch_size": 0}, InvalidArgument, "batch_size must be"),
-    ({"schedules": ("wpipe",)}, InvalidArgument, "not supported"),
+    ({"schedules": ("pipedream-2bw",)}, InvalidArgument, "not supported"),
+    ({"schedules": ("wpipe",)}, InvalidArgument, "allow_stale_weights=True"),
 ])
 def test_bad_arguments(overrides: dict, error: type, message: str) -> None:
     with pytest.raises(error, match=message):
@@ -394,8 +395,8 @@ def test_infeasible_names_model_state_apart_from_working_memory(resnet_graph) ->
 def test_the_memory_by_kind_adds_up_to_the_stage_peak() -> None:
     from cost_models.devices import get_device
     from planner.api import validate_space
-    from planner.search.infeasible import stage_memory
     from planner.search.configs import configurations
+    from planner.search.infeasible import stage_memory
     from planner.search.oracle import min_peak_partition
     from planner.search.search import Search
 
@@ -430,10 +431,10 @@ def test_the_printed_plan_labels_what_it_shows() -> None:
 def test_configurations_running_the_same_programs_are_searched_once() -> None:
     """With one micro-batch GPipe and 1F1B generate the very same programs: the search keeps the first
     listed; with two they differ and both stay."""
+    from cost_models.devices import get_device
     from planner.api import validate_space
     from planner.search.configs import configurations
     from planner.search.search import Search
-    from cost_models.devices import get_device
 
     graph = trace(gpt_tiny(), torch.empty(1, 32, dtype=torch.long, device="meta"))
     for micro, expected in ((4, {"gpipe"}), (2, {"gpipe", "1f1b"})):
