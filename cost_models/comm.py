@@ -9,7 +9,9 @@ from cost_models.devices import DeviceSpec, LinkSpec
 from cost_models.errors import InvalidArgument
 
 __all__ = [
+    "ALLREDUCE_BUCKET_BYTES",
     "allreduce_link",
+    "overlapped_share",
     "halo_exchange_ms",
     "halo_message_count",
     "hierarchical_allreduce_ms",
@@ -22,6 +24,24 @@ __all__ = [
     "p2p_coefficients",
     "ring_allreduce_coefficients",
 ]
+
+
+ALLREDUCE_BUCKET_BYTES = 25 * 2**20
+"""Gradients of one data-parallel all-reduce launch (DDP's default bucket); the runtime fills buckets in
+backward order (runtime/grads.py)."""
+
+
+def overlapped_share(grad_bytes: float, bucket_bytes: int = ALLREDUCE_BUCKET_BYTES) -> float:
+    """Of an all-reduce of ``grad_bytes`` in buckets filled in backward order, the share in the buckets before
+    the last: those start while the last backward still computes, the last when it ends.
+
+    >>> overlapped_share(10 * 2**20), overlapped_share(60 * 2**20)
+    (0.0, 0.8333333333333334)
+    """
+    if grad_bytes <= bucket_bytes:
+        return 0.0
+    last = grad_bytes % bucket_bytes or bucket_bytes
+    return 1.0 - last / grad_bytes
 
 
 def _alpha_ms(link: LinkSpec) -> float:

@@ -43,7 +43,7 @@ from planner.schedules.periods import Periods
 from runtime.checks import segments as grouped
 from runtime.comm import P2P, Message, wait_for
 from runtime.dataflow import SourceKind
-from runtime.grads import GradientSync
+from runtime.grads import GradientSync, OverlappedReduce
 from runtime.launch import join_group
 from runtime.memory import MemoryTracker
 from runtime.microbatch import Microbatch, Targets, split_batch
@@ -122,6 +122,10 @@ class Executor:
         self._carried: dict[str, dict[tuple[int, int], Any]] | None = None  # left by the last step's ahead forwards
         program = [a for segment in self.segments for a in (segment if isinstance(segment, tuple) else (segment,))]
         self._ahead_segments = grouped([a for a in program if self.periods.is_ahead(a)])
+        self._last_backward = {a.stage: a for a in program if a.kind.ends_backward}  # per stage, in its step
+        self._reducing = {a.stage for a in program if a.kind is ActionKind.ALLREDUCE
+                          and self._overlaps(self.stages[a.stage])}
+        self._overlapped: dict[int, OverlappedReduce] = {}  # started in the stage's last backward
         self._flush_segments = grouped([a for a in program if not self.periods.is_ahead(a)])
         self.memory = MemoryTracker(self.device, self._model_state)
         self.steps_done = 0
@@ -348,6 +352,7 @@ class Executor:
     def _backward(self, action: Action, state: StepState) -> None:
         """B: the micro-batch's whole backward through the stage, then its input gradients out."""
         micro = self._start_backward(action, state)
+        self._start_reduce(action, micro)
         self._run_backward(action, micro, inputs=None)
         self._collect_input_grads(action, micro, state)
         self._end_backward(action, micro, state)
@@ -367,6 +372,7 @@ class Executor:
         assert action.microbatch is not None
         micro = state.micro(action.stage, action.microbatch)
         weights = self.versions.weights(action.stage, state.period_of(action.microbatch))
+        self._start_reduce(action, micro)
         if weights:
             self._run_backward(action, micro, inputs=weights)
         self._end_backward(action, micro, state)
@@ -379,14 +385,20 @@ class Executor:
             stage.state.prefetch()
         return state.micro(action.stage, action.microbatch)  # type: ignore[arg-type]
 
-    def _run_backward(self, action: Action, micro: MicrobatchState, *, inputs: list[torch.Tensor] | None) -> None:
-        """Backpropagate from the roots into ``inputs`` (all leaves when None), keeping the graph for a W."""
+    @staticmethod
+    def _roots(micro: MicrobatchState) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """What the micro-batch's backward starts from: the loss and the outputs whose gradients came back."""
         roots = [micro.loss] if micro.loss is not None else []
         grads: list[torch.Tensor | None] = [None] * len(roots)
         for name, tensor in micro.roots.items():
-            if name in micro.output_grads:  # the loss and the outputs whose gradients came back
+            if name in micro.output_grads:
                 roots.append(tensor)
                 grads.append(micro.output_grads[name])
+        return roots, grads
+
+    def _run_backward(self, action: Action, micro: MicrobatchState, *, inputs: list[torch.Tensor] | None) -> None:
+        """Backpropagate from the roots into ``inputs`` (all leaves when None), keeping the graph for a W."""
+        roots, grads = self._roots(micro)
         if roots:
             with self._params_in_use(self.stages[action.stage]):
                 torch.autograd.backward(roots, grads, inputs=inputs, retain_graph=action.kind is ActionKind.I)
@@ -515,10 +527,32 @@ class Executor:
             _accumulate(grads, name, wire)
 
     # ------------------------------------------------------------- per stage
+    def _overlaps(self, stage: LocalStage) -> bool:
+        """Whether the stage's all-reduce runs during its last backward (StagePrediction.allreduce_overlap
+        says the same to the simulator): not a ZeRO-2/3 reduce-scatter, not on stashed weight versions."""
+        return not (stage.state is not None and stage.state.reduces_gradients) and stage.index not in self.versions.stale_stages
+
+    def _reduced(self, stage: LocalStage) -> list[torch.nn.Parameter]:
+        """The parameters the stage's data-parallel all-reduce sums (tied ones are summed with their copies)."""
+        return [p for name, p in stage.params.items() if name not in self.groups.tied_names]
+
+    def _start_reduce(self, action: Action, micro: MicrobatchState) -> None:
+        """Before the stage's last backward of the step: its all-reduce's buckets start as they fill."""
+        if action.stage in self._reducing and self._last_backward[action.stage] == action:
+            stage = self.stages[action.stage]
+            reduce = OverlappedReduce(self.sync, self._reduced(stage), self.groups.data_parallel[stage.part],
+                                      f"{action.stage}ALLREDUCE")
+            reduce.expect(self._roots(micro)[0])
+            self._overlapped[action.stage] = reduce
+
     def _allreduce(self, action: Action, state: StepState) -> None:
+        started = self._overlapped.pop(action.stage, None)
+        if started is not None:
+            started.wait()
+            return
         self.versions.collect_gradients(action.stage, state.period)
         stage = self.stages[action.stage]
-        params = [p for name, p in stage.params.items() if name not in self.groups.tied_names]
+        params = self._reduced(stage)
         if stage.state is not None and stage.state.reduces_gradients:  # ZeRO-2/3: reduce-scatter
             stage.state.reduce_gradients(str(action))
             params = [p for name, p in stage.params.items() if name in stage.state.unsharded_names

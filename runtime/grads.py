@@ -8,6 +8,11 @@ requires it), and returned to the caller: nothing is kept in module globals.
   excepted) are flattened into buckets of at most ``bucket_bytes`` and summed, two buckets in
   flight at most (a lone contiguous gradient is reduced in place, without a copy). The loss was
   already divided by (micro-batches x replicas), so the sum is the mean over the global batch.
+  As DDP does, :class:`OverlappedReduce` starts them during the stage's last backward of the step:
+  buckets fixed in backward (reverse parameter) order, each all-reduced as soon as its gradients are
+  final (a post-accumulate-grad hook), in bucket order on every rank; ALLREDUCE then only waits.
+  torch's DDP cannot express it here (a stage's several micro-batches, split I/W backwards and the
+  executor's own ALLREDUCE action decide when gradients are final, not one backward call).
 * Tied parameters (e.g. GPT's embedding reused as the LM head on the last part): one group
   per set of parts holding a copy, over all their ranks; the copies' gradients are summed
   so every copy takes the same step a single-process model would.
@@ -23,11 +28,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from cost_models.comm import ALLREDUCE_BUCKET_BYTES
 from planner.plan import Layout
 from runtime.comm import wait_for
 from runtime.streams import AnyStream, current_stream, new_stream, use_stream
-
-BUCKET_BYTES = 25 * 2**20
 
 
 @dataclass(frozen=True)
@@ -90,7 +94,7 @@ def tied_sets(stage_params: Mapping[int, set[str]]) -> dict[tuple[int, ...], tup
 class GradientSync:
     """All-reduces gradients on a side stream with timeouts; buckets by dtype and size."""
 
-    def __init__(self, device: torch.device, timeout_s: float, bucket_bytes: int = BUCKET_BYTES) -> None:
+    def __init__(self, device: torch.device, timeout_s: float, bucket_bytes: int = ALLREDUCE_BUCKET_BYTES) -> None:
         self.device = device
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.bucket_bytes = bucket_bytes
@@ -119,13 +123,13 @@ class GradientSync:
                     [g.reshape(-1) for g in bucket])
                 work = dist.all_reduce(flat, group=group, async_op=True)
             if previous is not None:
-                self._unpack(*previous, label)
+                self.unpack(*previous, label)
             previous = (bucket, flat, work)
         if previous is not None:
-            self._unpack(*previous, label)
+            self.unpack(*previous, label)
         current_stream(self.device).wait_stream(self.stream)
 
-    def _unpack(self, bucket: list[torch.Tensor], flat: torch.Tensor, work: dist.Work, label: str) -> None:
+    def unpack(self, bucket: list[torch.Tensor], flat: torch.Tensor, work: dist.Work, label: str) -> None:
         with use_stream(self.stream):
             wait_for(work, self.timeout, f"the {label} all-reduce")
             if flat is bucket[0]:  # reduced in place
@@ -134,6 +138,72 @@ class GradientSync:
             for grad in bucket:
                 grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
                 offset += grad.numel()
+
+class OverlappedReduce:
+    """One stage's all-reduce started during its last backward of the step (see the module docstring).
+
+    Make it before that backward runs, tell it the backward's roots (:meth:`expect`: parameters the graph
+    does not reach are final already, as DDP's ``find_unused_parameters`` finds) and :meth:`wait` at the
+    stage's ALLREDUCE. A parameter without any gradient is skipped, as the optimizer skips it."""
+
+    def __init__(self, sync: GradientSync, params: Sequence[nn.Parameter], group: dist.ProcessGroup,
+                 label: str) -> None:
+        self.sync, self.group, self.label = sync, group, label
+        ordered = list(reversed(params))  # roughly the order the backward finishes them
+        self.buckets = _buckets(ordered, sync.bucket_bytes)
+        self.bucket_of = {id(p): index for index, bucket in enumerate(self.buckets) for p in bucket}
+        self.missing = [len(bucket) for bucket in self.buckets]
+        self.launched: list[tuple[list[torch.Tensor], torch.Tensor, dist.Work | None]] = []
+        self.handles = [p.register_post_accumulate_grad_hook(self._ready) for p in ordered]
+
+    def expect(self, roots: Sequence[torch.Tensor]) -> None:
+        """The backward about to run starts from ``roots``: the parameters its graph does not reach are final."""
+        reached: set[int] = set()
+        seen: set[object] = set()
+        stack = [root.grad_fn for root in roots]
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            variable = getattr(node, "variable", None)  # an AccumulateGrad: the leaf it writes
+            if variable is not None:
+                reached.add(id(variable))
+            stack.extend(following for following, _ in node.next_functions)
+        for index, bucket in enumerate(self.buckets):
+            self.missing[index] -= sum(id(param) not in reached for param in bucket)
+        self._launch(all_ready=False)
+
+    def _ready(self, param: torch.Tensor) -> None:
+        self.missing[self.bucket_of[id(param)]] -= 1
+        self._launch(all_ready=False)
+
+    def _launch(self, *, all_ready: bool) -> None:
+        """Launch the buckets whose gradients are all final, in bucket order (every rank alike)."""
+        while len(self.launched) < len(self.buckets) and (all_ready or not self.missing[len(self.launched)]):
+            bucket = self.buckets[len(self.launched)]
+            grads = [param.grad for param in bucket if param.grad is not None]  # the replicas agree on which
+            if not grads:
+                self.launched.append(([], torch.empty(0), None))
+                continue
+            self.sync.stream.wait_stream(current_stream(self.sync.device))
+            with use_stream(self.sync.stream):
+                flat = grads[0] if len(grads) == 1 and grads[0].is_contiguous() else torch.cat(
+                    [g.reshape(-1) for g in grads])
+                work = dist.all_reduce(flat, group=self.group, async_op=True)
+            self.launched.append((grads, flat, work))
+
+    def wait(self) -> None:
+        """Launch what is left, wait for every bucket and write the sums back into the gradients."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+        self._launch(all_ready=True)
+        for grads, flat, work in self.launched:
+            if work is not None:
+                self.sync.unpack(grads, flat, work, self.label)
+        current_stream(self.sync.device).wait_stream(self.sync.stream)
+
 
 def _buckets(grads: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
     buckets: list[list[torch.Tensor]] = []

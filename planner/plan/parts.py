@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from cost_models.comm import overlapped_share
 from cost_models.memory import Optimizer, Precision
 from planner.plan import codec
 from planner.plan.kinds import ScheduleKind
@@ -211,6 +212,14 @@ class StagePrediction:
     host_bytes: int = 0  # per rank: optimizer state and gradients on the host (swapped activations apart)
     nvme_bytes: int = 0  # per rank: optimizer state on NVMe
     weight_grad_ms: float = 0.0  # of bwd_ms: the parameters' gradients (what a split backward's W runs)
+
+    def allreduce_overlap(self, offload: OffloadSpec, stale: bool) -> float:
+        """The share of ``allreduce_ms`` that runs during the stage's last backward (as DDP's: buckets start
+        as their gradients are ready, in backward order; cost_models.comm.overlapped_share). 0 where the
+        runtime reduces after the backward: ZeRO-2/3's reduce-scatter, stashed weight versions (WPipe)."""
+        if not self.allreduce_ms or offload.zero_stage >= 2 or stale:
+            return 0.0
+        return overlapped_share(self.param_bytes)
 
     @classmethod
     def from_dict(cls, data: Any, path: str) -> StagePrediction:

@@ -5,7 +5,11 @@ between which ranks a message travels). Each rank runs its actions in order on o
 resource. F, B, OPTIMIZER_STEP take their stage's time and count as busy (a split backward's I
 takes ``bwd_ms - weight_grad_ms`` and its W ``weight_grad_ms``); ALLREDUCE takes
 ``allreduce_ms`` (all replicas reduce at once, so it is a local duration) and blocks the rank,
-but is communication, not busy time. A SEND returns at once and starts a transfer on the
+but is communication, not busy time. A stage whose all-reduce runs in buckets during its last
+backward (``allreduce_overlap``, DDP's overlap) starts the buckets before the last one with that
+backward and the last one when it ends: ALLREDUCE then ends at
+``max(first + overlap x A, last) + (1 - overlap) x A`` (the last backward from first to last, A
+the all-reduce's time), or when the rank reaches it if later. A SEND returns at once and starts a transfer on the
 directed link src rank → dst rank; transfers on one link run one after another (FIFO). A RECV
 blocks until its transfer has arrived.
 A message between stages of different slots travels from every rank of the sender to every rank
@@ -56,6 +60,7 @@ class StageCosts:
     swap_bytes: int = 0  # per micro-batch, to the host after F and back before B
     swap_ms: float = 0.0  # per micro-batch, each way
     weight_grad_ms: float = 0.0  # the share of bwd_ms a split backward's W takes (its I takes the rest)
+    allreduce_overlap: float = 0.0  # the share of allreduce_ms in buckets that start during the last backward
 
 
 @dataclass(frozen=True)
@@ -134,6 +139,7 @@ class _Clocks:
     events: list[SimEvent] = field(default_factory=list)
     copy_free_ms: dict[tuple[int, str], float] = field(default_factory=dict)  # (rank, "out"/"in")
     copied_ms: dict[tuple[int, str, int, int], float] = field(default_factory=dict)  # (rank, way, stage, mb)
+    last_backward_ms: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)  # (rank, stage)
 
     def __post_init__(self) -> None:
         ranks = range(self.layout.world_size)
@@ -188,6 +194,14 @@ class _Clocks:
         if action.kind.computes_input_grads:
             start = max(start, self.copied_ms.get((rank, "in", action.stage, action.microbatch), start))
         end = start + self._duration_ms(action)
+        if action.kind is ActionKind.ALLREDUCE and stage.allreduce_overlap and (rank, action.stage) in self.last_backward_ms:
+            first, last = self.last_backward_ms[rank, action.stage]  # its last backward's start and end
+            overlap = stage.allreduce_overlap
+            start = first
+            end = max(self.clock_ms[rank], max(first + overlap * stage.allreduce_ms, last)
+                      + (1 - overlap) * stage.allreduce_ms)
+        if action.kind.ends_backward:
+            self.last_backward_ms[rank, action.stage] = (start, end)
         self.clock_ms[rank] = end
         activation = self._activation_bytes(action.stage)
         if action.kind is ActionKind.F:

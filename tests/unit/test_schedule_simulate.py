@@ -102,6 +102,36 @@ def test_allreduce_and_optimizer_step_end_the_step() -> None:
         ("0ALLREDUCE", "comm", 4.0), ("0OPTIMIZER_STEP", "compute", 0.5)]
 
 
+@pytest.mark.parametrize(("overlap", "allreduce_ms", "step_ms"), [
+    (0.0, 3.0, 6.0 + 3.0),  # one bucket: it starts when the last backward ends
+    (0.5, 3.0, max(4.0 + 1.5, 6.0) + 1.5),  # half during the last backward (4..6), the last half after it
+    (0.5, 8.0, max(4.0 + 4.0, 6.0) + 4.0),  # the early buckets outlast the backward
+    (0.9, 1.0, max(4.0 + 0.9, 6.0) + 0.1),
+])
+def test_an_allreduce_in_buckets_overlaps_the_last_backward(overlap: float, allreduce_ms: float,
+                                                             step_ms: float) -> None:
+    """Data parallel, one stage, two micro-batches (F 1, B 2): the last B runs from 4 to 6; the buckets
+    before the last start with it, the last when it ends (DDP's overlap)."""
+    layout = Layout.pipeline(1, data_parallel=2)
+    programs = layout.rank_programs(parse_programs([["0F0", "0F1", "0B0", "0B1", "0ALLREDUCE", "0OPTIMIZER_STEP"]]))
+    stage = StageCosts(1.0, 2.0, 0, 0, allreduce_ms=allreduce_ms, allreduce_overlap=overlap)
+    result = simulate(programs, layout, SimCosts((stage,), {}))
+    assert result.step_ms == pytest.approx(step_ms)
+    reduce = next(e for e in result.events if e.action == "0ALLREDUCE" and e.rank == 0)
+    assert reduce.lane == "comm" and reduce.end_ms == pytest.approx(step_ms)
+
+
+def test_the_prediction_says_which_stages_overlap_their_allreduce() -> None:
+    from planner.plan import OffloadSpec, StagePrediction
+
+    big = StagePrediction(1.0, 2.0, param_bytes=60 * 2**20, static_bytes=0, activation_bytes=0, allreduce_ms=5.0)
+    assert big.allreduce_overlap(OffloadSpec(), stale=False) == pytest.approx(50 / 60)  # 25 + 25 MiB before the last
+    assert big.allreduce_overlap(OffloadSpec(zero_stage=2), stale=False) == 0.0  # a reduce-scatter after the backward
+    assert big.allreduce_overlap(OffloadSpec(), stale=True) == 0.0  # WPipe's stashed versions reduce after it
+    small = StagePrediction(1.0, 2.0, param_bytes=2**20, static_bytes=0, activation_bytes=0, allreduce_ms=5.0)
+    assert small.allreduce_overlap(OffloadSpec(), stale=False) == 0.0  # one bucket
+
+
 def test_every_action_is_one_event_on_its_lane() -> None:
     schedule = generate("1f1b", 3, 4, data_parallel=2)
     programs = schedule.layout.rank_programs(lower(schedule.programs, schedule.layout, _chain(3)))
