@@ -418,7 +418,8 @@ class Executor:
     def _end_backward(self, action: Action, micro: MicrobatchState, state: StepState) -> None:
         """The micro-batch's backward on the stage is complete: free what it held."""
         assert action.microbatch is not None
-        self.memory.release((action.stage, state.period_of(action.microbatch), state.index_in_period(action.microbatch)))
+        period, index = state.period_of(action.microbatch), state.index_in_period(action.microbatch)
+        self.memory.release((action.stage, period, index))
         self.swaps.release((action.stage, action.microbatch))
         self.memory.state_changed()
         micro.env.clear()
@@ -530,7 +531,8 @@ class Executor:
     def _overlaps(self, stage: LocalStage) -> bool:
         """Whether the stage's all-reduce runs during its last backward (StagePrediction.allreduce_overlap
         says the same to the simulator): not a ZeRO-2/3 reduce-scatter, not on stashed weight versions."""
-        return not (stage.state is not None and stage.state.reduces_gradients) and stage.index not in self.versions.stale_stages
+        reduce_scatter = stage.state is not None and stage.state.reduces_gradients
+        return not reduce_scatter and stage.index not in self.versions.stale_stages
 
     def _reduced(self, stage: LocalStage) -> list[torch.nn.Parameter]:
         """The parameters the stage's data-parallel all-reduce sums (tied ones are summed with their copies)."""

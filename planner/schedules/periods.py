@@ -41,7 +41,8 @@ class Periods:
         every = [action.microbatch for action in actions if action.microbatch is not None]
         num_microbatches = 1 + max(backwards or every or [-1])
         ahead = frozenset((action.stage, action.microbatch - num_microbatches) for action in actions
-                          if action.kind is ActionKind.F and action.microbatch >= num_microbatches)  # type: ignore[operator]
+                          if action.kind is ActionKind.F and action.microbatch is not None
+                          and action.microbatch >= num_microbatches)
         return cls(num_microbatches, ahead)
 
     @property

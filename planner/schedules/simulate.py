@@ -194,7 +194,8 @@ class _Clocks:
         if action.kind.computes_input_grads:
             start = max(start, self.copied_ms.get((rank, "in", action.stage, action.microbatch), start))
         end = start + self._duration_ms(action)
-        if action.kind is ActionKind.ALLREDUCE and stage.allreduce_overlap and (rank, action.stage) in self.last_backward_ms:
+        overlapped = action.kind is ActionKind.ALLREDUCE and stage.allreduce_overlap
+        if overlapped and (rank, action.stage) in self.last_backward_ms:
             first, last = self.last_backward_ms[rank, action.stage]  # its last backward's start and end
             overlap = stage.allreduce_overlap
             start = first

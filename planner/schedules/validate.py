@@ -302,7 +302,8 @@ def _check_edges(programs: Programs, layout: Layout, edges: Iterable[tuple[int, 
     for src, dst in edges:
         if layout.slot(src) == layout.slot(dst):
             continue
-        messages = [Action(src, ActionKind.SEND_F, microbatch, peer=dst) for microbatch in sorted(forwards.get(dst, ()))]
+        messages = [Action(src, ActionKind.SEND_F, microbatch, peer=dst)
+                    for microbatch in sorted(forwards.get(dst, ()))]
         messages += [Action(dst, ActionKind.SEND_B, microbatch, peer=src) for microbatch in microbatches[src]]
         for send in messages:
             for action in (send, matching_recv(send)):
