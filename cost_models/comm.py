@@ -10,6 +10,7 @@ from cost_models.errors import InvalidArgument
 
 __all__ = [
     "ALLREDUCE_BUCKET_BYTES",
+    "FIRST_BUCKET_BYTES",
     "allreduce_link",
     "overlapped_share",
     "halo_exchange_ms",
@@ -28,19 +29,25 @@ __all__ = [
 
 ALLREDUCE_BUCKET_BYTES = 25 * 2**20
 """Gradients of one data-parallel all-reduce launch (DDP's default bucket); the runtime fills buckets in
-backward order (runtime/grads.py)."""
+backward order (runtime/grads.py), the first one smaller (``FIRST_BUCKET_BYTES``) so that the all-reduce
+starts early in the backward, as DDP's does."""
+
+FIRST_BUCKET_BYTES = 2**20
 
 
-def overlapped_share(grad_bytes: float, bucket_bytes: int = ALLREDUCE_BUCKET_BYTES) -> float:
-    """Of an all-reduce of ``grad_bytes`` in buckets filled in backward order, the share in the buckets before
-    the last: those start while the last backward still computes, the last when it ends.
+def overlapped_share(grad_bytes: float, bucket_bytes: int = ALLREDUCE_BUCKET_BYTES,
+                     first_bytes: int = FIRST_BUCKET_BYTES) -> float:
+    """Of an all-reduce of ``grad_bytes`` in buckets filled in backward order (the first of ``first_bytes``,
+    then of ``bucket_bytes``), the share in the buckets before the last: those start while the last
+    backward still computes, the last when it ends.
 
-    >>> overlapped_share(10 * 2**20), overlapped_share(60 * 2**20)
-    (0.0, 0.8333333333333334)
+    >>> overlapped_share(2**19), overlapped_share(11 * 2**20), overlapped_share(61 * 2**20)
+    (0.0, 0.09090909090909094, 0.8360655737704918)
     """
-    if grad_bytes <= bucket_bytes:
+    rest = grad_bytes - first_bytes
+    if rest <= 0:
         return 0.0
-    last = grad_bytes % bucket_bytes or bucket_bytes
+    last = rest % bucket_bytes or bucket_bytes
     return 1.0 - last / grad_bytes
 
 

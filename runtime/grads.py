@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cost_models.comm import ALLREDUCE_BUCKET_BYTES
+from cost_models.comm import ALLREDUCE_BUCKET_BYTES, FIRST_BUCKET_BYTES
 from planner.plan import Layout
 from runtime.comm import wait_for
 from runtime.streams import AnyStream, current_stream, new_stream, use_stream
@@ -150,7 +150,7 @@ class OverlappedReduce:
                  label: str) -> None:
         self.sync, self.group, self.label = sync, group, label
         ordered = list(reversed(params))  # roughly the order the backward finishes them
-        self.buckets = _buckets(ordered, sync.bucket_bytes)
+        self.buckets = _buckets(ordered, sync.bucket_bytes, min(FIRST_BUCKET_BYTES, sync.bucket_bytes))
         self.bucket_of = {id(p): index for index, bucket in enumerate(self.buckets) for p in bucket}
         self.missing = [len(bucket) for bucket in self.buckets]
         self.launched: list[tuple[list[torch.Tensor], torch.Tensor, dist.Work | None]] = []
@@ -205,12 +205,15 @@ class OverlappedReduce:
         current_stream(self.sync.device).wait_stream(self.sync.stream)
 
 
-def _buckets(grads: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
+def _buckets(grads: Sequence[torch.Tensor], bucket_bytes: int, first_bytes: int | None = None) -> list[list[torch.Tensor]]:
+    """Consecutive runs of ``grads`` of one dtype and at most ``bucket_bytes`` (the first ``first_bytes``);
+    a tensor larger than that is a bucket of its own."""
     buckets: list[list[torch.Tensor]] = []
     size = 0
     for grad in grads:
         nbytes = grad.numel() * grad.element_size()
-        if not buckets or buckets[-1][0].dtype != grad.dtype or size + nbytes > bucket_bytes:
+        cap = first_bytes if len(buckets) == 1 and first_bytes is not None else bucket_bytes
+        if not buckets or buckets[-1][0].dtype != grad.dtype or size + nbytes > cap:
             buckets.append([])
             size = 0
         buckets[-1].append(grad)
