@@ -205,7 +205,8 @@ class OverlappedReduce:
         current_stream(self.sync.device).wait_stream(self.sync.stream)
 
 
-def _buckets(grads: Sequence[torch.Tensor], bucket_bytes: int, first_bytes: int | None = None) -> list[list[torch.Tensor]]:
+def _buckets(grads: Sequence[torch.Tensor], bucket_bytes: int,
+             first_bytes: int | None = None) -> list[list[torch.Tensor]]:
     """Consecutive runs of ``grads`` of one dtype and at most ``bucket_bytes`` (the first ``first_bytes``);
     a tensor larger than that is a bucket of its own."""
     buckets: list[list[torch.Tensor]] = []
