@@ -123,9 +123,8 @@ class Executor:
         program = [a for segment in self.segments for a in (segment if isinstance(segment, tuple) else (segment,))]
         self._ahead_segments = grouped([a for a in program if self.periods.is_ahead(a)])
         self._last_backward = {a.stage: a for a in program if a.kind.ends_backward}  # per stage, in its step
-        self._reducing = {a.stage for a in program if a.kind is ActionKind.ALLREDUCE
-                          and self._overlaps(self.stages[a.stage])}
-        self._overlapped: dict[int, OverlappedReduce] = {}  # started in the stage's last backward
+        self._overlapped = {a.stage: self._overlapped_reduce(a) for a in program
+                            if a.kind is ActionKind.ALLREDUCE and self._overlaps(self.stages[a.stage])}
         self._flush_segments = grouped([a for a in program if not self.periods.is_ahead(a)])
         self.memory = MemoryTracker(self.device, self._model_state)
         self.steps_done = 0
@@ -534,23 +533,23 @@ class Executor:
         reduce_scatter = stage.state is not None and stage.state.reduces_gradients
         return not reduce_scatter and stage.index not in self.versions.stale_stages
 
+    def _overlapped_reduce(self, action: Action) -> OverlappedReduce:
+        """The stage's all-reduce that its last backward of each step starts (hooks on its parameters)."""
+        stage = self.stages[action.stage]
+        return OverlappedReduce(self.sync, self._reduced(stage), self.groups.data_parallel[stage.part], str(action))
+
     def _reduced(self, stage: LocalStage) -> list[torch.nn.Parameter]:
         """The parameters the stage's data-parallel all-reduce sums (tied ones are summed with their copies)."""
         return [p for name, p in stage.params.items() if name not in self.groups.tied_names]
 
     def _start_reduce(self, action: Action, micro: MicrobatchState) -> None:
         """Before the stage's last backward of the step: its all-reduce's buckets start as they fill."""
-        if action.stage in self._reducing and self._last_backward[action.stage] == action:
-            stage = self.stages[action.stage]
-            reduce = OverlappedReduce(self.sync, self._reduced(stage), self.groups.data_parallel[stage.part],
-                                      f"{action.stage}ALLREDUCE")
-            reduce.expect(self._roots(micro)[0])
-            self._overlapped[action.stage] = reduce
+        if action.stage in self._overlapped and self._last_backward[action.stage] == action:
+            self._overlapped[action.stage].arm(self._roots(micro)[0])
 
     def _allreduce(self, action: Action, state: StepState) -> None:
-        started = self._overlapped.pop(action.stage, None)
-        if started is not None:
-            started.wait()
+        if action.stage in self._overlapped:
+            self._overlapped[action.stage].wait()
             return
         self.versions.collect_gradients(action.stage, state.period)
         stage = self.stages[action.stage]

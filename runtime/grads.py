@@ -140,11 +140,13 @@ class GradientSync:
                 offset += grad.numel()
 
 class OverlappedReduce:
-    """One stage's all-reduce started during its last backward of the step (see the module docstring).
+    """One stage's all-reduce, started during its last backward of each step (see the module docstring).
 
-    Make it before that backward runs, tell it the backward's roots (:meth:`expect`: parameters the graph
-    does not reach are final already, as DDP's ``find_unused_parameters`` finds) and :meth:`wait` at the
-    stage's ALLREDUCE. A parameter without any gradient is skipped, as the optimizer skips it."""
+    Made once per stage (its hooks stay registered and return at once unless armed). Before the step's
+    last backward, :meth:`arm` it with that backward's roots (parameters its graph does not reach are
+    final already, as DDP's ``find_unused_parameters`` finds; the stage's graph is the same every step,
+    so the walk is done once); at the stage's ALLREDUCE, :meth:`wait`. A parameter without any gradient
+    is skipped, as the optimizer skips it."""
 
     def __init__(self, sync: GradientSync, params: Sequence[nn.Parameter], group: dist.ProcessGroup,
                  label: str) -> None:
@@ -152,31 +154,27 @@ class OverlappedReduce:
         ordered = list(reversed(params))  # roughly the order the backward finishes them
         self.buckets = _buckets(ordered, sync.bucket_bytes, min(FIRST_BUCKET_BYTES, sync.bucket_bytes))
         self.bucket_of = {id(p): index for index, bucket in enumerate(self.buckets) for p in bucket}
-        self.missing = [len(bucket) for bucket in self.buckets]
+        self.unreached: list[int] | None = None  # per bucket, its parameters the last backward does not reach
+        self.missing: list[int] = []
         self.launched: list[tuple[list[torch.Tensor], torch.Tensor, dist.Work | None]] = []
-        self.handles = [p.register_post_accumulate_grad_hook(self._ready) for p in ordered]
+        self.armed = False
+        for param in ordered:
+            param.register_post_accumulate_grad_hook(self._ready)
 
-    def expect(self, roots: Sequence[torch.Tensor]) -> None:
-        """The backward about to run starts from ``roots``: the parameters its graph does not reach are final."""
-        reached: set[int] = set()
-        seen: set[object] = set()
-        stack = [root.grad_fn for root in roots]
-        while stack:
-            node = stack.pop()
-            if node is None or node in seen:
-                continue
-            seen.add(node)
-            variable = getattr(node, "variable", None)  # an AccumulateGrad: the leaf it writes
-            if variable is not None:
-                reached.add(id(variable))
-            stack.extend(following for following, _ in node.next_functions)
-        for index, bucket in enumerate(self.buckets):
-            self.missing[index] -= sum(id(param) not in reached for param in bucket)
+    def arm(self, roots: Sequence[torch.Tensor]) -> None:
+        """The stage's last backward of the step is about to run from ``roots``."""
+        if self.unreached is None:
+            reached = _leaves_reached(roots)
+            self.unreached = [sum(id(param) not in reached for param in bucket) for bucket in self.buckets]
+        self.missing = [len(bucket) - unreached for bucket, unreached in zip(self.buckets, self.unreached)]
+        self.launched = []
+        self.armed = True
         self._launch(all_ready=False)
 
     def _ready(self, param: torch.Tensor) -> None:
-        self.missing[self.bucket_of[id(param)]] -= 1
-        self._launch(all_ready=False)
+        if self.armed:
+            self.missing[self.bucket_of[id(param)]] -= 1
+            self._launch(all_ready=False)
 
     def _launch(self, *, all_ready: bool) -> None:
         """Launch the buckets whose gradients are all final, in bucket order (every rank alike)."""
@@ -195,14 +193,30 @@ class OverlappedReduce:
 
     def wait(self) -> None:
         """Launch what is left, wait for every bucket and write the sums back into the gradients."""
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
+        self.armed = False
         self._launch(all_ready=True)
         for grads, flat, work in self.launched:
             if work is not None:
                 self.sync.unpack(grads, flat, work, self.label)
+        self.launched = []
         current_stream(self.sync.device).wait_stream(self.sync.stream)
+
+
+def _leaves_reached(roots: Sequence[torch.Tensor]) -> set[int]:
+    """The ids of the leaves a backward from ``roots`` accumulates into (its graph's AccumulateGrad nodes)."""
+    reached: set[int] = set()
+    seen: set[object] = set()
+    stack = [root.grad_fn for root in roots]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            reached.add(id(variable))
+        stack.extend(following for following, _ in node.next_functions)
+    return reached
 
 
 def _buckets(grads: Sequence[torch.Tensor], bucket_bytes: int,

@@ -40,10 +40,11 @@ def _rank(rank: int, world_size: int) -> dict[str, object]:
         if overlapped:
             reduce = OverlappedReduce(sync, params, group, "test")
             loss = _loss(model, rank, 1, skip_last=True)  # the last layer gets no gradient this time
-            reduce.expect([loss])
+            reduce.arm([loss])
             loss.backward()
             results["buckets"] = len(reduce.buckets)
             results["launched_in_backward"] = len(reduce.launched)
+            results["armed"] = reduce.armed
             reduce.wait()
         else:
             _loss(model, rank, 1, skip_last=True).backward()
@@ -57,6 +58,7 @@ def test_buckets_start_during_the_backward_and_sum_as_after_it() -> None:
     for result in by_rank:
         assert result["buckets"] >= 4
         assert result["launched_in_backward"] == result["buckets"]  # all launched before the backward returned
+        assert result["armed"]
         for plain, overlapped in zip(result["grads_False"], result["grads_True"]):
             assert (plain is None) == (overlapped is None)
             if plain is not None:
