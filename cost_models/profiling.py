@@ -99,14 +99,20 @@ def measured_table(model: nn.Module, graph: "LayerGraph", example_inputs: Sequen
     """``graph``'s costs at micro-batch ``batch_size`` (estimate()) with every node's forward and backward
     time measured on this CPU at that batch (profile(), cached): what plan() costs a CPU plan with.
     ``example_inputs`` give each input's sample shape and dtype (any device; meta is fine): the
-    profile runs on random floats and zero integers (token ids) of that batch. ``cache_dir`` defaults to
-    the ``profiles`` folder of :func:`cost_models.devices.cache_root`."""
+    profile runs on random floats and zero integers (token ids) of that batch, on one intra-op thread as
+    the runtime's CPU ranks compute (torchrun gives each one). ``cache_dir`` defaults to the ``profiles``
+    folder of :func:`cost_models.devices.cache_root`."""
     generator = torch.Generator().manual_seed(0)
     inputs = tuple(torch.randn((batch_size, *x.shape[1:]), generator=generator, dtype=x.dtype)
                    if x.is_floating_point() else torch.zeros((batch_size, *x.shape[1:]), dtype=x.dtype)
                    for x in example_inputs)
-    _, measured = profile_with_graph(model, inputs, "cpu", optimizer=optimizer, precision=precision,
-                                     cache_dir=cache_dir or cache_root() / "profiles")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _, measured = profile_with_graph(model, inputs, "cpu", optimizer=optimizer, precision=precision,
+                                         cache_dir=cache_dir or cache_root() / "profiles")
+    finally:
+        torch.set_num_threads(threads)
     times = {cost.name: cost for cost in measured.costs}
     table = estimate(graph, measured.device, optimizer, precision, batch_size=batch_size)
     unmatched = [cost.name for cost in table.costs if cost.name not in times]
@@ -259,7 +265,8 @@ def _cache_path(cache_dir: str | Path | None, fingerprint: str, device: str, dty
     if cache_dir is None:
         return None
     safe_device = "".join(c if c.isalnum() or c in "-_." else "_" for c in device)
-    return Path(cache_dir).expanduser() / f"{fingerprint[:24]}-{safe_device}-{dtype}.json"
+    threads = torch.get_num_threads()  # times depend on the intra-op threads they were measured with
+    return Path(cache_dir).expanduser() / f"{fingerprint[:24]}-{safe_device}-{dtype}-t{threads}.json"
 
 
 def _read_cache(path: Path, fingerprint: str) -> dict[str, NodeTiming] | None:
