@@ -3,14 +3,14 @@
 One GPT cut into equal-layer parts (4, or 8 for interleaved 1F1B with 2 virtual stages per rank),
 scheduled by every synchronous family (``planner.manual.reschedule``), run by the runtime on 4 gloo
 processes (``python -m planner run ... --report``) and compared as ``tessera validate`` does:
-  predicted   the simulator on the plan's predicted costs;
+  predicted   the simulator on the plan's predicted costs (node times measured on this CPU, one thread);
   replayed    the simulator on the compute times the run measured per action (run report's
               ``rank_action_ms``), transfers as predicted: the schedule's own bubble;
   measured    1 - (busy time of every rank) / (sum of their steps), the runtime timing each compute action.
 Target: measured within 5 points of replayed, and the families' measured order by step the
 predicted one. The machine may have fewer cores than ranks: note the load average printed.
 
-Run: python benchmarks/schedule_bubbles.py [--steps 8]
+Run: python benchmarks/schedule_bubbles.py [--steps 8] [--ranks 4]
 """
 
 from __future__ import annotations
@@ -40,22 +40,24 @@ from planner.simulation import simulate_measured  # noqa: E402
 BUILDER = "examples/models/gpt.py:gpt"
 MODEL = {"hidden": 128, "layers": 8, "heads": 4, "seq_len": 64, "vocab": 2048, "dropout": 0.0,
          "tie_embeddings": False}
-BATCH, MICRO, RANKS = 16, 2, 4
-FAMILIES: dict[str, tuple[int, str, dict[str, int]]] = {  # name: (parts, family, options)
-    "gpipe": (RANKS, "gpipe", {}),
-    "1f1b": (RANKS, "1f1b", {}),
-    "interleaved-1f1b v=2": (2 * RANKS, "interleaved-1f1b", {"virtual_stages": 2}),
-    "zb-h1": (RANKS, "zb-h1", {}),
-    "gems-master": (RANKS, "gems-master", {}),
-}
+BATCH, MICRO = 16, 2
 
 
-def plans() -> dict[str, Plan]:
-    model = build_model(load_builder(BUILDER, ROOT), MODEL, "meta")
+def families(ranks: int) -> dict[str, tuple[int, str, dict[str, int]]]:
+    """name: (parts, family, options) of every synchronous family on ``ranks`` ranks."""
+    return {"gpipe": (ranks, "gpipe", {}),
+            "1f1b": (ranks, "1f1b", {}),
+            "interleaved-1f1b v=2": (2 * ranks, "interleaved-1f1b", {"virtual_stages": 2}),
+            "zb-h1": (ranks, "zb-h1", {}),
+            "gems-master": (ranks, "gems-master", {})}
+
+
+def plans(ranks: int) -> dict[str, Plan]:
+    model = build_model(load_builder(BUILDER, ROOT), MODEL, "cpu")  # real weights: its nodes are profiled
     x = torch.empty(1, MODEL["seq_len"], dtype=torch.long, device="meta")
     graph = trace(model, x)
     made = {}
-    for name, (parts, family, options) in FAMILIES.items():
+    for name, (parts, family, options) in families(ranks).items():
         base = plan_with_split(model, example_inputs=x, graph=graph, stage_starts=equal_layer_starts(graph, parts),
                                batch_size=BATCH, micro_batch_size=MICRO, schedule="gpipe", device="cpu",
                                optimizer="momentum", builder=BUILDER, builder_kwargs=MODEL)
@@ -77,14 +79,17 @@ def run(plan: Plan, steps: int, folder: Path) -> RunReport:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--ranks", type=int, default=4, help="CPU ranks (default 4; 2 on a 2-core machine keeps "
+                                                             "one core per rank)")
     args = parser.parse_args()
-    print(f"GPT {MODEL}, batch {BATCH} in micro-batches of {MICRO}, {RANKS} gloo CPU ranks x 1 thread, "
+    print(f"GPT {MODEL}, batch {BATCH} in micro-batches of {MICRO}, {args.ranks} gloo CPU ranks x 1 thread on "
+          f"{os.cpu_count()} cores, "
           f"{args.steps} steps (the first warms up); load average {os.getloadavg()[0]:.1f} at the start")
     print(f"{'family':<22} {'predicted':>9} {'replayed':>9} {'measured':>9} {'meas-repl':>9} "
           f"{'pred. step':>10} {'meas. step':>10}")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name, plan in plans().items():
+        for name, plan in plans(args.ranks).items():
             report = run(plan, args.steps, Path(tmp))
             replayed = simulate_measured(plan, report.rank_action_ms)
             measured = report.bubble_fraction or 0.0

@@ -94,7 +94,7 @@ def plan(model: nn.Module, gpus: int, mem: str | int, *, batch_size: int,
         graph = trace(model, inputs, leaf_modules=leaf_modules)
     space = dataclasses.replace(space, precision=mode or model_precision(graph))
     measure = None
-    if _measures(model, spec, profile):
+    if measures(model, spec, profile):
         measure = functools.partial(measured_table, model, graph, inputs, optimizer=space.optimizer.value,
                                     precision=space.precision.value)
     result = Search(graph, spec, space, progress, measure).run()
@@ -103,7 +103,7 @@ def plan(model: nn.Module, gpus: int, mem: str | int, *, batch_size: int,
                       model_ref(graph, inputs, space, builder, builder_kwargs))
 
 
-def _measures(model: nn.Module, device: DeviceSpec, profile: bool | None) -> bool:
+def measures(model: nn.Module, device: DeviceSpec, profile: bool | None) -> bool:
     """Whether plan() costs from times measured on this CPU: asked (``profile``) or, by default, for the
     "cpu" device and a model whose weights are on it."""
     on_cpu = any(True for _ in model.parameters()) and all(p.device.type == "cpu" for p in model.parameters())

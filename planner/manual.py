@@ -4,6 +4,7 @@ reschedule(): a plan's parts under another schedule family."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -16,7 +17,8 @@ from cost_models.estimation import model_precision
 from cost_models.graph.ir import LayerGraph
 from cost_models.graph.tracing import normalise_inputs, trace
 from cost_models.memory import Optimizer, Precision
-from planner.api import model_ref, validate_space
+from cost_models.profiling import measured_table
+from planner.api import measures, model_ref, validate_space
 from planner.assemble import build_plan
 from planner.plan import (
     OffloadSpec,
@@ -46,7 +48,7 @@ def plan_with_split(model: nn.Module, *, example_inputs: torch.Tensor | Sequence
                     builder_kwargs: Mapping[str, Any] | None = None,
                     graph: LayerGraph | None = None,
                     offload: Sequence[OffloadSpec] | None = None,
-                    spatial: Mapping[int, SpatialSpec] | None = None) -> Plan:
+                    spatial: Mapping[int, SpatialSpec] | None = None, profile: bool | None = None) -> Plan:
     """A plan whose stage s + 1 begins at node ``stage_starts[s]`` (stage 0 at the first node).
 
     Costs, programs and predictions are made exactly as for a solved plan, so a manual split
@@ -56,7 +58,9 @@ def plan_with_split(model: nn.Module, *, example_inputs: torch.Tensor | Sequence
     those of the split with everything kept on the GPU (the search costs only its own decisions).
     ``spatial`` (stage -> SpatialSpec) runs those stages on ``parts`` ranks each, one image tile per
     rank (the plan needs that many more GPUs); the predictions stay those of the non-spatial split,
-    one rank per stage (the cost of tiles and halos is not modelled here yet).
+    one rank per stage (the cost of tiles and halos is not modelled here yet). ``profile`` as in
+    :func:`planner.plan`: on ``device="cpu"`` a model with real weights is costed from node times
+    measured on this CPU.
 
     Example::
 
@@ -74,7 +78,11 @@ def plan_with_split(model: nn.Module, *, example_inputs: torch.Tensor | Sequence
                                  (micro_batch_size,), time_limit_s=60.0)  # unused: nothing is searched
     config = Config(num_stages, data_parallel, micro_batch_size,
                     batch_size // (data_parallel * micro_batch_size), space.schedules[0])
-    search = Search(graph, spec, space)
+    measure = None
+    if measures(model, spec, profile):
+        measure = functools.partial(measured_table, model, graph, inputs, optimizer=space.optimizer.value,
+                                    precision=space.precision.value)
+    search = Search(graph, spec, space, measure=measure)
     table, _ = search.costs(micro_batch_size)
     coarse = group_units(graph, table, space.precision, space.optimizer, _starts(graph, stage_starts))
     setup = search.setup(config, coarse)
