@@ -34,6 +34,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Trace MODEL, cost every layer (FLOPs, time, memory) and print the table. "
                     "On --device cpu times are measured on this machine; on a GPU preset they "
                     "are roofline estimates (the model is built on the meta device)."))
+    calibrate = commands.add_parser(
+        "calibrate", help="measure this machine's CPU or GPU into a device file that --device accepts",
+        description="Time matmuls in every precision, memory copies, per-op overhead and the links on this "
+                    "machine's CPU (and between two local gloo processes) or GPU, and write them as a device "
+                    "JSON file: plan with --device FILE instead of a preset's datasheet figures.")
+    calibrate.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default %(default)s)")
+    calibrate.add_argument("-o", "--output", type=Path, default=None,
+                           help="the device file to write (default calibrated-DEVICE.json)")
+    calibrate.set_defaults(handler=_run_calibrate)
     _add_plan(commands.add_parser(
         "plan", help="choose the pipeline x data-parallel split and schedule; print the plan",
         description="Trace MODEL on the meta device, cost it on DEVICE, and solve for the fastest "
@@ -240,6 +249,16 @@ def _add_training_modes(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", default=None, type=str.lower, choices=[p.value for p in Precision],
                         help="fp16/bf16 mean mixed precision with fp32 master weights (default: the "
                              "model's own, the dtype of its weights)")
+
+
+def _run_calibrate(args: argparse.Namespace) -> None:
+    from cost_models.calibration import calibrate, describe
+    from cost_models.devices import save_device
+
+    measured = calibrate(args.device)
+    output = args.output or Path(f"calibrated-{args.device.strip().lower().replace(':', '-')}.json")
+    save_device(measured.device, output)
+    print(f"{describe(measured)}\nwrote {output}; plan with --device {output}")
 
 
 def _run_profile(args: argparse.Namespace) -> None:

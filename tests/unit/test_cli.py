@@ -112,3 +112,34 @@ def test_ambiguous_model_arg_values_are_rejected(text: str) -> None:
 
     with pytest.raises(InvalidArgument, match="ambiguous: write true/false, none"):
         parse_model_args([f"key={text}"])
+
+
+def test_calibrate_cpu_writes_a_device_file_that_plan_accepts(capsys, tmp_path) -> None:
+    from cost_models.devices import get_device
+
+    out = tmp_path / "cpu.json"
+    assert main(["calibrate", "--device", "cpu", "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "matmul TFLOP/s: fp64" in printed and f"wrote {out}; plan with --device {out}" in printed
+    assert "gloo TCP loopback (measured)" in printed
+    spec = get_device(out)
+    assert spec.fp32_tflops > 0 and spec.mem_bandwidth_gb_per_s > 0 and spec.intra_node.latency_us > 0
+    assert spec.matmul_efficiency == 1.0  # measured figures, not datasheet peaks
+    code = main(["plan", "examples/models/gpt.py:gpt_tiny", "--input", "32:int64", "--batch-size", "8", "--gpus",
+                 "2", "--mem", "1GB", "--device", str(out), "--no-profile", "-q"])
+    assert code == 0 and "x cpu (1.0 GiB budget" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("device", "message"), [
+    ("tpu", "cannot calibrate device 'tpu'; give cpu, cuda or cuda:N"),
+    ("cuda", "torch sees no CUDA device on this machine"),
+])
+def test_calibrate_what_cannot_be_measured_here_is_one_line(capsys, device: str, message: str) -> None:
+    if device == "cuda":
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("this machine has CUDA")
+    assert main(["calibrate", "--device", device]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err

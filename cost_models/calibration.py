@@ -1,0 +1,161 @@
+"""``tessera calibrate``: measure this machine's device into a device file ``--device`` accepts.
+
+The presets carry datasheet peaks times efficiencies nobody measured on the user's machine. Calibrating
+replaces them with what short micro-benchmarks achieve here:
+
+* ``cpu``: cost_models/cpu_device.py's measurements (matmul per precision, copy bandwidth, per-op
+  overhead, memory) on one intra-op thread, as a runtime CPU rank computes, and the link between two
+  local gloo processes (latency, bandwidth), measured afresh (not the cache).
+* ``cuda`` (or ``cuda:N``): the local GPU, starting from the preset that matches its name and memory:
+  dense matmul TFLOP/s in fp64, fp32, tf32, fp16 and bf16, device-memory copy bandwidth, the launch
+  overhead of a tiny kernel, and the pinned host-to-device bandwidth, each timed with the GPU
+  synchronised. One GPU cannot measure the links between GPUs: those stay the preset's (said in the
+  notes). The efficiencies become 1.0, since the peaks are achieved figures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from cost_models.cpu_device import measure_cpu_device, measure_gloo_link
+from cost_models.device_spec import BYTES_PER_GB, DeviceSpec
+from cost_models.errors import InvalidArgument
+
+_REPEATS = 5
+_MATMUL_SIZE = 4096  # large enough to reach a GPU's dense matmul peak
+_COPY_BYTES = 512 * 2**20
+_HOST_BYTES = 256 * 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """A measured device and what was not measured (kept from its starting point)."""
+
+    device: DeviceSpec
+    notes: tuple[str, ...]
+
+
+def calibrate(device: str) -> Calibration:
+    """Measure ``device`` ("cpu", "cuda" or "cuda:N") on this machine."""
+    name = device.strip().lower()
+    if name == "cpu":
+        return Calibration(measure_cpu_device(threads=1, link=measure_gloo_link()),
+                           ("cpu: one intra-op thread, as each CPU rank of the runtime; its ranks' link is "
+                            "gloo between two local processes; NVMe is a documented default",))
+    if name == "cuda" or name.startswith("cuda:"):
+        return _calibrate_cuda(name)
+    raise InvalidArgument(f"cannot calibrate device {device!r}; give cpu, cuda or cuda:N (a preset is a "
+                          f"datasheet: calibrate the machine that has the device)")
+
+
+def describe(calibration: Calibration) -> str:
+    """The measured figures, one per line, then what was not measured."""
+    spec = calibration.device
+    rates = ", ".join(f"{label} {value:.3g}" for label, value in (
+        ("fp64", spec.fp64_tflops), ("fp32", spec.fp32_tflops), ("tf32", spec.tf32_tflops),
+        ("fp16", spec.fp16_tflops), ("bf16", spec.bf16_tflops)))
+    lines = [f"device {spec.name}: {spec.mem_bytes / 2**30:.1f} GiB",
+             f"matmul TFLOP/s: {rates}",
+             f"memory copy bandwidth: {spec.mem_bandwidth_gb_per_s:.1f} GB/s; per-op overhead "
+             f"{spec.kernel_overhead_us:.2f} us",
+             f"host link: {spec.host_link.bandwidth_gb_per_s:.1f} GB/s ({spec.host_link.name})",
+             f"between ranks: {spec.intra_node.bandwidth_gb_per_s:.2f} GB/s, {spec.intra_node.latency_us:.0f} us "
+             f"({spec.intra_node.name})"]
+    return "\n".join(lines + [f"note: {note}" for note in calibration.notes])
+
+
+def _calibrate_cuda(name: str) -> Calibration:
+    import torch
+
+    from cost_models.profiling import _preset_for_local_gpu
+
+    if not torch.cuda.is_available():
+        raise InvalidArgument(f"cannot calibrate {name!r}: torch sees no CUDA device on this machine "
+                              f"(torch {torch.__version__}); run it where the GPU is, or calibrate cpu")
+    device = torch.device(name)
+    base = _preset_for_local_gpu(device)
+    properties = torch.cuda.get_device_properties(device)
+    with torch.cuda.device(device):
+        rates = {dtype: _matmul_tflops(device, dtype) for dtype in ("fp64", "fp32", "tf32", "fp16", "bf16")}
+        measured = dataclasses.replace(
+            base, name=f"{base.name} (calibrated)", mem_bytes=int(properties.total_memory),
+            fp64_tflops=rates["fp64"], fp32_tflops=rates["fp32"], tf32_tflops=rates["tf32"],
+            fp16_tflops=rates["fp16"], bf16_tflops=rates["bf16"],
+            mem_bandwidth_gb_per_s=_copy_gb_per_s(device), kernel_overhead_us=_launch_us(device),
+            host_link=dataclasses.replace(base.host_link, name="pinned host to device (measured)",
+                                          bandwidth_gb_per_s=_host_gb_per_s(device)),
+            matmul_efficiency=1.0, memory_efficiency=1.0)
+    return Calibration(measured, (f"{properties.name}: started from preset {base.name}; its links between GPUs "
+                                  f"({base.intra_node.name}, {base.inter_node.name}) are the preset's: one GPU "
+                                  f"cannot measure them", "host link latency and NVMe are the preset's"))
+
+
+def _cuda_seconds(device: Any, work: Callable[[], object]) -> float:
+    """Median seconds of ``work`` on ``device`` after one warm-up, the GPU synchronised around each run."""
+    import torch
+
+    work()
+    torch.cuda.synchronize(device)
+    samples = []
+    for _ in range(_REPEATS):
+        start = time.perf_counter()
+        work()
+        torch.cuda.synchronize(device)
+        samples.append(time.perf_counter() - start)
+    return max(statistics.median(samples), 1e-9)
+
+
+def _matmul_tflops(device: Any, precision: str) -> float:
+    """Dense matmul TFLOP/s in ``precision`` (tf32: fp32 inputs on TF32 tensor cores), 0 where unsupported."""
+    import torch
+
+    dtype = {"fp64": torch.float64, "fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16,
+             "bf16": torch.bfloat16}[precision]
+    size = _MATMUL_SIZE // 2 if precision == "fp64" else _MATMUL_SIZE
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+    try:
+        a = torch.randn(size, size, device=device).to(dtype)
+        b = torch.randn(size, size, device=device).to(dtype)
+        seconds = _cuda_seconds(device, lambda: torch.matmul(a, b))
+        return 2.0 * size**3 / seconds / 1e12
+    except RuntimeError:
+        return 0.0
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+
+
+def _copy_gb_per_s(device: Any) -> float:
+    """Device-memory copy bandwidth (bytes read plus written), GB/s."""
+    import torch
+
+    src = torch.ones(_COPY_BYTES // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    return 2.0 * _COPY_BYTES / _cuda_seconds(device, lambda: dst.copy_(src)) / BYTES_PER_GB
+
+
+def _launch_us(device: Any) -> float:
+    """Wall time per tiny kernel (a 1-element add), launched back to back, microseconds."""
+    import torch
+
+    a = torch.ones(1, device=device)
+    out = torch.empty_like(a)
+    calls = 1000
+
+    def launches() -> None:
+        for _ in range(calls):
+            torch.add(a, a, out=out)
+    return _cuda_seconds(device, launches) / calls * 1e6
+
+
+def _host_gb_per_s(device: Any) -> float:
+    """Pinned host-to-device copy bandwidth, GB/s."""
+    import torch
+
+    host = torch.ones(_HOST_BYTES // 4, dtype=torch.float32).pin_memory()
+    target = torch.empty_like(host, device=device)
+    return _HOST_BYTES / _cuda_seconds(device, lambda: target.copy_(host, non_blocking=True)) / BYTES_PER_GB
