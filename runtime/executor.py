@@ -51,6 +51,7 @@ from runtime.precision import ScalerOptions
 from runtime.retiling import Retiling
 from runtime.seeding import seeded
 from runtime.setup import set_up
+from runtime.split_backward import backward_input, backward_weight, covers_every_weight
 from runtime.stages import LocalStage, OptimizerFactory
 from runtime.stale import WeightVersions
 from runtime.state import MicrobatchState, StepState
@@ -123,6 +124,7 @@ class Executor:
         program = [a for segment in self.segments for a in (segment if isinstance(segment, tuple) else (segment,))]
         self._ahead_segments = grouped([a for a in program if self.periods.is_ahead(a)])
         self._last_backward = {a.stage: a for a in program if a.kind.ends_backward}  # per stage, in its step
+        self._split: dict[int, bool] = {}  # per stage: whether its split backward's I groups cover its weights
         self._overlapped = {a.stage: self._overlapped_reduce(a) for a in program
                             if a.kind is ActionKind.ALLREDUCE and self._overlaps(self.stages[a.stage])}
         self._flush_segments = grouped([a for a in program if not self.periods.is_ahead(a)])
@@ -357,22 +359,33 @@ class Executor:
         self._end_backward(action, micro, state)
 
     def _backward_input(self, action: Action, state: StepState) -> None:
-        """I: the gradients of the stage's received inputs only (the graph is kept for W), then out."""
+        """I: the gradients of the stage's received inputs only, keeping what W needs (runtime/split_backward.py:
+        the weights' groups, or the graph where they do not cover every weight), then out."""
+        assert action.microbatch is not None
         micro = self._start_backward(action, state)
         stage = self.stages[action.stage]
         inputs = [micro.env[name] for src in self._producers(stage.index)
                   for name in self.flow.gradients(self._parts(src, stage.index))]
-        if inputs:
+        roots, grads = self._roots(micro)
+        weights = self.versions.weights(action.stage, state.period_of(action.microbatch))
+        if inputs and roots and action.stage not in self._split:
+            self._split[action.stage] = covers_every_weight(roots, inputs, weights)
+        if inputs and roots and self._split[action.stage]:
+            with self._params_in_use(stage):
+                micro.weight_groups = backward_input(roots, grads, inputs, weights)
+        elif inputs:
             self._run_backward(action, micro, inputs=inputs)
         self._collect_input_grads(action, micro, state)
 
     def _backward_weight(self, action: Action, state: StepState) -> None:
-        """W: the gradients of the stage's weights from the graph I kept; frees the micro-batch."""
+        """W: the gradients of the stage's weights from what I kept; frees the micro-batch."""
         assert action.microbatch is not None
         micro = state.micro(action.stage, action.microbatch)
         weights = self.versions.weights(action.stage, state.period_of(action.microbatch))
-        self._start_reduce(action, micro)
-        if weights:
+        if micro.weight_groups is not None:
+            with self._params_in_use(self.stages[action.stage]):
+                backward_weight(weights, micro.weight_groups)
+        elif weights:
             self._run_backward(action, micro, inputs=weights)
         self._end_backward(action, micro, state)
 
@@ -425,6 +438,7 @@ class Executor:
         micro.roots.clear()
         micro.output_grads.clear()
         micro.loss = None
+        micro.weight_groups = None
 
     def _swap_out(self, action: Action, state: StepState) -> None:
         assert action.microbatch is not None
@@ -531,7 +545,8 @@ class Executor:
         """Whether the stage's all-reduce runs during its last backward (StagePrediction.allreduce_overlap
         says the same to the simulator): not a ZeRO-2/3 reduce-scatter, not on stashed weight versions."""
         reduce_scatter = stage.state is not None and stage.state.reduces_gradients
-        return not reduce_scatter and stage.index not in self.versions.stale_stages
+        split = self._last_backward[stage.index].kind is ActionKind.W  # W writes the gradients without hooks
+        return not reduce_scatter and not split and stage.index not in self.versions.stale_stages
 
     def _overlapped_reduce(self, action: Action) -> OverlappedReduce:
         """The stage's all-reduce that its last backward of each step starts (hooks on its parameters)."""

@@ -20,6 +20,7 @@ class MicrobatchState:
     loss: torch.Tensor | None = None  # scaled loss (last stage)
     output_grads: dict[str, torch.Tensor] = field(default_factory=dict)  # received for roots
     input_grads: dict[str, torch.Tensor] = field(default_factory=dict)  # to send to producers
+    weight_groups: list[dict[str, Any]] | None = None  # what a split backward's I keeps for its W
 
     def tensors(self) -> Iterator[torch.Tensor]:
         for group in (self.env.values(), self.roots.values(), self.output_grads.values(),

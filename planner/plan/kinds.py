@@ -50,6 +50,12 @@ class ScheduleKind(str, Enum):
         """
         return self is ScheduleKind.WPIPE
 
+    @property
+    def splits_backward(self) -> bool:
+        """Whether the family splits each backward into I and W (its W writes the weights' gradients itself, so
+        the data-parallel all-reduce starts after it, not during it)."""
+        return self is ScheduleKind.ZB_H1
+
     def stale_parts(self, num_parts: int) -> range:
         """The parts whose forwards read weights one update old: WPipe's first group (none for the others).
 

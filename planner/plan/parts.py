@@ -213,11 +213,12 @@ class StagePrediction:
     nvme_bytes: int = 0  # per rank: optimizer state on NVMe
     weight_grad_ms: float = 0.0  # of bwd_ms: the parameters' gradients (what a split backward's W runs)
 
-    def allreduce_overlap(self, offload: OffloadSpec, stale: bool) -> float:
+    def allreduce_overlap(self, offload: OffloadSpec, after_backward: bool) -> float:
         """The share of ``allreduce_ms`` that runs during the stage's last backward (as DDP's: buckets start
         as their gradients are ready, in backward order; cost_models.comm.overlapped_share). 0 where the
-        runtime reduces after the backward: ZeRO-2/3's reduce-scatter, stashed weight versions (WPipe)."""
-        if not self.allreduce_ms or offload.zero_stage >= 2 or stale:
+        runtime reduces after the backward: ZeRO-2/3's reduce-scatter, and ``after_backward`` (stashed
+        weight versions, WPipe; a split backward's W, ZB-H1)."""
+        if not self.allreduce_ms or offload.zero_stage >= 2 or after_backward:
             return 0.0
         return overlapped_share(self.param_bytes)
 
