@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from cost_models.cpu_device import measure_cpu_device, measure_gloo_link
+from cost_models.cpu_device import measure_cpu_device, measure_gloo_links
 from cost_models.device_spec import BYTES_PER_GB, DeviceSpec
 from cost_models.errors import InvalidArgument
 
@@ -43,9 +43,10 @@ def calibrate(device: str) -> Calibration:
     """Measure ``device`` ("cpu", "cuda" or "cuda:N") on this machine."""
     name = device.strip().lower()
     if name == "cpu":
-        return Calibration(measure_cpu_device(threads=1, link=measure_gloo_link()),
-                           ("cpu: one intra-op thread, as each CPU rank of the runtime; its ranks' link is "
-                            "gloo between two local processes; NVMe is a documented default",))
+        link, collective = measure_gloo_links()
+        return Calibration(measure_cpu_device(threads=1, link=link, collective=collective),
+                           ("cpu: one intra-op thread, as each CPU rank of the runtime; its ranks' link and "
+                            "all-reduce are gloo between two local processes; NVMe is a documented default",))
     if name == "cuda" or name.startswith("cuda:"):
         return _calibrate_cuda(name)
     raise InvalidArgument(f"cannot calibrate device {device!r}; give cpu, cuda or cuda:N (a preset is a "
@@ -65,6 +66,10 @@ def describe(calibration: Calibration) -> str:
              f"host link: {spec.host_link.bandwidth_gb_per_s:.1f} GB/s ({spec.host_link.name})",
              f"between ranks: {spec.intra_node.bandwidth_gb_per_s:.2f} GB/s, {spec.intra_node.latency_us:.0f} us "
              f"({spec.intra_node.name})"]
+    if spec.collective_link is not None:
+        collective = spec.collective_link
+        lines.append(f"all-reduce as a ring over: {collective.bandwidth_gb_per_s:.2f} GB/s, "
+                     f"{collective.latency_us:.0f} us ({collective.name})")
     return "\n".join(lines + [f"note: {note}" for note in calibration.notes])
 
 

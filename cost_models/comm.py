@@ -114,7 +114,14 @@ def allreduce_link(device: DeviceSpec, ranks: Sequence[int], gpus_per_node: int)
     """The bottleneck link of a flat ring over ``ranks``: intra_node if they share one node, else inter_node."""
     if not ranks:
         raise InvalidArgument("an all-reduce needs at least one rank")
-    return device.intra_node if all(same_node(ranks[0], rank, gpus_per_node) for rank in ranks) else device.inter_node
+    if all(same_node(ranks[0], rank, gpus_per_node) for rank in ranks):
+        return _collective(device)
+    return device.inter_node
+
+
+def _collective(device: DeviceSpec) -> LinkSpec:
+    """How an all-reduce within a node runs: the measured collective link, else the intra-node link."""
+    return device.collective_link or device.intra_node
 
 
 def hierarchical_allreduce_ms(nbytes: int, participants: int, gpus_per_node: int, device: DeviceSpec) -> float:
@@ -133,14 +140,14 @@ def hierarchical_allreduce_ms(nbytes: int, participants: int, gpus_per_node: int
     n = require_count(participants, "participants", minimum=1)
     g = require_count(gpus_per_node, "gpus_per_node", minimum=1)
     if n <= g:
-        return _ring_ms(float(count), n, device.intra_node)
+        return _ring_ms(float(count), n, _collective(device))
     if n % g != 0:
         raise InvalidArgument(
             f"participants={n} spans several nodes but is not a multiple of gpus_per_node={g}; "
             f"use whole nodes (e.g. {n // g * g} or {(n // g + 1) * g}) or ring_allreduce_ms with "
             f"allreduce_link for an uneven group"
         )
-    intra_ms = _ring_ms(float(count), g, device.intra_node)
+    intra_ms = _ring_ms(float(count), g, _collective(device))
     inter_ms = _ring_ms(count / g, n // g, device.inter_node)
     return intra_ms + inter_ms
 

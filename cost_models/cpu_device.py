@@ -97,11 +97,17 @@ _STREAM_BYTES = 16 * 2**20  # large enough that its round trip is bandwidth
 _GLOO_TIMEOUT_S = 60
 
 
-def measure_gloo_link() -> LinkSpec:
-    """Point-to-point between two processes of this machine through gloo (TCP loopback), as the runtime's
-    CPU ranks talk: the latency is half a small message's round trip, the bandwidth what a large one's
-    adds beyond it. Two fresh interpreters (``python -m cost_models.cpu_device``, so nothing re-imports the
-    caller's script), a few seconds, most of it their start."""
+def measure_gloo_links() -> tuple[LinkSpec, LinkSpec]:
+    """Two processes of this machine talking through gloo (TCP loopback), as the runtime's CPU ranks do:
+
+    * point to point: the latency is half a small message's round trip, the bandwidth what a large one's
+      adds beyond it;
+    * all-reduce: the link a two-rank ring all-reduce behaves as (its time is 2 alpha + bytes / beta,
+      cost_models.comm), fitted to a small and a large gloo all-reduce; gloo's all-reduce also sums on
+      the CPU, so it is slower than its messages alone.
+
+    Two fresh interpreters (``python -m cost_models.cpu_device``, so nothing re-imports the caller's
+    script), a few seconds, most of it their start."""
     import subprocess
     import sys
 
@@ -124,16 +130,20 @@ def measure_gloo_link() -> LinkSpec:
     if failed:
         raise InvalidArgument(f"measuring gloo between two local processes failed ({failed[0][1][0][:200]}); "
                               f"describe the CPU as a JSON device file instead (see DeviceSpec.to_dict)")
-    ping_s, stream_s = (float(value) for value in outputs[0][0].split())
+    ping_s, stream_s, small_sum_s, large_sum_s = (float(value) for value in outputs[0][0].split())
     latency_s = ping_s / 2
     per_byte_s = max(stream_s / 2 - latency_s, 1e-9) / _STREAM_BYTES
-    return LinkSpec(name="gloo TCP loopback (measured)", bandwidth_gb_per_s=1 / per_byte_s / BYTES_PER_GB,
-                    latency_us=latency_s * 1e6)
+    sum_latency_s = small_sum_s / 2  # a two-rank ring: 2 (n - 1) = 2 steps
+    sum_per_byte_s = max(large_sum_s - small_sum_s, 1e-9) / (_STREAM_BYTES - _PING_BYTES)  # 2 (n - 1) / n = 1
+    return (LinkSpec(name="gloo TCP loopback (measured)", bandwidth_gb_per_s=1 / per_byte_s / BYTES_PER_GB,
+                     latency_us=latency_s * 1e6),
+            LinkSpec(name="gloo all-reduce on TCP loopback (measured)",
+                     bandwidth_gb_per_s=1 / sum_per_byte_s / BYTES_PER_GB, latency_us=sum_latency_s * 1e6))
 
 
-def _ping_pong(rank: int, store_path: str) -> tuple[float, float]:
-    """One of the two processes of :func:`measure_gloo_link`: median round trips of a small and a large
-    message."""
+def _ping_pong(rank: int, store_path: str) -> tuple[float, float, float, float]:
+    """One of the two processes of :func:`measure_gloo_links`: median round trips of a small and a large
+    message, and median times of a small and a large all-reduce."""
     import datetime
 
     import torch
@@ -159,8 +169,19 @@ def _ping_pong(rank: int, store_path: str) -> tuple[float, float]:
             samples.append(time.perf_counter() - start)
         return statistics.median(samples[1:])
 
+    def all_reduce_s(nbytes: int, repeats: int) -> float:
+        values = torch.ones(nbytes // 4)
+        samples = []
+        for _ in range(repeats + 1):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(values)
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples[1:])
+
     try:
-        return round_trip_s(_PING_BYTES, 20), round_trip_s(_STREAM_BYTES, 5)
+        return (round_trip_s(_PING_BYTES, 20), round_trip_s(_STREAM_BYTES, 5), all_reduce_s(_PING_BYTES, 20),
+                all_reduce_s(_STREAM_BYTES, 5))
     finally:
         dist.destroy_process_group()
 
@@ -198,14 +219,16 @@ def _total_memory_bytes() -> int:
     return total
 
 
-def measure_cpu_device(*, threads: int | None = None, link: LinkSpec | None = None) -> DeviceSpec:
+def measure_cpu_device(*, threads: int | None = None, link: LinkSpec | None = None,
+                       collective: LinkSpec | None = None) -> DeviceSpec:
     """Benchmark this machine's CPU with torch (well under a second) and describe it as a DeviceSpec.
 
     Measured: fp64/fp32/fp16/bf16 matmul FLOP/s (0 where torch cannot run the dtype), copy
     bandwidth, per-op overhead and memory size. tf32 is 0 (CPUs have no TF32 mode). The host link
     is memcpy at the measured copy bandwidth; the intra- and inter-node links are ``link`` (what
-    :func:`measure_gloo_link` measures between the runtime's CPU ranks; default a loopback memcpy,
-    one machine, no network modelled). The NVMe link is a documented default, not measured.
+    :func:`measure_gloo_links` measures between the runtime's CPU ranks; default a loopback memcpy,
+    one machine, no network modelled), and all-reduces run as ``collective`` (its all-reduce link;
+    default ``link``). The NVMe link is a documented default, not measured.
     Efficiencies are 1.0 because the peaks are already achieved figures. `threads` sets torch's
     intra-op thread count for the measurement only (default: torch's current setting).
     """
@@ -251,12 +274,13 @@ def measure_cpu_device(*, threads: int | None = None, link: LinkSpec | None = No
         matmul_efficiency=1.0,
         memory_efficiency=1.0,
         kernel_overhead_us=overhead_us,
+        collective_link=collective,
         host_mem_bytes=mem_bytes,  # the "device" is the host: one memory (each rank's share of it)
         nvme_bytes=shutil.disk_usage(tempfile.gettempdir()).free,  # where --nvme-dir defaults to
     )
 
 
-if __name__ == "__main__":  # one rank of measure_gloo_link: python -m cost_models.cpu_device RANK STORE
+if __name__ == "__main__":  # one rank of measure_gloo_links: python -m cost_models.cpu_device RANK STORE
     import sys
 
     print(*_ping_pong(int(sys.argv[1]), sys.argv[2]))

@@ -134,6 +134,7 @@ class DeviceSpec:
     host_mem_bytes: int = 64 * 2**30
     nvme_bytes: int = 1_000_000_000_000
     host_optimizer_params_per_s: float = 4e8
+    collective_link: LinkSpec | None = None  # how an all-reduce within a node runs, where measured (else intra_node)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -166,6 +167,8 @@ class DeviceSpec:
         object.__setattr__(self, "host_optimizer_params_per_s", rate)
         for field in LINK_FIELDS:
             link = getattr(self, field)
+            if link is None and field == "collective_link":
+                continue
             if not isinstance(link, LinkSpec):
                 raise InvalidArgument(
                     f"{owner}: field {field!r} must be a LinkSpec, got {link!r} ({type(link).__name__})"
@@ -197,6 +200,8 @@ class DeviceSpec:
         data: dict[str, Any] = {}
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
+            if field.name == "collective_link" and value is None:
+                continue  # not measured: all-reduces run as intra_node
             data[field.name] = value.to_dict() if isinstance(value, LinkSpec) else value
         return data
 
@@ -232,8 +237,9 @@ class DeviceSpec:
 
 LINK_KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(LinkSpec))
 DEVICE_KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(DeviceSpec))
-LINK_FIELDS: tuple[str, ...] = ("intra_node", "inter_node", "host_link", "nvme")
-HOST_KEYS: frozenset[str] = frozenset({"host_mem_bytes", "nvme_bytes", "host_optimizer_params_per_s"})
+LINK_FIELDS: tuple[str, ...] = ("intra_node", "inter_node", "host_link", "nvme", "collective_link")
+HOST_KEYS: frozenset[str] = frozenset({"host_mem_bytes", "nvme_bytes", "host_optimizer_params_per_s",
+                                       "collective_link"})
 
 
 def _check_keys(data: Mapping[str, Any], expected: tuple[str, ...], where: str,

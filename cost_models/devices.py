@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import MappingProxyType
 
-from cost_models.cpu_device import CPU_NAME, measure_cpu_device, measure_gloo_link
+from cost_models.cpu_device import CPU_NAME, measure_cpu_device, measure_gloo_links
 from cost_models.device_spec import DEVICE_KEYS, LINK_FIELDS, LINK_KEYS, MATH_FORMATS, DeviceSpec, LinkSpec
 from cost_models.errors import InvalidArgument, UnknownDevice
 from cost_models.presets import A100_40GB, A100_80GB, H100_80GB, H200_141GB, PRESETS, V100_16GB, V100_32GB
@@ -41,19 +41,25 @@ def cached_cpu_device(cache_dir: str | os.PathLike[str] | None = None,
     import torch
 
     root = (Path(cache_dir).expanduser() if cache_dir else cache_root()) / "devices"
-    machine = f"{platform.node()}|{platform.machine()}|{os.cpu_count()}|{torch.__version__}|{torch.get_num_threads()}"
+    machine = f"v2|{platform.node()}|{platform.machine()}|{os.cpu_count()}|{torch.__version__}"  # v2: all-reduce
     path = root / f"cpu-{hashlib.sha256(machine.encode()).hexdigest()[:16]}.json"
     if path.exists():
         try:
             return load_device(path)
         except (InvalidArgument, UnknownDevice):
             pass  # unreadable: measured again and rewritten below
-    spec = (measure or (lambda: measure_cpu_device(link=measure_gloo_link())))()
+    spec = (measure or _measure_cpu)()
     root.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".{os.getpid()}.tmp")
     save_device(spec, partial)
     partial.replace(path)  # atomic: a concurrent planner reads the old file or the new one
     return spec
+
+def _measure_cpu() -> DeviceSpec:
+    """The CPU as a runtime rank uses it: one intra-op thread, and gloo between two local processes."""
+    link, collective = measure_gloo_links()
+    return measure_cpu_device(threads=1, link=link, collective=collective)
+
 
 class DeviceCatalog(Mapping[str, DeviceSpec]):
     """Read-only mapping of the GPU presets plus "cpu"; the CPU is measured on first access, once (and

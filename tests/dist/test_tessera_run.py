@@ -271,4 +271,5 @@ def test_a_wpipe_plan_runs_ahead_across_steps_and_sends_the_bytes_of_a_steady_st
     assert len(ran.losses) == 3 and np.all(np.isfinite(ran.losses))
     assert ran.p2p_bytes_sent == predicted_p2p_bytes(Plan.load(plan_file))
     refused = tessera("run", str(plan_file), "--steps", "2", "--", "--checkpoint-dir", str(tmp_path / "ck"))
-    assert refused.returncode == 2 and _one_error_line(refused.stderr, "wpipe plans do not checkpoint yet"), refused.stderr
+    assert refused.returncode == 2, refused.stderr
+    assert _one_error_line(refused.stderr, "wpipe plans do not checkpoint yet"), refused.stderr

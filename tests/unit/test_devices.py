@@ -54,6 +54,7 @@ FIELD_NAMES = {
     "host_mem_bytes",
     "nvme_bytes",
     "host_optimizer_params_per_s",
+    "collective_link",
 }
 
 
@@ -322,9 +323,16 @@ def test_the_measured_cpu_is_cached_per_machine_and_read_back(tmp_path: Path) ->
     assert devices.cached_cpu_device(tmp_path, measure) == first and calls == [1, 1]  # a bad file: measured again
 
 
-def test_the_gloo_link_between_two_local_processes_is_measured() -> None:
-    link = devices.measure_gloo_link()
+def test_the_gloo_link_and_all_reduce_between_two_local_processes_are_measured() -> None:
+    from cost_models.comm import allreduce_link
+
+    link, collective = devices.measure_gloo_links()
     assert link.name == "gloo TCP loopback (measured)"
-    assert 0 < link.latency_us < 10_000 and 0.01 < link.bandwidth_gb_per_s < 1_000
-    cpu = devices.measure_cpu_device(link=link)
+    assert collective.name == "gloo all-reduce on TCP loopback (measured)"
+    for measured in (link, collective):
+        assert 0 < measured.latency_us < 10_000 and 0.01 < measured.bandwidth_gb_per_s < 1_000
+    cpu = devices.measure_cpu_device(link=link, collective=collective)
     assert cpu.intra_node == link and cpu.inter_node.bandwidth_gb_per_s == link.bandwidth_gb_per_s
+    assert cpu.collective_link == collective and type(cpu).from_dict(cpu.to_dict()) == cpu
+    assert allreduce_link(cpu, [0, 1], gpus_per_node=2) == collective  # all-reduces in the node: the collective
+    assert allreduce_link(dataclasses.replace(cpu, collective_link=None), [0, 1], gpus_per_node=2) == link
