@@ -53,7 +53,8 @@ def plan(model: nn.Module, gpus: int, mem: str | int, *, batch_size: int,
     whose first half of the parts trains on weights one update old, is considered only with
     ``allow_stale_weights=True``, which changes the training semantics. A plan uses all ``gpus``
     unless the batch is smaller than ``gpus`` (then at most ``batch_size`` GPUs can work at once, and
-    a plan on fewer GPUs wins when it is as fast) or ``num_stages`` x ``data_parallel`` asks for fewer; ``plan.cluster.gpus`` is the number it uses.
+    a plan on fewer GPUs wins when it is as fast) or ``num_stages`` x ``data_parallel`` asks for fewer;
+    ``plan.cluster.gpus`` is the number it uses.
     ``mem`` is each GPU's memory ("16GB" or bytes); ``reserve`` ("5%" of it by default, or a size)
     is kept free for the CUDA context and fragmentation, and plans fit what is left. A budget
     above the device's memory is planned for, with a TesseraWarning. ``progress``, if given,
