@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import multiprocessing as mp
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +31,9 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from runtime_vs_pipelining import spawned  # noqa: E402
 
 from examples.models.amoebanet import amoebanet_d  # noqa: E402
 from examples.models.bert import bert_large  # noqa: E402
@@ -104,7 +105,7 @@ def measured_plans(name: str, ranks: int) -> dict[str, Plan]:
                                    data_parallel=ranks, schedule="gpipe", **common)}
 
 
-def _measure_rank(rank: int, world: int, init_file: str, plans_json: dict[str, str], steps: int,
+def _measure_rank(rank: int, init_file: str, world: int, plans_json: dict[str, str], steps: int,
                   results: Any) -> None:
     import json
 
@@ -151,17 +152,7 @@ def _measure_rank(rank: int, world: int, init_file: str, plans_json: dict[str, s
 def measure(plans: dict[str, Plan], steps: int) -> dict[str, list[float]]:
     """Seconds per step of each plan, measured alternating in one set of gloo processes."""
     world = next(iter(plans.values())).cluster.gpus
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        processes = [context.Process(target=_measure_rank, args=(
-            rank, world, str(Path(tmp) / "rdzv"), {name: p.to_json() for name, p in plans.items()}, steps,
-            results)) for rank in range(world)]
-        for process in processes:
-            process.start()
-        times = results.get(timeout=1800)
-        for process in processes:
-            process.join(timeout=120)
+    times = spawned(_measure_rank, world, world, {name: p.to_json() for name, p in plans.items()}, steps)
     return times
 
 

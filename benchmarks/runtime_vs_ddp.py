@@ -22,10 +22,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import multiprocessing as mp
 import statistics
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,7 +35,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runtime_vs_pipelining import timed_pair  # noqa: E402
+from runtime_vs_pipelining import spawned, timed_pair  # noqa: E402
 
 from planner.plan import Plan  # noqa: E402
 
@@ -138,17 +136,7 @@ def _rank(rank: int, init_file: str, name: str, plan_json: str, steps: int, resu
 
 def compare(name: str, plan: Plan, steps: int) -> dict[str, list[float]]:
     """Seconds per step of each system, measured in one set of processes."""
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        processes = [context.Process(target=_rank, args=(rank, str(Path(tmp) / "rdzv"), name, plan.to_json(),
-                                                          steps, results)) for rank in range(RANKS)]
-        for process in processes:
-            process.start()
-        times = results.get(timeout=1800)
-        for process in processes:
-            process.join(timeout=60)
-    return times
+    return spawned(_rank, RANKS, name, plan.to_json(), steps)
 
 
 def main() -> None:

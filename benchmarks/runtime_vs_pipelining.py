@@ -170,19 +170,25 @@ def _rank(rank: int, init_file: str, plan_json: str, steps: int, schedule: str, 
     dist.destroy_process_group()
 
 
-def compare_systems(plan: Plan, steps: int, schedule: str) -> tuple[float, float]:
-    """Samples/s of tessera and of pipelining (median step), measured in one pair of processes."""
+def spawned(target: Callable[..., None], world: int, *args: Any, timeout_s: float = 1800) -> Any:
+    """``target(rank, init_file, *args, results)`` on ``world`` spawned processes (a file rendezvous in a
+    scratch folder); what rank 0 puts in ``results``."""
     context = mp.get_context("spawn")
     results = context.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        processes = [context.Process(target=_rank, args=(rank, str(Path(tmp) / "rdzv"), plan.to_json(),
-                                                          steps, schedule, results))
-                     for rank in range(2)]
+        processes = [context.Process(target=target, args=(rank, str(Path(tmp) / "rdzv"), *args, results))
+                     for rank in range(world)]
         for process in processes:
             process.start()
-        times = results.get(timeout=900)
+        answer = results.get(timeout=timeout_s)
         for process in processes:
-            process.join(timeout=60)
+            process.join(timeout=120)
+    return answer
+
+
+def compare_systems(plan: Plan, steps: int, schedule: str) -> tuple[float, float]:
+    """Samples/s of tessera and of pipelining (median step), measured in one pair of processes."""
+    times = spawned(_rank, 2, plan.to_json(), steps, schedule)
     return (BATCH / statistics.median(times["tessera"]), BATCH / statistics.median(times["pipelining"]))
 
 
