@@ -713,9 +713,11 @@ def _cannot_beat(costs: CostModel, cutoff_ms: float | None, window: Window | Non
 
 def _cutoff(config: Config, best_ms: float | None) -> float | None:
     """The step a plan of ``config`` must beat to be solved and kept: the best so far, or FAMILY_SLACK
-    above it for a family whose step model is estimated from its programs (the simulator then chooses
-    among the families' best plans: planner/assemble.py)."""
-    if best_ms is None or config.schedule.closed_form:
+    above it for a family whose step model is estimated from its programs, and for pure data parallelism
+    (one stage on every GPU), whose all-reduce overlaps its last backward in the simulator but not in the
+    step model (the simulator then chooses among the finalists: planner/assemble.py)."""
+    pure_data_parallel = config.num_stages == 1 and config.data_parallel > 1
+    if best_ms is None or (config.schedule.closed_form and not pure_data_parallel):
         return best_ms
     return best_ms * (1 + FAMILY_SLACK)
 

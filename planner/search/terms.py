@@ -416,6 +416,9 @@ def _part_terms(problem: PipelineProblem, part: int, shared: dict[str, Term],
     if part in problem.schedule.stale_parts(problem.num_parts):  # WPipe's stashed weight versions
         terms["static_bytes"] = terms["static_bytes"].plus(state["weight_bytes"], float(STASHED_WEIGHT_VERSIONS))
     terms.update({name: state[name] for name in ("host_bytes", "nvme_bytes", "optimizer_ms")})
+    if problem.tiers.state.zero_stage and copies > 1:  # the updated shards are all-gathered into every copy:
+        gather = Term(constant=allreduce.fixed_ms / 2).plus(state["weight_bytes"], allreduce.ms_per_byte / 2)
+        terms["optimizer_ms"] = terms["optimizer_ms"].plus(gather)  # half a ring all-reduce of the weights
     terms["activation_bytes"] = shared["saved_bytes" if is_first else "activation_bytes"]  # + received inputs
     terms["send_ms"] = Term(ends_after=() if is_last else tuple(problem.links[part].ms(b) for b in boundary))
     terms["allreduce_ms"] = dataclasses.replace(
