@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from cost_models.comm import overlapped_share
 from planner.plan.kinds import ScheduleKind
 from planner.plan.parts import StateTier
 from planner.schedules.generate import STASHED_WEIGHT_VERSIONS
@@ -252,9 +253,9 @@ def cost_model(problem: PipelineProblem) -> CostModel:
     """The costs of ``problem``'s configuration, written as terms: the one place formulas live.
 
     Per micro-batch, for part s: forward F_s and backward B_s; the transfer c_s across its outgoing
-    cut (the gradient returns in the same time, on the opposite link); the gradient all-reduce a_s
-    over the part's copies, which starts when the part's last backward ends, and then its optimizer
-    step o_s.
+    cut (the gradient returns in the same time, on the opposite link); a_s, what is left of the
+    gradient all-reduce over the part's copies when the part's last backward ends (its buckets before
+    the last run during that backward: the share ``_overlapped`` says), and then its optimizer step o_s.
 
     GPipe is a flow shop of identical micro-batches, forward through parts and links, then backward,
     so (exactly, as the simulator replays it; tests/unit/test_step_model.py):
@@ -396,6 +397,18 @@ def _mode_terms(tiers: MemoryTiers, mode: StateMode, copies: int,
     return device, host_grads, optimizer_state, on_host.plus(paging)
 
 
+def _overlapped(problem: PipelineProblem, part: int) -> float:
+    """The share of a part's all-reduce bytes that the runtime reduces during its last backward (DDP's
+    overlap: StagePrediction.allreduce_overlap, which the simulator replays), taken at the configuration's
+    average part (a constant, so the objective stays linear in the cuts); 0 under ZeRO-2/3, on WPipe's
+    stashed versions and after ZB-H1's W."""
+    if (problem.tiers.state.zero_stage >= 2 or problem.schedule.splits_backward
+            or part in problem.schedule.stale_parts(problem.num_parts)):
+        return 0.0
+    grad_bytes = sum(unit.grad_bytes for unit in problem.units) + sum(p.grad_bytes for p in problem.shared)
+    return overlapped_share(grad_bytes / problem.num_parts)
+
+
 def _part_terms(problem: PipelineProblem, part: int, shared: dict[str, Term],
                 states: dict[int, dict[str, Term]]) -> dict[str, Term]:
     """Part ``part``'s terms: held all step, per micro-batch, its link, all-reduce and step times
@@ -423,6 +436,8 @@ def _part_terms(problem: PipelineProblem, part: int, shared: dict[str, Term],
     terms["send_ms"] = Term(ends_after=() if is_last else tuple(problem.links[part].ms(b) for b in boundary))
     terms["allreduce_ms"] = dataclasses.replace(
         Term(constant=allreduce.fixed_ms).plus(shared["grad_bytes"], allreduce.ms_per_byte), family="allreduce_ms")
+    terms["allreduce_tail_ms"] = dataclasses.replace(Term(constant=allreduce.fixed_ms).plus(
+        shared["grad_bytes"], allreduce.ms_per_byte * (1 - _overlapped(problem, part))), family="allreduce_tail_ms")
     if problem.schedule is ScheduleKind.ONE_F_ONE_B and not is_first:
         round_trip = tuple(2 * problem.links[part - 1].ms(b) for b in boundary)
         terms["round_trip_ms"] = shared["compute_ms"].plus(Term(starts_after=round_trip))
@@ -444,7 +459,7 @@ def _objective(problem: PipelineProblem, parts: tuple[dict[str, Term], ...]) -> 
         for p in range(problem.num_parts - 1):
             pace += ((p, parts[p]["send_ms"]), (p + 1, parts[p + 1]["round_trip_ms"]))
         drain_pace = ()
-    tails = tuple((p, parts[p][name]) for p in every for name in ("allreduce_ms", "optimizer_ms"))
+    tails = tuple((p, parts[p][name]) for p in every for name in ("allreduce_tail_ms", "optimizer_ms"))
     return (
         Aggregate("forward", Reduce.SUM, 1.0, tuple((p, parts[p]["fwd_ms"]) for p in every)),
         Aggregate("forward_transfers", Reduce.SUM, 1.0, sends),
@@ -482,7 +497,7 @@ def _replayed_objective(problem: PipelineProblem, parts: tuple[dict[str, Term], 
                   tuple((p, parts[p]["compute_ms"]) for p in every) + sends + swaps),
         Aggregate("tail", Reduce.MAX, float(max(len(problem.layout.stages_on_slot(slot))
                                                 for slot in range(problem.layout.num_slots))),
-                  tuple((p, parts[p]["allreduce_ms"].plus(parts[p]["optimizer_ms"])) for p in every)),
+                  tuple((p, parts[p]["allreduce_tail_ms"].plus(parts[p]["optimizer_ms"])) for p in every)),
     )
 
 
