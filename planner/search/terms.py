@@ -398,15 +398,18 @@ def _mode_terms(tiers: MemoryTiers, mode: StateMode, copies: int,
 
 
 def _overlapped(problem: PipelineProblem, part: int) -> float:
-    """The share of a part's all-reduce bytes that the runtime reduces during its last backward (DDP's
-    overlap: StagePrediction.allreduce_overlap, which the simulator replays), taken at the configuration's
-    average part (a constant, so the objective stays linear in the cuts); 0 under ZeRO-2/3, on WPipe's
-    stashed versions and after ZB-H1's W."""
+    """The share of a part's all-reduce that the runtime hides in its last backward (DDP's overlap:
+    StagePrediction.allreduce_overlap, which the simulator replays), taken at the configuration's average
+    part (a constant, so the objective stays linear in the cuts): the buckets before the last, and no more
+    than that backward lasts; 0 under ZeRO-2/3, on WPipe's stashed versions and after ZB-H1's W."""
     if (problem.tiers.state.zero_stage >= 2 or problem.schedule.splits_backward
             or part in problem.schedule.stale_parts(problem.num_parts)):
         return 0.0
-    grad_bytes = sum(unit.grad_bytes for unit in problem.units) + sum(p.grad_bytes for p in problem.shared)
-    return overlapped_share(grad_bytes / problem.num_parts)
+    parts = problem.num_parts
+    grad_bytes = (sum(unit.grad_bytes for unit in problem.units) + sum(p.grad_bytes for p in problem.shared)) / parts
+    allreduce_ms = problem.allreduce[part].ms(grad_bytes)
+    backward_ms = sum(unit.bwd_ms for unit in problem.units) / parts
+    return min(overlapped_share(grad_bytes), backward_ms / allreduce_ms) if allreduce_ms > 0 else 0.0
 
 
 def _part_terms(problem: PipelineProblem, part: int, shared: dict[str, Term],
