@@ -299,7 +299,8 @@ def cost_model(problem: PipelineProblem) -> CostModel:
     shared = _shared_terms(problem, problem.units)
     tiled = [_tiled_terms(problem, spatial) for spatial in problem.spatial]
     states: dict[int, dict[str, Term]] = {}  # the state terms per number of copies: alike for such parts
-    parts = tuple(_part_terms(problem, part, tiled[part] if part < len(tiled) else shared, states)
+    average = _average_part(problem)
+    parts = tuple(_part_terms(problem, part, tiled[part] if part < len(tiled) else shared, states, average)
                   for part in range(problem.num_parts))
     return CostModel(problem, parts, _objective(problem, parts), _memory_rows(problem, parts),
                      _next_use(problem), _capacity_rows(problem, parts))
@@ -397,7 +398,14 @@ def _mode_terms(tiers: MemoryTiers, mode: StateMode, copies: int,
     return device, host_grads, optimizer_state, on_host.plus(paging)
 
 
-def _overlapped(problem: PipelineProblem, part: int) -> float:
+def _average_part(problem: PipelineProblem) -> tuple[float, float]:
+    """(gradient bytes, backward ms per micro-batch) of the configuration's average part."""
+    parts = problem.num_parts
+    grad_bytes = sum(unit.grad_bytes for unit in problem.units) + sum(p.grad_bytes for p in problem.shared)
+    return grad_bytes / parts, sum(unit.bwd_ms for unit in problem.units) / parts
+
+
+def _overlapped(problem: PipelineProblem, part: int, average: tuple[float, float]) -> float:
     """The share of a part's all-reduce that the runtime hides in its last backward (DDP's overlap:
     StagePrediction.allreduce_overlap, which the simulator replays), taken at the configuration's average
     part (a constant, so the objective stays linear in the cuts): the buckets before the last, and no more
@@ -405,15 +413,13 @@ def _overlapped(problem: PipelineProblem, part: int) -> float:
     if (problem.tiers.state.zero_stage >= 2 or problem.schedule.splits_backward
             or part in problem.schedule.stale_parts(problem.num_parts)):
         return 0.0
-    parts = problem.num_parts
-    grad_bytes = (sum(unit.grad_bytes for unit in problem.units) + sum(p.grad_bytes for p in problem.shared)) / parts
+    grad_bytes, backward_ms = average
     allreduce_ms = problem.allreduce[part].ms(grad_bytes)
-    backward_ms = sum(unit.bwd_ms for unit in problem.units) / parts
     return min(overlapped_share(grad_bytes), backward_ms / allreduce_ms) if allreduce_ms > 0 else 0.0
 
 
 def _part_terms(problem: PipelineProblem, part: int, shared: dict[str, Term],
-                states: dict[int, dict[str, Term]]) -> dict[str, Term]:
+                states: dict[int, dict[str, Term]], average: tuple[float, float]) -> dict[str, Term]:
     """Part ``part``'s terms: held all step, per micro-batch, its link, all-reduce and step times
     (``states`` caches the state terms by number of copies)."""
     is_first, is_last = part == 0, part == problem.num_parts - 1
@@ -440,7 +446,7 @@ def _part_terms(problem: PipelineProblem, part: int, shared: dict[str, Term],
     terms["allreduce_ms"] = dataclasses.replace(
         Term(constant=allreduce.fixed_ms).plus(shared["grad_bytes"], allreduce.ms_per_byte), family="allreduce_ms")
     terms["allreduce_tail_ms"] = dataclasses.replace(Term(constant=allreduce.fixed_ms).plus(
-        shared["grad_bytes"], allreduce.ms_per_byte * (1 - _overlapped(problem, part))), family="allreduce_tail_ms")
+        shared["grad_bytes"], allreduce.ms_per_byte * (1 - _overlapped(problem, part, average))), family="allreduce_tail_ms")
     if problem.schedule is ScheduleKind.ONE_F_ONE_B and not is_first:
         round_trip = tuple(2 * problem.links[part - 1].ms(b) for b in boundary)
         terms["round_trip_ms"] = shared["compute_ms"].plus(Term(starts_after=round_trip))
