@@ -445,8 +445,9 @@ def _part_terms(problem: PipelineProblem, part: int, shared: dict[str, Term],
     terms["send_ms"] = Term(ends_after=() if is_last else tuple(problem.links[part].ms(b) for b in boundary))
     terms["allreduce_ms"] = dataclasses.replace(
         Term(constant=allreduce.fixed_ms).plus(shared["grad_bytes"], allreduce.ms_per_byte), family="allreduce_ms")
+    hidden = _overlapped(problem, part, average)  # the share the last backward hides
     terms["allreduce_tail_ms"] = dataclasses.replace(Term(constant=allreduce.fixed_ms).plus(
-        shared["grad_bytes"], allreduce.ms_per_byte * (1 - _overlapped(problem, part, average))), family="allreduce_tail_ms")
+        shared["grad_bytes"], allreduce.ms_per_byte * (1 - hidden)), family="allreduce_tail_ms")
     if problem.schedule is ScheduleKind.ONE_F_ONE_B and not is_first:
         round_trip = tuple(2 * problem.links[part - 1].ms(b) for b in boundary)
         terms["round_trip_ms"] = shared["compute_ms"].plus(Term(starts_after=round_trip))
