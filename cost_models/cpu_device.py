@@ -92,6 +92,27 @@ def _op_overhead_us() -> float:
     return _median_seconds(batch, repeats=_REPEATS, budget_s=0.05) / calls * 1e6
 
 
+_OPTIMIZER_TENSORS = 200  # tiny tensors: a step over them is its per-tensor cost alone
+
+
+def _optimizer_tensor_us() -> dict[str, float]:
+    """Per optimizer, the measured time of one step per parameter tensor on tiny tensors (microseconds):
+    the per-tensor Python and op launches torch's single-tensor step pays on the CPU."""
+    import torch
+
+    from cost_models.memory import Optimizer
+
+    per_tensor: dict[str, float] = {}
+    for kind in Optimizer:
+        params = [torch.nn.Parameter(torch.zeros(16)) for _ in range(_OPTIMIZER_TENSORS)]
+        for param in params:
+            param.grad = torch.ones(16)
+        optimizer = kind.build(params, lr=1e-3)
+        seconds = _median_seconds(optimizer.step, repeats=_REPEATS * 3, budget_s=0.1)
+        per_tensor[kind.value] = seconds / _OPTIMIZER_TENSORS * 1e6
+    return per_tensor
+
+
 _PING_BYTES = 4 * 2**10  # small enough that its round trip is latency
 _STREAM_BYTES = 16 * 2**20  # large enough that its round trip is bandwidth
 _GLOO_TIMEOUT_S = 60
@@ -222,7 +243,7 @@ def measure_cpu_device(*, threads: int | None = None, link: LinkSpec | None = No
     """Benchmark this machine's CPU with torch (well under a second) and describe it as a DeviceSpec.
 
     Measured: fp64/fp32/fp16/bf16 matmul FLOP/s (0 where torch cannot run the dtype), copy
-    bandwidth, per-op overhead and memory size. tf32 is 0 (CPUs have no TF32 mode). The host link
+    bandwidth, per-op overhead, each optimizer's step time per parameter tensor and memory size. tf32 is 0 (CPUs have no TF32 mode). The host link
     is memcpy at the measured copy bandwidth; the intra- and inter-node links are ``link`` (what
     :func:`measure_gloo_links` measures between the runtime's CPU ranks; default a loopback memcpy,
     one machine, no network modelled), and all-reduces run as ``collective`` (its all-reduce link;
@@ -246,6 +267,7 @@ def measure_cpu_device(*, threads: int | None = None, link: LinkSpec | None = No
             bf16 = _matmul_tflops(torch.bfloat16)
             copy_gb_per_s = _copy_bandwidth_gb_per_s(mem_bytes)
             overhead_us = _op_overhead_us()
+        per_tensor_us = _optimizer_tensor_us()
     finally:
         if threads is not None:
             torch.set_num_threads(previous_threads)
@@ -273,6 +295,7 @@ def measure_cpu_device(*, threads: int | None = None, link: LinkSpec | None = No
         memory_efficiency=1.0,
         kernel_overhead_us=overhead_us,
         collective_link=collective,
+        optimizer_tensor_us=per_tensor_us,
         host_mem_bytes=mem_bytes,  # the "device" is the host: one memory (each rank's share of it)
         nvme_bytes=shutil.disk_usage(tempfile.gettempdir()).free,  # where --nvme-dir defaults to
     )

@@ -114,6 +114,11 @@ class DeviceSpec:
     ``gpus_per_node`` times it: `host_mem_bytes`, `nvme_bytes`, and `host_optimizer_params_per_s`
     (parameters per second an optimizer step on the host's cores updates; a calibration value).
     Older device files without them get the defaults below.
+
+    `optimizer_tensor_us` is, per optimizer name, the fixed time an optimizer step on the device spends
+    per parameter tensor beyond its bytes (the per-tensor Python and op launches of torch's step),
+    measured where the device is (the ``cpu`` device, ``tessera calibrate``); presets leave it empty
+    (0: torch's multi-tensor kernels on CUDA launch once for many tensors).
     """
 
     name: str
@@ -135,6 +140,7 @@ class DeviceSpec:
     nvme_bytes: int = 1_000_000_000_000
     host_optimizer_params_per_s: float = 4e8
     collective_link: LinkSpec | None = None  # how an all-reduce within a node runs, where measured (else intra_node)
+    optimizer_tensor_us: tuple[tuple[str, float], ...] = ()  # (optimizer name, us per parameter tensor)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -165,6 +171,16 @@ class DeviceSpec:
         rate = _check_number(owner, "host_optimizer_params_per_s", self.host_optimizer_params_per_s,
                              allow_zero=False)
         object.__setattr__(self, "host_optimizer_params_per_s", rate)
+        per_tensor = self.optimizer_tensor_us
+        if isinstance(per_tensor, Mapping):
+            per_tensor = tuple(sorted(per_tensor.items()))
+        if not isinstance(per_tensor, tuple) or not all(
+                isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str) for pair in per_tensor):
+            raise InvalidArgument(f"{owner}: field 'optimizer_tensor_us' must map optimizer names to microseconds, "
+                                  f"got {self.optimizer_tensor_us!r}")
+        object.__setattr__(self, "optimizer_tensor_us", tuple(
+            (name, _check_number(owner, f"optimizer_tensor_us[{name!r}]", us, allow_zero=True))
+            for name, us in per_tensor))
         for field in LINK_FIELDS:
             link = getattr(self, field)
             if link is None and field == "collective_link":
@@ -173,6 +189,11 @@ class DeviceSpec:
                 raise InvalidArgument(
                     f"{owner}: field {field!r} must be a LinkSpec, got {link!r} ({type(link).__name__})"
                 )
+
+    def optimizer_tensor_ms(self, optimizer: str) -> float:
+        """Milliseconds an optimizer step of ``optimizer`` (its plan name) spends per parameter tensor
+        beyond its bytes (0 where not measured)."""
+        return dict(self.optimizer_tensor_us).get(optimizer, 0.0) / 1e3
 
     def supported_precisions(self) -> tuple[str, ...]:
         """The precisions with a non-zero peak on this device, in `MATH_FORMATS` order."""
@@ -202,6 +223,8 @@ class DeviceSpec:
             value = getattr(self, field.name)
             if field.name == "collective_link" and value is None:
                 continue  # not measured: all-reduces run as intra_node
+            if field.name == "optimizer_tensor_us":
+                value = dict(value)
             data[field.name] = value.to_dict() if isinstance(value, LinkSpec) else value
         return data
 
@@ -230,6 +253,11 @@ class DeviceSpec:
                         f"got {value!r} ({type(value).__name__})"
                     )
                 kwargs[key] = LinkSpec.from_dict(value, where=key)
+            elif key == "optimizer_tensor_us":
+                if not isinstance(value, Mapping):
+                    raise InvalidArgument(f"key {key!r} must be an object of optimizer name: microseconds, "
+                                          f"got {value!r} ({type(value).__name__})")
+                kwargs[key] = {str(name): _expect_float(us, f"{key}.{name}") for name, us in value.items()}
             else:
                 kwargs[key] = _expect_float(value, key)
         return cls(**kwargs)
@@ -239,7 +267,7 @@ LINK_KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(LinkSpec))
 DEVICE_KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(DeviceSpec))
 LINK_FIELDS: tuple[str, ...] = ("intra_node", "inter_node", "host_link", "nvme", "collective_link")
 HOST_KEYS: frozenset[str] = frozenset({"host_mem_bytes", "nvme_bytes", "host_optimizer_params_per_s",
-                                       "collective_link"})
+                                       "collective_link", "optimizer_tensor_us"})
 
 
 def _check_keys(data: Mapping[str, Any], expected: tuple[str, ...], where: str,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 from cost_models.errors import InvalidArgument
 
@@ -60,6 +61,19 @@ class Optimizer(str, Enum):
     def state_count(self) -> int:
         """Optimizer state tensors kept per parameter tensor."""
         return {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}[self.value]
+
+    def build(self, params: list, lr: float) -> Any:
+        """The torch optimizer this name means over ``params`` (momentum: SGD with momentum 0.9); what the
+        runtime steps and what the measured devices time."""
+        import torch
+
+        if self is Optimizer.SGD:
+            return torch.optim.SGD(params, lr=lr)
+        if self is Optimizer.MOMENTUM:
+            return torch.optim.SGD(params, lr=lr, momentum=0.9)
+        if self is Optimizer.ADAM:
+            return torch.optim.Adam(params, lr=lr)
+        return torch.optim.AdamW(params, lr=lr)
 
 
 def get_precision(name: "str | Precision") -> Precision:

@@ -27,7 +27,7 @@ from cost_models.errors import ProfileError
 if TYPE_CHECKING:
     from cost_models.graph.ir import LayerGraph
 
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2  # 2: node times scaled to the whole graph's measured forward and backward
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,11 @@ def profile(model: nn.Module, example_inputs: torch.Tensor | Sequence[torch.Tens
     ``device`` is where to measure: ``"cpu"``, ``"cuda"``/``"cuda:N"``, or a GPU preset name
     (measured on the local GPU, labelled with the preset). The model and inputs must already
     live there. Each node runs ``warmup`` + ``repeats`` times on its real inputs; the median is
-    kept. With ``cache_dir`` the timings are stored as JSON keyed by graph fingerprint, device
+    kept. A node timed alone misses what it costs inside the whole pass (caches, the autograd
+    engine's work between nodes, on CUDA the launch queue instead of a synchronisation per node), so
+    the whole graph's forward and backward are timed too and each node's times are scaled so that
+    they sum to them: the node keeps its share, the total is what a stage really runs. With
+    ``cache_dir`` the timings are stored as JSON keyed by graph fingerprint, device
     and dtype, and reused unless ``refresh``. Memory columns come from the fake-tensor
     measurement; on CUDA each node's measured forward peak is recorded too.
 
@@ -169,7 +173,7 @@ def _model_dtype(model: nn.Module) -> str:
 
 
 class _NodeProfiler:
-    """Runs the graph once, timing each node in isolation on its real inputs."""
+    """Times each node in isolation on its real inputs, then scales the times to the whole graph's."""
 
     def __init__(self, module: torch.fx.GraphModule, device: torch.device, warmup: int,
                  repeats: int) -> None:
@@ -181,7 +185,9 @@ class _NodeProfiler:
     def run(self, inputs: tuple[torch.Tensor, ...]) -> dict[str, NodeTiming]:
         buffers = {name: b.detach().clone() for name, b in self.module.named_buffers()}
         try:
-            return self._run(inputs)
+            alone = self._run(inputs)
+            whole_fwd_ms, whole_bwd_ms = self._whole_graph_ms(inputs)
+            return in_context(alone, whole_fwd_ms, whole_bwd_ms)
         finally:
             with torch.no_grad():
                 for name, b in self.module.named_buffers():
@@ -199,6 +205,21 @@ class _NodeProfiler:
             elif node.op != "output":
                 env[node.name], timings[node.name] = self._time_node(node, env)
         return timings
+
+    def _whole_graph_ms(self, inputs: tuple[torch.Tensor, ...]) -> tuple[float, float]:
+        """Median milliseconds of the whole graph's forward and of its backward into the weights."""
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        fwd_samples, bwd_samples = [], []
+        for _ in range(self.warmup + self.repeats):
+            elapsed, output, _ = self._timed(lambda: self.module(*inputs))
+            fwd_samples.append(elapsed)
+            targets = [t for t in tensor_leaves(output) if t.requires_grad and t.is_floating_point()]
+            if targets and params:
+                grads = [torch.ones_like(t) for t in targets]
+                bwd_samples.append(self._timed(lambda targets=targets, grads=grads: torch.autograd.grad(
+                    targets, params, grads, allow_unused=True))[0])
+        return (statistics.median(fwd_samples[self.warmup:]),
+                statistics.median(bwd_samples[self.warmup:]) if bwd_samples else 0.0)
 
     def _time_node(self, node: torch.fx.Node, env: dict[str, Any]) -> tuple[Any, NodeTiming]:
         function, params = _real_callable(node, self.module)
@@ -234,6 +255,22 @@ class _NodeProfiler:
         torch.cuda.synchronize(self.device)
         elapsed = (time.perf_counter() - start) * 1e3
         return elapsed, result, torch.cuda.max_memory_allocated(self.device) - base
+
+
+def in_context(alone: dict[str, NodeTiming], whole_fwd_ms: float, whole_bwd_ms: float) -> dict[str, NodeTiming]:
+    """Node times measured alone, scaled so that they sum to the whole graph's measured forward and
+    backward (each node keeps its share of each).
+
+    >>> scaled = in_context({"a": NodeTiming(1.0, 2.0), "b": NodeTiming(3.0, 0.0)}, 8.0, 1.0)
+    >>> scaled["a"].fwd_ms, scaled["b"].fwd_ms, scaled["a"].bwd_ms, scaled["b"].bwd_ms
+    (2.0, 6.0, 1.0, 0.0)
+    """
+    fwd_total = sum(t.fwd_ms for t in alone.values())
+    bwd_total = sum(t.bwd_ms for t in alone.values())
+    fwd_scale = whole_fwd_ms / fwd_total if fwd_total > 0 else 1.0
+    bwd_scale = whole_bwd_ms / bwd_total if bwd_total > 0 and whole_bwd_ms > 0 else 1.0
+    return {name: dataclasses.replace(t, fwd_ms=t.fwd_ms * fwd_scale, bwd_ms=t.bwd_ms * bwd_scale)
+            for name, t in alone.items()}
 
 
 def _real_callable(node: torch.fx.Node, module: torch.fx.GraphModule) -> tuple[Callable[..., Any], list]:

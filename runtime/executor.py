@@ -41,7 +41,7 @@ from planner.preflight import programs
 from planner.schedules import Action, ActionKind
 from planner.schedules.periods import Periods
 from runtime.checks import segments as grouped
-from runtime.comm import P2P, Message, wait_for
+from runtime.comm import GLOO_RECEIVES_AHEAD, P2P, InFlight, Message, ReceivesAhead, wait_for
 from runtime.dataflow import SourceKind
 from runtime.grads import GradientSync, OverlappedReduce
 from runtime.launch import join_group
@@ -116,6 +116,7 @@ class Executor:
         self.stages, self.groups, self.swaps = ready.stages, ready.groups, ready.swaps
         self.mixed, self.tiled = ready.mixed, ready.tiled
         self.p2p = P2P(None, self.device, timeout_s)
+        self._receives_ahead = GLOO_RECEIVES_AHEAD if self.device.type == "cpu" else 0
         self.sync = GradientSync(self.device, timeout_s)
         self.periods = Periods.of(programs(plan))
         stale = plan.schedule.kind.stale_parts(plan.layout.num_parts)
@@ -234,9 +235,13 @@ class Executor:
     def _execute(self, segments: Sequence[Action | tuple[Action, ...]], state: StepState) -> float:
         """Run ``segments`` on ``state``; returns the seconds spent in compute actions."""
         busy_s = 0.0
-        for segment in segments:
+        ahead = ReceivesAhead(segments, self._receives_ahead)
+        posted: dict[int, tuple[list[list[Message]], list[InFlight]]] = {}
+        self._post_receives(ahead.due(-1), segments, state, posted)
+        for index, segment in enumerate(segments):
             if isinstance(segment, tuple):
-                self._communicate(segment, state)
+                self._communicate(segment, state, posted.pop(index, None))
+                self._post_receives(ahead.due(index), segments, state, posted)
             else:
                 began = time.perf_counter()
                 getattr(self, _HANDLERS[segment.kind])(segment, state)
@@ -449,12 +454,30 @@ class Executor:
         self.swaps.prefetch((action.stage, action.microbatch))
 
     # ---------------------------------------------------------- communication
-    def _communicate(self, actions: tuple[Action, ...], state: StepState) -> None:
-        per_action = [self._messages(action, state) for action in actions]
-        self.p2p.exchange([message for messages in per_action for message in messages])
-        for action, messages in zip(actions, per_action):
-            if action.kind.is_recv:
-                self._deliver(action, messages, state)
+    def _communicate(self, actions: tuple[Action, ...], state: StepState,
+                     early: tuple[list[list[Message]], list[InFlight]] | None = None) -> None:
+        """Post the run's messages in one batch and deliver its receives (``early``: the receives, already
+        posted, and their transfers)."""
+        receives = [action for action in actions if action.kind.is_recv]
+        if early is None:
+            per_action = [self._messages(action, state) for action in actions]
+            self.p2p.exchange([message for messages in per_action for message in messages])
+            received = [messages for action, messages in zip(actions, per_action) if action.kind.is_recv]
+        else:
+            received, transfers = early
+            sends = [message for action in actions if action.kind.is_send for message in self._messages(action, state)]
+            self.p2p.wait([*transfers, *self.p2p.post(sends)])
+        for action, messages in zip(receives, received):
+            self._deliver(action, messages, state)
+
+    def _post_receives(self, runs: list[int], segments: Sequence[Action | tuple[Action, ...]], state: StepState,
+                       posted: dict[int, tuple[list[list[Message]], list[InFlight]]]) -> None:
+        """Post the receives of ``runs`` (indices of ``segments``) now, ahead of their place in the program."""
+        for index in runs:
+            run = segments[index]
+            assert isinstance(run, tuple)
+            per_action = [self._messages(action, state) for action in run if action.kind.is_recv]
+            posted[index] = per_action, self.p2p.post([message for messages in per_action for message in messages])
 
     def _messages(self, action: Action, state: StepState) -> list[Message]:
         """The action's messages: one per peer rank (a spatial peer's tiles: one per tile, in tile order;
@@ -504,16 +527,16 @@ class Executor:
 
     def _message(self, action: Action, peer_rank: int, state: StepState) -> Message:
         assert action.peer is not None and action.microbatch is not None
-        micro = state.micro(action.stage, action.microbatch)
         mine = self.tiled.get(action.stage)  # this rank holds one tile of its stage's values
         kind = action.kind
         if kind is ActionKind.SEND_F:
             names = self.flow.travelling(self._parts(action.stage, action.peer))
+            micro = state.micro(action.stage, action.microbatch)
             tensors = [micro.env[n].detach().contiguous() if mine else
                        self.flow.specs[n].encode(micro.env[n], self.device) for n in names]
         elif kind is ActionKind.SEND_B:
             names = self.flow.gradients(self._parts(action.peer, action.stage))
-            tensors = [micro.input_grads.pop(n).contiguous() for n in names]
+            tensors = [state.micro(action.stage, action.microbatch).input_grads.pop(n).contiguous() for n in names]
         elif kind is ActionKind.RECV_F:
             names = self.flow.travelling(self._parts(action.peer, action.stage))
             tensors = [self.flow.specs[n].empty(self.device) for n in names]

@@ -22,12 +22,6 @@ def optimizer_factory(name: str | Optimizer, lr: float | None = None) -> Optimiz
     rate = DEFAULT_LR[kind] if lr is None else lr
 
     def make(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-        if kind is Optimizer.SGD:
-            return torch.optim.SGD(params, lr=rate)
-        if kind is Optimizer.MOMENTUM:
-            return torch.optim.SGD(params, lr=rate, momentum=0.9)
-        if kind is Optimizer.ADAM:
-            return torch.optim.Adam(params, lr=rate)
-        return torch.optim.AdamW(params, lr=rate)
+        return kind.build(params, rate)
 
     return make

@@ -55,6 +55,7 @@ class Unit:
     offloadable_bytes: int = 0  # of activation_bytes: what its nodes save (the loss's share excluded)
     input_bytes: int = 0  # what a checkpoint of this unit keeps: the activations alive where it starts
     weight_grad_ms: float = 0.0  # of bwd_ms: its parameters' gradients (a split backward's W; NodeCost)
+    param_tensors: int = 0  # parameter tensors among them (an optimizer step pays a fixed time per tensor)
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class SharedParam:
     weight_bytes: int = 0
     optimizer_bytes: int = 0
     param_numel: int = 0
+    param_tensors: int = 0
 
 
 @dataclass(frozen=True)
@@ -155,6 +157,7 @@ class MemoryTiers:
     nvme_bytes: int  # per node
     gpus_per_node: int
     host_master_bytes_per_param: int = 0  # a master copy the host step needs where the precision has none
+    device_step_ms_per_tensor: float = 0.0  # and per parameter tensor (DeviceSpec.optimizer_tensor_ms)
 
     @property
     def activations(self) -> bool:
@@ -338,6 +341,7 @@ class _ParamState:
     weight_bytes: int
     optimizer_bytes: int
     numel: int
+    tensors: int  # 1 for a parameter the optimizer steps, 0 for a buffer
 
 
 def _crossing_bytes(graph: LayerGraph, table: CostTable) -> list[int]:
@@ -414,15 +418,15 @@ def _param_users(graph: LayerGraph, groups: list[list[str]]) -> dict[str, set[in
 
 def _shared_param(name: str, state: _ParamState) -> SharedParam:
     return SharedParam(name, state.state_bytes, state.grad_bytes, state.weight_bytes, state.optimizer_bytes,
-                       state.numel)
+                       state.numel, state.tensors)
 
 
 def _param_state(graph: LayerGraph, name: str, precision: Precision, optimizer: Optimizer) -> _ParamState:
     info = graph.parameter(name)
     if info.is_buffer:
-        return _ParamState(info.nbytes, 0, 0, 0, 0)
+        return _ParamState(info.nbytes, 0, 0, 0, 0, 0)
     state = model_state_bytes(info.numel, precision, optimizer)
-    return _ParamState(state.total_bytes, state.grad_bytes, state.param_bytes, state.optimizer_bytes, info.numel)
+    return _ParamState(state.total_bytes, state.grad_bytes, state.param_bytes, state.optimizer_bytes, info.numel, 1)
 
 
 def _loss_bytes(graph: LayerGraph, table: CostTable, names: list[str]) -> int:
@@ -459,6 +463,7 @@ def _unit(graph: LayerGraph, table: CostTable, names: list[str], precision: Prec
         offloadable_bytes=saved,
         input_bytes=min(saved, crossing_before),
         weight_grad_ms=sum(c.weight_grad_ms for c in costs),
+        param_tensors=sum(p.tensors for p in state),
     )
 
 
@@ -474,6 +479,7 @@ def memory_tiers(device: DeviceSpec, space: SearchSpace, state: StateMode, *, ac
         swap=activations and Offload.SWAP in space.offload, state=state, host_link=host_link, nvme_link=nvme_link,
         host_step_ms_per_param=1e3 / device.host_optimizer_params_per_s,
         device_step_ms_per_byte=device_ms_per_byte,
+        device_step_ms_per_tensor=device.optimizer_tensor_ms(space.optimizer.value),
         host_grad_bytes_per_param=space.precision.state_itemsize,
         host_master_bytes_per_param=0 if space.precision.master_weights else space.precision.state_itemsize,
         host_mem_bytes=space.host_mem_bytes if space.host_mem_bytes is not None else device.host_mem_bytes * per_node,

@@ -55,6 +55,7 @@ FIELD_NAMES = {
     "nvme_bytes",
     "host_optimizer_params_per_s",
     "collective_link",
+    "optimizer_tensor_us",
 }
 
 
@@ -336,3 +337,14 @@ def test_the_gloo_link_and_all_reduce_between_two_local_processes_are_measured()
     assert cpu.collective_link == collective and type(cpu).from_dict(cpu.to_dict()) == cpu
     assert allreduce_link(cpu, [0, 1], gpus_per_node=2) == collective  # all-reduces in the node: the collective
     assert allreduce_link(dataclasses.replace(cpu, collective_link=None), [0, 1], gpus_per_node=2) == link
+
+
+def test_the_cpu_device_times_each_optimizers_step_per_parameter_tensor() -> None:
+    """Every optimizer the plans name is timed; Adam's step runs several ops per tensor where SGD runs one."""
+    cpu = devices.measure_cpu_device(threads=1)
+    per_tensor = dict(cpu.optimizer_tensor_us)
+    assert set(per_tensor) == {"sgd", "momentum", "adam", "adamw"}
+    assert all(0 < us < 1000 for us in per_tensor.values())
+    assert per_tensor["sgd"] < per_tensor["adam"]
+    assert cpu.optimizer_tensor_ms("adam") == per_tensor["adam"] / 1e3
+    assert dataclasses.replace(cpu, optimizer_tensor_us=()).optimizer_tensor_ms("adam") == 0.0

@@ -78,3 +78,14 @@ def test_meta_models_cannot_be_profiled() -> None:
 def test_gpu_profile_without_cuda_is_a_clear_error() -> None:
     with pytest.raises(ProfileError, match="CUDA is not available"):
         profile(resnet50(width=8, device="cpu"), (torch.randn(2, 3, 32, 32),), "A100-80GB")
+
+
+def test_node_times_are_scaled_to_the_whole_graph_keeping_each_nodes_share() -> None:
+    """Alone, a: 1 ms forward and 2 ms backward, b: 3 ms and none; the whole graph measured 8 ms forward and
+    1 ms backward: a takes a quarter of the forward (2 ms) and all of the backward, b stays without one."""
+    from cost_models.profiling import NodeTiming, in_context
+
+    scaled = in_context({"a": NodeTiming(1.0, 2.0), "b": NodeTiming(3.0, 0.0)}, 8.0, 1.0)
+    assert scaled == {"a": NodeTiming(2.0, 1.0), "b": NodeTiming(6.0, 0.0)}
+    # a graph without a backward keeps its node times' backward as measured alone (nothing to scale to)
+    assert in_context({"a": NodeTiming(1.0, 2.0)}, 1.0, 0.0) == {"a": NodeTiming(1.0, 2.0)}

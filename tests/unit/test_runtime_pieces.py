@@ -250,3 +250,26 @@ def test_the_run_report_keeps_swapped_bytes_and_reads_reports_without_them(plan:
     assert RunReport.from_dict(json.loads(json.dumps(report.to_dict()))).host_swap_bytes == (655360, 0, 786432, 0)
     older = {key: value for key, value in report.to_dict().items() if key != "host_swap_bytes"}
     assert RunReport.from_dict(older).host_swap_bytes == ()
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"])
+def test_receives_posted_one_run_ahead_keep_program_order_and_precede_their_run(kind: str) -> None:
+    """Replaying the executor's loop over each rank's lowered program: every run with receives after the
+    first is posted before the program reaches it (one run ahead), no run is posted twice, and the
+    receives are posted in program order (what keeps each channel matching its sends)."""
+    from planner.schedules import generate, lower
+    from runtime.comm import GLOO_RECEIVES_AHEAD, ReceivesAhead
+
+    schedule = generate(kind, 4, 8)
+    edges = {(p, p + 1) for p in range(schedule.layout.num_parts - 1)}
+    for program in schedule.layout.rank_programs(lower(schedule.programs, schedule.layout, edges)):
+        segments = checks.segments(program)
+        ahead = ReceivesAhead(segments, GLOO_RECEIVES_AHEAD)
+        posted = list(ahead.due(-1))
+        for index, segment in enumerate(segments):
+            if isinstance(segment, tuple) and any(a.kind.is_recv for a in segment):
+                assert index in posted, f"run {index} reached before its receives were posted"
+            if isinstance(segment, tuple):
+                posted += ahead.due(index)
+        assert posted == ahead.runs  # each run once, in program order
+    assert ReceivesAhead(segments, 0).due(-1) == [] and ReceivesAhead(segments, 0).due(len(segments)) == []
