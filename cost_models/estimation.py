@@ -173,9 +173,10 @@ def _node_cost(graph: LayerGraph, node: LayerNode, device: DeviceSpec, precision
 
 
 def _output_bytes(node: LayerNode, precision: Precision, scale: float) -> int:
-    """Output bytes at the scaled batch; weights read through get_attr do not scale."""
-    nbytes = sum(rescale_bytes(meta.nbytes, meta.dtype, precision) for meta in node.outputs)
-    return nbytes if node.kind is NodeKind.PARAM else round(nbytes * scale)
+    """Output bytes at the scaled batch; weights read through get_attr and Python values do not scale."""
+    fixed = sum(meta.nbytes for meta in node.outputs if meta.python)
+    nbytes = sum(rescale_bytes(meta.nbytes, meta.dtype, precision) for meta in node.outputs if not meta.python)
+    return fixed + (nbytes if node.kind is NodeKind.PARAM else round(nbytes * scale))
 
 
 def _param_bytes(graph: LayerGraph, name: str, precision: Precision) -> int:

@@ -164,14 +164,18 @@ def _transfers(best: Candidate, graph: LayerGraph, part_nodes: list[tuple[str, .
     """Bytes each stage sends each later stage per micro-batch (skip connections included), per model copy."""
     part_of = {name: index for index, names in enumerate(part_nodes) for name in names}
     sent: dict[tuple[int, int], int] = {}
+    grads: dict[tuple[int, int], int] = {}  # of those, the values whose gradient comes back
     for node in graph:
         if node.kind is NodeKind.PARAM:
             continue
+        nbytes = best.setup.table[node.name].output_bytes
+        carries_grad = bool(node.outputs) and all(meta.requires_grad for meta in node.outputs)
         for target in {part_of[user] for user in graph.users[node.name]} - {part_of[node.name]}:
             edge = (part_of[node.name], target)
-            sent[edge] = sent.get(edge, 0) + best.setup.table[node.name].output_bytes
+            sent[edge] = sent.get(edge, 0) + nbytes
+            grads[edge] = grads.get(edge, 0) + (nbytes if carries_grad else 0)
     layout, links = best.setup.schedule.layout, best.setup.problem.links
-    return tuple(Transfer(src_stage, dst_stage, nbytes, links[src].ms(nbytes))
+    return tuple(Transfer(src_stage, dst_stage, nbytes, links[src].ms(nbytes), grads[(src, dst)])
                  for (src, dst), nbytes in sorted(sent.items())
                  for src_stage, dst_stage in zip(layout.stages_of_part(src), layout.stages_of_part(dst)))
 

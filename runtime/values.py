@@ -17,7 +17,7 @@ import torch
 import torch.fx
 
 from cost_models.errors import RuntimeSetupError
-from cost_models.graph.shapes import propagate
+from cost_models.graph.shapes import SCALAR_WIRE_DTYPES, propagate
 
 
 class ValueKind(str, Enum):
@@ -30,7 +30,8 @@ class ValueKind(str, Enum):
     OTHER = "other"  # cannot cross a stage boundary
 
 
-_SCALAR_DTYPES = {ValueKind.INT: torch.int64, ValueKind.FLOAT: torch.float64, ValueKind.BOOL: torch.bool}
+_SCALAR_DTYPES = {ValueKind.INT: SCALAR_WIRE_DTYPES[int], ValueKind.FLOAT: SCALAR_WIRE_DTYPES[float],
+                  ValueKind.BOOL: SCALAR_WIRE_DTYPES[bool]}
 
 
 @dataclass(frozen=True)

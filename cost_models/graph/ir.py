@@ -29,14 +29,16 @@ class TensorMeta:
     dtype: str
     nbytes: int
     requires_grad: bool = False
+    python: bool = False  # a Python scalar or tuple of ints, as the tensor it crosses a cut as: fixed size
 
     def to_dict(self) -> dict[str, Any]:
         return {"shape": list(self.shape), "dtype": self.dtype, "nbytes": self.nbytes,
-                "requires_grad": self.requires_grad}
+                "requires_grad": self.requires_grad, "python": self.python}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "TensorMeta":
-        return cls(tuple(data["shape"]), data["dtype"], data["nbytes"], data["requires_grad"])
+        return cls(tuple(data["shape"]), data["dtype"], data["nbytes"], data["requires_grad"],
+                   bool(data.get("python", False)))
 
 
 @dataclass(frozen=True)
@@ -138,7 +140,7 @@ class LayerNode:
     @property
     def output_shape(self) -> tuple[int, ...] | None:
         """Shape of the first tensor output (None when the node produces no tensor)."""
-        return self.outputs[0].shape if self.outputs else None
+        return next((meta.shape for meta in self.outputs if not meta.python), None)
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "kind": self.kind.value, "target": self.target,

@@ -47,8 +47,21 @@ def node_outputs(module: torch.fx.GraphModule, values: Mapping[str, Any]
             for node in module.graph.nodes}
 
 
+SCALAR_WIRE_DTYPES: dict[type, torch.dtype] = {bool: torch.bool, int: torch.int64, float: torch.float64}
+"""The tensor a Python scalar (or, for int, each element of a tuple of ints such as torch.Size) crosses a
+stage boundary as (runtime/values.py sends them so; the cost model counts their bytes from it)."""
+
+
 def tensor_metas(value: Any) -> tuple[TensorMeta, ...]:
-    """Shape, dtype, logical size and requires_grad of every tensor inside ``value``."""
+    """Shape, dtype, logical size and requires_grad of every tensor inside ``value``; a Python scalar or a
+    tuple of ints (a value that can cross a stage boundary) as the tensor it travels as."""
+    python = type(value) in SCALAR_WIRE_DTYPES or (isinstance(value, tuple) and bool(value)
+                                                   and all(type(v) is int for v in value))
+    if python:
+        wire = (torch.empty((), dtype=SCALAR_WIRE_DTYPES[type(value)]) if type(value) in SCALAR_WIRE_DTYPES
+                else torch.empty(len(value), dtype=torch.int64))
+        return (TensorMeta(tuple(wire.shape), dtype_name(wire.dtype), wire.numel() * wire.element_size(),
+                           python=True),)
     return tuple(TensorMeta(tuple(t.shape), dtype_name(t.dtype), t.numel() * t.element_size(),
                             t.requires_grad) for t in tensor_leaves(value))
 

@@ -257,17 +257,22 @@ class StagePlan:
 
 @dataclass(frozen=True)
 class Transfer:
-    """Activations one stage sends another per micro-batch (gradients return the same size)."""
+    """Activations one stage sends another per micro-batch, and the bytes of their gradients coming back
+    (the values that carry one: not Python ints or integer tensors)."""
 
     src_stage: int
     dst_stage: int
     nbytes: int
     ms: float
+    grad_nbytes: int
 
     @classmethod
     def from_dict(cls, data: Any, path: str) -> Transfer:
+        if isinstance(data, Mapping) and "grad_nbytes" not in data:  # a plan file from before it was recorded
+            data = {**data, "grad_nbytes": data.get("nbytes")}
         return codec.fields(cls, data, path, {"src_stage": codec.integer, "dst_stage": codec.integer,
-                                              "nbytes": codec.integer, "ms": codec.number})
+                                              "nbytes": codec.integer, "ms": codec.number,
+                                              "grad_nbytes": codec.integer})
 
 
 @dataclass(frozen=True)

@@ -83,3 +83,17 @@ def test_describing_a_real_model_leaves_its_buffers_as_they_were() -> None:
     before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     value_specs(traced, [((1, 3, 64, 64), torch.float32)], 2)
     assert all(torch.equal(before[name], tensor) for name, tensor in model.state_dict().items())
+
+
+def test_the_plans_transfer_bytes_are_the_runtimes_wire_bytes_python_ints_included() -> None:
+    """Cut inside attention, GPT's head count and sizes cross as Python ints: the plan's transfer counts each
+    as the int64 tensor the runtime sends, and its gradient bytes only the values whose gradient returns."""
+    plan = Plan.from_dict(json.loads(make_plan(GPT, ["blocks_0_attn_qkv"], schedule="gpipe")))
+    flow = _flow(plan.to_json())
+    wire = {name: flow.specs[name].empty(torch.device("cpu")) for name in flow.travelling((0, 1))}
+    assert any(flow.specs[name].kind is not ValueKind.TENSOR for name in wire)  # ints do cross this cut
+    [transfer] = plan.transfers
+    assert transfer.nbytes == sum(t.numel() * t.element_size() for t in wire.values())
+    assert transfer.grad_nbytes == sum(wire[name].numel() * wire[name].element_size()
+                                       for name in flow.gradients((0, 1)))
+    assert transfer.grad_nbytes < transfer.nbytes
