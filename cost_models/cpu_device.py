@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from cost_models.device_spec import BYTES_PER_GB, DeviceSpec, LinkSpec
+from cost_models.device_spec import BYTES_PER_GB, DeviceSpec, LinkSpec, OptimizerStepCost
 from cost_models.errors import InvalidArgument
 from cost_models.presets import NVME_GEN3_X4
 
@@ -93,24 +93,40 @@ def _op_overhead_us() -> float:
 
 
 _OPTIMIZER_TENSORS = 200  # tiny tensors: a step over them is its per-tensor cost alone
+_OPTIMIZER_PARAMS = 2**21  # one large tensor: a step over it is its per-parameter cost
 
 
-def _optimizer_tensor_us() -> dict[str, float]:
-    """Per optimizer, the measured time of one step per parameter tensor on tiny tensors (microseconds):
-    the per-tensor Python and op launches torch's single-tensor step pays on the CPU."""
+def _optimizer_steps() -> dict[str, OptimizerStepCost]:
+    """Per optimizer, its step timed on many tiny tensors (the per-tensor Python and op launches torch's
+    single-tensor step pays on the CPU) and on one large tensor (the passes over its state, out of cache)."""
     import torch
 
     from cost_models.memory import Optimizer
 
-    per_tensor: dict[str, float] = {}
-    for kind in Optimizer:
-        params = [torch.nn.Parameter(torch.zeros(16)) for _ in range(_OPTIMIZER_TENSORS)]
-        for param in params:
-            param.grad = torch.ones(16)
+    evict = torch.empty(_COPY_MAX_BYTES // 4)
+
+    def step_s(kind: Optimizer, shapes: list[int]) -> float:
+        """Median time of a step and its zero_grad (what the runtime runs), from a cold cache (in a training
+        step the backward has just evicted the state)."""
+        params = [torch.nn.Parameter(torch.zeros(numel)) for numel in shapes]
         optimizer = kind.build(params, lr=1e-3)
-        seconds = _median_seconds(optimizer.step, repeats=_REPEATS * 3, budget_s=0.1)
-        per_tensor[kind.value] = seconds / _OPTIMIZER_TENSORS * 1e6
-    return per_tensor
+        samples = []
+        for _ in range(_REPEATS * 3 + 1):  # the first creates the state
+            for param in params:
+                param.grad = torch.ones_like(param)
+            evict.fill_(1.0)
+            start = time.perf_counter()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples[1:])
+
+    steps = {}
+    for kind in Optimizer:
+        per_tensor_s = step_s(kind, [16] * _OPTIMIZER_TENSORS) / _OPTIMIZER_TENSORS
+        per_param_s = max(step_s(kind, [_OPTIMIZER_PARAMS]) - per_tensor_s, 0.0) / _OPTIMIZER_PARAMS
+        steps[kind.value] = OptimizerStepCost(per_tensor_s * 1e6, per_param_s * 1e9)
+    return steps
 
 
 _PING_BYTES = 4 * 2**10  # small enough that its round trip is latency
@@ -243,7 +259,8 @@ def measure_cpu_device(*, threads: int | None = None, link: LinkSpec | None = No
     """Benchmark this machine's CPU with torch (well under a second) and describe it as a DeviceSpec.
 
     Measured: fp64/fp32/fp16/bf16 matmul FLOP/s (0 where torch cannot run the dtype), copy
-    bandwidth, per-op overhead, each optimizer's step time per parameter tensor and memory size. tf32 is 0 (CPUs have no TF32 mode). The host link
+    bandwidth, per-op overhead, each optimizer's step per parameter tensor and per parameter, and memory
+    size. tf32 is 0 (CPUs have no TF32 mode). The host link
     is memcpy at the measured copy bandwidth; the intra- and inter-node links are ``link`` (what
     :func:`measure_gloo_links` measures between the runtime's CPU ranks; default a loopback memcpy,
     one machine, no network modelled), and all-reduces run as ``collective`` (its all-reduce link;
@@ -267,7 +284,7 @@ def measure_cpu_device(*, threads: int | None = None, link: LinkSpec | None = No
             bf16 = _matmul_tflops(torch.bfloat16)
             copy_gb_per_s = _copy_bandwidth_gb_per_s(mem_bytes)
             overhead_us = _op_overhead_us()
-        per_tensor_us = _optimizer_tensor_us()
+        optimizer_steps = _optimizer_steps()
     finally:
         if threads is not None:
             torch.set_num_threads(previous_threads)
@@ -295,7 +312,7 @@ def measure_cpu_device(*, threads: int | None = None, link: LinkSpec | None = No
         memory_efficiency=1.0,
         kernel_overhead_us=overhead_us,
         collective_link=collective,
-        optimizer_tensor_us=per_tensor_us,
+        optimizer_steps=optimizer_steps,
         host_mem_bytes=mem_bytes,  # the "device" is the host: one memory (each rank's share of it)
         nvme_bytes=shutil.disk_usage(tempfile.gettempdir()).free,  # where --nvme-dir defaults to
     )

@@ -94,6 +94,18 @@ class LinkSpec:
 
 
 @dataclass(frozen=True)
+class OptimizerStepCost:
+    """An optimizer step measured on a device: a fixed time per parameter tensor (torch's per-tensor Python
+    and op launches) and a time per parameter (the passes its ops make over the parameter's state)."""
+
+    us_per_tensor: float
+    ns_per_param: float
+
+    def ms(self, tensors: float, params: float) -> float:
+        return tensors * self.us_per_tensor / 1e3 + params * self.ns_per_param / 1e6
+
+
+@dataclass(frozen=True)
 class DeviceSpec:
     """One accelerator (or the host CPU) as the cost models see it.
 
@@ -115,10 +127,10 @@ class DeviceSpec:
     (parameters per second an optimizer step on the host's cores updates; a calibration value).
     Older device files without them get the defaults below.
 
-    `optimizer_tensor_us` is, per optimizer name, the fixed time an optimizer step on the device spends
-    per parameter tensor beyond its bytes (the per-tensor Python and op launches of torch's step),
-    measured where the device is (the ``cpu`` device, ``tessera calibrate``); presets leave it empty
-    (0: torch's multi-tensor kernels on CUDA launch once for many tensors).
+    `optimizer_steps` gives, per optimizer name, what a step of torch's optimizer measured on the device
+    costs (:class:`OptimizerStepCost`: per parameter tensor and per parameter), where measured (the
+    ``cpu`` device); without it a step is costed from the bytes it reads and writes at the memory
+    bandwidth (presets: torch's multi-tensor kernels on CUDA launch once for many tensors).
     """
 
     name: str
@@ -140,7 +152,7 @@ class DeviceSpec:
     nvme_bytes: int = 1_000_000_000_000
     host_optimizer_params_per_s: float = 4e8
     collective_link: LinkSpec | None = None  # how an all-reduce within a node runs, where measured (else intra_node)
-    optimizer_tensor_us: tuple[tuple[str, float], ...] = ()  # (optimizer name, us per parameter tensor)
+    optimizer_steps: tuple[tuple[str, OptimizerStepCost], ...] = ()  # (optimizer name, its measured step)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -171,16 +183,14 @@ class DeviceSpec:
         rate = _check_number(owner, "host_optimizer_params_per_s", self.host_optimizer_params_per_s,
                              allow_zero=False)
         object.__setattr__(self, "host_optimizer_params_per_s", rate)
-        per_tensor = self.optimizer_tensor_us
-        if isinstance(per_tensor, Mapping):
-            per_tensor = tuple(sorted(per_tensor.items()))
-        if not isinstance(per_tensor, tuple) or not all(
-                isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str) for pair in per_tensor):
-            raise InvalidArgument(f"{owner}: field 'optimizer_tensor_us' must map optimizer names to microseconds, "
-                                  f"got {self.optimizer_tensor_us!r}")
-        object.__setattr__(self, "optimizer_tensor_us", tuple(
-            (name, _check_number(owner, f"optimizer_tensor_us[{name!r}]", us, allow_zero=True))
-            for name, us in per_tensor))
+        steps = self.optimizer_steps
+        if isinstance(steps, Mapping):
+            steps = tuple(sorted(steps.items()))
+        if not isinstance(steps, tuple) or not all(isinstance(pair, tuple) and len(pair) == 2 and isinstance(
+                pair[0], str) and isinstance(pair[1], OptimizerStepCost) for pair in steps):
+            raise InvalidArgument(f"{owner}: field 'optimizer_steps' must map optimizer names to "
+                                  f"OptimizerStepCost, got {self.optimizer_steps!r}")
+        object.__setattr__(self, "optimizer_steps", steps)
         for field in LINK_FIELDS:
             link = getattr(self, field)
             if link is None and field == "collective_link":
@@ -190,10 +200,9 @@ class DeviceSpec:
                     f"{owner}: field {field!r} must be a LinkSpec, got {link!r} ({type(link).__name__})"
                 )
 
-    def optimizer_tensor_ms(self, optimizer: str) -> float:
-        """Milliseconds an optimizer step of ``optimizer`` (its plan name) spends per parameter tensor
-        beyond its bytes (0 where not measured)."""
-        return dict(self.optimizer_tensor_us).get(optimizer, 0.0) / 1e3
+    def optimizer_step(self, optimizer: str) -> OptimizerStepCost | None:
+        """The measured step of ``optimizer`` (its plan name) on this device, or None where not measured."""
+        return dict(self.optimizer_steps).get(optimizer)
 
     def supported_precisions(self) -> tuple[str, ...]:
         """The precisions with a non-zero peak on this device, in `MATH_FORMATS` order."""
@@ -223,8 +232,8 @@ class DeviceSpec:
             value = getattr(self, field.name)
             if field.name == "collective_link" and value is None:
                 continue  # not measured: all-reduces run as intra_node
-            if field.name == "optimizer_tensor_us":
-                value = dict(value)
+            if field.name == "optimizer_steps":
+                value = {name: dataclasses.asdict(cost) for name, cost in value}
             data[field.name] = value.to_dict() if isinstance(value, LinkSpec) else value
         return data
 
@@ -253,21 +262,25 @@ class DeviceSpec:
                         f"got {value!r} ({type(value).__name__})"
                     )
                 kwargs[key] = LinkSpec.from_dict(value, where=key)
-            elif key == "optimizer_tensor_us":
-                if not isinstance(value, Mapping):
-                    raise InvalidArgument(f"key {key!r} must be an object of optimizer name: microseconds, "
-                                          f"got {value!r} ({type(value).__name__})")
-                kwargs[key] = {str(name): _expect_float(us, f"{key}.{name}") for name, us in value.items()}
+            elif key == "optimizer_steps":
+                if not isinstance(value, Mapping) or not all(isinstance(v, Mapping) for v in value.values()):
+                    raise InvalidArgument(f"key {key!r} must map optimizer names to objects with keys "
+                                          f"{', '.join(STEP_KEYS)}, got {value!r}")
+                for name, cost in value.items():
+                    _check_keys(cost, STEP_KEYS, f"{key}.{name}")
+                kwargs[key] = {str(name): OptimizerStepCost(*(_expect_float(cost[k], f"{key}.{name}.{k}")
+                                                              for k in STEP_KEYS)) for name, cost in value.items()}
             else:
                 kwargs[key] = _expect_float(value, key)
         return cls(**kwargs)
 
 
 LINK_KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(LinkSpec))
+STEP_KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(OptimizerStepCost))
 DEVICE_KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(DeviceSpec))
 LINK_FIELDS: tuple[str, ...] = ("intra_node", "inter_node", "host_link", "nvme", "collective_link")
 HOST_KEYS: frozenset[str] = frozenset({"host_mem_bytes", "nvme_bytes", "host_optimizer_params_per_s",
-                                       "collective_link", "optimizer_tensor_us"})
+                                       "collective_link", "optimizer_steps"})
 
 
 def _check_keys(data: Mapping[str, Any], expected: tuple[str, ...], where: str,

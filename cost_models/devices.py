@@ -41,7 +41,7 @@ def cached_cpu_device(cache_dir: str | os.PathLike[str] | None = None,
     import torch
 
     root = (Path(cache_dir).expanduser() if cache_dir else cache_root()) / "devices"
-    machine = f"v3|{platform.node()}|{platform.machine()}|{os.cpu_count()}|{torch.__version__}"  # v3: optimizer steps
+    machine = f"v4|{platform.node()}|{platform.machine()}|{os.cpu_count()}|{torch.__version__}"  # v4: optimizer steps measured
     path = root / f"cpu-{hashlib.sha256(machine.encode()).hexdigest()[:16]}.json"
     if path.exists():
         try:

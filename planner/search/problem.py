@@ -20,7 +20,7 @@ from cost_models.comm import (
     ring_allreduce_coefficients,
     same_node,
 )
-from cost_models.device_spec import BYTES_PER_GB
+from cost_models.device_spec import BYTES_PER_GB, OptimizerStepCost
 from cost_models.devices import DeviceSpec
 from cost_models.errors import InvalidArgument
 from cost_models.estimation import CostTable
@@ -157,7 +157,7 @@ class MemoryTiers:
     nvme_bytes: int  # per node
     gpus_per_node: int
     host_master_bytes_per_param: int = 0  # a master copy the host step needs where the precision has none
-    device_step_ms_per_tensor: float = 0.0  # and per parameter tensor (DeviceSpec.optimizer_tensor_ms)
+    device_step: OptimizerStepCost | None = None  # measured on the device: replaces the per-byte estimate
 
     @property
     def activations(self) -> bool:
@@ -479,7 +479,7 @@ def memory_tiers(device: DeviceSpec, space: SearchSpace, state: StateMode, *, ac
         swap=activations and Offload.SWAP in space.offload, state=state, host_link=host_link, nvme_link=nvme_link,
         host_step_ms_per_param=1e3 / device.host_optimizer_params_per_s,
         device_step_ms_per_byte=device_ms_per_byte,
-        device_step_ms_per_tensor=device.optimizer_tensor_ms(space.optimizer.value),
+        device_step=device.optimizer_step(space.optimizer.value),
         host_grad_bytes_per_param=space.precision.state_itemsize,
         host_master_bytes_per_param=0 if space.precision.master_weights else space.precision.state_itemsize,
         host_mem_bytes=space.host_mem_bytes if space.host_mem_bytes is not None else device.host_mem_bytes * per_node,

@@ -382,8 +382,8 @@ def _mode_terms(tiers: MemoryTiers, mode: StateMode, copies: int,
         return (per_parameter(lambda a: a.state_bytes - a.optimizer_bytes + share * a.optimizer_bytes),
                 Term(), Term(),
                 per_parameter(lambda a: share * tiers.device_step_ms_per_byte
-                              * (2 * a.weight_bytes + a.grad_bytes + 2 * a.optimizer_bytes)
-                              + a.param_tensors * tiers.device_step_ms_per_tensor))  # each copy steps every tensor
+                              * (2 * a.weight_bytes + a.grad_bytes + 2 * a.optimizer_bytes) if tiers.device_step is None
+                              else tiers.device_step.ms(a.param_tensors, share * a.param_numel)))  # a shard of each
     link, disk = tiers.host_link, tiers.nvme_link
     device = per_parameter(lambda a: a.state_bytes - a.optimizer_bytes)
     host_grads = per_parameter(lambda a: share * a.param_numel * tiers.host_grad_bytes_per_param)
