@@ -54,10 +54,29 @@ def init_group(env: RankEnv, device_choice: str, timeout_s: float) -> torch.devi
     device = torch.device("cuda", env.local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
+    else:
+        pin_cpu_rank(env.local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size)))
     dist.init_process_group("nccl" if use_cuda else "gloo", rank=env.rank, world_size=env.world_size,
                             timeout=datetime.timedelta(seconds=timeout_s),
                             device_id=device if use_cuda else None)
     return device
+
+
+def pin_cpu_rank(local_rank: int, local_world_size: int) -> frozenset[int]:
+    """Bind this CPU rank (and the threads it starts later: gloo's) to its own share of the cores it may
+    use, when every local rank can have at least one: a rank's compute then stays on its core and
+    its communication threads are not moved between cores; with more ranks than cores nothing is bound
+    (the scheduler shares the cores). Returns the cores it runs on.
+
+    >>> cores = sorted(os.sched_getaffinity(0))
+    >>> pin_cpu_rank(0, len(cores) + 1) == frozenset(cores)  # more ranks than cores: unchanged
+    True
+    """
+    cores = sorted(os.sched_getaffinity(0))
+    share = len(cores) // local_world_size if local_world_size > 0 else 0
+    if share >= 1 and 0 <= local_rank < local_world_size:
+        os.sched_setaffinity(0, cores[local_rank * share:(local_rank + 1) * share])
+    return frozenset(os.sched_getaffinity(0))
 
 
 def join_group(device_choice: str, timeout_s: float) -> torch.device:

@@ -273,3 +273,24 @@ def test_receives_posted_one_run_ahead_keep_program_order_and_precede_their_run(
                 posted += ahead.due(index)
         assert posted == ahead.runs  # each run once, in program order
     assert ReceivesAhead(segments, 0).due(-1) == [] and ReceivesAhead(segments, 0).due(len(segments)) == []
+
+
+def test_a_cpu_rank_is_bound_to_its_share_of_the_cores_only_when_each_rank_gets_one() -> None:
+    """In a child process (binding is process-wide): with as many ranks as cores, rank 1 runs on the second
+    core alone; with more ranks than cores it keeps every core."""
+    import os
+    import subprocess
+    import sys
+
+    cores = sorted(os.sched_getaffinity(0))
+    script = ("import os, sys; from runtime.launch import pin_cpu_rank; "
+              "print(sorted(pin_cpu_rank(int(sys.argv[1]), int(sys.argv[2]))), sorted(os.sched_getaffinity(0)))")
+
+    def bound(rank: int, ranks: int) -> str:
+        return subprocess.run([sys.executable, "-c", script, str(rank), str(ranks)], capture_output=True,
+                              text=True, check=True, cwd=Path(__file__).resolve().parents[2]).stdout.strip()
+
+    if len(cores) >= 2:
+        share = len(cores) // 2
+        assert bound(1, 2) == f"{cores[share:2 * share]} {cores[share:2 * share]}"
+    assert bound(0, len(cores) + 1) == f"{cores} {cores}"
