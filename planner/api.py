@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -205,3 +206,9 @@ def _warn_above_device(space: SearchSpace, device: DeviceSpec) -> None:
         warnings.warn(TesseraWarning(
             f"the budget {format_bytes(mem_bytes)} per GPU exceeds the {device.name}'s "
             f"{format_bytes(device.mem_bytes)}; planning for it anyway (is --mem right?)"), stacklevel=3)
+    cores = len(os.sched_getaffinity(0))
+    if device.name == CPU_NAME and space.gpus_per_node > cores:
+        warnings.warn(TesseraWarning(
+            f"{space.gpus_per_node} CPU ranks per node on this machine's {cores} cores: the cpu device is "
+            f"measured one rank per core, so a plan whose ranks share cores runs slower than predicted "
+            f"(use --gpus {cores}, or plan for a machine with more cores)"), stacklevel=3)

@@ -57,3 +57,24 @@ def test_profile_refuses_what_it_cannot_measure(cache: Path) -> None:
              device="V100-16GB", profile=True)
     meta = _plan(gpt_tiny())  # a model on meta on the cpu device: roofline, as before
     assert meta.stages
+
+
+def test_planning_more_cpu_ranks_than_cores_warns_in_one_line(cache: Path) -> None:
+    """The cpu device is measured one rank per core: a plan for more ranks per node than this machine has
+    cores says so (and names the rank count that fits); one within the cores does not."""
+    import os
+    import warnings
+
+    from cost_models.errors import TesseraWarning
+
+    cores = len(os.sched_getaffinity(0))
+    for gpus, warns in ((cores + 1, True), (min(cores, 2), False)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            plan(gpt_tiny(), gpus, "8GB", batch_size=8, example_inputs=torch.zeros((1, 32), dtype=torch.int64),
+                 device="cpu", optimizer="momentum", reserve=0, profile=False)
+        shared = [str(w.message) for w in caught if w.category is TesseraWarning and "cores" in str(w.message)]
+        assert len(shared) == warns, shared
+        if warns:
+            assert f"{cores + 1} CPU ranks per node on this machine's {cores} cores" in shared[0]
+            assert f"--gpus {cores}" in shared[0] and "\n" not in shared[0]
