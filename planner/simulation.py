@@ -18,7 +18,8 @@ def sim_costs(layout: Layout, parts: Sequence[StagePlan], transfers: Sequence[Tr
     stages = tuple(parts[layout.part(stage)] for stage in range(layout.num_stages))
     costs = tuple(StageCosts(p.fwd_ms, p.bwd_ms, p.activation_bytes, p.static_bytes, p.allreduce_ms,
                              p.optimizer_ms, p.swap_bytes, p.swap_ms, p.weight_grad_ms,
-                             p.allreduce_overlap(part.offload, part.index in stale or kind.splits_backward))
+                             p.allreduce_overlap(part.offload, part.index in stale or kind.splits_backward),
+                             p.grad_bytes)
                   for part in stages for p in [part.predicted])
     return SimCosts(costs, {(t.src_stage, t.dst_stage): t.ms for t in transfers})
 

@@ -259,11 +259,12 @@ class LayerGraph:
 
     @functools.cached_property
     def fingerprint(self) -> str:
-        """sha256 over names, targets, edges, shapes and dtypes; equal graphs share it."""
+        """sha256 over names, targets, edges, and tensor shapes and dtypes; equal graphs share it (a Python
+        value's wire form is derived from the graph, so it is left out: plan files keep matching)."""
         digest = hashlib.sha256()
         for node in self.nodes:
             record = [node.name, node.kind.value, node.target, list(node.inputs),
-                      [[list(meta.shape), meta.dtype] for meta in node.outputs],
+                      [[list(meta.shape), meta.dtype] for meta in node.outputs if not meta.python],
                       list(node.param_names)]
             digest.update(json.dumps(record, separators=(",", ":")).encode())
         return digest.hexdigest()

@@ -18,7 +18,10 @@ for all of them. Memory per rank is the static bytes of its stages plus ``activa
 each micro-batch from the start of its F to the end of its B (or W: the weight gradient reads the
 saved inputs, so a split backward frees the micro-batch only after both halves). A micro-batch whose F
 ran in the previous step (a carried forward, planner/schedules/periods.py) is held from the step's
-start; one whose F runs ahead for the next step, until its end.
+start; one whose F runs ahead for the next step, until its end. A stage's ``grad_bytes`` (part of its
+static bytes) exist from the end of its first B (or W) of the step, whose activations go as its gradients
+come (both at its end: the peak of a linear exchange is at one end), to the end of its optimizer step,
+which frees them (``zero_grad(set_to_none=True)``).
 
 Swaps: a stage that swaps copies ``swap_bytes`` per micro-batch to the host, starting with its F,
 on the rank's device-to-host copy engine (one copy at a time, ``swap_ms`` each); ``SWAP_OUT``
@@ -61,6 +64,7 @@ class StageCosts:
     swap_ms: float = 0.0  # per micro-batch, each way
     weight_grad_ms: float = 0.0  # the share of bwd_ms a split backward's W takes (its I takes the rest)
     allreduce_overlap: float = 0.0  # the share of allreduce_ms in buckets that start during the last backward
+    grad_bytes: int = 0  # of static_bytes: the gradients, from the stage's first backward to its optimizer step
 
 
 @dataclass(frozen=True)
@@ -147,13 +151,17 @@ class _Clocks:
         self.busy_ms = [0.0 for _ in ranks]
         self.memory = [[(0.0, self._activation_bytes(stage)) for stage in self.layout.stages_of_rank(rank)
                         for _ in self.periods.carried_on(stage)] for rank in ranks]  # (time, change) after static
+        self.grads_made: set[int] = set()  # stages whose gradients this step's backward has allocated
 
     def _activation_bytes(self, stage: int) -> int:
         """What a stage holds for one micro-batch from its F until its backward ends."""
         return self.costs.stages[stage].activation_bytes + self.costs.stages[stage].swap_bytes
 
     def _static_bytes(self, rank: int) -> int:
-        return sum(self.costs.stages[stage].static_bytes for stage in self.layout.stages_of_rank(rank))
+        """What the rank holds at the step's start: its stages' static bytes but their gradients (the last
+        step's optimizer step freed them)."""
+        return sum(self.costs.stages[stage].static_bytes - self.costs.stages[stage].grad_bytes
+                   for stage in self.layout.stages_of_rank(rank))
 
     def try_step(self, rank: int, step: int, action: Action) -> bool:
         if action.kind.is_recv:
@@ -211,6 +219,11 @@ class _Clocks:
                 self._copy(rank, "out", action, start, stage.swap_ms)
         elif action.kind.ends_backward:
             self._change_memory(rank, end, -activation)
+        if action.kind in (ActionKind.B, ActionKind.W) and action.stage not in self.grads_made:
+            self.grads_made.add(action.stage)  # as it frees activations it writes gradients: both at its end
+            self._change_memory(rank, end, stage.grad_bytes)
+        elif action.kind is ActionKind.OPTIMIZER_STEP:  # it sets them to None
+            self._change_memory(rank, end, -stage.grad_bytes)
         lane = COMPUTE_LANE if action.kind in _BUSY_KINDS else COMM_LANE
         if lane == COMPUTE_LANE:
             self.busy_ms[rank] += end - start

@@ -92,6 +92,27 @@ def test_peak_memory_is_static_plus_in_flight_activations(kind: str, num_stages:
         assert [t for t, _ in timeline] == sorted(t for t, _ in timeline)
 
 
+@pytest.mark.parametrize(("kind", "num_stages", "num_microbatches"), [("gpipe", 1, 2), ("gpipe", 3, 4),
+                                                                      ("1f1b", 4, 4), ("1f1b", 4, 6)])
+def test_gradients_exist_from_the_first_backward_to_the_optimizer_step(kind: str, num_stages: int,
+                                                                       num_microbatches: int) -> None:
+    """Of each stage's static bytes S, G are gradients: absent until its first B ends, where that backward's
+    activations go (their exchange peaks at one end), freed by the optimizer step. By hand, with w the
+    micro-batches a stage holds at most: GPipe and 1F1B without refills peak at max(S - G + w A, S + (w - 1) A)
+    (all forwards before the first backward ends); 1F1B with more micro-batches than w refills its window
+    after that backward, with gradients: S + w A."""
+    grads = 30_000
+    result = _run(kind, tuple(StageCosts(1.5, 3.0, ACT, STATIC, grad_bytes=grads, optimizer_ms=0.5)
+                              for _ in range(num_stages)), num_microbatches)
+    held = max_in_flight(generate(kind, num_stages, num_microbatches))
+    for stage, timeline in enumerate(result.memory_timeline):
+        w = held[stage]
+        refills = kind == "1f1b" and num_microbatches > w
+        expected = STATIC + w * ACT if refills else max(STATIC - grads + w * ACT, STATIC + (w - 1) * ACT)
+        assert result.peak_mem_bytes[stage] == expected
+        assert timeline[0] == (0.0, STATIC - grads) and timeline[-1][1] == STATIC - grads
+
+
 def test_allreduce_and_optimizer_step_end_the_step() -> None:
     stages = _equal(3, fwd_ms=1.0, allreduce_ms=4.0, optimizer_ms=0.5)
     result = _run("1f1b", stages, 4, data_parallel=True)
