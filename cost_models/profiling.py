@@ -27,7 +27,8 @@ from cost_models.errors import ProfileError
 if TYPE_CHECKING:
     from cost_models.graph.ir import LayerGraph
 
-_CACHE_VERSION = 2  # 2: node times scaled to the whole graph's measured forward and backward
+_CACHE_VERSION = 3  # 2: node times scaled to the whole graph's measured pass; 3: from a cold cache
+_EVICT_BYTES = 64 * 2**20  # written between whole-graph passes: more than a CPU's last-level cache
 
 
 @dataclass(frozen=True)
@@ -207,15 +208,21 @@ class _NodeProfiler:
         return timings
 
     def _whole_graph_ms(self, inputs: tuple[torch.Tensor, ...]) -> tuple[float, float]:
-        """Median milliseconds of the whole graph's forward and of its backward into the weights."""
+        """Median milliseconds of the whole graph's forward and of its backward into the weights, each from
+        a cold CPU cache (in a training step other micro-batches' work runs in between)."""
         params = [p for p in self.module.parameters() if p.requires_grad]
+        evict = torch.empty(_EVICT_BYTES // 4) if self.device.type == "cpu" else None
         fwd_samples, bwd_samples = [], []
         for _ in range(self.warmup + self.repeats):
+            if evict is not None:
+                evict.fill_(1.0)
             elapsed, output, _ = self._timed(lambda: self.module(*inputs))
             fwd_samples.append(elapsed)
             targets = [t for t in tensor_leaves(output) if t.requires_grad and t.is_floating_point()]
             if targets and params:
                 grads = [torch.ones_like(t) for t in targets]
+                if evict is not None:
+                    evict.fill_(1.0)
                 bwd_samples.append(self._timed(lambda targets=targets, grads=grads: torch.autograd.grad(
                     targets, params, grads, allow_unused=True))[0])
         return (statistics.median(fwd_samples[self.warmup:]),
