@@ -55,8 +55,8 @@ GLOO_RECEIVES_AHEAD = 1  # runs whose receives a gloo rank posts before it reach
 
 class ReceivesAhead:
     """Which runs of a program post their receives before the program reaches them: at the start, and
-    after each run, the receives of the next ``depth`` runs that have any (in program order, so each
-    channel's receives keep their posting order and still match its sends one to one).
+    with each run (before it waits), the receives of the next ``depth`` runs that have any (in program
+    order, so each channel's receives keep their posting order and still match its sends one to one).
 
     >>> recv = (Action.parse("1RECV_F0<0"),)
     >>> ahead = ReceivesAhead([recv, Action.parse("1F0"), recv, recv], depth=2)
@@ -74,7 +74,7 @@ class ReceivesAhead:
         self._posted = 0  # runs[:_posted] are posted
 
     def due(self, index: int) -> list[int]:
-        """The runs whose receives to post once segment ``index`` is done (-1: at the start)."""
+        """The runs whose receives to post once segment ``index`` is reached (-1: at the start)."""
         reached = bisect.bisect_right(self.runs, index)  # runs[:reached] are at or before ``index``
         due = self.runs[max(self._posted, reached):reached + self.depth]
         self._posted = max(self._posted, reached + self.depth)

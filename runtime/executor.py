@@ -240,8 +240,8 @@ class Executor:
         self._post_receives(ahead.due(-1), segments, state, posted)
         for index, segment in enumerate(segments):
             if isinstance(segment, tuple):
-                self._communicate(segment, state, posted.pop(index, None))
-                self._post_receives(ahead.due(index), segments, state, posted)
+                self._communicate(segment, state, posted.pop(index, None), lambda index=index: self._post_receives(
+                    ahead.due(index), segments, state, posted))
             else:
                 began = time.perf_counter()
                 getattr(self, _HANDLERS[segment.kind])(segment, state)
@@ -455,18 +455,23 @@ class Executor:
 
     # ---------------------------------------------------------- communication
     def _communicate(self, actions: tuple[Action, ...], state: StepState,
-                     early: tuple[list[list[Message]], list[InFlight]] | None = None) -> None:
+                     early: tuple[list[list[Message]], list[InFlight]] | None = None,
+                     post_ahead: Callable[[], None] | None = None) -> None:
         """Post the run's messages in one batch and deliver its receives (``early``: the receives, already
-        posted, and their transfers)."""
+        posted, and their transfers); ``post_ahead`` posts later runs' receives while this run's transfers
+        are under way (on gloo a post can wait for the pair's incoming data: it then waits with the run)."""
         receives = [action for action in actions if action.kind.is_recv]
         if early is None:
             per_action = [self._messages(action, state) for action in actions]
-            self.p2p.exchange([message for messages in per_action for message in messages])
+            transfers = self.p2p.post([message for messages in per_action for message in messages])
             received = [messages for action, messages in zip(actions, per_action) if action.kind.is_recv]
         else:
-            received, transfers = early
+            received, posted = early
             sends = [message for action in actions if action.kind.is_send for message in self._messages(action, state)]
-            self.p2p.wait([*transfers, *self.p2p.post(sends)])
+            transfers = [*posted, *self.p2p.post(sends)]
+        if post_ahead is not None:
+            post_ahead()
+        self.p2p.wait(transfers)
         for action, messages in zip(receives, received):
             self._deliver(action, messages, state)
 
