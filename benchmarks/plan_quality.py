@@ -92,7 +92,7 @@ def measured_plans(name: str, ranks: int) -> dict[str, Plan]:
     from cost_models.graph.model_spec import build_model, example_inputs, load_builder, parse_input
 
     builder, kwargs, sample, batch = MEASURED[name]
-    model = build_model(load_builder(builder, Path.cwd()), kwargs, "meta")
+    model = build_model(load_builder(builder, Path.cwd()), kwargs, "cpu")  # real weights: plans from measured times
     x = example_inputs([parse_input(sample)], 1, "meta")
     graph = trace(model, x)
     common = {"example_inputs": x, "graph": graph, "device": "cpu", "optimizer": "momentum",
