@@ -155,3 +155,13 @@ def test_under_a_tight_budget_every_rank_of_a_family_plan_fits_as_simulated(kind
         if any(stage.offload.recompute or stage.offload.swap for stage in tight.stages):
             return
     raise AssertionError(f"no budget down to 65% of {need} bytes made the search recompute or swap")
+
+
+def test_a_split_backward_on_the_first_stage_is_all_weight_gradient() -> None:
+    """The first stage's inputs are data, carrying no gradient: its I has nothing to compute (the runtime's
+    I skips it and W backpropagates the whole stage), so its predicted W is its whole backward; a later
+    stage's W is only its weights' share."""
+    result = _gpt(gpus=2, batch_size=8, data_parallel=(1,), schedules=("zb-h1",))
+    first, second = (stage.predicted for stage in result.stages[:2])
+    assert first.weight_grad_ms == pytest.approx(first.bwd_ms)
+    assert 0 < second.weight_grad_ms < second.bwd_ms
