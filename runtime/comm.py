@@ -93,10 +93,6 @@ class P2P:
         self.receives: list[InFlight] = []  # posted, not yet waited for
         self.bytes_sent = 0  # every tensor posted by a send so far
 
-    def exchange(self, messages: Sequence[Message]) -> None:
-        """Post every message of the run in one batch, then wait for the receives."""
-        self.wait(self.post(messages))
-
     def post(self, messages: Sequence[Message]) -> list[InFlight]:
         """Post every message of the run in one batch; the sends stay in flight (:meth:`finish`), the
         receives are returned for :meth:`wait` (a coalesced NCCL batch returns its one work)."""
