@@ -27,6 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from cost_models.cpu_device import usable_cores  # noqa: E402
 from cost_models.units import format_bytes, format_ms  # noqa: E402
 from planner.plan import Plan  # noqa: E402
 from planner.reports.compare import checks  # noqa: E402
@@ -83,7 +84,7 @@ def main() -> None:
     parser.add_argument("--fresh-cache", action="store_true",
                         help="measure the cpu device and the node times now, into a temporary cache")
     args = parser.parse_args()
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cores()
     print(f"load average {os.getloadavg()[0]:.1f} on {cores} cores; {args.runs} runs of {args.steps} steps per "
           f"plan (median of the runs' medians; the spread is their range)")
     print(f"{'plan':<24} {'rank':>4} {'step pred':>10} {'measured':>10} {'spread':>16} {'error':>8} "

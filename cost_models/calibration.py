@@ -4,7 +4,7 @@ The presets carry datasheet peaks times efficiencies nobody measured on the user
 replaces them with what short micro-benchmarks achieve here:
 
 * ``cpu``: cost_models/cpu_device.py's measurements (matmul per precision, copy bandwidth, per-op
-  overhead, memory) on one intra-op thread, as a runtime CPU rank computes, and the link between two
+  overhead, each optimizer's step, memory) on one intra-op thread, as a runtime CPU rank computes, and the link between two
   local gloo processes (latency, bandwidth), measured afresh (not the cache).
 * ``cuda`` (or ``cuda:N``): the local GPU, starting from the preset that matches its name and memory:
   dense matmul TFLOP/s in fp64, fp32, tf32, fp16 and bf16, device-memory copy bandwidth, the launch
@@ -66,6 +66,10 @@ def describe(calibration: Calibration) -> str:
              f"host link: {spec.host_link.bandwidth_gb_per_s:.1f} GB/s ({spec.host_link.name})",
              f"between ranks: {spec.intra_node.bandwidth_gb_per_s:.2f} GB/s, {spec.intra_node.latency_us:.0f} us "
              f"({spec.intra_node.name})"]
+    if spec.optimizer_steps:
+        lines.append("optimizer step: " + ", ".join(f"{name} {cost.us_per_tensor:.1f} us/tensor + "
+                                                      f"{cost.ns_per_param:.2f} ns/param"
+                                                      for name, cost in spec.optimizer_steps))
     if spec.collective_link is not None:
         collective = spec.collective_link
         lines.append(f"all-reduce as a ring over: {collective.bandwidth_gb_per_s:.2f} GB/s, "

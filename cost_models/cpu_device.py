@@ -18,6 +18,11 @@ from cost_models.presets import NVME_GEN3_X4
 
 CPU_NAME = "cpu"
 
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity where the OS has one, else every core)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
 # --------------------------------------------------------------------------------------------
 # Measured CPU device.
 # --------------------------------------------------------------------------------------------
@@ -256,7 +261,7 @@ def _total_memory_bytes() -> int:
 
 def measure_cpu_device(*, threads: int | None = None, link: LinkSpec | None = None,
                        collective: LinkSpec | None = None) -> DeviceSpec:
-    """Benchmark this machine's CPU with torch (well under a second) and describe it as a DeviceSpec.
+    """Benchmark this machine's CPU with torch (a few seconds) and describe it as a DeviceSpec.
 
     Measured: fp64/fp32/fp16/bf16 matmul FLOP/s (0 where torch cannot run the dtype), copy
     bandwidth, per-op overhead, each optimizer's step per parameter tensor and per parameter, and memory

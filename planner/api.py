@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -13,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from cost_models.cpu_device import CPU_NAME
+from cost_models.cpu_device import CPU_NAME, usable_cores
 from cost_models.devices import DeviceSpec, get_device
 from cost_models.errors import InvalidArgument, TesseraWarning
 from cost_models.estimation import model_precision
@@ -206,7 +205,7 @@ def _warn_above_device(space: SearchSpace, device: DeviceSpec) -> None:
         warnings.warn(TesseraWarning(
             f"the budget {format_bytes(mem_bytes)} per GPU exceeds the {device.name}'s "
             f"{format_bytes(device.mem_bytes)}; planning for it anyway (is --mem right?)"), stacklevel=3)
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cores()
     if device.name == CPU_NAME and space.gpus_per_node > cores:
         warnings.warn(TesseraWarning(
             f"{space.gpus_per_node} CPU ranks per node on this machine's {cores} cores: the cpu device is "

@@ -72,6 +72,8 @@ def pin_cpu_rank(local_rank: int, local_world_size: int) -> frozenset[int]:
     >>> pin_cpu_rank(0, len(cores) + 1) == frozenset(cores)  # more ranks than cores: unchanged
     True
     """
+    if not hasattr(os, "sched_setaffinity"):  # an OS without CPU affinity (macOS): nothing to bind
+        return frozenset(range(os.cpu_count() or 1))
     cores = sorted(os.sched_getaffinity(0))
     share = len(cores) // local_world_size if local_world_size > 0 else 0
     if share >= 1 and 0 <= local_rank < local_world_size:

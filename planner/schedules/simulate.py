@@ -151,7 +151,7 @@ class _Clocks:
         self.busy_ms = [0.0 for _ in ranks]
         self.memory = [[(0.0, self._activation_bytes(stage)) for stage in self.layout.stages_of_rank(rank)
                         for _ in self.periods.carried_on(stage)] for rank in ranks]  # (time, change) after static
-        self.grads_made: set[int] = set()  # stages whose gradients this step's backward has allocated
+        self.grads_made: set[tuple[int, int]] = set()  # (rank, stage): this step's backward allocated them
 
     def _activation_bytes(self, stage: int) -> int:
         """What a stage holds for one micro-batch from its F until its backward ends."""
@@ -219,8 +219,8 @@ class _Clocks:
                 self._copy(rank, "out", action, start, stage.swap_ms)
         elif action.kind.ends_backward:
             self._change_memory(rank, end, -activation)
-        if action.kind in (ActionKind.B, ActionKind.W) and action.stage not in self.grads_made:
-            self.grads_made.add(action.stage)  # as it frees activations it writes gradients: both at its end
+        if action.kind in (ActionKind.B, ActionKind.W) and (rank, action.stage) not in self.grads_made:
+            self.grads_made.add((rank, action.stage))  # it frees activations as it writes gradients: both at its end
             self._change_memory(rank, end, stage.grad_bytes)
         elif action.kind is ActionKind.OPTIMIZER_STEP:  # it sets them to None
             self._change_memory(rank, end, -stage.grad_bytes)

@@ -120,7 +120,8 @@ def test_calibrate_cpu_writes_a_device_file_that_plan_accepts(capsys, tmp_path) 
     out = tmp_path / "cpu.json"
     assert main(["calibrate", "--device", "cpu", "-o", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "matmul TFLOP/s: fp64" in printed and f"wrote {out}; plan with --device {out}" in printed
+    assert "matmul TFLOP/s: fp64" in printed and "optimizer step: adam" in printed
+    assert f"wrote {out}; plan with --device {out}" in printed
     assert "gloo TCP loopback (measured)" in printed
     spec = get_device(out)
     assert spec.fp32_tflops > 0 and spec.mem_bandwidth_gb_per_s > 0 and spec.intra_node.latency_us > 0

@@ -62,12 +62,12 @@ def test_profile_refuses_what_it_cannot_measure(cache: Path) -> None:
 def test_planning_more_cpu_ranks_than_cores_warns_in_one_line(cache: Path) -> None:
     """The cpu device is measured one rank per core: a plan for more ranks per node than this machine has
     cores says so (and names the rank count that fits); one within the cores does not."""
-    import os
     import warnings
 
+    from cost_models.cpu_device import usable_cores
     from cost_models.errors import TesseraWarning
 
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cores()
     for gpus, warns in ((cores + 1, True), (min(cores, 2), False)):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

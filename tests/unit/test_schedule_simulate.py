@@ -113,6 +113,20 @@ def test_gradients_exist_from_the_first_backward_to_the_optimizer_step(kind: str
         assert timeline[0] == (0.0, STATIC - grads) and timeline[-1][1] == STATIC - grads
 
 
+def test_every_tile_rank_of_a_spatial_stage_allocates_and_frees_its_own_gradients() -> None:
+    """Stage 0 on 2 tile ranks, GPipe, 2 micro-batches: each tile rank peaks at max(S - G + 2A, S + A) and ends
+    the step at S - G, as the stage's only rank would."""
+    grads = 30_000
+    schedule = generate("gpipe", 2, 2, tiles=[2, 1])
+    edges = _chain(2)
+    programs = schedule.layout.rank_programs(lower(schedule.programs, schedule.layout, edges))
+    result = simulate(programs, schedule.layout,
+                      SimCosts(tuple(StageCosts(1.5, 3.0, ACT, STATIC, grad_bytes=grads) for _ in range(2)), edges))
+    for rank in schedule.layout.ranks_of(0, 0):
+        assert result.peak_mem_bytes[rank] == max(STATIC - grads + 2 * ACT, STATIC + ACT)
+        assert result.memory_timeline[rank][-1][1] == STATIC - grads
+
+
 def test_allreduce_and_optimizer_step_end_the_step() -> None:
     stages = _equal(3, fwd_ms=1.0, allreduce_ms=4.0, optimizer_ms=0.5)
     result = _run("1f1b", stages, 4, data_parallel=True)
