@@ -98,12 +98,14 @@ def _op_overhead_us() -> float:
 
 
 _OPTIMIZER_TENSORS = 200  # tiny tensors: a step over them is its per-tensor cost alone
-_OPTIMIZER_PARAMS = 2**21  # one large tensor: a step over it is its per-parameter cost
+_OPTIMIZER_MIX = tuple(2**(10 + k // 4) for k in range(40))  # 1 Ki..512 Ki parameters, 4.2 M in all: a model's mix
 
 
 def _optimizer_steps() -> dict[str, OptimizerStepCost]:
     """Per optimizer, its step timed on many tiny tensors (the per-tensor Python and op launches torch's
-    single-tensor step pays on the CPU) and on one large tensor (the passes over its state, out of cache)."""
+    single-tensor step pays on the CPU) and on tensors of a model's mix of sizes (the passes over their
+    state, out of cache). The mix matters: one 2 M-parameter tensor took Adam 4.4 ns a parameter where
+    the mix took 1.3, and a GPT's 53 tensors were predicted within 5% by the mix, 2.8x over by the one."""
     import torch
 
     from cost_models.memory import Optimizer
@@ -129,7 +131,8 @@ def _optimizer_steps() -> dict[str, OptimizerStepCost]:
     steps = {}
     for kind in Optimizer:
         per_tensor_s = step_s(kind, [16] * _OPTIMIZER_TENSORS) / _OPTIMIZER_TENSORS
-        per_param_s = max(step_s(kind, [_OPTIMIZER_PARAMS]) - per_tensor_s, 0.0) / _OPTIMIZER_PARAMS
+        mix_s = step_s(kind, list(_OPTIMIZER_MIX))
+        per_param_s = max(mix_s - per_tensor_s * len(_OPTIMIZER_MIX), 0.0) / sum(_OPTIMIZER_MIX)
         steps[kind.value] = OptimizerStepCost(per_tensor_s * 1e6, per_param_s * 1e9)
     return steps
 

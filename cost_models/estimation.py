@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -12,6 +13,7 @@ from typing import Any, Iterator, Mapping
 from cost_models.devices import DeviceSpec, get_device
 from cost_models.errors import InvalidArgument
 from cost_models.graph.ir import LayerGraph, LayerNode, NodeKind
+from cost_models.loss import LOSS_FLOPS_PER_ELEMENT
 from cost_models.memory import (
     Optimizer,
     Precision,
@@ -164,12 +166,27 @@ def _node_cost(graph: LayerGraph, node: LayerNode, device: DeviceSpec, precision
         traffic = NodeTraffic(fwd_flops, bwd_flops, input_bytes, output_bytes, used_param_bytes,
                               any(meta.requires_grad for meta in node.outputs))
         fwd_ms, bwd_ms = node_times_ms(node.op_type, traffic, device, precision)
+    elif node.kind is NodeKind.OUTPUT:
+        fwd_ms, bwd_ms = _loss_ms(graph, node, device, precision, scale)
     saved = activation_bytes(node.work.saved_bytes_by_dtype, precision)
     return NodeCost(
         name=node.name, fwd_flops=fwd_flops, bwd_flops=bwd_flops,
         fwd_ms=fwd_ms, bwd_ms=bwd_ms, param_bytes=state.param_bytes, grad_bytes=state.grad_bytes,
         optimizer_bytes=state.optimizer_bytes, buffer_bytes=graph.owned_buffer_bytes[node.name],
         saved_activation_bytes=round(saved * scale), output_bytes=output_bytes)
+
+
+def _loss_ms(graph: LayerGraph, node: LayerNode, device: DeviceSpec, precision: Precision,
+             scale: float) -> tuple[float, float]:
+    """The training loss on the model's output (cost_models/loss.py), costed on the output node: a few
+    operations per element, reading the output and writing as much (its gradient, backward)."""
+    outputs = [meta for source in node.inputs for meta in graph.node(source).outputs
+               if meta.requires_grad and not meta.python]
+    output_bytes = round(sum(rescale_bytes(meta.nbytes, meta.dtype, precision) for meta in outputs) * scale)
+    flops = round(LOSS_FLOPS_PER_ELEMENT * sum(math.prod(meta.shape) for meta in outputs) * scale)
+    if not output_bytes:
+        return 0.0, 0.0
+    return node_times_ms("loss", NodeTraffic(flops, flops, output_bytes, output_bytes, 0, True), device, precision)
 
 
 def _output_bytes(node: LayerNode, precision: Precision, scale: float) -> int:

@@ -21,13 +21,14 @@ from torch.utils import _pytree as pytree
 from cost_models.devices import DeviceSpec, cache_root, get_device
 from cost_models.estimation import CostTable, estimate
 from cost_models.fake_measure import detach_tree
+from cost_models.loss import training_loss
 from cost_models.graph.shapes import tensor_leaves
 from cost_models.errors import ProfileError
 
 if TYPE_CHECKING:
     from cost_models.graph.ir import LayerGraph
 
-_CACHE_VERSION = 3  # 2: node times scaled to the whole graph's measured pass; 3: from a cold cache
+_CACHE_VERSION = 4  # 2: node times scaled to the whole graph's measured pass; 3: from a cold cache; 4: the loss
 _EVICT_BYTES = 64 * 2**20  # written between whole-graph passes: more than a CPU's last-level cache
 
 
@@ -52,7 +53,8 @@ def profile(model: nn.Module, example_inputs: torch.Tensor | Sequence[torch.Tens
     kept. A node timed alone misses what it costs inside the whole pass (caches, the autograd
     engine's work between nodes, on CUDA the launch queue instead of a synchronisation per node), so
     the whole graph's forward and backward are timed too and each node's times are scaled so that
-    they sum to them: the node keeps its share, the total is what a stage really runs. With
+    they sum to them: the node keeps its share, the total is what a stage really runs. The output node
+    gets the training loss's times (cost_models/loss.py), which the last stage runs after the model. With
     ``cache_dir`` the timings are stored as JSON keyed by graph fingerprint, device
     and dtype, and reused unless ``refresh``. Memory columns come from the fake-tensor
     measurement; on CUDA each node's measured forward peak is recorded too.
@@ -188,7 +190,11 @@ class _NodeProfiler:
         try:
             alone = self._run(inputs)
             whole_fwd_ms, whole_bwd_ms = self._whole_graph_ms(inputs)
-            return in_context(alone, whole_fwd_ms, whole_bwd_ms)
+            timings = in_context(alone, whole_fwd_ms, whole_bwd_ms)
+            loss = self._loss_timing(inputs)
+            if loss is not None:
+                timings[next(n.name for n in self.module.graph.nodes if n.op == "output")] = loss
+            return timings
         finally:
             with torch.no_grad():
                 for name, b in self.module.named_buffers():
@@ -227,6 +233,23 @@ class _NodeProfiler:
                     targets, params, grads, allow_unused=True))[0])
         return (statistics.median(fwd_samples[self.warmup:]),
                 statistics.median(bwd_samples[self.warmup:]) if bwd_samples else 0.0)
+
+    def _loss_timing(self, inputs: tuple[torch.Tensor, ...]) -> NodeTiming | None:
+        """The training loss after the model (cost_models/loss.py), forward and backward into the output,
+        which the last stage runs per micro-batch; None when the model does not return one float tensor."""
+        with torch.no_grad():
+            output = self.module(*inputs)
+        if not isinstance(output, torch.Tensor) or not output.is_floating_point():
+            return None
+        output = output.detach().requires_grad_(True)
+        loss_fn = training_loss(tuple(output.shape), output.dtype)
+        target = loss_fn.example_target(output.device)
+        fwd_samples, bwd_samples = [], []
+        for _ in range(self.warmup + self.repeats):
+            elapsed, loss, _ = self._timed(lambda: loss_fn(output, target))
+            fwd_samples.append(elapsed)
+            bwd_samples.append(self._timed(lambda loss=loss: torch.autograd.grad(loss, output))[0])
+        return NodeTiming(statistics.median(fwd_samples[self.warmup:]), statistics.median(bwd_samples[self.warmup:]))
 
     def _time_node(self, node: torch.fx.Node, env: dict[str, Any]) -> tuple[Any, NodeTiming]:
         function, params = _real_callable(node, self.module)

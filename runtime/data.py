@@ -3,10 +3,9 @@
 * Float inputs are standard normal; integer inputs are uniform in ``[0, high)`` where ``high``
   is the smallest ``num_embeddings`` of the embeddings reading that input, directly or reshaped
   (2 if none does).
-* The loss follows the model output ``y`` of one micro-batch: cross-entropy for logits
-  ``(N, C)`` (class targets ``(N,)``), ``(N, S, V)`` (token targets ``(N, S)``) and
-  ``(N, C, H, W)`` with ``C >= 2`` (per-pixel targets ``(N, H, W)``); mean squared error
-  against standard-normal targets of ``y``'s shape otherwise.
+* The loss follows the model output ``y`` of one micro-batch as cost_models/loss.py decides it
+  (cross-entropy for logits, mean squared error otherwise); class targets are uniform over the
+  classes, regression targets standard normal.
 * Sample ``i`` of step ``k``'s global batch draws its inputs and its targets from generators
   seeded by ``(seed, "inputs"|"targets", k, i)``. The data is a function of the global sample
   index alone: micro-batch ``j`` of size ``b`` (``j = replica x micro-batches + m``, as
@@ -27,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cost_models.errors import RuntimeSetupError
+from cost_models.loss import TrainingLoss, training_loss
 from runtime.microbatch import Microbatch
 from runtime.seeding import generator
 from runtime.values import ValueKind, ValueSpec
@@ -56,33 +56,27 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class SyntheticTask:
-    """The synthetic loss for the model's output and the targets it takes."""
+    """The loss of one micro-batch (cost_models/loss.py decides it from the output) and its targets."""
 
-    kind: str  # "cross_entropy" or "mse"
+    loss: TrainingLoss
     target: TensorSpec
 
+    @property
+    def kind(self) -> str:
+        return self.loss.kind
+
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        if self.kind == "mse":
-            return F.mse_loss(output, target)
-        if output.dim() == 3:
-            return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
-        return F.cross_entropy(output, target)
+        return self.loss(output, target)
 
 
 def synthetic_task(output: ValueSpec) -> SyntheticTask:
-    """Cross-entropy for (N, C), (N, S, V) and (N, C>=2, H, W) float outputs; MSE otherwise."""
+    """The training loss of the model's output (one tensor), with targets to draw for it."""
     if output.kind is not ValueKind.TENSOR or output.dtype is None:
         raise RuntimeSetupError(f"synthetic training needs a model returning one tensor, but it "
                                 f"returns a {output.kind.value}; train it from your own script "
                                 f"with runtime.Executor and your loss")
-    shape = output.shape
-    if output.dtype.is_floating_point and len(shape) == 2:
-        return SyntheticTask("cross_entropy", TensorSpec(shape[:1], torch.int64, shape[1]))
-    if output.dtype.is_floating_point and len(shape) == 3:
-        return SyntheticTask("cross_entropy", TensorSpec(shape[:2], torch.int64, shape[2]))
-    if output.dtype.is_floating_point and len(shape) == 4 and shape[1] >= 2:
-        return SyntheticTask("cross_entropy", TensorSpec((shape[0], *shape[2:]), torch.int64, shape[1]))
-    return SyntheticTask("mse", TensorSpec(shape, output.dtype))
+    loss = training_loss(output.shape, output.dtype)
+    return SyntheticTask(loss, TensorSpec(loss.target_shape, loss.target_dtype, loss.classes or 2))
 
 
 def input_specs(traced: torch.fx.GraphModule, specs: dict[str, ValueSpec]) -> tuple[TensorSpec, ...]:

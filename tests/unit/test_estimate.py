@@ -75,6 +75,21 @@ def test_roofline_times_by_hand() -> None:
     assert relu.fwd_ms == pytest.approx(2 * 4 * 50 * 4 / 1e6 * 1e3 + 7e-3)
 
 
+def test_the_output_node_costs_the_training_loss_by_hand() -> None:
+    """The last stage runs the loss after the model: a memory-bound pass over the logits each way
+    (read them, write as much), five operations per element."""
+    model = nn.Sequential(nn.Embedding(64, 8), nn.Linear(8, 32))
+    graph = trace(model, torch.zeros(2, 16, dtype=torch.long, device="meta"))  # logits (2, 16, 32)
+    logits_bytes, elements = 2 * 16 * 32 * 4, 2 * 16 * 32
+    memory_bound = estimate(graph, _toy_device(tflops=1e6, gb_per_s=1e-3, overhead_us=7.0))
+    assert memory_bound["output"].fwd_ms == pytest.approx(2 * logits_bytes / 1e6 * 1e3 + 7e-3)
+    assert memory_bound["output"].bwd_ms == pytest.approx(4 * logits_bytes / 1e6 * 1e3 + 7e-3)
+    compute_bound = estimate(graph, _toy_device(tflops=1e-6, gb_per_s=1e6))
+    assert compute_bound["output"].fwd_ms == pytest.approx(5 * elements / 1e6 * 1e3)
+    doubled = estimate(graph, _toy_device(tflops=1e6, gb_per_s=1e-3), batch_size=4)
+    assert doubled["output"].fwd_ms == pytest.approx(2 * memory_bound["output"].fwd_ms, rel=1e-3)
+
+
 def test_custom_device_from_json(tmp_path) -> None:
     from cost_models.devices import save_device
 

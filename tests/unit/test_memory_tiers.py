@@ -275,7 +275,7 @@ def test_the_search_keeps_the_optimizer_on_the_host_when_model_state_does_not_fi
     assert "optimizer on host bought the fit: no plan keeping everything on the GPU fits" in offloaded.solver.why
     assert max(offloaded.predicted.peak_mem_bytes) <= int(0.8 * need)
     text = str(offloaded)
-    assert "stages 0-1: optimizer on host" in text and "host memory per node" in text
+    assert f"stages 0-{len(offloaded.stages) - 1}: optimizer on host" in text and "host memory per node" in text
     roundtrip = Plan.from_dict(json.loads(offloaded.to_json()))
     assert roundtrip.stages[0].offload == offloaded.stages[0].offload
     assert _tiny("1GB", offload=False).stages[0].offload == OffloadSpec()

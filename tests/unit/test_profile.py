@@ -44,6 +44,25 @@ def test_node_times_sum_to_whole_model_time(name: str) -> None:
     assert table.source == "measured" and max(cost.fwd_ms for cost in table.values()) > 0
 
 
+def test_the_profile_times_the_training_loss_on_the_output_node() -> None:
+    """The output node carries the loss's forward and backward (cost_models/loss.py), timed on the real
+    logits: within a factor of three of an independent timing of the same cross-entropy."""
+    model = torch.nn.Sequential(torch.nn.Embedding(4096, 64), torch.nn.Linear(64, 4096))
+    tokens = torch.randint(0, 4096, (8, 64))
+    table = profile(model, (tokens,), "cpu", repeats=5)
+    logits = model(tokens).detach().requires_grad_(True)
+    targets = torch.zeros(8 * 64, dtype=torch.long)
+
+    def loss_ms() -> float:
+        start = time.perf_counter()
+        torch.nn.functional.cross_entropy(logits.reshape(-1, 4096), targets).backward()
+        return (time.perf_counter() - start) * 1e3
+    independent = statistics.median(loss_ms() for _ in range(9))
+    measured = table["output"].fwd_ms + table["output"].bwd_ms
+    assert independent / 3 < measured < 3 * independent, (measured, independent)
+    assert table["output"].bwd_ms > 0
+
+
 def test_profile_leaves_model_state_untouched() -> None:
     model = resnet50(width=8, device="cpu")
     before = {k: v.clone() for k, v in model.state_dict().items()}
