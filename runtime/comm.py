@@ -1,7 +1,8 @@
 """Point-to-point transfers: a run of consecutive send/receive actions becomes one batch_isend_irecv.
 
 Receives are waited for (with a timeout) before the compute that follows them; sends stay in
-flight and are waited for at the end of the step (or reaped earlier once complete). Messages
+flight and are waited for at the end of the step, their buffers let go earlier once complete (on gloo a
+thread waits for them, :class:`SendReaper`). Messages
 between two ranks match in posting order, which the plan's lowering makes identical on both
 sides. On CUDA the batch is issued on a communication stream that first waits for the compute
 stream; waiting on a receive makes the compute stream wait for it (no host synchronisation).
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 import bisect
 import datetime
+import queue
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -48,6 +51,56 @@ class InFlight:
     work: dist.Work
     tensor: torch.Tensor
     label: str
+    done: bool = False  # a gloo send the reaper saw complete
+
+
+class SendReaper:
+    """gloo only: waits for the rank's sends on a thread, in posting order, marking each done as it completes.
+
+    A gloo send's work says it is complete only once waited for, so without this every buffer sent in a
+    step stayed alive until its end (measured: six 320 KiB activations on a GPT pipeline's first rank).
+    Only this thread waits on the sends (two waiters on one gloo work would take each other's completion);
+    :meth:`drain` waits for it to catch up, with the timeout, and raises what a send's wait raised.
+    """
+
+    def __init__(self, timeout: datetime.timedelta) -> None:
+        self.timeout = timeout
+        self._queue: queue.SimpleQueue[InFlight] = queue.SimpleQueue()
+        self._idle = threading.Condition()
+        self._pending = 0
+        self._error: PeerFailure | None = None
+        self._thread: threading.Thread | None = None
+
+    def add(self, send: InFlight) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._reap, name="tessera-send-reaper", daemon=True)
+            self._thread.start()
+        with self._idle:
+            self._pending += 1
+        self._queue.put(send)
+
+    def _reap(self) -> None:
+        while True:
+            send = self._queue.get()
+            try:
+                wait_for(send.work, self.timeout, send.label)
+            except PeerFailure as error:
+                self._error = self._error or error
+            send.done = True
+            del send  # this thread's reference to the buffer
+            with self._idle:
+                self._pending -= 1
+                self._idle.notify_all()
+
+    def drain(self) -> None:
+        """Wait until every send added so far completed."""
+        with self._idle:
+            finished = self._idle.wait_for(lambda: self._pending == 0, timeout=self.timeout.total_seconds())
+        if self._error is not None:
+            raise self._error
+        if not finished:
+            raise PeerFailure(f"rank {dist.get_rank()} stopped waiting for {self._pending} sends (timeout "
+                              f"{self.timeout.total_seconds():.0f} s); another rank failed or hung")
 
 
 GLOO_RECEIVES_AHEAD = 1  # runs whose receives a gloo rank posts before it reaches them
@@ -92,6 +145,7 @@ class P2P:
         self.sends: list[InFlight] = []
         self.receives: list[InFlight] = []  # posted, not yet waited for
         self.bytes_sent = 0  # every tensor posted by a send so far
+        self.reaper = SendReaper(self.timeout) if device.type == "cpu" else None  # gloo
 
     def post(self, messages: Sequence[Message]) -> list[InFlight]:
         """Post every message of the run in one batch; the sends stay in flight (:meth:`finish`), the
@@ -115,7 +169,10 @@ class P2P:
             return [InFlight(work, ops[0].tensor, label) for work in works]
         receives = []
         for work, op, (is_send, label) in zip(works, ops, labels):
-            (self.sends if is_send else receives).append(InFlight(work, op.tensor, label))
+            transfer = InFlight(work, op.tensor, label)
+            (self.sends if is_send else receives).append(transfer)
+            if is_send and self.reaper is not None:
+                self.reaper.add(transfer)
         self.receives.extend(receives)
         return receives
 
@@ -125,12 +182,15 @@ class P2P:
             wait_for(receive.work, self.timeout, receive.label)
         done = {id(receive) for receive in receives}
         self.receives = [r for r in self.receives if id(r) not in done]
-        self.sends = [s for s in self.sends if not s.work.is_completed()]
+        self.sends = [s for s in self.sends if not (s.done if self.reaper is not None else s.work.is_completed())]
 
     def finish(self) -> None:
         """Wait for every send still in flight (end of step)."""
-        for send in self.sends:
-            wait_for(send.work, self.timeout, send.label)
+        if self.reaper is not None:
+            self.reaper.drain()
+        else:
+            for send in self.sends:
+                wait_for(send.work, self.timeout, send.label)
         self.sends.clear()
 
     def in_flight(self) -> list[torch.Tensor]:
