@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import multiprocessing
 import operator
 import os
 import statistics
 import tempfile
+import threading
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx
@@ -19,17 +23,18 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from cost_models.devices import DeviceSpec, cache_root, get_device
+from cost_models.errors import ProfileError
 from cost_models.estimation import CostTable, estimate
 from cost_models.fake_measure import detach_tree
-from cost_models.loss import training_loss
 from cost_models.graph.shapes import tensor_leaves
-from cost_models.errors import ProfileError
+from cost_models.loss import training_loss
 
 if TYPE_CHECKING:
     from cost_models.graph.ir import LayerGraph
 
 _CACHE_VERSION = 4  # 2: node times scaled to the whole graph's measured pass; 3: from a cold cache; 4: the loss
 _EVICT_BYTES = 64 * 2**20  # written between whole-graph passes: more than a CPU's last-level cache
+_CO_RUNNER_START_S = 60.0  # for the co-running copies to start (they fork from this process) and to stop
 
 
 @dataclass(frozen=True)
@@ -44,7 +49,7 @@ class NodeTiming:
 def profile(model: nn.Module, example_inputs: torch.Tensor | Sequence[torch.Tensor],
             device: str = "cpu", *, optimizer: str = "adam", precision: str | None = None,
             warmup: int = 2, repeats: int = 5, cache_dir: str | Path | None = None,
-            refresh: bool = False, leaf_modules: Sequence[type | str] = ()) -> CostTable:
+            refresh: bool = False, leaf_modules: Sequence[type | str] = (), co_runners: int = 0) -> CostTable:
     """Cost table of ``model`` with forward/backward times measured node by node.
 
     ``device`` is where to measure: ``"cpu"``, ``"cuda"``/``"cuda:N"``, or a GPU preset name
@@ -53,7 +58,9 @@ def profile(model: nn.Module, example_inputs: torch.Tensor | Sequence[torch.Tens
     kept. A node timed alone misses what it costs inside the whole pass (caches, the autograd
     engine's work between nodes, on CUDA the launch queue instead of a synchronisation per node), so
     the whole graph's forward and backward are timed too and each node's times are scaled so that
-    they sum to them: the node keeps its share, the total is what a stage really runs. The output node
+    they sum to them: the node keeps its share, the total is what a stage really runs. On the CPU the whole
+    graph is timed while ``co_runners`` copies of it train on other cores (:func:`co_running`), as the
+    other ranks of a node do: they share its memory bandwidth and last-level cache. The output node
     gets the training loss's times (cost_models/loss.py), which the last stage runs after the model. With
     ``cache_dir`` the timings are stored as JSON keyed by graph fingerprint, device
     and dtype, and reused unless ``refresh``. Memory columns come from the fake-tensor
@@ -67,13 +74,14 @@ def profile(model: nn.Module, example_inputs: torch.Tensor | Sequence[torch.Tens
     """
     return profile_with_graph(model, example_inputs, device, optimizer=optimizer,
                               precision=precision, warmup=warmup, repeats=repeats,
-                              cache_dir=cache_dir, refresh=refresh, leaf_modules=leaf_modules)[1]
+                              cache_dir=cache_dir, refresh=refresh, leaf_modules=leaf_modules,
+                              co_runners=co_runners)[1]
 
 
 def profile_with_graph(model: nn.Module, example_inputs: torch.Tensor | Sequence[torch.Tensor],
                        device: str = "cpu", *, optimizer: str = "adam", precision: str | None = None,
                        warmup: int = 2, repeats: int = 5, cache_dir: str | Path | None = None,
-                       refresh: bool = False, leaf_modules: Sequence[type | str] = ()
+                       refresh: bool = False, leaf_modules: Sequence[type | str] = (), co_runners: int = 0
                        ) -> tuple["LayerGraph", CostTable]:
     """profile() that also returns the traced graph the table describes."""
     from cost_models.graph.tracing import normalise_inputs, trace_module  # planner builds on cost_models
@@ -86,10 +94,11 @@ def profile_with_graph(model: nn.Module, example_inputs: torch.Tensor | Sequence
     _check_placement(model, inputs, torch_device)
     graph, module = trace_module(model, inputs, leaf_modules)
     dtype = _model_dtype(model)
-    cache_file = _cache_path(cache_dir, graph.fingerprint, spec.name, dtype)
+    co_runners = co_runners if torch_device.type == "cpu" else 0
+    cache_file = _cache_path(cache_dir, graph.fingerprint, spec.name, dtype, co_runners)
     timings = None if refresh or cache_file is None else _read_cache(cache_file, graph.fingerprint)
     if timings is None:
-        timings = _NodeProfiler(module, torch_device, warmup, repeats).run(inputs)
+        timings = _NodeProfiler(module, torch_device, warmup, repeats, co_runners).run(inputs)
         if cache_file is not None:
             _write_cache(cache_file, graph.fingerprint, spec.name, dtype, timings)
     table = estimate(graph, spec, optimizer, precision)
@@ -101,13 +110,14 @@ def profile_with_graph(model: nn.Module, example_inputs: torch.Tensor | Sequence
 
 
 def measured_table(model: nn.Module, graph: "LayerGraph", example_inputs: Sequence[torch.Tensor],
-                   batch_size: int, *, optimizer: str, precision: str,
+                   batch_size: int, *, optimizer: str, precision: str, co_runners: int = 0,
                    cache_dir: str | Path | None = None) -> CostTable:
     """``graph``'s costs at micro-batch ``batch_size`` (estimate()) with every node's forward and backward
     time measured on this CPU at that batch (profile(), cached): what plan() costs a CPU plan with.
     ``example_inputs`` give each input's sample shape and dtype (any device; meta is fine): the
     profile runs on random floats and zero integers (token ids) of that batch, on one intra-op thread as
-    the runtime's CPU ranks compute (torchrun gives each one). ``cache_dir`` defaults to the ``profiles``
+    the runtime's CPU ranks compute (torchrun gives each one), beside ``co_runners`` copies training on other
+    cores (the node's other ranks: profile()). ``cache_dir`` defaults to the ``profiles``
     folder of :func:`cost_models.devices.cache_root`."""
     generator = torch.Generator().manual_seed(0)
     inputs = tuple(torch.randn((batch_size, *x.shape[1:]), generator=generator, dtype=x.dtype)
@@ -117,7 +127,7 @@ def measured_table(model: nn.Module, graph: "LayerGraph", example_inputs: Sequen
     torch.set_num_threads(1)
     try:
         _, measured = profile_with_graph(model, inputs, "cpu", optimizer=optimizer, precision=precision,
-                                         cache_dir=cache_dir or cache_root() / "profiles")
+                                         cache_dir=cache_dir or cache_root() / "profiles", co_runners=co_runners)
     finally:
         torch.set_num_threads(threads)
     times = {cost.name: cost for cost in measured.costs}
@@ -179,17 +189,19 @@ class _NodeProfiler:
     """Times each node in isolation on its real inputs, then scales the times to the whole graph's."""
 
     def __init__(self, module: torch.fx.GraphModule, device: torch.device, warmup: int,
-                 repeats: int) -> None:
+                 repeats: int, co_runners: int = 0) -> None:
         self.module = module
         self.device = device
         self.warmup = warmup
         self.repeats = repeats
+        self.co_runners = co_runners
 
     def run(self, inputs: tuple[torch.Tensor, ...]) -> dict[str, NodeTiming]:
         buffers = {name: b.detach().clone() for name, b in self.module.named_buffers()}
         try:
             alone = self._run(inputs)
-            whole_fwd_ms, whole_bwd_ms = self._whole_graph_ms(inputs)
+            with co_running(self.module, inputs, self.co_runners):
+                whole_fwd_ms, whole_bwd_ms = self._whole_graph_ms(inputs)
             timings = in_context(alone, whole_fwd_ms, whole_bwd_ms)
             loss = self._loss_timing(inputs)
             if loss is not None:
@@ -287,6 +299,57 @@ class _NodeProfiler:
         return elapsed, result, torch.cuda.max_memory_allocated(self.device) - base
 
 
+@contextlib.contextmanager
+def co_running(module: nn.Module, inputs: tuple[torch.Tensor, ...], copies: int) -> Iterator[list[int]]:
+    """``copies`` forked processes, each bound to its own core other than this process's, training
+    ``module`` on ``inputs`` (forward, backward into the weights) until the block ends; yields their pids.
+    Where the machine has fewer cores than that, the copies share what there is (as the ranks would)."""
+    if copies <= 0:
+        yield []
+        return
+    context = multiprocessing.get_context("fork")
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    mine = set(cores)
+    if len(cores) > copies:
+        mine = {cores[0]}
+        os.sched_setaffinity(0, mine)
+    stop, started = context.Event(), context.Barrier(copies + 1)
+    runners = [context.Process(target=_train_until, args=(module, inputs, stop, started,
+                                                          cores[1 + index] if len(cores) > copies else None),
+                               daemon=True) for index in range(copies)]
+    try:
+        for runner in runners:
+            runner.start()
+        with contextlib.suppress(threading.BrokenBarrierError):  # a copy that failed to start: time without it
+            started.wait(timeout=_CO_RUNNER_START_S)
+        yield [runner.pid for runner in runners if runner.pid is not None]
+    finally:
+        stop.set()
+        for runner in runners:
+            runner.join(timeout=_CO_RUNNER_START_S)
+            if runner.is_alive():
+                runner.kill()
+        if cores:
+            os.sched_setaffinity(0, set(cores))
+
+
+def _train_until(module: nn.Module, inputs: tuple[torch.Tensor, ...], stop: Any, started: Any,
+                 core: int | None) -> None:
+    """A co-runner: this process's copy of the module, forward and backward until ``stop``."""
+    try:
+        if core is not None:
+            os.sched_setaffinity(0, {core})
+        torch.set_num_threads(1)
+        params = [p for p in module.parameters() if p.requires_grad]
+        started.wait(timeout=_CO_RUNNER_START_S)
+        while not stop.is_set():
+            targets = [t for t in tensor_leaves(module(*inputs)) if t.requires_grad and t.is_floating_point()]
+            if targets and params:
+                torch.autograd.grad(targets, params, [torch.ones_like(t) for t in targets], allow_unused=True)
+    finally:
+        os._exit(0)  # a fork of the profiler: nothing of the parent's to clean up
+
+
 def in_context(alone: dict[str, NodeTiming], whole_fwd_ms: float, whole_bwd_ms: float) -> dict[str, NodeTiming]:
     """Node times measured alone, scaled so that they sum to the whole graph's measured forward and
     backward (each node keeps its share of each).
@@ -328,12 +391,14 @@ def _isolate(args: Any, kwargs: Any) -> tuple[Any, Any, list[torch.Tensor]]:
     return pytree.tree_map(isolate, args), pytree.tree_map(isolate, kwargs), leaves
 
 
-def _cache_path(cache_dir: str | Path | None, fingerprint: str, device: str, dtype: str) -> Path | None:
+def _cache_path(cache_dir: str | Path | None, fingerprint: str, device: str, dtype: str,
+                co_runners: int = 0) -> Path | None:
     if cache_dir is None:
         return None
     safe_device = "".join(c if c.isalnum() or c in "-_." else "_" for c in device)
     threads = torch.get_num_threads()  # times depend on the intra-op threads they were measured with
-    return Path(cache_dir).expanduser() / f"{fingerprint[:24]}-{safe_device}-{dtype}-t{threads}.json"
+    beside = f"-x{co_runners + 1}" if co_runners else ""  # and on how many copies ran at once
+    return Path(cache_dir).expanduser() / f"{fingerprint[:24]}-{safe_device}-{dtype}-t{threads}{beside}.json"
 
 
 def _read_cache(path: Path, fingerprint: str) -> dict[str, NodeTiming] | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,7 @@ from torch import nn
 from cost_models.cpu_device import CPU_NAME, usable_cores
 from cost_models.devices import DeviceSpec, get_device
 from cost_models.errors import InvalidArgument, TesseraWarning
-from cost_models.estimation import model_precision
+from cost_models.estimation import CostTable, model_precision
 from cost_models.graph.ir import LayerGraph
 from cost_models.graph.model_spec import builder_forms
 from cost_models.graph.tracing import normalise_inputs, trace
@@ -94,10 +94,7 @@ def plan(model: nn.Module, gpus: int, mem: str | int, *, batch_size: int,
         report(ProgressEvent(Phase.TRACING, detail=type(model).__name__))
         graph = trace(model, inputs, leaf_modules=leaf_modules)
     space = dataclasses.replace(space, precision=mode or model_precision(graph))
-    measure = None
-    if measures(model, spec, profile):
-        measure = functools.partial(measured_table, model, graph, inputs, optimizer=space.optimizer.value,
-                                    precision=space.precision.value)
+    measure = cpu_measure(model, graph, inputs, space) if measures(model, spec, profile) else None
     result = Search(graph, spec, space, progress, measure).run()
     report(ProgressEvent(Phase.ASSEMBLING, detail="lowering, validating and simulating the winner"))
     return build_plan(graph, spec, space, result,
@@ -118,6 +115,15 @@ def measures(model: nn.Module, device: DeviceSpec, profile: bool | None) -> bool
         raise InvalidArgument("profile=True needs the model's weights on the CPU to time its nodes; build it "
                               "with device='cpu' (not meta), or plan with profile=False (roofline costs)")
     return profile
+
+
+def cpu_measure(model: nn.Module, graph: LayerGraph, inputs: tuple[torch.Tensor, ...],
+                space: SearchSpace) -> Callable[[int], CostTable]:
+    """The graph's costs at a micro-batch size with node times measured on this CPU (measured_table), while
+    copies train on the other cores as the node's other ranks will: as many as run at once, a core each."""
+    ranks = min(space.gpus_per_node, space.gpus, usable_cores())
+    return functools.partial(measured_table, model, graph, inputs, optimizer=space.optimizer.value,
+                             precision=space.precision.value, co_runners=ranks - 1)
 
 
 def model_ref(graph: LayerGraph, inputs: tuple[torch.Tensor, ...], space: SearchSpace,
@@ -148,6 +154,11 @@ def validate_space(gpus: int, mem: str | int, batch_size: int, device: str | Dev
             0 < time_limit_s < float("inf")):
         raise InvalidArgument(f"the time limit must be a number of seconds > 0, got {time_limit_s!r}; "
                               f"give e.g. --time-limit 60 (plan(time_limit_s=60))")
+    for name, values in (("micro_batch_sizes", micro_batch_sizes), ("num_stages", num_stages),
+                         ("data_parallel", data_parallel)):
+        if values is not None and not isinstance(values, Sequence):
+            raise InvalidArgument(f"{name} is the list of values to search, got {values!r}; give e.g. "
+                                  f"{name}=[{values!r}]")
     if micro_batch_sizes is not None and (not micro_batch_sizes or min(micro_batch_sizes) < 1):
         raise InvalidArgument(f"micro_batch_sizes must be positive, got {list(micro_batch_sizes)}")
     if not (spatial and num_stages and all(1 <= v <= gpus for v in num_stages)):

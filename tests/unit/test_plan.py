@@ -115,6 +115,9 @@ def _tiny(**overrides):
     ({"batch_size": 0}, InvalidArgument, "batch_size must be"),
     ({"schedules": ("pipedream-2bw",)}, InvalidArgument, "not supported"),
     ({"schedules": ("wpipe",)}, InvalidArgument, "allow_stale_weights=True"),
+    ({"num_stages": 2}, InvalidArgument, r"num_stages is the list of values to search, got 2; give e.g. num_stages=\[2\]"),
+    ({"data_parallel": 2}, InvalidArgument, "data_parallel is the list"),
+    ({"micro_batch_sizes": 4}, InvalidArgument, "micro_batch_sizes is the list"),
 ])
 def test_bad_arguments(overrides: dict, error: type, message: str) -> None:
     with pytest.raises(error, match=message):

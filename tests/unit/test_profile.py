@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from cost_models import profile
+from cost_models.profiling import co_running
 from examples.models.gpt import gpt
 from examples.models.resnet import resnet50
 from examples.models.wrn import wrn
@@ -61,6 +64,40 @@ def test_the_profile_times_the_training_loss_on_the_output_node() -> None:
     measured = table["output"].fwd_ms + table["output"].bwd_ms
     assert independent / 3 < measured < 3 * independent, (measured, independent)
     assert table["output"].bwd_ms > 0
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists() or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs /proc and two cores")
+def test_co_runners_train_on_their_own_cores_while_the_whole_graph_is_timed_and_are_gone_after() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    cores = os.sched_getaffinity(0)
+    with co_running(model, (torch.randn(64, 256),), 1) as pids:
+        assert len(pids) == 1
+        mine, theirs = os.sched_getaffinity(0), os.sched_getaffinity(pids[0])
+        assert len(mine) == len(theirs) == 1 and not mine & theirs
+        before = _cpu_seconds(pids[0])
+        time.sleep(0.5)
+        assert _cpu_seconds(pids[0]) - before > 0.2  # it computes, it does not wait
+    assert not Path(f"/proc/{pids[0]}").exists()
+    assert os.sched_getaffinity(0) == cores
+
+
+def test_a_cpu_plan_profiles_beside_the_nodes_other_ranks(tmp_path, monkeypatch) -> None:
+    """plan(device="cpu") on two ranks times the graph with one copy training beside it, at each micro-batch
+    size it considers (the cache files say)."""
+    monkeypatch.setenv("TESSERA_CACHE_DIR", str(tmp_path))
+    from planner import plan
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
+    plan(model, gpus=2, mem="1GB", batch_size=8, device="cpu", example_inputs=torch.randn(1, 64),
+         num_stages=[1], data_parallel=[2])
+    ranks = min(2, len(os.sched_getaffinity(0)))
+    names = [path.name for path in (tmp_path / "profiles").iterdir()]
+    assert names and all(name.endswith(f"-x{ranks}.json") if ranks > 1 else "-x" not in name for name in names)
 
 
 def test_profile_leaves_model_state_untouched() -> None:
