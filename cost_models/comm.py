@@ -35,6 +35,21 @@ starts early in the backward, as DDP's does."""
 FIRST_BUCKET_BYTES = 2**20
 
 
+RECEIVES_POSTED_AHEAD: dict[str, int] = {"nccl": 0, "gloo": 1}  # runs of receives a rank posts before reaching them
+"""gloo sends a message from the sender's own thread only when the receiver's irecv is already posted (else
+its background thread does, later, competing with the sender's compute): CPU ranks post the next run's
+receives with the current run, and hold its buffers that much earlier (runtime/comm.py). NCCL does not: a
+posted receive occupies the communication stream and a send behind it that the peer needs first would
+deadlock."""
+
+
+def hidden_share(grad_bytes: float, backend: str) -> float:
+    """Of a data-parallel all-reduce of ``grad_bytes``, the share its last backward hides: DDP's buckets before
+    the last (:func:`overlapped_share`), or none on gloo, whose copies and sums take the very core the
+    backward runs on (a CPU rank has one to itself)."""
+    return 0.0 if backend == "gloo" else overlapped_share(grad_bytes)
+
+
 def overlapped_share(grad_bytes: float, bucket_bytes: int = ALLREDUCE_BUCKET_BYTES,
                      first_bytes: int = FIRST_BUCKET_BYTES) -> float:
     """Of an all-reduce of ``grad_bytes`` in buckets filled in backward order (the first of ``first_bytes``,

@@ -319,6 +319,7 @@ def measure_cpu_device(*, threads: int | None = None, link: LinkSpec | None = No
         matmul_efficiency=1.0,
         memory_efficiency=1.0,
         kernel_overhead_us=overhead_us,
+        backend="gloo",
         collective_link=collective,
         optimizer_steps=optimizer_steps,
         host_mem_bytes=mem_bytes,  # the "device" is the host: one memory (each rank's share of it)

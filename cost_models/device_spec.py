@@ -12,6 +12,7 @@ from typing import Any
 from cost_models.errors import InvalidArgument
 
 MATH_FORMATS: tuple[str, ...] = ("fp64", "fp32", "tf32", "fp16", "bf16")
+BACKENDS: tuple[str, ...] = ("nccl", "gloo")  # GPUs talk through NCCL; CPU ranks through gloo, on their own cores
 """Number formats a device has a peak FLOP/s for (`DeviceSpec.peak_flops`), in the order of the
 `*_tflops` fields. Training precisions (cost_models.memory.Precision) pick one of them."""
 
@@ -131,6 +132,9 @@ class DeviceSpec:
     costs (:class:`OptimizerStepCost`: per parameter tensor and per parameter), where measured (the
     ``cpu`` device); without it a step is costed from the bytes it reads and writes at the memory
     bandwidth (presets: torch's multi-tensor kernels on CUDA launch once for many tensors).
+
+    `backend` is what the runtime's ranks on it communicate with: ``nccl`` (GPUs) or ``gloo`` (CPU ranks,
+    whose messages and all-reduces are copied and summed by their own cores; cost_models/comm.py).
     """
 
     name: str
@@ -153,11 +157,15 @@ class DeviceSpec:
     host_optimizer_params_per_s: float = 4e8
     collective_link: LinkSpec | None = None  # how an all-reduce within a node runs, where measured (else intra_node)
     optimizer_steps: tuple[tuple[str, OptimizerStepCost], ...] = ()  # (optimizer name, its measured step)
+    backend: str = "nccl"  # what its ranks communicate with (BACKENDS)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise InvalidArgument(f"DeviceSpec: field 'name' must be a non-empty string, got {self.name!r}")
         owner = f"DeviceSpec {self.name!r}"
+        if self.backend not in BACKENDS:
+            raise InvalidArgument(f"{owner}: field 'backend' must be one of {', '.join(BACKENDS)}, "
+                                  f"got {self.backend!r}")
         if isinstance(self.mem_bytes, bool) or not isinstance(self.mem_bytes, int) or self.mem_bytes <= 0:
             raise InvalidArgument(
                 f"{owner}: field 'mem_bytes' must be a positive int number of bytes, got {self.mem_bytes!r}"
@@ -247,7 +255,7 @@ class DeviceSpec:
             if key not in data:
                 continue
             value = data[key]
-            if key == "name":
+            if key in ("name", "backend"):
                 kwargs[key] = _expect_str(value, key)
             elif key in ("mem_bytes", "host_mem_bytes", "nvme_bytes"):
                 if isinstance(value, bool) or not isinstance(value, int):
@@ -280,7 +288,7 @@ STEP_KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(OptimizerS
 DEVICE_KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(DeviceSpec))
 LINK_FIELDS: tuple[str, ...] = ("intra_node", "inter_node", "host_link", "nvme", "collective_link")
 HOST_KEYS: frozenset[str] = frozenset({"host_mem_bytes", "nvme_bytes", "host_optimizer_params_per_s",
-                                       "collective_link", "optimizer_steps"})
+                                       "collective_link", "optimizer_steps", "backend"})
 
 
 def _check_keys(data: Mapping[str, Any], expected: tuple[str, ...], where: str,

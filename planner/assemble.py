@@ -68,7 +68,8 @@ def lower_candidate(candidate: Candidate, graph: LayerGraph) -> Lowered:
     swapping = {stage for stage in range(layout.num_stages) if parts[layout.part(stage)].offload.swap}
     programs = layout.rank_programs(lower(insert_swaps(setup.schedule.programs, swapping), layout, edges))
     validate(programs, layout, edges=edges)
-    simulated = simulate(programs, layout, sim_costs(layout, parts, transfers, setup.config.schedule))
+    simulated = simulate(programs, layout, sim_costs(layout, parts, transfers, setup.config.schedule,
+                                                     setup.problem.backend))
     return Lowered(parts, transfers, programs, simulated)
 
 

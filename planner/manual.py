@@ -147,7 +147,8 @@ def _relaid(plan: Plan, schedule: Schedule, stages: tuple[StagePlan, ...], what:
     swapping = {stage for stage in range(layout.num_stages) if stages[layout.part(stage)].offload.swap}
     programs = layout.rank_programs(lower(insert_swaps(schedule.programs, swapping), layout, edges))
     validate(programs, layout, edges=edges)
-    simulated = simulate(programs, layout, sim_costs(layout, stages, transfers, schedule.kind))
+    costs = sim_costs(layout, stages, transfers, schedule.kind, plan.cluster.backend)
+    simulated = simulate(programs, layout, costs)
     batch = plan.training.global_batch_size
     relaid = dataclasses.replace(
         plan, layout=layout, stages=stages, transfers=transfers, programs=format_programs(programs),

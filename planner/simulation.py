@@ -11,14 +11,14 @@ from planner.schedules.simulate import SimCosts, SimResult, StageCosts, simulate
 
 
 def sim_costs(layout: Layout, parts: Sequence[StagePlan], transfers: Sequence[Transfer],
-              kind: ScheduleKind) -> SimCosts:
+              kind: ScheduleKind, backend: str) -> SimCosts:
     """Each stage costs what its part is predicted to (its all-reduce overlapping its last backward where
-    the runtime's does); transfers per stage pair."""
+    the runtime's does on ``backend``); transfers per stage pair."""
     stale = kind.stale_parts(layout.num_parts)
     stages = tuple(parts[layout.part(stage)] for stage in range(layout.num_stages))
     costs = tuple(StageCosts(p.fwd_ms, p.bwd_ms, p.activation_bytes, p.static_bytes, p.allreduce_ms,
                              p.optimizer_ms, p.swap_bytes, p.swap_ms, p.weight_grad_ms,
-                             p.allreduce_overlap(part.offload, part.index in stale or kind.splits_backward),
+                             p.allreduce_overlap(part.offload, part.index in stale or kind.splits_backward, backend),
                              p.grad_bytes)
                   for part in stages for p in [part.predicted])
     return SimCosts(costs, {(t.src_stage, t.dst_stage): t.ms for t in transfers})
@@ -26,7 +26,7 @@ def sim_costs(layout: Layout, parts: Sequence[StagePlan], transfers: Sequence[Tr
 
 def simulate_plan(plan: Plan) -> SimResult:
     """The plan's per-rank programs replayed on its predicted costs."""
-    costs = sim_costs(plan.layout, plan.stages, plan.transfers, plan.schedule.kind)
+    costs = sim_costs(plan.layout, plan.stages, plan.transfers, plan.schedule.kind, plan.cluster.backend)
     return simulate(parse_programs(plan.programs), plan.layout, costs)
 
 
@@ -39,7 +39,7 @@ def simulate_measured(plan: Plan, action_ms: Sequence[Mapping[str, float]]) -> S
         times = [ranks[key] for ranks in action_ms if key in ranks]
         return sum(times) / len(times) if times else default
 
-    predicted = sim_costs(plan.layout, plan.stages, plan.transfers, plan.schedule.kind)
+    predicted = sim_costs(plan.layout, plan.stages, plan.transfers, plan.schedule.kind, plan.cluster.backend)
     stages = []
     for stage, costs in enumerate(predicted.stages):
         weight_grad_ms = measured(f"{stage}:W", 0.0)

@@ -7,13 +7,9 @@ between two ranks match in posting order, which the plan's lowering makes identi
 sides. On CUDA the batch is issued on a communication stream that first waits for the compute
 stream; waiting on a receive makes the compute stream wait for it (no host synchronisation).
 
-On gloo (CPU ranks) each run's receives are posted one run ahead (:class:`ReceivesAhead`): gloo writes
-a message from the sending thread only when the receiver's irecv is already posted; otherwise the
-sender's background thread writes it once the receiver posts, and that thread competes with the
-sender's compute, so the message can land milliseconds late (measured: 2.7-5 ms in a fifth of the
-sends posted first, under 0.4 ms when the receive was first). NCCL is not posted ahead: a posted
-receive occupies the communication stream, and a send queued behind it that its peer needs first
-would deadlock.
+On gloo (CPU ranks) each run's receives are posted one run ahead (:class:`ReceivesAhead`,
+cost_models.comm.RECEIVES_POSTED_AHEAD says why and why not on NCCL; measured: 2.7-5 ms late in a fifth of
+the sends posted before their receive, under 0.4 ms when the receive was first).
 """
 
 from __future__ import annotations
@@ -101,9 +97,6 @@ class SendReaper:
         if not finished:
             raise PeerFailure(f"rank {dist.get_rank()} stopped waiting for {self._pending} sends (timeout "
                               f"{self.timeout.total_seconds():.0f} s); another rank failed or hung")
-
-
-GLOO_RECEIVES_AHEAD = 1  # runs whose receives a gloo rank posts before it reaches them
 
 
 class ReceivesAhead:

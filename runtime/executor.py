@@ -35,13 +35,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from cost_models.comm import RECEIVES_POSTED_AHEAD
 from cost_models.graph.capture import LeafSpec
 from planner.plan import Plan
 from planner.preflight import programs
 from planner.schedules import Action, ActionKind
 from planner.schedules.periods import Periods
 from runtime.checks import segments as grouped
-from runtime.comm import GLOO_RECEIVES_AHEAD, P2P, InFlight, Message, ReceivesAhead, wait_for
+from runtime.comm import P2P, InFlight, Message, ReceivesAhead, wait_for
 from runtime.dataflow import SourceKind
 from runtime.grads import GradientSync, OverlappedReduce
 from runtime.launch import join_group
@@ -116,7 +117,7 @@ class Executor:
         self.stages, self.groups, self.swaps = ready.stages, ready.groups, ready.swaps
         self.mixed, self.tiled = ready.mixed, ready.tiled
         self.p2p = P2P(None, self.device, timeout_s)
-        self._receives_ahead = GLOO_RECEIVES_AHEAD if self.device.type == "cpu" else 0
+        self._receives_ahead = RECEIVES_POSTED_AHEAD["gloo" if self.device.type == "cpu" else "nccl"]
         self.sync = GradientSync(self.device, timeout_s)
         self.periods = Periods.of(programs(plan))
         stale = plan.schedule.kind.stale_parts(plan.layout.num_parts)

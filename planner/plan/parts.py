@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from cost_models.comm import overlapped_share
+from cost_models.comm import hidden_share
 from cost_models.memory import Optimizer, Precision
 from planner.plan import codec
 from planner.plan.kinds import ScheduleKind
@@ -87,6 +87,11 @@ class ClusterSpec:
     @property
     def device_name(self) -> str:
         return str(self.device["name"])
+
+    @property
+    def backend(self) -> str:
+        """What the device's ranks communicate with (DeviceSpec.backend; files made before it: NCCL's model)."""
+        return str(self.device.get("backend", "nccl"))
 
     @property
     def usable_mem_bytes(self) -> int:
@@ -214,14 +219,14 @@ class StagePrediction:
     weight_grad_ms: float = 0.0  # of bwd_ms: the parameters' gradients (what a split backward's W runs)
     grad_bytes: int = 0  # of static_bytes: gradients, from the step's first backward to its optimizer step
 
-    def allreduce_overlap(self, offload: OffloadSpec, after_backward: bool) -> float:
+    def allreduce_overlap(self, offload: OffloadSpec, after_backward: bool, backend: str) -> float:
         """The share of ``allreduce_ms`` that runs during the stage's last backward (as DDP's: buckets start
-        as their gradients are ready, in backward order; cost_models.comm.overlapped_share). 0 where the
-        runtime reduces after the backward: ZeRO-2/3's reduce-scatter, and ``after_backward`` (stashed
+        as their gradients are ready, in backward order; cost_models.comm.hidden_share, none on gloo). 0 where
+        the runtime reduces after the backward: ZeRO-2/3's reduce-scatter, and ``after_backward`` (stashed
         weight versions, WPipe; a split backward's W, ZB-H1)."""
         if not self.allreduce_ms or offload.zero_stage >= 2 or after_backward:
             return 0.0
-        return overlapped_share(self.param_bytes)
+        return hidden_share(self.param_bytes, backend)
 
     @classmethod
     def from_dict(cls, data: Any, path: str) -> StagePrediction:

@@ -271,6 +271,7 @@ class PipelineProblem:
     spatial: tuple[SpatialPart, ...] = ()  # the leading parts on image tiles
     balanced: BalancedStep | None = None  # a family without a closed form: its programs on balanced parts
     swapped_resident: tuple[int, ...] = ()  # per stage: micro-batches of swapped bytes on the device (() = 2)
+    backend: str = "nccl"  # the device's (DeviceSpec.backend): what hides an all-reduce, which receives post early
 
     def __post_init__(self) -> None:
         assert len(self.boundary_bytes) == len(self.units) - 1

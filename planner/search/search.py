@@ -189,7 +189,8 @@ class Search:
             part_allreduces(self.device, layout, per_node), self.space.mem_bytes,
             memory_tiers(self.device, self.space, config.state, activations=False),
             tuple(self._spatial_part(choice, config.micro_batch_size, units, None if coarse else config.spatial)
-                  for choice in config.spatial), self.balanced(config, units), swapped_resident(schedule))
+                  for choice in config.spatial), self.balanced(config, units), swapped_resident(schedule),
+            self.device.backend)
         decided = None
         if {Offload.RECOMPUTE, Offload.SWAP} & self.space.offload:
             tiers = memory_tiers(self.device, self.space, config.state, activations=True)

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from cost_models.comm import overlapped_share
+from cost_models.comm import RECEIVES_POSTED_AHEAD, hidden_share
 from planner.plan.kinds import ScheduleKind
 from planner.plan.parts import StateTier
 from planner.schedules.generate import STASHED_WEIGHT_VERSIONS
@@ -290,7 +290,8 @@ def cost_model(problem: PipelineProblem) -> CostModel:
       update on the host's cores; on NVMe, also reading and writing the state over the NVMe link.
 
     Memory of stage t on part s: its weights, gradients, optimizer state and
-    buffers (as its mode keeps them), its largest transient, one send buffer, the recomputed
+    buffers (as its mode keeps them), its largest transient, one send buffer (and on gloo the receives of
+    the next run, posted a run ahead: an input and a gradient's worth), the recomputed
     unit's activations, two micro-batches' swapped bytes, and in-flight(t) x (kept saved
     activations + received inputs); on the last part the activations include what the loss keeps
     (added to the unit holding the graph's output in planner/search/problem.py). Each node's host
@@ -410,13 +411,13 @@ def _overlapped(problem: PipelineProblem, part: int, average: tuple[float, float
     """The share of a part's all-reduce that the runtime hides in its last backward (DDP's overlap:
     StagePrediction.allreduce_overlap, which the simulator replays), taken at the configuration's average
     part (a constant, so the objective stays linear in the cuts): the buckets before the last, and no more
-    than that backward lasts; 0 under ZeRO-2/3, on WPipe's stashed versions and after ZB-H1's W."""
+    than that backward lasts; 0 under ZeRO-2/3, on WPipe's stashed versions, after ZB-H1's W and on gloo."""
     if (problem.tiers.state.zero_stage >= 2 or problem.schedule.splits_backward
             or part in problem.schedule.stale_parts(problem.num_parts)):
         return 0.0
     grad_bytes, backward_ms = average
     allreduce_ms = problem.allreduce[part].ms(grad_bytes)
-    return min(overlapped_share(grad_bytes), backward_ms / allreduce_ms) if allreduce_ms > 0 else 0.0
+    return min(hidden_share(grad_bytes, problem.backend), backward_ms / allreduce_ms) if allreduce_ms > 0 else 0.0
 
 
 def _part_terms(problem: PipelineProblem, part: int, shared: dict[str, Term],
@@ -435,6 +436,11 @@ def _part_terms(problem: PipelineProblem, part: int, shared: dict[str, Term],
         states[copies] = _state_terms(problem, copies)
     state = states[copies]
     working = shared["transient_bytes"] if is_last else shared["transient_bytes"].plus(shared["sent_bytes"])
+    ahead = float(RECEIVES_POSTED_AHEAD[problem.backend])  # the next run's receives, posted early:
+    if ahead and not is_first:  # an input from the part before
+        working = working.plus(shared["received_bytes"], ahead)
+    if ahead and not is_last:  # the gradient of what it sent
+        working = working.plus(shared["sent_bytes"], ahead)
     if "untileable_bytes" in shared:
         working = working.plus(shared["untileable_bytes"])
     terms["static_bytes"] = state["state_bytes"].plus(working)  # + one send buffer

@@ -56,6 +56,7 @@ FIELD_NAMES = {
     "host_optimizer_params_per_s",
     "collective_link",
     "optimizer_steps",
+    "backend",
 }
 
 
@@ -76,6 +77,7 @@ def test_preset_fields_are_positive_and_named(name: str) -> None:
     assert {f.name for f in dataclasses.fields(spec)} == FIELD_NAMES
     assert spec.name == name
     assert spec.mem_bytes == EXPECTED_MEM_BYTES[name]
+    assert spec.backend == "nccl"
     for field in ("fp64_tflops", "fp32_tflops", "fp16_tflops", "mem_bandwidth_gb_per_s", "kernel_overhead_us"):
         assert getattr(spec, field) > 0, field
     assert 0 < spec.matmul_efficiency <= 1 and 0 < spec.memory_efficiency <= 1

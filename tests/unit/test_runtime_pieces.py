@@ -258,13 +258,14 @@ def test_receives_posted_one_run_ahead_keep_program_order_and_precede_their_run(
     first is posted before the program reaches it (one run ahead), no run is posted twice, and the
     receives are posted in program order (what keeps each channel matching its sends)."""
     from planner.schedules import generate, lower
-    from runtime.comm import GLOO_RECEIVES_AHEAD, ReceivesAhead
+    from cost_models.comm import RECEIVES_POSTED_AHEAD
+    from runtime.comm import ReceivesAhead
 
     schedule = generate(kind, 4, 8)
     edges = {(p, p + 1) for p in range(schedule.layout.num_parts - 1)}
     for program in schedule.layout.rank_programs(lower(schedule.programs, schedule.layout, edges)):
         segments = checks.segments(program)
-        ahead = ReceivesAhead(segments, GLOO_RECEIVES_AHEAD)
+        ahead = ReceivesAhead(segments, RECEIVES_POSTED_AHEAD["gloo"])
         posted = list(ahead.due(-1))
         for index, segment in enumerate(segments):
             if isinstance(segment, tuple) and any(a.kind.is_recv for a in segment):

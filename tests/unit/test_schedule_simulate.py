@@ -160,11 +160,12 @@ def test_the_prediction_says_which_stages_overlap_their_allreduce() -> None:
     from planner.plan import OffloadSpec, StagePrediction
 
     big = StagePrediction(1.0, 2.0, param_bytes=60 * 2**20, static_bytes=0, activation_bytes=0, allreduce_ms=5.0)
-    assert big.allreduce_overlap(OffloadSpec(), after_backward=False) == pytest.approx(51 / 60)  # 1 + 25 + 25 MiB first
-    assert big.allreduce_overlap(OffloadSpec(zero_stage=2), after_backward=False) == 0.0  # a reduce-scatter after it
-    assert big.allreduce_overlap(OffloadSpec(), after_backward=True) == 0.0  # WPipe's stashed versions, ZB-H1's W
+    assert big.allreduce_overlap(OffloadSpec(), False, "nccl") == pytest.approx(51 / 60)  # 1 + 25 + 25 MiB first
+    assert big.allreduce_overlap(OffloadSpec(zero_stage=2), False, "nccl") == 0.0  # a reduce-scatter after it
+    assert big.allreduce_overlap(OffloadSpec(), True, "nccl") == 0.0  # WPipe's stashed versions, ZB-H1's W
+    assert big.allreduce_overlap(OffloadSpec(), False, "gloo") == 0.0  # a CPU rank's one core does it all
     small = StagePrediction(1.0, 2.0, param_bytes=2**19, static_bytes=0, activation_bytes=0, allreduce_ms=5.0)
-    assert small.allreduce_overlap(OffloadSpec(), after_backward=False) == 0.0  # one bucket
+    assert small.allreduce_overlap(OffloadSpec(), False, "nccl") == 0.0  # one bucket
 
 
 def test_every_action_is_one_event_on_its_lane() -> None:

@@ -15,6 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cost_models.comm import hidden_share, overlapped_share
+from cost_models.device_spec import BACKENDS
 from planner.plan import ScheduleKind
 from planner.schedules import SimCosts, SimResult, StageCosts, generate, lower, max_in_flight, simulate
 from planner.search.evaluate import Evaluation, evaluate
@@ -42,7 +44,7 @@ def instances(draw, kind: ScheduleKind) -> tuple[CostModel, tuple[int, ...]]:
                       else LinearCost(0.0, 0.0) for _ in range(num_stages))
     problem = PipelineProblem(units, tuple(draw(st.integers(0, 1000)) for _ in range(num_units - 1)), SHARED,
                               schedule.layout, kind, microbatches, max_in_flight(schedule), links, allreduce,
-                              10**15)
+                              10**15, backend=draw(st.sampled_from(BACKENDS)))
     cuts = tuple(sorted(draw(st.sets(st.integers(0, num_units - 2), min_size=num_stages - 1,
                                      max_size=num_stages - 1)))) if num_units > 1 else ()
     return cost_model(problem), cuts
@@ -120,3 +122,23 @@ def _uniform(kind: ScheduleKind, num_stages: int, microbatches: int) -> CostMode
     return cost_model(PipelineProblem(units, (100,) * (num_stages - 1), (), schedule.layout, kind, microbatches,
                                       max_in_flight(schedule), (LinearCost(0.0, 0.0),) * (num_stages - 1),
                                       (LinearCost(0.0, 0.0),) * num_stages, 10**15))
+
+
+def test_gloo_ranks_hold_the_next_runs_receives_and_hide_no_all_reduce() -> None:
+    """Three one-unit parts, 2 replicas, by hand: on gloo a middle part also holds the next run's input
+    (100 B received) and the gradient of what it sent (200 B), the first only the latter and the last only
+    the former; NCCL posts no receive early. gloo hides none of an all-reduce in the backward (the sums take
+    the rank's own core), NCCL DDP's buckets before the last."""
+    units = tuple(Unit((f"n{i}",), 2.0, 3.0, 0, 0, 0, 0) for i in range(3))
+    schedule = generate(ScheduleKind.GPIPE, 3, 4, data_parallel=2)
+
+    def parts(backend: str) -> tuple:
+        problem = PipelineProblem(units, (100, 200), (), schedule.layout, ScheduleKind.GPIPE, 4,
+                                  max_in_flight(schedule), (LinearCost(0.0, 0.0),) * 2,
+                                  (LinearCost(1.0, 0.0),) * 3, 10**15, backend=backend)
+        return evaluate(cost_model(problem), (0, 1)).parts
+
+    nccl, gloo = parts("nccl"), parts("gloo")
+    assert [g.static_bytes - n.static_bytes for g, n in zip(gloo, nccl, strict=True)] == [100, 100 + 200, 200]
+    assert hidden_share(64 * 2**20, "gloo") == 0.0
+    assert hidden_share(64 * 2**20, "nccl") == overlapped_share(64 * 2**20) > 0.5
