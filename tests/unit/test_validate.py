@@ -142,6 +142,11 @@ def test_the_schedule_replayed_on_measured_compute(plan: Plan) -> None:
                                    rank_action_ms=tuple(own))
     found = {check.label: check for check in checks(plan, measured)}
     assert found["bubble on measured compute"].predicted == pytest.approx(expected.bubble_fraction)
+    assert found["step time on measured compute"].predicted == pytest.approx(expected.step_ms)
+    assert found["step time on measured compute"].measured == measured.median_step_ms
+    slow_run = dataclasses.replace(measured, rank_action_ms=tuple(slower))
+    found = {check.label: check for check in checks(plan, slow_run)}
+    assert found["step time on measured compute"].predicted == pytest.approx(slowed.step_ms)
 
 
 def test_pipeline_bytes_are_each_sends_transfer_and_checked_per_rank(plan: Plan) -> None:
