@@ -80,9 +80,11 @@ def scheduled(plan_json: str, kind: str, **options: Any) -> str:
 
 def searched_plan(builder: str, *, gpus: int, budget_share: float, offload: tuple[str, ...],
                   schedule: str = "gpipe", batch_size: int = 16, micro_batch_size: int = 4,
-                  data_parallel: int = 1, optimizer: str = "momentum", allow_stale_weights: bool = False) -> str:
+                  data_parallel: int = 1, optimizer: str = "momentum", allow_stale_weights: bool = False,
+                  tightest: bool = False) -> str:
     """A float64 plan the search makes (``plan()``) for a budget ``budget_share`` of the smallest one
-    that fits without offload, allowed only the memory decisions ``offload``."""
+    that fits without offload, allowed only the memory decisions ``offload``; or (``tightest``) for the
+    smallest the search reports with ``offload`` (a configuration it names fits there)."""
     from cost_models.errors import PlanInfeasible
     from cost_models.graph.model_spec import build_model, load_builder
     from planner import plan
@@ -94,12 +96,16 @@ def searched_plan(builder: str, *, gpus: int, budget_share: float, offload: tupl
                   optimizer=optimizer, micro_batch_sizes=(micro_batch_size,), schedules=(schedule,),
                   data_parallel=(data_parallel,), builder=builder, builder_kwargs=kwargs,
                   allow_stale_weights=allow_stale_weights)
-    try:
-        plan(model, mem=1, offload=False, **common)
+
+    def least(allowed: tuple[str, ...] | bool) -> int:
+        try:
+            plan(model, mem=1, offload=allowed, **common)
+        except PlanInfeasible as error:
+            return error.min_mem_bytes
         raise AssertionError("a 1-byte budget fitted")
-    except PlanInfeasible as error:
-        need = error.min_mem_bytes
-    return plan(model, mem=int(need * budget_share), offload=offload, **common).to_json()
+
+    mem = least(offload) if tightest else int(least(False) * budget_share)
+    return plan(model, mem=mem, offload=offload, **common).to_json()
 
 
 def latency_bound_device() -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import queue
 import tempfile
@@ -27,7 +28,7 @@ def _child(rank: int, world_size: int, init_file: str, fn: Callable[..., Any], a
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                                 world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
         try:
-            results.put((rank, "ok", fn(rank, world_size, *args)))
+            results.put((rank, "ok", _to_bytes(fn(rank, world_size, *args))))
         finally:
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - report everything to the parent
@@ -59,7 +60,19 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
         missing = sorted(set(range(world_size)) - set(outcomes))
         report = "".join(f"\n--- rank {rank} ---\n{text}" for rank, text in sorted(errors.items()))
         raise RankFailed(f"ranks failed: {sorted(errors)}; no answer from {missing}{report}")
-    return [outcomes[rank][1] for rank in range(world_size)]
+    return [_from_bytes(outcomes[rank][1]) for rank in range(world_size)]
+
+
+def _to_bytes(result: Any) -> bytes:
+    """A rank's result as bytes: a queue would share its tensors' storage by file descriptor, which the
+    parent can open only while the child is alive (a child that exits first fails the test)."""
+    buffer = io.BytesIO()
+    torch.save(result, buffer)
+    return buffer.getvalue()
+
+
+def _from_bytes(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
 
 
 def _collect(results: Any, world_size: int, deadline_s: float) -> dict[int, tuple[str, Any]]:

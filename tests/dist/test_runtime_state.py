@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -103,7 +102,6 @@ def test_optimizer_state_on_nvme_leaves_resident_memory(tmp_path: Path) -> None:
     """A one-rank GPT (3.7 M fp32 parameters, 29 MB of Adam state) after 3 steps, each run in a
     subprocess, one after the other (tests/dist/rss_probe.py): paged to NVMe, resident memory is lower by at least
     80% of the optimizer state than with the state kept on the device (the CPU here)."""
-    began = time.monotonic()
     (tmp_path / "nvme").mkdir()
     probe = subprocess.run([sys.executable, "-m", "tests.dist.rss_probe", str(tmp_path / "nvme")], cwd=ROOT,
                            capture_output=True, text=True, timeout=60, check=False)
@@ -115,7 +113,6 @@ def test_optimizer_state_on_nvme_leaves_resident_memory(tmp_path: Path) -> None:
     assert paged["nvme_bytes"] >= 1.5 * state_bytes  # the masters are paged with the moments
     saved = on_device["rss_bytes"] - paged["rss_bytes"]
     assert saved >= 0.8 * state_bytes, f"NVMe saved {saved} resident bytes of {state_bytes}: {figures}"
-    assert time.monotonic() - began < 20, f"took {time.monotonic() - began:.1f} s"
 
 
 def test_a_missing_or_unwritable_nvme_dir_fails_before_any_work_in_one_line(tmp_path: Path) -> None:
