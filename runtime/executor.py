@@ -117,7 +117,7 @@ class Executor:
         self.stages, self.groups, self.swaps = ready.stages, ready.groups, ready.swaps
         self.mixed, self.tiled = ready.mixed, ready.tiled
         self.p2p = P2P(None, self.device, timeout_s)
-        self._receives_ahead = RECEIVES_POSTED_AHEAD["gloo" if self.device.type == "cpu" else "nccl"]
+        self._receives_ahead = RECEIVES_POSTED_AHEAD.get(str(dist.get_backend()), 0)  # the group's own backend
         self.sync = GradientSync(self.device, timeout_s)
         self.periods = Periods.of(programs(plan))
         stale = plan.schedule.kind.stale_parts(plan.layout.num_parts)

@@ -78,7 +78,7 @@ def scheduled(plan_json: str, kind: str, **options: Any) -> str:
     return reschedule(Plan.from_dict(json.loads(plan_json)), kind, **options).to_json()
 
 
-def searched_plan(builder: str, *, gpus: int, budget_share: float, offload: tuple[str, ...],
+def searched_plan(builder: str, *, gpus: int, offload: tuple[str, ...], budget_share: float = 1.0,
                   schedule: str = "gpipe", batch_size: int = 16, micro_batch_size: int = 4,
                   data_parallel: int = 1, optimizer: str = "momentum", allow_stale_weights: bool = False,
                   tightest: bool = False) -> str:

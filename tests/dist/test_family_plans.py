@@ -26,7 +26,7 @@ def _cases(ranks: int) -> list[Case]:
     cases = [Case(searched_plan(GPT, gpus=ranks, budget_share=4.0, offload=(), schedule=family, batch_size=8,
                                 micro_batch_size=2), steps=2) for family in FAMILIES]
     if ranks == 2:
-        cases.append(Case(searched_plan(GPT, gpus=ranks, budget_share=1.0, tightest=True, offload=("recompute",),
+        cases.append(Case(searched_plan(GPT, gpus=ranks, tightest=True, offload=("recompute",),
                                         schedule="interleaved-1f1b", batch_size=8, micro_batch_size=2), steps=2))
         tight = Plan.from_dict(json.loads(cases[-1].plan_json))
         assert any(stage.offload.recompute for stage in tight.stages), "the tight budget should make it recompute"
