@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.run import parse_args, run
+from torch.distributed.run import get_args_parser, parse_args, run
 
 EXIT_FAILED = 1
 RUNTIME_STATUSES = frozenset({1, 2, 130})  # the statuses with which runtime/command.py leaves, said
@@ -26,7 +26,7 @@ RUNTIME_STATUSES = frozenset({1, 2, 130})  # the statuses with which runtime/com
 def main(argv: Sequence[str] | None = None) -> int:
     """Run torchrun's agent on ``argv`` (torchrun's arguments); returns the job's exit status."""
     logging.disable(logging.ERROR)  # torchrun's warnings and its multi-line failure report
-    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    args = parse_args(known_options(list(sys.argv[1:] if argv is None else argv)))
     try:
         run(args)
     except ChildFailedError as error:
@@ -38,6 +38,15 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{' '.join(str(error).split())}", file=sys.stderr, flush=True)
         return EXIT_FAILED
     return 0
+
+
+def known_options(argv: list[str]) -> list[str]:
+    """``argv`` less ``--shutdown-timeout S`` where this torch's torchrun lacks the option (torch 2.11 does):
+    its agent then stops the ranks with its own SIGTERM-to-SIGKILL grace."""
+    if any("--shutdown-timeout" in action.option_strings for action in get_args_parser()._actions):
+        return argv
+    at = argv.index("--shutdown-timeout") if "--shutdown-timeout" in argv else -1
+    return argv if at < 0 else argv[:at] + argv[at + 2:]
 
 
 def failure_status(error: ChildFailedError) -> int:

@@ -15,11 +15,11 @@ from collections.abc import Collection, Sequence
 import torch
 import torch.fx
 from torch import nn
-from torch.fx.passes.split_module import split_module
 
 from cost_models.errors import RuntimeSetupError
 from planner.plan import Plan
 from planner.preflight import default_dtype, rebuild_model, trace_checked
+from runtime.splitting import split_tupled
 
 __all__ = ["attribute", "canonical_names", "check_materialised", "default_dtype", "holder_modules",
            "on_meta", "rebuild_model", "split_stages", "stage_tensors", "trace_checked"]
@@ -29,8 +29,8 @@ def split_stages(traced: torch.fx.GraphModule, model: nn.Module,
                  plan: Plan) -> dict[int, torch.fx.GraphModule]:
     """One GraphModule per part from ``split_module`` (sharing the model's leaf modules)."""
     part_of = plan.part_of()
-    split = split_module(traced, model, lambda node: part_of[node.name],
-                         keep_original_node_name=True, tuple_return=True)
+    split = split_tupled(traced, model, lambda node: part_of[node.name],
+                         keep_original_node_name=True)
     modules = {part: getattr(split, f"submod_{part}", None) for part in range(plan.num_parts)}
     empty = sorted(stage for stage, module in modules.items() if module is None)
     if empty:

@@ -14,9 +14,9 @@ import operator
 from collections.abc import Mapping, Sequence
 
 import torch.fx
-from torch.fx.passes.split_module import split_module
 
 from cost_models.errors import RuntimeSetupError
+from runtime.splitting import split_tupled
 
 _NOT_COMPUTE = ("placeholder", "get_attr", "output")
 _INPLACE_OPERATORS = frozenset({operator.iadd, operator.isub, operator.imul, operator.itruediv,
@@ -87,8 +87,8 @@ def cut(module: torch.fx.GraphModule, regions: Mapping[str, Sequence[str]], *,
         if partition < 0 or label != run:
             partition, run = partition + 1, label
         partition_of[node.name] = partition
-    split = split_module(module, module, lambda node: partition_of[node.name], keep_original_order=True,
-                         keep_original_node_name=True, tuple_return=True)
+    split = split_tupled(module, module, lambda node: partition_of[node.name], keep_original_order=True,
+                         keep_original_node_name=True)
     _check_same_io(module, split, stage)
     return split, {label: f"submod_{partition_of[nodes[0]]}" for label, nodes in regions.items()}
 

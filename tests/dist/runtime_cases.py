@@ -142,7 +142,7 @@ def _outcome(exe: Executor, losses: list[float], grads: dict[int, torch.Tensor])
     model_buffers = {name for name, _ in exe.model.named_buffers()}
     buffers = {name: t for stage in exe.stages.values()
                for name, t in stage_state_tensors(exe.model, stage).items() if name in model_buffers}
-    outcome = Outcome(losses, {}, {}, {name: t.detach().numpy().copy() for name, t in buffers.items()},
+    outcome = Outcome(losses, {}, {}, {name: t.detach().cpu().numpy().copy() for name, t in buffers.items()},
                       sum(isinstance(m, Checkpointed) for stage in exe.stages.values() for m in stage.module.modules()),
                       exe.swaps.step_bytes, exe.halo_bytes_sent)
     for stage in sorted(exe.stages.values(), key=lambda local: local.index):
@@ -153,8 +153,8 @@ def _outcome(exe: Executor, losses: list[float], grads: dict[int, torch.Tensor])
         with stage.state.params_gathered():
             for name, param, grad in zip(stage.state.names, stage.state.params, seen):
                 assert grad is not None, f"stage {stage.index} stepped {name} without a gradient"
-                outcome.grads[name] = grad.numpy().copy()
-                outcome.params[name] = param.detach().clone().numpy()  # numpy() pins the storage
+                outcome.grads[name] = grad.cpu().numpy().copy()
+                outcome.params[name] = param.detach().cpu().clone().numpy()  # numpy() pins the storage
     _close(exe)
     return outcome
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from cost_models import estimate, profile
-from examples.models.resnet import resnet50
 from cost_models.graph.tracing import trace_module
+from examples.models.resnet import resnet50
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

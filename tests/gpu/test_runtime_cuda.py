@@ -17,12 +17,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from planner.plan import Plan
+from planner.plan import OffloadSpec, Plan, StateTier
 from runtime.build import rebuild_model
 from runtime.executor import Executor
 from runtime.grads import GradientSync
 from runtime.optim import optimizer_factory
-from tests.dist.runtime_cases import Case, reference, run_cases
+from tests.dist.runtime_cases import Case, check_outcomes, reference, run_cases
+from tests.dist.test_runtime import GPT_ATTENTION_1, GPT_MLP_0, RESNET_RESIDUAL_2_0, RESNET_STEM
 from tests.runtime_plans import GPT, RESNET, looped, make_plan
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -47,6 +48,23 @@ def test_stages_on_one_gpu_equal_the_cpu_reference(nccl: None) -> None:
         for name, grad in outcome.grads.items():
             np.testing.assert_allclose(grad, expected.grads[name], rtol=1e-7, atol=1e-10, err_msg=name)
         assert set(outcome.grads) == set(expected.grads)
+
+
+def test_memory_tiers_on_one_gpu_equal_the_cpu_reference(nccl: None) -> None:
+    """Swapped activations through pinned host memory on the copy stream, checkpoint regions, master
+    weights and optimizer state on the host: the same losses and gradients as the float64 reference on
+    the CPU."""
+    gpt = [OffloadSpec(recompute=(GPT_MLP_0,), swap=("blocks_0_attn_qkv", "blocks_0_mlp_proj"),
+                       optimizer_state=StateTier.HOST),
+           OffloadSpec(recompute=(GPT_ATTENTION_1,), swap=("blocks_1_mlp_fc", "blocks_1_mlp_gelu", "linear"))]
+    resnet = [OffloadSpec(recompute=(RESNET_STEM,), swap=("layer1_0_conv1", "layer1_0_bn1")),
+              OffloadSpec(recompute=(("layer2_0_conv2", "layer2_0_bn2", "layer2_0_relu2"),),
+                          swap=RESNET_RESIDUAL_2_0, optimizer_state=StateTier.HOST)]
+    cases = [Case(looped(make_plan(GPT, ["blocks_1_ln_1"], schedule="1f1b", offload=gpt), ranks=1)),
+             Case(looped(make_plan(RESNET, ["layer2_0_conv2"], schedule="gpipe", offload=resnet), ranks=1))]
+    for case, outcome in zip(cases, run_cases(0, 1, cases)):
+        check_outcomes(reference(case), case, [outcome])
+        assert outcome.swapped_bytes > 0 and outcome.checkpointed == 2
 
 
 def test_the_all_reduce_stream_waits_for_the_compute_stream(nccl: None) -> None:

@@ -295,3 +295,17 @@ def test_a_cpu_rank_is_bound_to_its_share_of_the_cores_only_when_each_rank_gets_
         share = len(cores) // 2
         assert bound(1, 2) == f"{cores[share:2 * share]} {cores[share:2 * share]}"
     assert bound(0, len(cores) + 1) == f"{cores} {cores}"
+
+
+def test_the_agent_drops_a_shutdown_grace_its_torchrun_does_not_know(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch 2.11's torchrun has no --shutdown-timeout (the CUDA machines' build): `tessera run` still starts."""
+    import argparse
+
+    from runtime import agent
+
+    argv = ["--standalone", "--nproc-per-node", "1", "--shutdown-timeout", "15", "-m", "runtime", "p.json"]
+    assert agent.known_options(argv) == argv  # this torch knows it
+    older = argparse.ArgumentParser()
+    older.add_argument("--nproc-per-node")
+    monkeypatch.setattr(agent, "get_args_parser", lambda: older)
+    assert agent.known_options(argv) == ["--standalone", "--nproc-per-node", "1", "-m", "runtime", "p.json"]
