@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cost_models.cpu_device import measure_cpu_device, measure_gloo_links
-from cost_models.device_spec import BYTES_PER_GB, DeviceSpec
+from cost_models.device_spec import BYTES_PER_GB, CALIBRATED, DeviceSpec
 from cost_models.errors import InvalidArgument
 
 _REPEATS = 5
@@ -91,7 +91,7 @@ def _calibrate_cuda(name: str) -> Calibration:
     with torch.cuda.device(device):
         rates = {dtype: _matmul_tflops(device, dtype) for dtype in ("fp64", "fp32", "tf32", "fp16", "bf16")}
         measured = dataclasses.replace(
-            base, name=f"{base.name} (calibrated)", mem_bytes=int(properties.total_memory),
+            base, name=base.name + CALIBRATED, mem_bytes=int(properties.total_memory),
             fp64_tflops=rates["fp64"], fp32_tflops=rates["fp32"], tf32_tflops=rates["tf32"],
             fp16_tflops=rates["fp16"], bf16_tflops=rates["bf16"],
             mem_bandwidth_gb_per_s=_copy_gb_per_s(device), kernel_overhead_us=_launch_us(device),

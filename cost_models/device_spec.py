@@ -17,6 +17,7 @@ BACKENDS: tuple[str, ...] = ("nccl", "gloo")  # GPUs talk through NCCL; CPU rank
 `*_tflops` fields. Training precisions (cost_models.memory.Precision) pick one of them."""
 
 BYTES_PER_GB = 1e9  # bandwidths use decimal GB (1e9 bytes), as datasheets and PCI-SIG do
+CALIBRATED = " (calibrated)"  # what `tessera calibrate` adds to the name of the preset it measured
 
 
 def _check_number(owner: str, field: str, value: object, *, allow_zero: bool) -> float:

@@ -40,6 +40,12 @@ class Precision(str, Enum):
         return 8 if self is Precision.FP64 else 4
 
     @property
+    def loss_itemsize(self) -> int:
+        """Bytes of one element the loss computes on: mixed precision casts the 16-bit output up to fp32
+        first (runtime/precision.py), as it keeps master weights in fp32."""
+        return self.state_itemsize
+
+    @property
     def dtype(self) -> str:
         """The torch dtype name of weights and activations (``getattr(torch, p.dtype)``)."""
         return {"fp64": "float64", "fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[self.value]

@@ -22,6 +22,7 @@ import torch.fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from cost_models.device_spec import CALIBRATED
 from cost_models.devices import DeviceSpec, cache_root, get_device
 from cost_models.errors import ProfileError
 from cost_models.estimation import CostTable, estimate
@@ -111,27 +112,35 @@ def profile_with_graph(model: nn.Module, example_inputs: torch.Tensor | Sequence
 
 def measured_table(model: nn.Module, graph: "LayerGraph", example_inputs: Sequence[torch.Tensor],
                    batch_size: int, *, optimizer: str, precision: str, co_runners: int = 0,
-                   cache_dir: str | Path | None = None) -> CostTable:
+                   cache_dir: str | Path | None = None, device: DeviceSpec | None = None) -> CostTable:
     """``graph``'s costs at micro-batch ``batch_size`` (estimate()) with every node's forward and backward
-    time measured on this CPU at that batch (profile(), cached): what plan() costs a CPU plan with.
-    ``example_inputs`` give each input's sample shape and dtype (any device; meta is fine): the
-    profile runs on random floats and zero integers (token ids) of that batch, on one intra-op thread as
-    the runtime's CPU ranks compute (torchrun gives each one), beside ``co_runners`` copies training on other
-    cores (the node's other ranks: profile()). ``cache_dir`` defaults to the ``profiles``
-    folder of :func:`cost_models.devices.cache_root`."""
+    time measured where ``model`` is, at that batch (profile(), cached): what plan() costs a measured plan with.
+
+    ``example_inputs`` give each input's sample shape and dtype (any device; meta is fine): the profile
+    runs on random floats (in the model's dtype) and zero integers (token ids) of that batch. On the CPU
+    it runs on one intra-op thread as the runtime's CPU ranks compute (torchrun gives each one), beside
+    ``co_runners`` copies training on other cores (the node's other ranks: profile()); on a GPU the
+    model is already there in the dtype the runtime computes in (:func:`on_local_gpu`). ``device`` is
+    the spec the rest of the table is costed for (memory, transfers; default: the measured device's).
+    ``cache_dir`` defaults to the ``profiles`` folder of :func:`cost_models.devices.cache_root`."""
+    where = next(iter(model.parameters())).device
+    on_gpu_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     generator = torch.Generator().manual_seed(0)
-    inputs = tuple(torch.randn((batch_size, *x.shape[1:]), generator=generator, dtype=x.dtype)
-                   if x.is_floating_point() else torch.zeros((batch_size, *x.shape[1:]), dtype=x.dtype)
+    inputs = tuple(torch.randn((batch_size, *x.shape[1:]), generator=generator, dtype=x.dtype).to(
+                       where, x.dtype if where.type == "cpu" else on_gpu_dtype)
+                   if x.is_floating_point() else torch.zeros((batch_size, *x.shape[1:]), dtype=x.dtype, device=where)
                    for x in example_inputs)
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    if where.type == "cpu":
+        torch.set_num_threads(1)
     try:
-        _, measured = profile_with_graph(model, inputs, "cpu", optimizer=optimizer, precision=precision,
+        _, measured = profile_with_graph(model, inputs, "cpu" if where.type == "cpu" else str(where),
+                                         optimizer=optimizer, precision=precision,
                                          cache_dir=cache_dir or cache_root() / "profiles", co_runners=co_runners)
     finally:
         torch.set_num_threads(threads)
     times = {cost.name: cost for cost in measured.costs}
-    table = estimate(graph, measured.device, optimizer, precision, batch_size=batch_size)
+    table = estimate(graph, device or measured.device, optimizer, precision, batch_size=batch_size)
     unmatched = [cost.name for cost in table.costs if cost.name not in times]
     if unmatched:
         raise ProfileError(f"the profiled graph at batch {batch_size} has no node {unmatched[0]!r} of the "
@@ -139,6 +148,29 @@ def measured_table(model: nn.Module, graph: "LayerGraph", example_inputs: Sequen
     return dataclasses.replace(table, costs=tuple(
         dataclasses.replace(cost, fwd_ms=times[cost.name].fwd_ms, bwd_ms=times[cost.name].bwd_ms)
         for cost in table.costs), source="measured")
+
+
+def local_gpu(device: DeviceSpec) -> torch.device | None:
+    """This machine's CUDA device that ``device`` describes (its preset, or a calibration of it), or None."""
+    if not torch.cuda.is_available():
+        return None
+    for index in range(torch.cuda.device_count()):
+        here = torch.device("cuda", index)
+        try:
+            preset = _preset_for_local_gpu(here)
+        except ProfileError:
+            continue
+        if device.name in (preset.name, preset.name + CALIBRATED):
+            return here
+    return None
+
+
+def on_local_gpu(model: nn.Module, gpu: torch.device, dtype: torch.dtype) -> nn.Module:
+    """A copy of ``model`` (real weights) on ``gpu`` with its floating-point tensors in ``dtype``, the
+    dtype the runtime computes in (a 16-bit plan computes on a 16-bit copy of fp32 master weights)."""
+    import copy
+
+    return copy.deepcopy(model).to(gpu, dtype)
 
 
 def _resolve_device(device: str) -> tuple[torch.device, DeviceSpec]:

@@ -20,7 +20,7 @@ from cost_models.graph.ir import LayerGraph
 from cost_models.graph.model_spec import builder_forms
 from cost_models.graph.tracing import normalise_inputs, trace
 from cost_models.memory import Optimizer, Precision, get_optimizer, get_precision
-from cost_models.profiling import measured_table
+from cost_models.profiling import local_gpu, measured_table, on_local_gpu
 from cost_models.units import format_bytes, parse_mem_bytes
 from planner.assemble import build_plan
 from planner.budget import DEFAULT_RESERVE, Reserve, parse_reserve, usable_bytes
@@ -94,7 +94,7 @@ def plan(model: nn.Module, gpus: int, mem: str | int, *, batch_size: int,
         report(ProgressEvent(Phase.TRACING, detail=type(model).__name__))
         graph = trace(model, inputs, leaf_modules=leaf_modules)
     space = dataclasses.replace(space, precision=mode or model_precision(graph))
-    measure = cpu_measure(model, graph, inputs, space) if measures(model, spec, profile) else None
+    measure = node_measure(model, graph, inputs, space, spec) if measures(model, spec, profile) else None
     result = Search(graph, spec, space, progress, measure).run()
     report(ProgressEvent(Phase.ASSEMBLING, detail="lowering, validating and simulating the winner"))
     return build_plan(graph, spec, space, result,
@@ -102,28 +102,42 @@ def plan(model: nn.Module, gpus: int, mem: str | int, *, batch_size: int,
 
 
 def measures(model: nn.Module, device: DeviceSpec, profile: bool | None) -> bool:
-    """Whether plan() costs from times measured on this CPU: asked (``profile``) or, by default, for the
-    "cpu" device and a model whose weights are on it."""
-    on_cpu = any(True for _ in model.parameters()) and all(p.device.type == "cpu" for p in model.parameters())
+    """Whether plan() costs from node times measured on this machine: asked (``profile``) or, by default,
+    for a model with real weights (not meta) and the "cpu" device or a GPU this machine has
+    (cost_models.profiling.local_gpu: the device's preset, or a `tessera calibrate` file of it)."""
+    weights = [p.device.type for p in model.parameters()]
+    if device.name == CPU_NAME:
+        here, usable, need = True, bool(weights) and set(weights) == {"cpu"}, "on the CPU"
+    else:
+        here, usable, need = local_gpu(device) is not None, bool(weights) and "meta" not in weights, "(not meta)"
     if profile is None:
-        return device.name == CPU_NAME and on_cpu
-    if profile and device.name != CPU_NAME:
-        raise InvalidArgument(f"profile=True measures node times on this CPU, but the plan is for "
-                              f"{device.name!r}; plan with device='cpu', or measure a GPU with "
-                              f"`tessera profile --device cuda` and plan with profile=False")
-    if profile and not on_cpu:
-        raise InvalidArgument("profile=True needs the model's weights on the CPU to time its nodes; build it "
-                              "with device='cpu' (not meta), or plan with profile=False (roofline costs)")
+        return here and usable
+    if profile and not here:
+        raise InvalidArgument(f"profile=True measures node times on this machine, but it has no {device.name!r}; "
+                              f"plan with device='cpu', run plan() where that GPU is (e.g. with the device file "
+                              f"`tessera calibrate --device cuda` wrote), or plan with profile=False (roofline costs)")
+    if profile and not usable:
+        raise InvalidArgument(f"profile=True needs the model's weights {need} to time its nodes; build it with "
+                              f"device='cpu' (not meta), or plan with profile=False (roofline costs)")
     return profile
 
 
-def cpu_measure(model: nn.Module, graph: LayerGraph, inputs: tuple[torch.Tensor, ...],
-                space: SearchSpace) -> Callable[[int], CostTable]:
-    """The graph's costs at a micro-batch size with node times measured on this CPU (measured_table), while
-    copies train on the other cores as the node's other ranks will: as many as run at once, a core each."""
-    ranks = min(space.gpus_per_node, space.gpus, usable_cores())
-    return functools.partial(measured_table, model, graph, inputs, optimizer=space.optimizer.value,
-                             precision=space.precision.value, co_runners=ranks - 1)
+def node_measure(model: nn.Module, graph: LayerGraph, inputs: tuple[torch.Tensor, ...], space: SearchSpace,
+                 device: DeviceSpec) -> Callable[[int], CostTable]:
+    """The graph's costs at a micro-batch size with node times measured here (measured_table).
+
+    On the CPU, copies train on the other cores while the graph is timed, as the node's other ranks will:
+    as many as run at once, a core each. On a GPU, a copy of the model in the dtype the runtime computes
+    in is timed on the device this machine has (one copy for every micro-batch size)."""
+    if device.name == CPU_NAME:
+        ranks = min(space.gpus_per_node, space.gpus, usable_cores())
+        return functools.partial(measured_table, model, graph, inputs, optimizer=space.optimizer.value,
+                                 precision=space.precision.value, co_runners=ranks - 1)
+    gpu = local_gpu(device)
+    assert gpu is not None, "measures() said this machine has the device"
+    copy = on_local_gpu(model, gpu, getattr(torch, space.precision.dtype))
+    return functools.partial(measured_table, copy, graph, inputs, optimizer=space.optimizer.value,
+                             precision=space.precision.value, device=device)
 
 
 def model_ref(graph: LayerGraph, inputs: tuple[torch.Tensor, ...], space: SearchSpace,

@@ -16,7 +16,7 @@ from cost_models.estimation import model_precision
 from cost_models.graph.ir import LayerGraph
 from cost_models.graph.tracing import normalise_inputs, trace
 from cost_models.memory import Optimizer, Precision
-from planner.api import cpu_measure, measures, model_ref, validate_space
+from planner.api import measures, model_ref, node_measure, validate_space
 from planner.assemble import build_plan
 from planner.plan import (
     OffloadSpec,
@@ -76,7 +76,7 @@ def plan_with_split(model: nn.Module, *, example_inputs: torch.Tensor | Sequence
                                  (micro_batch_size,), time_limit_s=60.0)  # unused: nothing is searched
     config = Config(num_stages, data_parallel, micro_batch_size,
                     batch_size // (data_parallel * micro_batch_size), space.schedules[0])
-    measure = cpu_measure(model, graph, inputs, space) if measures(model, spec, profile) else None
+    measure = node_measure(model, graph, inputs, space, spec) if measures(model, spec, profile) else None
     search = Search(graph, spec, space, measure=measure)
     table, _ = search.costs(micro_batch_size)
     coarse = group_units(graph, table, space.precision, space.optimizer, _starts(graph, stage_starts))

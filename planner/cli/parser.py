@@ -174,8 +174,9 @@ def _add_plan(parser: argparse.ArgumentParser) -> None:
                         help="never run the first stage of an image model on spatial tiles (by default "
                              "the search tiles it where that is faster or the only fit)")
     parser.add_argument("--no-profile", dest="profile", action="store_false",
-                        help="on --device cpu, cost from the roofline instead of node times measured on this "
-                             "machine (which builds the model with real weights; cached)")
+                        help="on --device cpu, or a GPU this machine has (its preset or a `tessera calibrate` "
+                             "file of it), cost from the roofline instead of node times measured here (which "
+                             "builds the model with real weights; cached)")
     parser.add_argument("-o", "--output", type=Path, default=None, help="write the plan here (JSON)")
     shown = parser.add_mutually_exclusive_group()
     shown.add_argument("--progress", action="store_true",

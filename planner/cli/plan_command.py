@@ -38,13 +38,13 @@ class PlanRequest:
     host_mem: str | None = None  # per node, with a unit (None: the device preset's node)
     nvme: str | None = None
     spatial: bool = True  # may the first stage run on image tiles
-    profile: bool = True  # on the "cpu" device: measure node times (the model built with real weights)
+    profile: bool = True  # on the "cpu" device or a GPU this machine has: measure node times (real weights)
 
 
 def run_plan(request: PlanRequest, search_root: Path | None = None,
              progress: ProgressLine | None = None) -> str:
     """Build the model (on the meta device; on the CPU with real weights to measure it for the "cpu"
-    device), plan it, save the plan if asked; returns the printout."""
+    device or a GPU this machine has), plan it, save the plan if asked; returns the printout."""
     try:
         return _plan_and_save(request, search_root, progress)
     finally:
@@ -62,6 +62,7 @@ def _plan_and_save(request: PlanRequest, search_root: Path | None, progress: Pro
         parse_input,
         parse_model_args,
     )
+    from cost_models.profiling import local_gpu
     from cost_models.units import parse_mem_bytes
     from planner.api import plan
     from planner.budget import parse_reserve
@@ -74,7 +75,8 @@ def _plan_and_save(request: PlanRequest, search_root: Path | None, progress: Pro
         raise InvalidArgument(f"cannot write the plan to {str(request.output)!r}: folder "
                               f"{str(request.output.parent)!r} does not exist")
     builder = load_builder(request.model, search_root)
-    measured = request.profile and get_device(request.device).name == CPU_NAME
+    device = get_device(request.device)
+    measured = request.profile and (device.name == CPU_NAME or local_gpu(device) is not None)
     model = build_model(builder, kwargs, "cpu" if measured else "meta")
     result = plan(model, request.gpus, mem_bytes, reserve=reserve, batch_size=request.batch_size,
                   example_inputs=example_inputs(specs, 1, "meta"), device=request.device,

@@ -25,6 +25,7 @@ from cost_models.devices import DeviceSpec
 from cost_models.errors import InvalidArgument
 from cost_models.estimation import CostTable
 from cost_models.graph.ir import LayerGraph, NodeKind
+from cost_models.loss import loss_memory_bytes
 from cost_models.memory import Optimizer, Precision, model_state_bytes
 from cost_models.spatial import TileCost, TileGeometry
 from planner.plan.kinds import ScheduleKind
@@ -430,14 +431,13 @@ def _param_state(graph: LayerGraph, name: str, precision: Precision, optimizer: 
     return _ParamState(state.total_bytes, state.grad_bytes, state.param_bytes, state.optimizer_bytes, info.numel, 1)
 
 
-def _loss_bytes(graph: LayerGraph, table: CostTable, names: list[str]) -> int:
-    """What the loss keeps for backward per micro-batch, on the unit holding the graph's output.
-
-    The loss is not part of the graph; cross-entropy keeps its log-softmax and MSE its
-    difference, each the size of the model output, until that micro-batch's backward.
-    """
-    return sum(table[source].output_bytes for name in names if graph.node(name).kind is NodeKind.OUTPUT
-               for source in graph.node(name).inputs)
+def _loss_bytes(graph: LayerGraph, table: CostTable, names: list[str], precision: Precision) -> tuple[int, int]:
+    """What the loss holds per micro-batch, on the unit holding the graph's output (it is not part of the
+    graph): what it keeps until that micro-batch's backward, and its working bytes in that backward
+    (cost_models.loss.loss_memory_bytes, in the loss's dtype)."""
+    numel = sum(table[source].output_bytes for name in names if graph.node(name).kind is NodeKind.OUTPUT
+                for source in graph.node(name).inputs) // precision.itemsize
+    return loss_memory_bytes(numel, precision.loss_itemsize)
 
 
 def _unit(graph: LayerGraph, table: CostTable, names: list[str], precision: Precision,
@@ -448,15 +448,16 @@ def _unit(graph: LayerGraph, table: CostTable, names: list[str], precision: Prec
     state = [_param_state(graph, p, precision, optimizer) for p in own]
     costs = [table[name] for name in names]
     saved = sum(c.saved_activation_bytes for c in costs)
+    loss_kept, loss_working = _loss_bytes(graph, table, names, precision)
     return Unit(
         nodes=tuple(names),
         fwd_ms=sum(c.fwd_ms for c in costs),
         bwd_ms=sum(c.bwd_ms for c in costs),
         state_bytes=sum(p.state_bytes for p in state),
         grad_bytes=sum(p.grad_bytes for p in state),
-        activation_bytes=saved + _loss_bytes(graph, table, names),
-        transient_bytes=max((2 * c.output_bytes for c, n in zip(costs, names)
-                             if graph.node(n).kind is not NodeKind.PARAM), default=0),
+        activation_bytes=saved + loss_kept,
+        transient_bytes=max((*(2 * c.output_bytes for c, n in zip(costs, names)
+                               if graph.node(n).kind is not NodeKind.PARAM), loss_working), default=0),
         shared=tuple(sorted(shared_index[p] for p in params if p in shared_index)),
         weight_bytes=sum(p.weight_bytes for p in state),
         optimizer_bytes=sum(p.optimizer_bytes for p in state),

@@ -204,24 +204,26 @@ def reference(case: Case, prediction: Callable[[Any], torch.Tensor] = lambda out
                    {name: b.detach().numpy().copy() for name, b in model.named_buffers()})
 
 
-def check_outcomes(expected: Outcome, case: Case, by_rank: list[Outcome]) -> None:
-    """Every rank's losses, gradients, parameters and buffers equal ``expected`` at float64 precision."""
+def check_outcomes(expected: Outcome, case: Case, by_rank: list[Outcome], *, rtol: float = RTOL,
+                   atol: float = ATOL) -> None:
+    """Every rank's losses, gradients, parameters and buffers equal ``expected`` at float64 precision
+    (``rtol``/``atol``: a GPU's float64 kernels sum in another order than the CPU's)."""
     layout = Plan.from_dict(json.loads(case.plan_json)).layout
     replicas = layout.data_parallel * layout.num_copies  # data-parallel replicas and a GEMS mirror's copies
     seen: set[str] = set()
     buffers_seen: set[str] = set()
     for rank, outcome in enumerate(by_rank):
-        np.testing.assert_allclose(outcome.losses, expected.losses, rtol=RTOL, atol=ATOL,
+        np.testing.assert_allclose(outcome.losses, expected.losses, rtol=rtol, atol=atol,
                                    err_msg=f"rank {rank} losses")
         for name, grad in outcome.grads.items():
-            np.testing.assert_allclose(grad, expected.grads[name], rtol=RTOL, atol=ATOL,
+            np.testing.assert_allclose(grad, expected.grads[name], rtol=rtol, atol=atol,
                                        err_msg=f"rank {rank} gradient of {name}")
-            np.testing.assert_allclose(outcome.params[name], expected.params[name], rtol=RTOL,
-                                       atol=ATOL, err_msg=f"rank {rank} parameter {name}")
+            np.testing.assert_allclose(outcome.params[name], expected.params[name], rtol=rtol,
+                                       atol=atol, err_msg=f"rank {rank} parameter {name}")
         seen |= set(outcome.grads)
         if replicas == 1:  # replicas and copies see different samples: their running statistics differ
             for name, buffer in outcome.buffers.items():
-                np.testing.assert_allclose(buffer, expected.buffers[name], rtol=RTOL, atol=ATOL,
+                np.testing.assert_allclose(buffer, expected.buffers[name], rtol=rtol, atol=atol,
                                            err_msg=f"rank {rank} buffer {name}")
             buffers_seen |= set(outcome.buffers)
     assert seen == set(expected.grads), f"parameters on no rank: {sorted(set(expected.grads) - seen)}"

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from cost_models.calibration import calibrate
+from cost_models.device_spec import CALIBRATED
 from cost_models.devices import get_device, save_device
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -14,7 +15,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def test_calibrated_gpu_figures_are_achieved_rates_below_the_datasheet(tmp_path) -> None:
     measured = calibrate("cuda")
     spec = measured.device
-    base = get_device(spec.name.removesuffix(" (calibrated)"))
+    base = get_device(spec.name.removesuffix(CALIBRATED))
     for precision in ("fp32", "fp16", "bf16"):
         rate, peak = getattr(spec, f"{precision}_tflops"), getattr(base, f"{precision}_tflops")
         assert 0 < rate <= 1.1 * peak, (precision, rate, peak)

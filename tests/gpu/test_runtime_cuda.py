@@ -12,7 +12,6 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -27,6 +26,9 @@ from tests.dist.test_runtime import GPT_ATTENTION_1, GPT_MLP_0, RESNET_RESIDUAL_
 from tests.runtime_plans import GPT, RESNET, looped, make_plan
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+# cuDNN's and cuBLAS's float64 kernels sum in another order than the CPU's: an H200 differed from the CPU
+# reference by up to 8.3e-10 in a ResNet gradient of 1.5e-2 (rounding; a wrong result is off by far more)
+GPU_RTOL, GPU_ATOL = 1e-6, 1e-8
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +45,7 @@ def test_stages_on_one_gpu_equal_the_cpu_reference(nccl: None) -> None:
     cases = [Case(looped(make_plan(GPT, ["blocks_1_ln_1"], schedule="1f1b"), ranks=1)),
              Case(looped(make_plan(RESNET, ["layer2_0_conv2", "layer2_0_conv3"], schedule="gpipe"), ranks=1))]
     for case, outcome in zip(cases, run_cases(0, 1, cases)):
-        expected = reference(case)
-        np.testing.assert_allclose(outcome.losses, expected.losses, rtol=1e-9)
-        for name, grad in outcome.grads.items():
-            np.testing.assert_allclose(grad, expected.grads[name], rtol=1e-7, atol=1e-10, err_msg=name)
-        assert set(outcome.grads) == set(expected.grads)
+        check_outcomes(reference(case), case, [outcome], rtol=GPU_RTOL, atol=GPU_ATOL)
 
 
 def test_memory_tiers_on_one_gpu_equal_the_cpu_reference(nccl: None) -> None:
@@ -63,7 +61,7 @@ def test_memory_tiers_on_one_gpu_equal_the_cpu_reference(nccl: None) -> None:
     cases = [Case(looped(make_plan(GPT, ["blocks_1_ln_1"], schedule="1f1b", offload=gpt), ranks=1)),
              Case(looped(make_plan(RESNET, ["layer2_0_conv2"], schedule="gpipe", offload=resnet), ranks=1))]
     for case, outcome in zip(cases, run_cases(0, 1, cases)):
-        check_outcomes(reference(case), case, [outcome])
+        check_outcomes(reference(case), case, [outcome], rtol=GPU_RTOL, atol=GPU_ATOL)
         assert outcome.swapped_bytes > 0 and outcome.checkpointed == 2
 
 

@@ -54,7 +54,7 @@ def test_a_cpu_plan_is_costed_from_measured_node_times_and_repeats_from_the_cach
 def test_profile_refuses_what_it_cannot_measure(cache: Path) -> None:
     with pytest.raises(InvalidArgument, match="needs the model's weights on the CPU"):
         _plan(gpt_tiny(), profile=True)  # built on meta
-    with pytest.raises(InvalidArgument, match="measures node times on this CPU, but the plan is for 'V100-16GB'"):
+    with pytest.raises(InvalidArgument, match="measures node times on this machine, but it has no 'V100-16GB'"):
         plan(gpt_tiny(device="cpu"), 2, "8GB", batch_size=8, example_inputs=torch.zeros((1, 32), dtype=torch.int64),
              device="V100-16GB", profile=True)
     meta = _plan(gpt_tiny())  # a model on meta on the cpu device: roofline, as before
@@ -80,3 +80,33 @@ def test_planning_more_cpu_ranks_than_cores_warns_in_one_line(cache: Path) -> No
         if warns:
             assert f"{cores + 1} CPU ranks per node on this machine's {cores} cores" in shared[0]
             assert f"--gpus {cores}" in shared[0] and "\n" not in shared[0]
+
+
+def test_a_plan_for_a_gpu_this_machine_has_is_costed_from_times_measured_on_it(
+        cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU path's plumbing, with this CPU standing in for the local GPU (tests/gpu runs it on one):
+    node times come from the device the model is copied to, memory and transfers from the GPU's spec."""
+    import planner.api
+    from cost_models.devices import get_device
+    from cost_models.graph.tracing import trace
+    from cost_models.profiling import measured_table, on_local_gpu
+
+    stand_in = torch.device("cpu")
+    monkeypatch.setattr(planner.api, "local_gpu", lambda device: stand_in if device.name == "H100-80GB" else None)
+    torch.manual_seed(0)
+    model = gpt_tiny(device="cpu")
+    tokens = torch.zeros((1, 32), dtype=torch.int64)
+    made = plan(model, 1, "8GB", batch_size=8, micro_batch_sizes=(4,), example_inputs=tokens, device="H100-80GB",
+                optimizer="momentum", precision="fp64", reserve=0)
+    copy = on_local_gpu(model, stand_in, torch.float64)
+    table = measured_table(copy, trace(model, (tokens,)), (tokens,), 4, optimizer="momentum", precision="fp64",
+                           device=get_device("H100-80GB"))  # from the cache plan() filled
+    assert table.source == "measured" and table.device == "H100-80GB"
+    by_name = {cost.name: cost for cost in table.costs}
+    for row in made.layers:
+        assert (row.fwd_ms, row.bwd_ms) == (by_name[row.name].fwd_ms, by_name[row.name].bwd_ms), row.name
+    roofline = plan(model, 1, "8GB", batch_size=8, micro_batch_sizes=(4,), example_inputs=tokens,
+                    device="H100-80GB", optimizer="momentum", precision="fp64", reserve=0, profile=False)
+    assert sum(row.fwd_ms for row in roofline.layers) < sum(row.fwd_ms for row in made.layers)  # a CPU is slower
+    with pytest.raises(InvalidArgument, match="it has no 'A100-40GB'"):
+        plan(model, 1, "8GB", batch_size=8, example_inputs=tokens, device="A100-40GB", profile=True)
