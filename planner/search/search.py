@@ -106,6 +106,7 @@ class SearchResult:
     notes: tuple[str, ...] = field(default_factory=tuple)
     configs_unexamined: int = 0  # could still have won when the time limit ended the search
     best_on_gpu: Candidate | None = None  # the best plan found keeping every activation and all state on the GPU
+    on_gpu_fits: bool | None = False  # some configuration keeping everything on the GPU fits (None: not known)
     best_untiled: Candidate | None = None  # the best plan found without image tiles
     spatial_note: str = ""  # why no plan tiles the image, when the search could not consider any
     finalists: tuple[Candidate, ...] = ()  # what the simulator chooses among (planner/assemble.py: by_simulation)
@@ -118,8 +119,13 @@ class SearchResult:
         said = [text for text in (best.setup.config.state.describe(), _activations(decisions)) if text]
         if not said:
             return ""
-        if self.best_on_gpu is None:
+        if self.best_on_gpu is None and self.on_gpu_fits is False:
             return f"{' and '.join(said)} bought the fit: no plan keeping everything on the GPU fits"
+        if self.best_on_gpu is None:
+            could = "" if self.on_gpu_fits else " fits, or"
+            return (f"{' and '.join(said)} bought the {'speed' if self.on_gpu_fits else 'fit or the speed'}: "
+                    f"no plan keeping everything on the GPU{could} could come within {OFFLOAD_MUST_GAIN:.0%} "
+                    f"of it (its configuration's lower bound)")
         other = self.best_on_gpu
         return (f"{' and '.join(said)} bought the speed: {step_ms(other) / step_ms(best):.2f}x the "
                 f"best plan keeping everything on the GPU ({other.setup.config.describe()})")
@@ -342,6 +348,8 @@ class Search:
         # where that plan is missing or binds, each cut off by the best plan of either pass.
         for index, config in enumerate(ranked):
             best = _cutoff(config, min((c.objective_ms for c in solved), default=None))
+            if best is not None and config.state == ON_GPU:  # preferred within OFFLOAD_MUST_GAIN: solve it there
+                best *= 1 + OFFLOAD_MUST_GAIN
             own_seed = seed if seed is not None and seed.setup.config == config else None
             if best is not None and self.lower_bound(config) >= best:
                 if own_seed is not None and self.lower_bound(config) >= own_seed.objective_ms:
@@ -402,9 +410,12 @@ class Search:
                        for family in [[c for c in solved if c.setup.config.schedule is kind]] if family]
         close = [c for c in solved[:FINALISTS] if c.objective_ms <= (1 + FAMILY_SLACK) * solved[0].objective_ms]
         finalists = tuple({id(c): c for c in close + family_best}.values())
+        fits_on_gpu = {True} if on_gpu is not None else {self._kept_fit(c) for c in ranked if c.state == ON_GPU}
+        on_gpu_fits = True if True in fits_on_gpu else None if None in fits_on_gpu else False
         return SearchResult(solved[0], solved[1] if len(solved) > 1 else None, len(configs),
                             len(solved), time.perf_counter() - start, solver_s,
-                            configs_unexamined=unexamined, best_on_gpu=on_gpu, best_untiled=untiled,
+                            configs_unexamined=unexamined, best_on_gpu=on_gpu, on_gpu_fits=on_gpu_fits,
+                            best_untiled=untiled,
                             spatial_note=self.spatial_note, finalists=finalists)
 
     def _report(self, event: ProgressEvent) -> None:
@@ -426,11 +437,16 @@ class Search:
         return self._min_peaks[key]
 
     def _kept_fits(self, config: Config) -> bool:
-        """Whether some partition keeping every activation fits (exact by DP where it applies)."""
+        """Whether some partition keeping every activation may fit (exact by DP where it applies)."""
+        return self._kept_fit(config) is not False
+
+    def _kept_fit(self, config: Config) -> bool | None:
+        """Whether some partition keeping every activation fits: None where no DP applies and the
+        memory floor does not rule it out."""
         if memory_floor(self.setup(config).costs) > self.space.mem_bytes:
             return False
         lowest = self._min_peak(config, frugal=False)
-        return lowest is None or lowest.peak_bytes <= self.space.mem_bytes
+        return None if lowest is None else lowest.peak_bytes <= self.space.mem_bytes
 
     def fits(self, config: Config) -> bool:
         """Whether any partition of this configuration might fit the budget (by DP, where it applies:
