@@ -349,8 +349,8 @@ def test_row_interpolation_is_numpys_per_row(steps: list[list[tuple[float, float
 @pytest.mark.parametrize(("on_gpu_fits", "said"), [
     (False, "optimizer on host bought the fit: no plan keeping everything on the GPU fits"),
     (True, "optimizer on host bought the speed: no plan keeping everything on the GPU could come within 1% of it"),
-    (None, "optimizer on host bought the fit or the speed: no plan keeping everything on the GPU fits, or could "
-           "come within 1% of it")])
+    (None, ("optimizer on host bought the fit or the speed: no plan keeping everything on the GPU fits, or could "
+            "come within 1% of it"))])
 def test_the_why_line_says_fit_only_when_nothing_on_the_gpu_fits(on_gpu_fits: bool | None, said: str) -> None:
     """A plan keeping everything on the GPU that fits but was cut off by its lower bound is not "no fit"."""
     from types import SimpleNamespace
