@@ -3,10 +3,10 @@
 #   1. tests/gpu (the executor's CUDA path, memory tiers on CUDA streams, the profiler, calibration);
 #   2. `tessera calibrate --device cuda` into OUT/calibrated-gpu.json;
 #   3. plans made from that file (a GPT in bf16 with room to spare, the same GPT whose micro-batches
-#      only fit with recompute, a ResNet-50), costed from node times measured on this GPU (the file is
-#      this GPU's calibration), each run by `tessera run` and compared with its predictions by
+#      only fit with recompute, a ResNet-50), costed from node times measured on this GPU (--profile;
+#      the file is this GPU's calibration), each run by `tessera run` and compared with its predictions by
 #      `tessera validate` (step time, peak memory against the CUDA allocator); the roofline's
-#      predicted step (--no-profile) is printed beside;
+#      predicted step (without --profile) is printed beside;
 #   4. benchmarks/one_gpu.py: those plans' runtime against the plain PyTorch loop;
 #   5. benchmarks/cuda_overlap.py: host-link bandwidth and copy/compute overlap on CUDA streams.
 # Steps are independent: one failing does not stop the rest (each has a time limit).
@@ -36,11 +36,11 @@ plans=()
 make_plan() {  # name, then tessera plan arguments
     local name=$1; shift
     step "plan $name"
-    if timeout 180 "${tessera[@]}" plan "$@" --gpus 1 --device "$device" -q -o "$out/$name.json"; then
+    if timeout 180 "${tessera[@]}" plan "$@" --gpus 1 --device "$device" --profile -q -o "$out/$name.json"; then
         plans+=("$out/$name.json")
     fi
     if [ -z "${QUICK:-}" ]; then
-        timeout 120 "${tessera[@]}" plan "$@" --gpus 1 --device "$device" -q --no-profile | grep "^step:" |
+        timeout 120 "${tessera[@]}" plan "$@" --gpus 1 --device "$device" -q | grep "^step:" |
             sed 's/^/roofline /'
     fi
 }

@@ -137,6 +137,10 @@ def measured_table(model: nn.Module, graph: "LayerGraph", example_inputs: Sequen
         _, measured = profile_with_graph(model, inputs, "cpu" if where.type == "cpu" else str(where),
                                          optimizer=optimizer, precision=precision,
                                          cache_dir=cache_dir or cache_root() / "profiles", co_runners=co_runners)
+    except torch.cuda.OutOfMemoryError as error:
+        raise ProfileError(f"timing the whole model at micro-batch {batch_size} ran out of {where}'s memory; "
+                           f"plan with profile=False (--no-profile: roofline costs), or with smaller "
+                           f"micro_batch_sizes (--micro-batch-size)") from error
     finally:
         torch.set_num_threads(threads)
     times = {cost.name: cost for cost in measured.costs}
@@ -170,7 +174,11 @@ def on_local_gpu(model: nn.Module, gpu: torch.device, dtype: torch.dtype) -> nn.
     dtype the runtime computes in (a 16-bit plan computes on a 16-bit copy of fp32 master weights)."""
     import copy
 
-    return copy.deepcopy(model).to(gpu, dtype)
+    try:
+        return copy.deepcopy(model).to(gpu, dtype)
+    except torch.cuda.OutOfMemoryError as error:
+        raise ProfileError(f"the model's weights in {str(dtype).removeprefix('torch.')} do not fit {gpu} to time "
+                           f"it there; plan with profile=False (roofline costs)") from error
 
 
 def _resolve_device(device: str) -> tuple[torch.device, DeviceSpec]:

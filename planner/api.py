@@ -102,16 +102,18 @@ def plan(model: nn.Module, gpus: int, mem: str | int, *, batch_size: int,
 
 
 def measures(model: nn.Module, device: DeviceSpec, profile: bool | None) -> bool:
-    """Whether plan() costs from node times measured on this machine: asked (``profile``) or, by default,
-    for a model with real weights (not meta) and the "cpu" device or a GPU this machine has
-    (cost_models.profiling.local_gpu: the device's preset, or a `tessera calibrate` file of it)."""
+    """Whether plan() costs from node times measured on this machine: by default for the "cpu" device and a
+    model whose weights are on the CPU; with ``profile=True`` also for a GPU this machine has
+    (cost_models.profiling.local_gpu: the device's preset, or a `tessera calibrate` file of it), where
+    the whole model is timed on that one GPU at each micro-batch size (so only when asked: a model
+    planned over many GPUs rarely fits one)."""
     weights = [p.device.type for p in model.parameters()]
     if device.name == CPU_NAME:
         here, usable, need = True, bool(weights) and set(weights) == {"cpu"}, "on the CPU"
     else:
         here, usable, need = local_gpu(device) is not None, bool(weights) and "meta" not in weights, "(not meta)"
     if profile is None:
-        return here and usable
+        return device.name == CPU_NAME and usable
     if profile and not here:
         raise InvalidArgument(f"profile=True measures node times on this machine, but it has no {device.name!r}; "
                               f"plan with device='cpu', run plan() where that GPU is (e.g. with the device file "

@@ -173,10 +173,14 @@ def _add_plan(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-spatial", dest="spatial", action="store_false",
                         help="never run the first stage of an image model on spatial tiles (by default "
                              "the search tiles it where that is faster or the only fit)")
-    parser.add_argument("--no-profile", dest="profile", action="store_false",
-                        help="on --device cpu, or a GPU this machine has (its preset or a `tessera calibrate` "
-                             "file of it), cost from the roofline instead of node times measured here (which "
-                             "builds the model with real weights; cached)")
+    measured = parser.add_mutually_exclusive_group()
+    measured.add_argument("--profile", dest="profile", action="store_true", default=None,
+                          help="cost from node times measured on this machine's GPU (the --device preset or a "
+                               "`tessera calibrate` file of it): the whole model, with real weights, at each "
+                               "micro-batch size, on that one GPU (cached); on --device cpu this is the default")
+    measured.add_argument("--no-profile", dest="profile", action="store_false",
+                          help="on --device cpu, cost from the roofline instead of node times measured on this "
+                               "machine (which builds the model with real weights; cached)")
     parser.add_argument("-o", "--output", type=Path, default=None, help="write the plan here (JSON)")
     shown = parser.add_mutually_exclusive_group()
     shown.add_argument("--progress", action="store_true",

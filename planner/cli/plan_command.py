@@ -38,13 +38,15 @@ class PlanRequest:
     host_mem: str | None = None  # per node, with a unit (None: the device preset's node)
     nvme: str | None = None
     spatial: bool = True  # may the first stage run on image tiles
-    profile: bool = True  # on the "cpu" device or a GPU this machine has: measure node times (real weights)
+    profile: bool | None = None  # measure node times (real weights): None on the "cpu" device only, True also
+    # on a GPU this machine has, False never
 
 
 def run_plan(request: PlanRequest, search_root: Path | None = None,
              progress: ProgressLine | None = None) -> str:
     """Build the model (on the meta device; on the CPU with real weights to measure it for the "cpu"
-    device or a GPU this machine has), plan it, save the plan if asked; returns the printout."""
+    device, or with --profile for a GPU this machine has), plan it, save the plan if asked; returns the
+    printout."""
     try:
         return _plan_and_save(request, search_root, progress)
     finally:
@@ -76,7 +78,10 @@ def _plan_and_save(request: PlanRequest, search_root: Path | None, progress: Pro
                               f"{str(request.output.parent)!r} does not exist")
     builder = load_builder(request.model, search_root)
     device = get_device(request.device)
-    measured = request.profile and (device.name == CPU_NAME or local_gpu(device) is not None)
+    measured = device.name == CPU_NAME if request.profile is None else request.profile
+    if measured and device.name != CPU_NAME and local_gpu(device) is None:
+        raise InvalidArgument(f"--profile times the model on this machine's GPU, but it has no {device.name!r}; "
+                              f"run it where that GPU is, or leave --profile out (roofline costs)")
     model = build_model(builder, kwargs, "cpu" if measured else "meta")
     result = plan(model, request.gpus, mem_bytes, reserve=reserve, batch_size=request.batch_size,
                   example_inputs=example_inputs(specs, 1, "meta"), device=request.device,

@@ -38,7 +38,7 @@ def test_predicted_saved_bytes_match_cuda_allocator() -> None:
 
 
 def test_a_plan_for_this_gpu_is_costed_from_times_measured_on_it(tmp_path, monkeypatch) -> None:
-    """plan() with the local GPU's preset measures each node there (in the plan's 16-bit dtype), then plans."""
+    """plan(profile=True) with the local GPU's preset measures each node there (in the plan's 16-bit dtype)."""
     from cost_models.devices import get_device
     from cost_models.graph.tracing import trace
     from cost_models.profiling import _preset_for_local_gpu, local_gpu, measured_table, on_local_gpu
@@ -51,7 +51,7 @@ def test_a_plan_for_this_gpu_is_costed_from_times_measured_on_it(tmp_path, monke
     model = gpt(hidden=256, layers=2, heads=4, seq_len=128, vocab=1024, dropout=0.0, device="cpu")
     tokens = torch.zeros((1, 128), dtype=torch.int64)
     made = plan(model, 1, "16GB", batch_size=16, micro_batch_sizes=(8,), example_inputs=tokens,
-                device=preset.name, precision="bf16")
+                device=preset.name, precision="bf16", profile=True)
     table = measured_table(on_local_gpu(model, torch.device("cuda", 0), torch.bfloat16), trace(model, (tokens,)),
                            (tokens,), 8, optimizer="adam", precision="bf16", device=get_device(preset.name))
     by_name = {cost.name: cost for cost in table.costs}  # from the cache plan() filled

@@ -96,8 +96,11 @@ def test_a_plan_for_a_gpu_this_machine_has_is_costed_from_times_measured_on_it(
     torch.manual_seed(0)
     model = gpt_tiny(device="cpu")
     tokens = torch.zeros((1, 32), dtype=torch.int64)
-    made = plan(model, 1, "8GB", batch_size=8, micro_batch_sizes=(4,), example_inputs=tokens, device="H100-80GB",
-                optimizer="momentum", precision="fp64", reserve=0)
+    common = dict(batch_size=8, micro_batch_sizes=(4,), example_inputs=tokens, device="H100-80GB",
+                  optimizer="momentum", precision="fp64", reserve=0)
+    plan(model, 1, "8GB", **common)  # by default a GPU plan is not measured: nothing is timed (profile=True asks)
+    assert not list(cache.rglob("*.json"))
+    made = plan(model, 1, "8GB", profile=True, **common)
     copy = on_local_gpu(model, stand_in, torch.float64)
     table = measured_table(copy, trace(model, (tokens,)), (tokens,), 4, optimizer="momentum", precision="fp64",
                            device=get_device("H100-80GB"))  # from the cache plan() filled
@@ -105,8 +108,7 @@ def test_a_plan_for_a_gpu_this_machine_has_is_costed_from_times_measured_on_it(
     by_name = {cost.name: cost for cost in table.costs}
     for row in made.layers:
         assert (row.fwd_ms, row.bwd_ms) == (by_name[row.name].fwd_ms, by_name[row.name].bwd_ms), row.name
-    roofline = plan(model, 1, "8GB", batch_size=8, micro_batch_sizes=(4,), example_inputs=tokens,
-                    device="H100-80GB", optimizer="momentum", precision="fp64", reserve=0, profile=False)
+    roofline = plan(model, 1, "8GB", profile=False, **common)
     assert sum(row.fwd_ms for row in roofline.layers) < sum(row.fwd_ms for row in made.layers)  # a CPU is slower
     with pytest.raises(InvalidArgument, match="it has no 'A100-40GB'"):
         plan(model, 1, "8GB", batch_size=8, example_inputs=tokens, device="A100-40GB", profile=True)
