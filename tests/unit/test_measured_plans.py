@@ -96,8 +96,8 @@ def test_a_plan_for_a_gpu_this_machine_has_is_costed_from_times_measured_on_it(
     torch.manual_seed(0)
     model = gpt_tiny(device="cpu")
     tokens = torch.zeros((1, 32), dtype=torch.int64)
-    common = dict(batch_size=8, micro_batch_sizes=(4,), example_inputs=tokens, device="H100-80GB",
-                  optimizer="momentum", precision="fp64", reserve=0)
+    common = {"batch_size": 8, "micro_batch_sizes": (4,), "example_inputs": tokens, "device": "H100-80GB",
+              "optimizer": "momentum", "precision": "fp64", "reserve": 0}
     plan(model, 1, "8GB", **common)  # by default a GPU plan is not measured: nothing is timed (profile=True asks)
     assert not list(cache.rglob("*.json"))
     made = plan(model, 1, "8GB", profile=True, **common)
