@@ -107,21 +107,20 @@ def measures(model: nn.Module, device: DeviceSpec, profile: bool | None) -> bool
     (cost_models.profiling.local_gpu: the device's preset, or a `tessera calibrate` file of it), where
     the whole model is timed on that one GPU at each micro-batch size (so only when asked: a model
     planned over many GPUs rarely fits one)."""
-    weights = [p.device.type for p in model.parameters()]
-    if device.name == CPU_NAME:
-        here, usable, need = True, bool(weights) and set(weights) == {"cpu"}, "on the CPU"
-    else:
-        here, usable, need = local_gpu(device) is not None, bool(weights) and "meta" not in weights, "(not meta)"
-    if profile is None:
-        return device.name == CPU_NAME and usable
-    if profile and not here:
+    weights = {p.device.type for p in model.parameters()}
+    on_cpu = device.name == CPU_NAME
+    usable = weights == {"cpu"} if on_cpu else bool(weights) and "meta" not in weights
+    if not profile:
+        return profile is None and on_cpu and usable
+    if not on_cpu and local_gpu(device) is None:
         raise InvalidArgument(f"profile=True measures node times on this machine, but it has no {device.name!r}; "
                               f"plan with device='cpu', run plan() where that GPU is (e.g. with the device file "
                               f"`tessera calibrate --device cuda` wrote), or plan with profile=False (roofline costs)")
-    if profile and not usable:
-        raise InvalidArgument(f"profile=True needs the model's weights {need} to time its nodes; build it with "
-                              f"device='cpu' (not meta), or plan with profile=False (roofline costs)")
-    return profile
+    if not usable:
+        raise InvalidArgument(f"profile=True needs the model's weights {'on the CPU' if on_cpu else '(not meta)'} "
+                              f"to time its nodes; build it with device='cpu' (not meta), or plan with "
+                              f"profile=False (roofline costs)")
+    return True
 
 
 def node_measure(model: nn.Module, graph: LayerGraph, inputs: tuple[torch.Tensor, ...], space: SearchSpace,
