@@ -112,15 +112,20 @@ def measures(model: nn.Module, device: DeviceSpec, profile: bool | None) -> bool
     usable = weights == {"cpu"} if on_cpu else bool(weights) and "meta" not in weights
     if not profile:
         return profile is None and on_cpu and usable
-    if not on_cpu and local_gpu(device) is None:
-        raise InvalidArgument(f"profile=True measures node times on this machine, but it has no {device.name!r}; "
-                              f"plan with device='cpu', run plan() where that GPU is (e.g. with the device file "
-                              f"`tessera calibrate --device cuda` wrote), or plan with profile=False (roofline costs)")
+    check_measurable(device)
     if not usable:
         raise InvalidArgument(f"profile=True needs the model's weights {'on the CPU' if on_cpu else '(not meta)'} "
                               f"to time its nodes; build it with device='cpu' (not meta), or plan with "
                               f"profile=False (roofline costs)")
     return True
+
+
+def check_measurable(device: DeviceSpec) -> None:
+    """Refuse, in one line, to measure node times for a GPU this machine does not have."""
+    if device.name != CPU_NAME and local_gpu(device) is None:
+        raise InvalidArgument(f"measuring node times (profile=True, --profile) needs the GPU on this machine, "
+                              f"but it has no {device.name!r}; run it where that GPU is (e.g. with the device file "
+                              f"`tessera calibrate --device cuda` wrote), or plan with profile=False (roofline costs)")
 
 
 def node_measure(model: nn.Module, graph: LayerGraph, inputs: tuple[torch.Tensor, ...], space: SearchSpace,

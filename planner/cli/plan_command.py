@@ -64,9 +64,8 @@ def _plan_and_save(request: PlanRequest, search_root: Path | None, progress: Pro
         parse_input,
         parse_model_args,
     )
-    from cost_models.profiling import local_gpu
     from cost_models.units import parse_mem_bytes
-    from planner.api import plan
+    from planner.api import check_measurable, plan
     from planner.budget import parse_reserve
 
     specs = [parse_input(text) for text in request.inputs]
@@ -79,9 +78,8 @@ def _plan_and_save(request: PlanRequest, search_root: Path | None, progress: Pro
     builder = load_builder(request.model, search_root)
     device = get_device(request.device)
     measured = device.name == CPU_NAME if request.profile is None else request.profile
-    if measured and device.name != CPU_NAME and local_gpu(device) is None:
-        raise InvalidArgument(f"--profile times the model on this machine's GPU, but it has no {device.name!r}; "
-                              f"run it where that GPU is, or leave --profile out (roofline costs)")
+    if measured:
+        check_measurable(device)  # before the model is built with real weights
     model = build_model(builder, kwargs, "cpu" if measured else "meta")
     result = plan(model, request.gpus, mem_bytes, reserve=reserve, batch_size=request.batch_size,
                   example_inputs=example_inputs(specs, 1, "meta"), device=request.device,

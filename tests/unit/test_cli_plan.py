@@ -39,7 +39,7 @@ def test_memory_sizes_need_a_unit_and_a_sign_that_makes_sense(mem: str, message:
 
 
 def test_profile_on_a_gpu_this_machine_lacks_is_one_line() -> None:
-    message = "--profile times the model on this machine's GPU, but it has no 'A100-40GB'"
+    message = "needs the GPU on this machine, but it has no 'A100-40GB'"
     assert message in _one_error_line(tessera(*TINY, "--mem", "8GB", "--device", "A100-40GB", "--profile"))
 
 

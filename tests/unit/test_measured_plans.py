@@ -54,7 +54,7 @@ def test_a_cpu_plan_is_costed_from_measured_node_times_and_repeats_from_the_cach
 def test_profile_refuses_what_it_cannot_measure(cache: Path) -> None:
     with pytest.raises(InvalidArgument, match="needs the model's weights on the CPU"):
         _plan(gpt_tiny(), profile=True)  # built on meta
-    with pytest.raises(InvalidArgument, match="measures node times on this machine, but it has no 'V100-16GB'"):
+    with pytest.raises(InvalidArgument, match="needs the GPU on this machine, but it has no 'V100-16GB'"):
         plan(gpt_tiny(device="cpu"), 2, "8GB", batch_size=8, example_inputs=torch.zeros((1, 32), dtype=torch.int64),
              device="V100-16GB", profile=True)
     meta = _plan(gpt_tiny())  # a model on meta on the cpu device: roofline, as before
