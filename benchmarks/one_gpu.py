@@ -16,7 +16,10 @@ step, each system's median step and spread (min..max), and tessera's samples/s o
 printed. The predicted peak memory is checked against the allocator by ``tessera run`` +
 ``tessera validate`` (one process per run), not here, where both systems share one allocator.
 
-Run (CUDA only): python benchmarks/one_gpu.py PLAN [PLAN ...] [--steps 30]
+With ``--breakdown N``, each system's step is then profiled (torch.profiler, two steps): the GPU's busy
+time per step (the rest of the step the GPU waited on the host) and the N operators with the most GPU time.
+
+Run (CUDA only): python benchmarks/one_gpu.py PLAN [PLAN ...] [--steps 30] [--breakdown 12]
 """
 
 from __future__ import annotations
@@ -94,10 +97,28 @@ def timed(steps: dict[str, Callable[[], None]], count: int, warmup: int = 2) -> 
     return times
 
 
+def breakdown(steps: dict[str, Callable[[], None]], rows: int) -> None:
+    """Per system: GPU busy ms per step and the ``rows`` operators with the most GPU time (two steps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for name, step in steps.items():
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(2):
+                step()
+            torch.cuda.synchronize()
+        events = prof.key_averages()
+        busy_ms = sum(event.self_device_time_total for event in events) / 2 / 1e3
+        print(f"  {name}: GPU busy {busy_ms:.1f} ms per step; operators by GPU time over two steps:")
+        table = events.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=48)
+        print("\n".join("    " + line for line in table.splitlines()))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("plans", nargs="+", type=Path)
     parser.add_argument("--steps", type=int, default=30, help="timed steps per system (after 2 warm-up steps)")
+    parser.add_argument("--breakdown", type=int, default=0, metavar="ROWS",
+                        help="then profile each system's step and print its top ROWS operators by GPU time")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit(f"one_gpu.py runs on a CUDA GPU; torch {torch.__version__} sees none here")
@@ -114,13 +135,16 @@ def main() -> None:
             if plan.layout.world_size != 1:
                 sys.exit(f"{path} is a plan for {plan.layout.world_size} GPUs; one_gpu.py compares one-GPU plans")
             tessera, data = tessera_step(plan, device)
-            times = timed({"tessera": tessera, "eager": eager_step(plan, data, device)}, args.steps)
+            systems = {"tessera": tessera, "eager": eager_step(plan, data, device)}
+            times = timed(systems, args.steps)
             median = {name: statistics.median(values) for name, values in times.items()}
             spread = {name: f"{median[name] * 1e3:.1f} ({min(v) * 1e3:.1f}..{max(v) * 1e3:.1f})"
                       for name, v in times.items()}
             print(f"{path.name:<28} {plan.predicted.step_ms:>10.1f} {spread['tessera']:>22} "
                   f"{spread['eager']:>22} {median['eager'] / median['tessera']:>15.3f}x")
-            del tessera, times
+            if args.breakdown:
+                breakdown(systems, args.breakdown)
+            del tessera, systems, times
             torch.cuda.empty_cache()
         dist.destroy_process_group()
 

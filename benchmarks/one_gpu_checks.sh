@@ -11,8 +11,11 @@
 #   5. benchmarks/cuda_overlap.py: host-link bandwidth and copy/compute overlap on CUDA streams.
 # Steps are independent: one failing does not stop the rest (each has a time limit).
 # Run from the repository root: bash benchmarks/one_gpu_checks.sh [OUT_DIR]   (default ./gpu-checks)
-# QUICK=1 skips steps 4 and 5 and the roofline plans.
+# QUICK=1 skips steps 4 and 5 and the roofline plans; SKIP="roofline overlap" (any of roofline, eager,
+# overlap) skips those parts alone.
 set -u
+[ -n "${QUICK:-}" ] && SKIP="roofline eager overlap"
+skip() { [[ " ${SKIP:-} " == *" $1 "* ]]; }
 out=${1:-gpu-checks}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
@@ -39,7 +42,7 @@ make_plan() {  # name, then tessera plan arguments
     if timeout 180 "${tessera[@]}" plan "$@" --gpus 1 --device "$device" --profile -q -o "$out/$name.json"; then
         plans+=("$out/$name.json")
     fi
-    if [ -z "${QUICK:-}" ]; then
+    if ! skip roofline; then
         timeout 120 "${tessera[@]}" plan "$@" --gpus 1 --device "$device" -q | grep "^step:" |
             sed 's/^/roofline /'
     fi
@@ -58,10 +61,12 @@ for plan in "${plans[@]}"; do
     timeout 60 "${tessera[@]}" validate "$plan" "$out/$name-run.json"
 done
 
-[ -n "${QUICK:-}" ] && exit 0
-step "runtime against the plain PyTorch loop"
-timeout 300 python3 benchmarks/one_gpu.py "${plans[@]}" --steps 30
-
-step "host link and copy/compute overlap"
-timeout 120 python3 benchmarks/cuda_overlap.py --device "$device"
+if ! skip eager; then
+    step "runtime against the plain PyTorch loop"
+    timeout 300 python3 benchmarks/one_gpu.py "${plans[@]}" --steps 30 --breakdown 12
+fi
+if ! skip overlap; then
+    step "host link and copy/compute overlap"
+    timeout 120 python3 benchmarks/cuda_overlap.py --device "$device"
+fi
 step "done"

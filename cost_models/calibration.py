@@ -8,8 +8,9 @@ replaces them with what short micro-benchmarks achieve here:
   local gloo processes (latency, bandwidth), measured afresh (not the cache).
 * ``cuda`` (or ``cuda:N``): the local GPU, starting from the preset that matches its name and memory:
   dense matmul TFLOP/s in fp64, fp32, tf32, fp16 and bf16, device-memory copy bandwidth, the launch
-  overhead of a tiny kernel, and the pinned host-to-device bandwidth, each timed with the GPU
-  synchronised. One GPU cannot measure the links between GPUs: those stay the preset's (said in the
+  overhead of a tiny kernel, the pinned host-to-device bandwidth and each optimizer's step (torch's
+  multi-tensor kernels, per tensor and per parameter), each timed with the GPU synchronised. One GPU
+  cannot measure the links between GPUs: those stay the preset's (said in the
   notes). The efficiencies become 1.0, since the peaks are achieved figures.
 """
 
@@ -24,11 +25,13 @@ from typing import Any
 from cost_models.cpu_device import measure_cpu_device, measure_gloo_links
 from cost_models.device_spec import BYTES_PER_GB, CALIBRATED, DeviceSpec
 from cost_models.errors import InvalidArgument
+from cost_models.optimizer_timing import GPU_MIX, measure_optimizer_steps
 
 _REPEATS = 5
 _MATMUL_SIZE = 4096  # large enough to reach a GPU's dense matmul peak
 _COPY_BYTES = 512 * 2**20
 _HOST_BYTES = 256 * 2**20
+_EVICT_BYTES = 256 * 2**20  # larger than any GPU's L2 cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +100,8 @@ def _calibrate_cuda(name: str) -> Calibration:
             mem_bandwidth_gb_per_s=_copy_gb_per_s(device), kernel_overhead_us=_launch_us(device),
             host_link=dataclasses.replace(base.host_link, name="pinned host to device (measured)",
                                           bandwidth_gb_per_s=_host_gb_per_s(device)),
-            matmul_efficiency=1.0, memory_efficiency=1.0)
+            matmul_efficiency=1.0, memory_efficiency=1.0,
+            optimizer_steps=measure_optimizer_steps(device, GPU_MIX, _EVICT_BYTES))
     return Calibration(measured, (f"{properties.name}: started from preset {base.name}; its links between GPUs "
                                   f"({base.intra_node.name}, {base.inter_node.name}) are the preset's: one GPU "
                                   f"cannot measure them", "host link latency and NVMe are the preset's"))

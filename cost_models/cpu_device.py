@@ -12,8 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from cost_models.device_spec import BYTES_PER_GB, DeviceSpec, LinkSpec, OptimizerStepCost
+from cost_models.device_spec import BYTES_PER_GB, DeviceSpec, LinkSpec
 from cost_models.errors import InvalidArgument
+from cost_models.optimizer_timing import CPU_MIX, measure_optimizer_steps
 from cost_models.presets import NVME_GEN3_X4
 
 CPU_NAME = "cpu"
@@ -95,46 +96,6 @@ def _op_overhead_us() -> float:
             torch.add(a, b, out=out)
 
     return _median_seconds(batch, repeats=_REPEATS, budget_s=0.05) / calls * 1e6
-
-
-_OPTIMIZER_TENSORS = 200  # tiny tensors: a step over them is its per-tensor cost alone
-_OPTIMIZER_MIX = tuple(2**(10 + k // 4) for k in range(40))  # 1 Ki..512 Ki parameters, 4.2 M in all: a model's mix
-
-
-def _optimizer_steps() -> dict[str, OptimizerStepCost]:
-    """Per optimizer, its step timed on many tiny tensors (the per-tensor Python and op launches torch's
-    single-tensor step pays on the CPU) and on tensors of a model's mix of sizes (the passes over their
-    state, out of cache). The mix matters: one 2 M-parameter tensor took Adam 4.4 ns a parameter where
-    the mix took 1.3, and a GPT's 53 tensors were predicted within 5% by the mix, 2.8x over by the one."""
-    import torch
-
-    from cost_models.memory import Optimizer
-
-    evict = torch.empty(_COPY_MAX_BYTES // 4)
-
-    def step_s(kind: Optimizer, shapes: list[int]) -> float:
-        """Median time of a step and its zero_grad (what the runtime runs), from a cold cache (in a training
-        step the backward has just evicted the state)."""
-        params = [torch.nn.Parameter(torch.zeros(numel)) for numel in shapes]
-        optimizer = kind.build(params, lr=1e-3)
-        samples = []
-        for _ in range(_REPEATS * 3 + 1):  # the first creates the state
-            for param in params:
-                param.grad = torch.ones_like(param)
-            evict.fill_(1.0)
-            start = time.perf_counter()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            samples.append(time.perf_counter() - start)
-        return statistics.median(samples[1:])
-
-    steps = {}
-    for kind in Optimizer:
-        per_tensor_s = step_s(kind, [16] * _OPTIMIZER_TENSORS) / _OPTIMIZER_TENSORS
-        mix_s = step_s(kind, list(_OPTIMIZER_MIX))
-        per_param_s = max(mix_s - per_tensor_s * len(_OPTIMIZER_MIX), 0.0) / sum(_OPTIMIZER_MIX)
-        steps[kind.value] = OptimizerStepCost(per_tensor_s * 1e6, per_param_s * 1e9)
-    return steps
 
 
 _PING_BYTES = 4 * 2**10  # small enough that its round trip is latency
@@ -292,7 +253,7 @@ def measure_cpu_device(*, threads: int | None = None, link: LinkSpec | None = No
             bf16 = _matmul_tflops(torch.bfloat16)
             copy_gb_per_s = _copy_bandwidth_gb_per_s(mem_bytes)
             overhead_us = _op_overhead_us()
-        optimizer_steps = _optimizer_steps()
+        optimizer_steps = measure_optimizer_steps(torch.device("cpu"), CPU_MIX, _COPY_MAX_BYTES)
     finally:
         if threads is not None:
             torch.set_num_threads(previous_threads)

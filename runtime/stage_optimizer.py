@@ -41,6 +41,9 @@ from runtime.sharding import ShardGroup, fill_storage, free_storage, is_freed
 from runtime.stages import OptimizerFactory
 
 
+_COPY_BUCKET_BYTES = 64 * 2**20  # gradients copied down to the masters by one multi-tensor copy at most
+
+
 class StageOptimizer:
     """The masters, optimizer and copies of one stage (see the module docstring for each tier)."""
 
@@ -154,10 +157,17 @@ class StageOptimizer:
         if self.plain:
             return [p.grad for p in self.params if p.grad is not None]
         self._page_in()
-        for index, master in enumerate(self.masters):
-            grad = self._grad_chunk(index)
-            master.grad = None if grad is None else grad.to(master.device, master.dtype, copy=True).view_as(master)
-            self.params[index].grad = None
+        grads = [self._grad_chunk(index) for index in range(len(self.masters))]
+        for master, param in zip(self.masters, self.params):
+            master.grad = param.grad = None
+        # in buckets, each one's 16-bit gradients freed once copied: the step holds about what one copy
+        # per parameter held (the masters' gradients), not both dtypes of every gradient at once
+        for bucket in buckets([None if grad is None else grad.nbytes for grad in grads], _COPY_BUCKET_BYTES):
+            sources: list[torch.Tensor] = [grads[i] for i in bucket]  # type: ignore[misc]
+            copies = copied_into_new(sources, [self.masters[i] for i in bucket])
+            del sources
+            for index, copy in zip(bucket, copies):
+                self.masters[index].grad, grads[index] = copy, None
         return [m.grad for m in self.masters if m.grad is not None]
 
     def apply(self) -> None:
@@ -189,11 +199,14 @@ class StageOptimizer:
     def _copy_back(self) -> None:
         """Updated masters into the parameters: copied up, all-gathered (ZeRO-1/2) or kept as shards (3)."""
         with torch.no_grad():
+            whole = [index for index, sharded in enumerate(self.sharded) if not sharded]
+            if whole:  # one multi-tensor copy (a cast under mixed precision), not a kernel per parameter
+                torch._foreach_copy_([self.params[i] for i in whole],
+                                     [self.masters[i].view_as(self.params[i]) for i in whole])
             for index, master in enumerate(self.masters):
-                if not self.sharded[index]:
-                    self.params[index].copy_(master.view_as(self.params[index]))
-                elif self.zero_stage == 3 and self.param_shards[index].data_ptr() != master.data_ptr():
-                    self.param_shards[index].copy_(master)
+                shard = self.param_shards.get(index)  # ZeRO-3's sharded parameters
+                if shard is not None and shard.data_ptr() != master.data_ptr():
+                    shard.copy_(master)
             if self.zero_stage in (1, 2):
                 chunks = [self.masters[i].detach().to(self.device, self.params[i].dtype) for i in self._slot]
                 for index, rows in zip(self._slot, self._all_gather(chunks, "parameters")):
@@ -368,3 +381,41 @@ class StageOptimizer:
 def _per_element(value: Any, master: torch.Tensor) -> bool:
     """A state tensor with one element per master element (Adam's moments, momentum), not a scalar."""
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == master.numel() > 0
+
+
+def copied_into_new(sources: Sequence[torch.Tensor], likes: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of ``sources`` with the device, dtype and shape of ``likes`` (one each): views of one new
+    buffer per (device, dtype), filled by one multi-tensor copy, so a stage's gradients go down to its
+    masters in a few kernels, not a cast and an allocation per parameter."""
+    copies: list[torch.Tensor | None] = [None] * len(likes)
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for index, like in enumerate(likes):
+        groups.setdefault((like.device, like.dtype), []).append(index)
+    for (device, dtype), indices in groups.items():
+        buffer = torch.empty(sum(likes[i].numel() for i in indices), dtype=dtype, device=device)
+        views = [flat.view(likes[i].shape)
+                 for i, flat in zip(indices, buffer.split([likes[i].numel() for i in indices]))]
+        torch._foreach_copy_(views, [sources[i].reshape(likes[i].shape) for i in indices])
+        for index, view in zip(indices, views):
+            copies[index] = view
+    return copies  # type: ignore[return-value]
+
+
+def buckets(sizes: Sequence[int | None], limit: int) -> list[list[int]]:
+    """Consecutive indices of the sizes given (None: skipped), grouped so that each group reaches
+    ``limit`` only with its last one.
+
+    >>> buckets([3, None, 3, 5, 1], 6)
+    [[0, 2], [3, 4]]
+    """
+    groups: list[list[int]] = [[]]
+    total = 0
+    for index, size in enumerate(sizes):
+        if size is None:
+            continue
+        groups[-1].append(index)
+        total += size
+        if total >= limit:
+            groups.append([])
+            total = 0
+    return [group for group in groups if group]

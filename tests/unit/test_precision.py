@@ -22,7 +22,7 @@ from runtime.precision import (
     compute_dtype,
     fp32_copies,
 )
-from runtime.stage_optimizer import StageOptimizer
+from runtime.stage_optimizer import StageOptimizer, buckets, copied_into_new
 from runtime.stages import LocalStage
 from tests.runtime_plans import GPT, make_plan
 
@@ -84,6 +84,19 @@ def test_bf16_steps_fp32_masters_without_a_scale_and_rounds_them_into_the_weight
     assert weight.grad is None and master.grad is None
     with pytest.raises(RuntimeError, match="OPTIMIZER_STEP of stage 3"):
         mixed.step(3)
+
+
+def test_gradients_go_down_in_buckets_of_one_buffer_per_dtype_as_single_casts_would() -> None:
+    grads = [torch.randn(3, 4, dtype=torch.bfloat16), torch.randn(5, dtype=torch.bfloat16),
+             torch.randn(2, 2, dtype=torch.float64)]
+    likes = [torch.empty(12), torch.empty(5, dtype=torch.float64), torch.empty(4, dtype=torch.float64)]
+    copies = copied_into_new(grads, likes)
+    for grad, like, copy in zip(grads, likes, copies):
+        assert copy.dtype == like.dtype and copy.shape == like.shape
+        assert torch.equal(copy, grad.to(like.dtype).reshape(like.shape))
+    assert copies[1].untyped_storage().data_ptr() == copies[2].untyped_storage().data_ptr()  # one fp64 buffer
+    assert buckets([4, None, 4, 8, 1, None], 8) == [[0, 2], [3], [4]]
+    assert buckets([None, None], 8) == []
 
 
 def test_mixed_plans_rebuild_a_float32_model_the_runtime_casts() -> None:
