@@ -24,6 +24,11 @@ def usable_cores() -> int:
     """The cores this process may run on (its affinity where the OS has one, else every core)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
+
+def rank_threads(local_ranks: int) -> int:
+    """Intra-op threads of one of ``local_ranks`` GPU ranks on this machine: its share of the cores."""
+    return max(1, usable_cores() // max(1, local_ranks))
+
 # --------------------------------------------------------------------------------------------
 # Measured CPU device.
 # --------------------------------------------------------------------------------------------

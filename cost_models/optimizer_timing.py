@@ -23,9 +23,13 @@ GPU_MIX = tuple(2**(14 + k // 4) for k in range(40))  # 16 Ki..8 Mi parameters, 
 _STEPS = 9  # timed steps per measurement (median), after the one that creates the state
 
 
-def measure_optimizer_steps(device: Any, mix: Sequence[int], evict_bytes: int) -> dict[str, OptimizerStepCost]:
+def measure_optimizer_steps(device: Any, mix: Sequence[int], evict_bytes: int, *,
+                            foreach: bool | None = None, names: Sequence[str] | None = None
+                            ) -> dict[str, OptimizerStepCost]:
     """Per optimizer name, its step on ``device`` (a torch.device), from a cache that ``evict_bytes``
-    written before each step have emptied (in a training step the backward has just evicted the state)."""
+    written before each step have emptied (in a training step the backward has just evicted the state);
+    ``foreach`` as the optimizer's option (None: torch's default for the device); ``names``: only these
+    optimizers (default all)."""
     import torch
 
     from cost_models.memory import Optimizer
@@ -39,6 +43,9 @@ def measure_optimizer_steps(device: Any, mix: Sequence[int], evict_bytes: int) -
     def step_s(kind: Optimizer, shapes: Sequence[int]) -> float:
         params = [torch.nn.Parameter(torch.zeros(numel, device=device)) for numel in shapes]
         optimizer = kind.build(params, lr=1e-3)
+        if foreach is not None:
+            for group in optimizer.param_groups:
+                group["foreach"] = foreach
         samples = []
         for _ in range(_STEPS + 1):
             for param in params:
@@ -54,6 +61,8 @@ def measure_optimizer_steps(device: Any, mix: Sequence[int], evict_bytes: int) -
 
     steps = {}
     for kind in Optimizer:
+        if names is not None and kind.value not in names:
+            continue
         per_tensor_s = step_s(kind, [16] * TINY_TENSORS) / TINY_TENSORS
         mix_s = step_s(kind, mix)
         per_param_s = max(mix_s - per_tensor_s * len(mix), 0.0) / sum(mix)

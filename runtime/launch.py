@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from cost_models.cpu_device import rank_threads
 from cost_models.errors import RuntimeSetupError
 
 _REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -52,10 +53,14 @@ def init_group(env: RankEnv, device_choice: str, timeout_s: float) -> torch.devi
     if use_cuda and not torch.cuda.is_available():
         raise RuntimeSetupError("--device cuda but CUDA is not available on this machine")
     device = torch.device("cuda", env.local_rank) if use_cuda else torch.device("cpu")
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
     if use_cuda:
         torch.cuda.set_device(device)
+        # its share of the cores, for the host's work (an optimizer step on the host tier): torchrun's
+        # default of one thread per rank would make that step many times slower than costed
+        torch.set_num_threads(rank_threads(local_ranks))
     else:
-        pin_cpu_rank(env.local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size)))
+        pin_cpu_rank(env.local_rank, local_ranks)
     dist.init_process_group("nccl" if use_cuda else "gloo", rank=env.rank, world_size=env.world_size,
                             timeout=datetime.timedelta(seconds=timeout_s),
                             device_id=device if use_cuda else None)

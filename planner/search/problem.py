@@ -153,7 +153,7 @@ class MemoryTiers:
     nvme_link: LinearCost
     host_step_ms_per_param: float  # an optimizer step on the host's cores, per parameter
     device_step_ms_per_byte: float  # an optimizer step on the GPU, per byte of state it reads or writes
-    host_grad_bytes_per_param: int  # the fp32 (fp64) gradient a host step reads, per parameter
+    host_grad_bytes_per_param: int  # the fp32 (fp64) gradient a host step reads (and each way over the link)
     host_mem_bytes: int  # per node
     nvme_bytes: int  # per node
     gpus_per_node: int

@@ -286,8 +286,9 @@ def cost_model(problem: PipelineProblem) -> CostModel:
       the rest on the host;
     * the state mode (one per configuration) decides where the fp32 master weights and optimizer state live (divided by the
       part's copies under ZeRO-1) and what the step costs: on the GPU, its state traffic at memory
-      bandwidth; on the host, the gradients down and the weights up over the host link and the
-      update on the host's cores; on NVMe, also reading and writing the state over the NVMe link.
+      bandwidth; on the host, the gradients down and the weights up over the host link (in the masters'
+      dtype) and the update on the host's cores; on NVMe, also reading and writing the state over the
+      NVMe link.
 
     Memory of stage t on part s: its weights, gradients, optimizer state and
     buffers (as its mode keeps them), its largest transient, one send buffer (and on gloo the receives of
@@ -388,8 +389,10 @@ def _mode_terms(tiers: MemoryTiers, mode: StateMode, copies: int,
     link, disk = tiers.host_link, tiers.nvme_link
     device = per_parameter(lambda a: a.state_bytes - a.optimizer_bytes)
     host_grads = per_parameter(lambda a: share * a.param_numel * tiers.host_grad_bytes_per_param)
-    on_host = per_parameter(lambda a: share * ((a.grad_bytes + a.weight_bytes) * link.ms_per_byte
-                                               + a.param_numel * tiers.host_step_ms_per_param))
+    # the gradient down and the weight up cross the link in the masters' dtype (runtime/stage_optimizer.py
+    # casts on the GPU: casting on the host would be a pass over every parameter on the CPU)
+    link_ms_per_param = 2 * tiers.host_grad_bytes_per_param * link.ms_per_byte
+    on_host = per_parameter(lambda a: share * a.param_numel * (link_ms_per_param + tiers.host_step_ms_per_param))
     on_host = on_host.plus(Term(constant=2 * link.fixed_ms))
     # off the device the step updates a master copy: fp32/fp64 training has none in optimizer_bytes
     optimizer_state = per_parameter(lambda a: share * (a.optimizer_bytes

@@ -352,3 +352,12 @@ def test_the_cpu_device_times_each_optimizers_step_per_tensor_and_per_parameter(
     assert steps["sgd"].ns_per_param < steps["adam"].ns_per_param
     assert cpu.optimizer_step("adam") == steps["adam"] and type(cpu).from_dict(cpu.to_dict()) == cpu
     assert dataclasses.replace(cpu, optimizer_steps=()).optimizer_step("adam") is None
+
+
+def test_a_gpu_rank_gets_its_share_of_the_cores_and_at_least_one() -> None:
+    from cost_models.cpu_device import rank_threads, usable_cores
+
+    cores = usable_cores()
+    assert rank_threads(1) == cores
+    assert rank_threads(2) == max(1, cores // 2)
+    assert rank_threads(cores * 4) == 1 and rank_threads(0) == cores

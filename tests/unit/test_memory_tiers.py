@@ -223,6 +223,10 @@ def test_host_optimizer_state_per_parameter_by_hand() -> None:
                            (LinearCost(0.0, 0.0),), 10**6, _tiers(False, False, StateMode(0, StateTier.HOST)))
     # gradients down and weights up over the link (4000 + 4000 bytes at 0.002 ms/B), 1000 params at 0.001 ms
     assert evaluate(cost_model(host), ()).parts[0].optimizer_ms == pytest.approx(16.0 + 1.0)
+    # bf16 (2-byte weights and gradients, fp32 masters): both still cross in fp32, cast on the GPU
+    bf16 = Unit(("a",), 1.0, 1.0, 16_000, 2000, 0, 0, (), 2000, 12_000, 1000, 0, 0)
+    assert evaluate(cost_model(dataclasses.replace(host, units=(bf16,))), ()).parts[0].optimizer_ms == \
+        pytest.approx(16.0 + 1.0)
 
 
 def test_device_optimizer_step_from_its_bytes_or_from_the_measured_step() -> None:

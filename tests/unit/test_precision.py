@@ -89,11 +89,13 @@ def test_bf16_steps_fp32_masters_without_a_scale_and_rounds_them_into_the_weight
 def test_gradients_go_down_in_buckets_of_one_buffer_per_dtype_as_single_casts_would() -> None:
     grads = [torch.randn(3, 4, dtype=torch.bfloat16), torch.randn(5, dtype=torch.bfloat16),
              torch.randn(2, 2, dtype=torch.float64)]
-    likes = [torch.empty(12), torch.empty(5, dtype=torch.float64), torch.empty(4, dtype=torch.float64)]
-    copies = copied_into_new(grads, likes)
-    for grad, like, copy in zip(grads, likes, copies):
-        assert copy.dtype == like.dtype and copy.shape == like.shape
-        assert torch.equal(copy, grad.to(like.dtype).reshape(like.shape))
+    cpu = torch.device("cpu")
+    targets = [(torch.Size([12]), torch.float32, cpu), (torch.Size([5]), torch.float64, cpu),
+               (torch.Size([4]), torch.float64, cpu)]
+    copies = copied_into_new(grads, targets)
+    for grad, (shape, dtype, _), copy in zip(grads, targets, copies):
+        assert copy.dtype == dtype and copy.shape == shape
+        assert torch.equal(copy, grad.to(dtype).reshape(shape))
     assert copies[1].untyped_storage().data_ptr() == copies[2].untyped_storage().data_ptr()  # one fp64 buffer
     assert buckets([4, None, 4, 8, 1, None], 8) == [[0, 2], [3], [4]]
     assert buckets([None, None], 8) == []
