@@ -119,15 +119,17 @@ def measured_table(model: nn.Module, graph: "LayerGraph", example_inputs: Sequen
     ``example_inputs`` give each input's sample shape and dtype (any device; meta is fine): the profile
     runs on random floats (in the model's dtype) and zero integers (token ids) of that batch. On the CPU
     it runs on one intra-op thread as the runtime's CPU ranks compute (torchrun gives each one), beside
-    ``co_runners`` copies training on other cores (the node's other ranks: profile()); on a GPU the
-    model is already there in the dtype the runtime computes in (:func:`on_local_gpu`). ``device`` is
+    ``co_runners`` copies training on other cores (the node's other ranks: profile()); the model is
+    already in the dtype the runtime computes in (:func:`in_compute_dtype`). ``device`` is
     the spec the rest of the table is costed for (memory, transfers; default: the measured device's).
     ``cache_dir`` defaults to the ``profiles`` folder of :func:`cost_models.devices.cache_root`."""
     where = next(iter(model.parameters())).device
-    on_gpu_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    model_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    # floats enter a 16-bit model in 16 bits, as the runtime casts them (on a GPU always in the model's)
+    float_dtype = model_dtype if where.type != "cpu" or model_dtype.itemsize == 2 else None
     generator = torch.Generator().manual_seed(0)
     inputs = tuple(torch.randn((batch_size, *x.shape[1:]), generator=generator, dtype=x.dtype).to(
-                       where, x.dtype if where.type == "cpu" else on_gpu_dtype)
+                       where, float_dtype or x.dtype)
                    if x.is_floating_point() else torch.zeros((batch_size, *x.shape[1:]), dtype=x.dtype, device=where)
                    for x in example_inputs)
     threads = torch.get_num_threads()
@@ -169,16 +171,20 @@ def local_gpu(device: DeviceSpec) -> torch.device | None:
     return None
 
 
-def on_local_gpu(model: nn.Module, gpu: torch.device, dtype: torch.dtype) -> nn.Module:
-    """A copy of ``model`` (real weights) on ``gpu`` with its floating-point tensors in ``dtype``, the
-    dtype the runtime computes in (a 16-bit plan computes on a 16-bit copy of fp32 master weights)."""
+def in_compute_dtype(model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """``model`` (real weights) on ``device`` with its floating-point tensors in ``dtype``, the dtype the
+    runtime computes in (a 16-bit plan computes on a 16-bit copy of fp32 master weights): a copy, or the
+    model itself where it is already so (a CPU plan in the dtype it was built in)."""
     import copy
 
+    floats = [t for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()]
+    if all(t.device == device and t.dtype == dtype for t in floats):
+        return model
     try:
-        return copy.deepcopy(model).to(gpu, dtype)
+        return copy.deepcopy(model).to(device, dtype)
     except torch.cuda.OutOfMemoryError as error:
-        raise ProfileError(f"the model's weights in {str(dtype).removeprefix('torch.')} do not fit {gpu} to time "
-                           f"it there; plan with profile=False (roofline costs)") from error
+        raise ProfileError(f"the model's weights in {str(dtype).removeprefix('torch.')} do not fit {device} to "
+                           f"time it there; plan with profile=False (roofline costs)") from error
 
 
 def _resolve_device(device: str) -> tuple[torch.device, DeviceSpec]:

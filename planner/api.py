@@ -20,7 +20,7 @@ from cost_models.graph.ir import LayerGraph
 from cost_models.graph.model_spec import builder_forms
 from cost_models.graph.tracing import normalise_inputs, trace
 from cost_models.memory import Optimizer, Precision, get_optimizer, get_precision
-from cost_models.profiling import local_gpu, measured_table, on_local_gpu
+from cost_models.profiling import in_compute_dtype, local_gpu, measured_table
 from cost_models.units import format_bytes, parse_mem_bytes
 from planner.assemble import build_plan
 from planner.budget import DEFAULT_RESERVE, Reserve, parse_reserve, usable_bytes
@@ -132,18 +132,19 @@ def node_measure(model: nn.Module, graph: LayerGraph, inputs: tuple[torch.Tensor
                  device: DeviceSpec) -> Callable[[int], CostTable]:
     """The graph's costs at a micro-batch size with node times measured here (measured_table).
 
-    On the CPU, copies train on the other cores while the graph is timed, as the node's other ranks will:
-    as many as run at once, a core each. On a GPU, a copy of the model in the dtype the runtime computes
-    in is timed on the device this machine has (one copy for every micro-batch size)."""
+    The model is timed in the dtype the runtime computes in (a 16-bit plan: a 16-bit copy; one copy for
+    every micro-batch size). On the CPU, copies train on the other cores while the graph is timed, as the
+    node's other ranks will: as many as run at once, a core each. On a GPU, on the device this machine has."""
+    dtype = getattr(torch, space.precision.dtype)
     if device.name == CPU_NAME:
         ranks = min(space.gpus_per_node, space.gpus, usable_cores())
-        return functools.partial(measured_table, model, graph, inputs, optimizer=space.optimizer.value,
-                                 precision=space.precision.value, co_runners=ranks - 1)
+        return functools.partial(measured_table, in_compute_dtype(model, torch.device("cpu"), dtype), graph, inputs,
+                                 optimizer=space.optimizer.value, precision=space.precision.value,
+                                 co_runners=ranks - 1)
     gpu = local_gpu(device)
     assert gpu is not None, "measures() said this machine has the device"
-    copy = on_local_gpu(model, gpu, getattr(torch, space.precision.dtype))
-    return functools.partial(measured_table, copy, graph, inputs, optimizer=space.optimizer.value,
-                             precision=space.precision.value, device=device)
+    return functools.partial(measured_table, in_compute_dtype(model, gpu, dtype), graph, inputs,
+                             optimizer=space.optimizer.value, precision=space.precision.value, device=device)
 
 
 def model_ref(graph: LayerGraph, inputs: tuple[torch.Tensor, ...], space: SearchSpace,

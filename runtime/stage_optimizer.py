@@ -414,9 +414,9 @@ def copied_into_new(sources: Sequence[torch.Tensor], targets: Sequence[Target], 
     copied down at once into pinned memory (torch's caching host allocator reuses it step after step);
     ``non_blocking`` copies from host memory to a GPU without waiting.
 
-    Measured on an H100 for a GPT's 418 M bf16 parameters and host masters (the host tier's step):
-    gradients down in 41 ms and parameters up in 33 ms, against 574 ms and 142 ms for a cast on the
-    host and a copy per parameter from pageable memory."""
+    Why cast on the GPU: on an H100, for a GPT's 418 M bf16 parameters and host masters, casting on the
+    GPU and copying each parameter through pinned memory took 41 ms down and 33 ms up, against 574 ms
+    and 142 ms for a cast on the host (what ``Tensor.copy_`` does between devices) from pageable memory."""
     copies: list[torch.Tensor | None] = [None] * len(targets)
     groups: dict[tuple[torch.device, torch.device, torch.dtype], list[int]] = {}
     for index, (source, (_, dtype, device)) in enumerate(zip(sources, targets)):

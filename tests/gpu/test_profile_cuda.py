@@ -41,7 +41,7 @@ def test_a_plan_for_this_gpu_is_costed_from_times_measured_on_it(tmp_path, monke
     """plan(profile=True) with the local GPU's preset measures each node there (in the plan's 16-bit dtype)."""
     from cost_models.devices import get_device
     from cost_models.graph.tracing import trace
-    from cost_models.profiling import _preset_for_local_gpu, local_gpu, measured_table, on_local_gpu
+    from cost_models.profiling import _preset_for_local_gpu, in_compute_dtype, local_gpu, measured_table
     from examples.models.gpt import gpt
     from planner import plan
 
@@ -52,8 +52,9 @@ def test_a_plan_for_this_gpu_is_costed_from_times_measured_on_it(tmp_path, monke
     tokens = torch.zeros((1, 128), dtype=torch.int64)
     made = plan(model, 1, "16GB", batch_size=16, micro_batch_sizes=(8,), example_inputs=tokens,
                 device=preset.name, precision="bf16", profile=True)
-    table = measured_table(on_local_gpu(model, torch.device("cuda", 0), torch.bfloat16), trace(model, (tokens,)),
-                           (tokens,), 8, optimizer="adam", precision="bf16", device=get_device(preset.name))
+    copy = in_compute_dtype(model, torch.device("cuda", 0), torch.bfloat16)
+    table = measured_table(copy, trace(model, (tokens,)), (tokens,), 8, optimizer="adam", precision="bf16",
+                           device=get_device(preset.name))
     by_name = {cost.name: cost for cost in table.costs}  # from the cache plan() filled
     assert all((row.fwd_ms, row.bwd_ms) == (by_name[row.name].fwd_ms, by_name[row.name].bwd_ms)
                for row in made.layers)

@@ -51,6 +51,27 @@ def test_a_cpu_plan_is_costed_from_measured_node_times_and_repeats_from_the_cach
     assert [row.fwd_ms for row in roofline.layers] != [row.fwd_ms for row in first.layers]
 
 
+def test_a_16_bit_cpu_plan_is_timed_in_16_bits_as_the_runtime_computes(cache: Path) -> None:
+    """The model is built in fp32; a bf16 plan's node times come from a bf16 copy (the runtime computes in
+    bf16; on a CPU without bf16 matmul units that is several times slower than fp32), cached as such."""
+    from cost_models.profiling import in_compute_dtype
+
+    model = gpt_tiny(device="cpu")
+    assert in_compute_dtype(model, torch.device("cpu"), torch.float32) is model  # no copy where none is needed
+    half = in_compute_dtype(model, torch.device("cpu"), torch.bfloat16)
+    assert half is not model and {p.dtype for p in half.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    made = _plan(model, precision="bf16")
+    profiles = sorted(path.name for path in (cache / "profiles").rglob("*.json"))
+    assert profiles and all("-bfloat16-" in name for name in profiles), profiles
+    tokens = torch.zeros((made.training.micro_batch_size, 32), dtype=torch.int64)
+    measured = profile(half, (tokens,), "cpu", optimizer="momentum", precision="bf16", cache_dir=cache / "profiles",
+                       co_runners=min(2, usable_cores()) - 1)  # what plan() measured, from its cache
+    by_name = {cost.name: cost for cost in measured.costs}
+    assert all((row.fwd_ms, row.bwd_ms) == (by_name[row.name].fwd_ms, by_name[row.name].bwd_ms)
+               for row in made.layers)
+
+
 def test_profile_refuses_what_it_cannot_measure(cache: Path) -> None:
     with pytest.raises(InvalidArgument, match="needs the model's weights on the CPU"):
         _plan(gpt_tiny(), profile=True)  # built on meta
@@ -89,7 +110,7 @@ def test_a_plan_for_a_gpu_this_machine_has_is_costed_from_times_measured_on_it(
     import planner.api
     from cost_models.devices import get_device
     from cost_models.graph.tracing import trace
-    from cost_models.profiling import measured_table, on_local_gpu
+    from cost_models.profiling import in_compute_dtype, measured_table
 
     stand_in = torch.device("cpu")
     monkeypatch.setattr(planner.api, "local_gpu", lambda device: stand_in if device.name == "H100-80GB" else None)
@@ -101,7 +122,7 @@ def test_a_plan_for_a_gpu_this_machine_has_is_costed_from_times_measured_on_it(
     plan(model, 1, "8GB", **common)  # by default a GPU plan is not measured: nothing is timed (profile=True asks)
     assert not list(cache.rglob("*.json"))
     made = plan(model, 1, "8GB", profile=True, **common)
-    copy = on_local_gpu(model, stand_in, torch.float64)
+    copy = in_compute_dtype(model, stand_in, torch.float64)
     table = measured_table(copy, trace(model, (tokens,)), (tokens,), 4, optimizer="momentum", precision="fp64",
                            device=get_device("H100-80GB"))  # from the cache plan() filled
     assert table.source == "measured" and table.device == "H100-80GB"
