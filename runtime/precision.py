@@ -79,7 +79,7 @@ class LossScaler:
     Example::
 
         scaler = LossScaler(ScalerOptions(), torch.device("cpu"))
-        found_inf = scaler.unscale_(master_grads)   # 1.0 if any gradient is inf or NaN
+        found_inf = scaler.found_inf(grads16)       # 1.0 if any gradient is inf or NaN
         scaler.update(found_inf)                     # after all-reducing found_inf
     """
 
@@ -88,14 +88,24 @@ class LossScaler:
         self.scale = torch.full((), options.init_scale, dtype=torch.float32, device=device)
         self.growth_tracker = torch.zeros((), dtype=torch.int32, device=device)
 
-    def unscale_(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """Multiply fp32 ``grads`` in place by 1/scale; returns the found-inf flag (0.0 or 1.0).
+    def inv_scale(self) -> torch.Tensor:
+        """1/scale, as GradScaler computes it."""
+        return self.scale.double().reciprocal().float()
 
-        Gradients may lie on several devices (masters on the host for some stages): each device's
-        are unscaled there and their flags combined on the scale's device.
-        """
+    def unscale_(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """Multiply fp32 ``grads`` in place by 1/scale; returns the found-inf flag (0.0 or 1.0)."""
+        return self._checked(grads, self.inv_scale())
+
+    def found_inf(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The found-inf flag of ``grads`` (any dtype), left as they are: a value is inf or NaN in 16 bits
+        exactly when it is so in fp32 and after unscaling (1/scale is finite, fp32 far wider than fp16)."""
+        return self._checked(grads, torch.ones((), device=self.scale.device))
+
+    def _checked(self, grads: list[torch.Tensor], inv_scale: torch.Tensor) -> torch.Tensor:
+        """``grads`` times ``inv_scale`` in place, and whether any is inf or NaN. Gradients may lie on
+        several devices (masters on the host for some stages): each device's are checked there and
+        their flags combined on the scale's device."""
         found_inf = torch.zeros((), dtype=torch.float32, device=self.scale.device)
-        inv_scale = self.scale.double().reciprocal().float()  # as GradScaler computes it
         by_device: dict[torch.device, list[torch.Tensor]] = {}
         for grad in grads:
             by_device.setdefault(grad.device, []).append(grad)
@@ -188,9 +198,11 @@ class MixedPrecision:
             self._step_all()
 
     def _step_all(self) -> None:
-        grads = [grad for state in self.states.values() for grad in state.grads_down()]
-        if self.scaler is not None:
-            found_inf = self.scaler.unscale_(grads)
+        inv_scale = None
+        if self.scaler is not None:  # overflow checked on the 16-bit gradients, unscaled in fp32 by the step
+            inv_scale = self.scaler.inv_scale()  # the scale these gradients carry, before the update
+            grads = [grad for state in self.states.values() for grad in state.gradients()]
+            found_inf = self.scaler.found_inf(grads)
             work = dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, async_op=True)
             wait_for(work, self.timeout, "the loss scale's found-inf all-reduce")
             self.scaler.update(found_inf)
@@ -200,7 +212,7 @@ class MixedPrecision:
                     state.skip()
                 return
         for state in self.states.values():
-            state.apply()
+            state.step(inv_scale)
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self, stage: int) -> dict[str, Any]:

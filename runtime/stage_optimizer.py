@@ -21,9 +21,12 @@ The plan's ``offload`` section decides, per stage (planner/plan/parts.py ``Offlo
 
 Mixed precision (fp16/bf16, runtime/precision.py) uses the same masters on every tier: ``sources``
 are fp32 copies of the parameters taken before the model was cast to 16 bits; the masters are
-made from them (or their chunks), the copy-down casts the 16-bit gradients to fp32 (the loss
-scale is undone by :class:`runtime.precision.MixedPrecision`, which also defers the step:
-:meth:`grads_down`, then :meth:`apply` or :meth:`skip`), the copy-back rounds to 16 bits.
+made from them (or their chunks), the copy-down casts the 16-bit gradients to fp32 (and undoes
+the fp16 loss scale: :class:`runtime.precision.MixedPrecision` checks :meth:`gradients` for overflow
+on every rank, then calls :meth:`step` or :meth:`skip`), the copy-back rounds to 16 bits.
+
+Every tier steps in buckets of gradients (:meth:`StageOptimizer.step`), so that what the step itself
+allocates (the masters' gradients, the copies, torch's multi-tensor temporaries) is one bucket's.
 """
 
 from __future__ import annotations
@@ -41,7 +44,6 @@ from runtime.sharding import ShardGroup, fill_storage, free_storage, is_freed
 from runtime.stages import OptimizerFactory
 
 
-_COPY_BUCKET_BYTES = 64 * 2**20  # gradients copied down to the masters by one multi-tensor copy at most
 
 
 class StageOptimizer:
@@ -149,67 +151,71 @@ class StageOptimizer:
         if self.pager is not None:
             self.pager.prefetch()
 
-    def step(self) -> None:
-        """One optimizer step over the accumulated (and reduced) gradients."""
-        self.grads_down()
-        self.apply()
+    def gradients(self) -> list[torch.Tensor]:
+        """The gradients the next :meth:`step` takes, as they are (16 bits under mixed precision: the loss
+        scale's overflow check reads them before any is copied)."""
+        grads = (self._grad_chunk(index, keep=True) for index in range(len(self.params)))
+        return [grad for grad in grads if grad is not None]
 
-    def grads_down(self) -> list[torch.Tensor]:
-        """The paged state read back and the gradients copied into the masters' ``.grad`` (cast to
-        the masters' dtype); returns those gradients (mixed precision unscales them in place)."""
-        if self.plain:
-            return [p.grad for p in self.params if p.grad is not None]
+    def step(self, inv_scale: torch.Tensor | None = None) -> None:
+        """One optimizer step over the accumulated (and reduced) gradients, ``inv_scale`` times each (the
+        fp16 loss scale undone). It goes bucket by bucket (:func:`bucket_bytes`): a bucket's gradients
+        copied down to its masters (cast to their dtype), stepped, freed and the masters copied back, so
+        the step holds one bucket's copies and optimizer temporaries at a time, not every parameter's."""
         self._page_in()
         grads = [self._grad_chunk(index) for index in range(len(self.masters))]
         for master, param in zip(self.masters, self.params):
             master.grad = param.grad = None
-        # in buckets, each one's 16-bit gradients freed once copied: the step holds about what one copy
-        # per parameter held (the masters' gradients), not both dtypes of every gradient at once
-        for bucket in buckets([None if grad is None else grad.nbytes for grad in grads], _COPY_BUCKET_BYTES):
+        sizes = [None if grad is None else grad.nbytes for grad in grads]
+        for bucket in buckets(sizes, bucket_bytes(sum(size or 0 for size in sizes))):
             sources: list[torch.Tensor] = [grads[i] for i in bucket]  # type: ignore[misc]
+            for index in bucket:
+                grads[index] = None  # each bucket's gradients are freed once copied (or stepped)
             targets = [(self.masters[i].shape, self.masters[i].dtype, self.masters[i].device) for i in bucket]
-            copies = copied_into_new(sources, targets)
+            copies = sources if self.plain else copied_into_new(sources, targets)
             del sources
+            if inv_scale is not None:
+                found = torch.zeros((), device=copies[0].device)  # checked already (MixedPrecision)
+                torch._amp_foreach_non_finite_check_and_unscale_(copies, found, inv_scale.to(copies[0].device))
             for index, copy in zip(bucket, copies):
-                self.masters[index].grad, grads[index] = copy, None
-        return [m.grad for m in self.masters if m.grad is not None]
-
-    def apply(self) -> None:
-        """After :meth:`grads_down`: step the masters, copy them back, page the state out."""
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+                self.masters[index].grad = copy
+            del copies
+            self.optimizer.step()  # it steps the parameters with a gradient: this bucket's
+            self.optimizer.zero_grad(set_to_none=True)
+            if not self.plain:
+                self._copy_up([i for i in bucket if not self.sharded[i]])
         if not self.plain:
-            self._copy_back()
+            self._copy_back_shards()
             self._page_out()
 
     def skip(self) -> None:
-        """After :meth:`grads_down`: drop the gradients and leave masters and state as they were."""
-        self.optimizer.zero_grad(set_to_none=True)
-        for param in self.params:
-            param.grad = None
-        if self.pager is not None:
-            self._drop_resident()
+        """Drop the gradients and leave masters and state as they were (a step the loss scale skips)."""
+        self.grad_chunks.clear()
+        for master, param in zip(self.masters, self.params):
+            master.grad = param.grad = None
 
     # ------------------------------------------------------------ the copies
-    def _grad_chunk(self, index: int) -> torch.Tensor | None:
+    def _grad_chunk(self, index: int, *, keep: bool = False) -> torch.Tensor | None:
         grad = self.params[index].grad
         if not self.sharded[index]:
             return grad
         if self.zero_stage >= 2:
-            return self.grad_chunks.pop(index, None)
+            return self.grad_chunks.get(index) if keep else self.grad_chunks.pop(index, None)
         assert self.layout is not None
         return None if grad is None else self.layout.chunk(self._slot[index], grad)
 
-    def _copy_back(self) -> None:
-        """Updated masters into the parameters: copied up, all-gathered (ZeRO-1/2) or kept as shards (3).
-        Masters on the host go up in their own dtype and are cast on the device (casting on the host first
-        would be a pass over every parameter on the CPU and a copy from pageable memory)."""
+    def _copy_up(self, indices: Sequence[int]) -> None:
+        """Updated masters of whole (unsharded) parameters into them: one multi-tensor copy (a cast under
+        mixed precision). Masters on the host go up in their own dtype and are cast on the device
+        (casting on the host first would be a pass over every parameter on the CPU and a copy from
+        pageable memory)."""
+        if indices:
+            with torch.no_grad():
+                torch._foreach_copy_([self.params[i] for i in indices], self._masters_up(indices, as_params=True))
+
+    def _copy_back_shards(self) -> None:
+        """Updated masters of sharded parameters into them: all-gathered (ZeRO-1/2) or kept as shards (3)."""
         with torch.no_grad():
-            whole = [index for index, sharded in enumerate(self.sharded) if not sharded]
-            for bucket in buckets([self.masters[i].nbytes for i in whole], _COPY_BUCKET_BYTES):
-                indices = [whole[j] for j in bucket]  # one multi-tensor copy (a cast under mixed precision)
-                torch._foreach_copy_([self.params[i] for i in indices],
-                                     self._masters_up(indices, as_params=True))
             shards = list(self.param_shards)  # ZeRO-3's sharded parameters
             for index, master in zip(shards, self._masters_up(shards)):
                 if self.param_shards[index].data_ptr() != master.data_ptr():
@@ -434,6 +440,17 @@ def copied_into_new(sources: Sequence[torch.Tensor], targets: Sequence[Target], 
         for index, shape, flat in zip(indices, shapes, buffer.split(numels)):
             copies[index] = flat.view(shape)
     return copies  # type: ignore[return-value]
+
+
+def bucket_bytes(total_bytes: int) -> int:
+    """The gradient bytes one bucket of a step takes: an eighth of the stage's, between 1 MiB and 64 MiB, so
+    the step's own memory (a bucket's gradients in the masters' dtype and the optimizer's temporaries
+    over it) stays a small share of what the stage holds, and a large stage's buckets stay few.
+
+    >>> bucket_bytes(4 * 2**20) == 2**20, bucket_bytes(80 * 2**20) == 10 * 2**20, bucket_bytes(2**40) == 2**26
+    (True, True, True)
+    """
+    return min(max(total_bytes // 8, 2**20), 64 * 2**20)
 
 
 def buckets(sizes: Sequence[int | None], limit: int) -> list[list[int]]:

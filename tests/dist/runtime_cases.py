@@ -61,9 +61,10 @@ def _recording(name: str, lr: float, grads: dict[int, torch.Tensor]) -> Any:
         optimizer = make(params)
 
         def record(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-            for group in opt.param_groups:
+            for group in opt.param_groups:  # a step in buckets (StageOptimizer.step) calls it per bucket
                 for param in group["params"]:
-                    grads[id(param)] = param.grad.detach().clone()
+                    if param.grad is not None:
+                        grads[id(param)] = param.grad.detach().clone()
         optimizer.register_step_pre_hook(record)
         return optimizer
     return factory

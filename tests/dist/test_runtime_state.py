@@ -101,7 +101,9 @@ def test_a_checkpoint_of_sharded_nvme_state_resumes_under_the_same_or_another_pl
 def test_optimizer_state_on_nvme_leaves_resident_memory(tmp_path: Path) -> None:
     """A one-rank GPT (3.7 M fp32 parameters, 29 MB of Adam state) after 3 steps, each run in a
     subprocess, one after the other (tests/dist/rss_probe.py): paged to NVMe, resident memory is lower by at least
-    80% of the optimizer state than with the state kept on the device (the CPU here)."""
+    70% of the optimizer state than with the state kept on the device (the CPU here). The saving is
+    bimodal, run alone on the same commit: 0.93 to 0.97 of the state, or 0.79 to 0.80 (2 of 5 runs at
+    e6773be, about 5 MB more kept resident by the allocator); 0.8 failed CI at random."""
     (tmp_path / "nvme").mkdir()
     probe = subprocess.run([sys.executable, "-m", "tests.dist.rss_probe", str(tmp_path / "nvme")], cwd=ROOT,
                            capture_output=True, text=True, timeout=60, check=False)
@@ -112,7 +114,7 @@ def test_optimizer_state_on_nvme_leaves_resident_memory(tmp_path: Path) -> None:
     assert state_bytes > 20e6
     assert paged["nvme_bytes"] >= 1.5 * state_bytes  # the masters are paged with the moments
     saved = on_device["rss_bytes"] - paged["rss_bytes"]
-    assert saved >= 0.8 * state_bytes, f"NVMe saved {saved} resident bytes of {state_bytes}: {figures}"
+    assert saved >= 0.7 * state_bytes, f"NVMe saved {saved} resident bytes of {state_bytes}: {figures}"
 
 
 def test_a_missing_or_unwritable_nvme_dir_fails_before_any_work_in_one_line(tmp_path: Path) -> None:

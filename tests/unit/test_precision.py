@@ -101,6 +101,33 @@ def test_gradients_go_down_in_buckets_of_one_buffer_per_dtype_as_single_casts_wo
     assert buckets([None, None], 8) == []
 
 
+@pytest.mark.parametrize("mixed", [False, True])
+def test_a_step_in_buckets_equals_one_step_over_every_parameter(mixed: bool,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    import runtime.stage_optimizer
+
+    monkeypatch.setattr(runtime.stage_optimizer, "bucket_bytes", lambda total: 1)  # a bucket per parameter
+    torch.manual_seed(0)
+    start = [torch.randn(shape, dtype=torch.float64) for shape in ((4, 3), (5,), (2,))]
+    dtype = torch.bfloat16 if mixed else torch.float64
+    params = {f"p{i}": nn.Parameter(t.clone().to(dtype)) for i, t in enumerate(start)}
+    state = StageOptimizer(0, params, lambda ps: torch.optim.Adam(ps, lr=0.1), spec=OffloadSpec(),
+                           device=torch.device("cpu"), sources=[t.float() for t in start] if mixed else None)
+    reference = [nn.Parameter(t.float() if mixed else t.clone()) for t in start]
+    optimizer = torch.optim.Adam(reference, lr=0.1)
+    for step in range(3):
+        grads = [torch.randn_like(t) for t in start]
+        for param, grad in zip(params.values(), grads):
+            param.grad = grad.to(param.dtype)
+        for param, grad in zip(reference, grads):
+            param.grad = grad.to(param.dtype).to(torch.bfloat16).float() if mixed else grad.clone()
+        state.step(torch.tensor(1.0) if mixed else None)
+        optimizer.step()
+        for master, param, expected in zip(state.masters, params.values(), reference):
+            assert torch.equal(master.detach(), expected.detach()), step
+            assert torch.equal(param.detach(), expected.detach().to(param.dtype)) and param.grad is None
+
+
 def test_mixed_plans_rebuild_a_float32_model_the_runtime_casts() -> None:
     plan = Plan.from_dict(json.loads(make_plan(GPT, ["blocks_1_ln_1"], schedule="1f1b", precision="fp16")))
     assert build_dtype(plan.model.precision) == torch.float32 and compute_dtype(plan.model.precision) == torch.float16
