@@ -4,10 +4,11 @@
 #   2. `tessera calibrate --device cuda` into OUT/calibrated-gpu.json;
 #   3. plans made from that file (a GPT in bf16 with room to spare, the same GPT whose micro-batches
 #      only fit with recompute, the same GPT at batch 2, whose optimizer step held more than its backward
-#      (about 3 GiB of fp32 gradients and Adam temporaries) until the step went in buckets, a ResNet-50), costed from node times measured on this GPU (--profile;
-#      the file is this GPU's calibration), each run by `tessera run` and compared with its predictions by
-#      `tessera validate` (step time, peak memory against the CUDA allocator); the roofline's
-#      predicted step (without --profile) is printed beside;
+#      (about 3 GiB of fp32 gradients and Adam temporaries) until the step went in buckets, a ResNet-50),
+#      costed from node times measured on this GPU (--profile; the file is this GPU's calibration), each
+#      run by `tessera run` and compared with its predictions by `tessera validate` (step time, peak
+#      memory against the CUDA allocator); the roofline's predicted step (without --profile) is printed
+#      beside;
 #   4. benchmarks/one_gpu.py: those plans' runtime against the plain PyTorch loop;
 #   5. benchmarks/cuda_overlap.py: host-link bandwidth and copy/compute overlap on CUDA streams.
 # Steps are independent: one failing does not stop the rest (each has a time limit).
