@@ -99,6 +99,7 @@ def timed(steps: dict[str, Callable[[], None]], count: int, warmup: int = 2) -> 
 
 def breakdown(steps: dict[str, Callable[[], None]], rows: int) -> None:
     """Per system: GPU busy ms per step and the ``rows`` operators with the most GPU time (two steps)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     for name, step in steps.items():
@@ -106,8 +107,9 @@ def breakdown(steps: dict[str, Callable[[], None]], rows: int) -> None:
             for _ in range(2):
                 step()
             torch.cuda.synchronize()
+        kernels = [event for event in prof.events() if event.device_type == DeviceType.CUDA]  # not the ops too
+        busy_ms = sum(event.self_device_time_total for event in kernels) / 2 / 1e3
         events = prof.key_averages()
-        busy_ms = sum(event.self_device_time_total for event in events) / 2 / 1e3
         print(f"  {name}: GPU busy {busy_ms:.1f} ms per step; operators by GPU time over two steps:")
         table = events.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=48)
         print("\n".join("    " + line for line in table.splitlines()))

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
@@ -92,9 +93,10 @@ class LossScaler:
         """1/scale, as GradScaler computes it."""
         return self.scale.double().reciprocal().float()
 
-    def unscale_(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """Multiply fp32 ``grads`` in place by 1/scale; returns the found-inf flag (0.0 or 1.0)."""
-        return self._checked(grads, self.inv_scale())
+    def unscale_(self, grads: list[torch.Tensor], inv_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """Multiply fp32 ``grads`` in place by ``inv_scale`` (default 1/scale now); returns the found-inf
+        flag (0.0 or 1.0)."""
+        return self._checked(grads, self.inv_scale() if inv_scale is None else inv_scale)
 
     def found_inf(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """The found-inf flag of ``grads`` (any dtype), left as they are: a value is inf or NaN in 16 bits
@@ -198,9 +200,10 @@ class MixedPrecision:
             self._step_all()
 
     def _step_all(self) -> None:
-        inv_scale = None
+        unscale = None
         if self.scaler is not None:  # overflow checked on the 16-bit gradients, unscaled in fp32 by the step
-            inv_scale = self.scaler.inv_scale()  # the scale these gradients carry, before the update
+            # the scale these gradients carry, taken before the update
+            unscale = functools.partial(self.scaler.unscale_, inv_scale=self.scaler.inv_scale())
             grads = [grad for state in self.states.values() for grad in state.gradients()]
             found_inf = self.scaler.found_inf(grads)
             work = dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, async_op=True)
@@ -212,7 +215,7 @@ class MixedPrecision:
                     state.skip()
                 return
         for state in self.states.values():
-            state.step(inv_scale)
+            state.step(unscale)
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self, stage: int) -> dict[str, Any]:

@@ -32,7 +32,7 @@ allocates (the masters' gradients, the copies, torch's multi-tensor temporaries)
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -157,11 +157,12 @@ class StageOptimizer:
         grads = (self._grad_chunk(index, keep=True) for index in range(len(self.params)))
         return [grad for grad in grads if grad is not None]
 
-    def step(self, inv_scale: torch.Tensor | None = None) -> None:
-        """One optimizer step over the accumulated (and reduced) gradients, ``inv_scale`` times each (the
-        fp16 loss scale undone). It goes bucket by bucket (:func:`bucket_bytes`): a bucket's gradients
-        copied down to its masters (cast to their dtype), stepped, freed and the masters copied back, so
-        the step holds one bucket's copies and optimizer temporaries at a time, not every parameter's."""
+    def step(self, unscale: Callable[[list[torch.Tensor]], object] | None = None) -> None:
+        """One optimizer step over the accumulated (and reduced) gradients, ``unscale`` applied to their
+        copies in the masters' dtype (fp16: the loss scale undone). It goes bucket by bucket
+        (:func:`bucket_bytes`): a bucket's gradients copied down to its masters (cast to their dtype),
+        stepped, freed and the masters copied back, so the step holds one bucket's copies and optimizer
+        temporaries at a time, not every parameter's."""
         self._page_in()
         grads = [self._grad_chunk(index) for index in range(len(self.masters))]
         for master, param in zip(self.masters, self.params):
@@ -174,9 +175,8 @@ class StageOptimizer:
             targets = [(self.masters[i].shape, self.masters[i].dtype, self.masters[i].device) for i in bucket]
             copies = sources if self.plain else copied_into_new(sources, targets)
             del sources
-            if inv_scale is not None:
-                found = torch.zeros((), device=copies[0].device)  # checked already (MixedPrecision)
-                torch._amp_foreach_non_finite_check_and_unscale_(copies, found, inv_scale.to(copies[0].device))
+            if unscale is not None:
+                unscale(copies)
             for index, copy in zip(bucket, copies):
                 self.masters[index].grad = copy
             del copies

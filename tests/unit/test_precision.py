@@ -121,7 +121,7 @@ def test_a_step_in_buckets_equals_one_step_over_every_parameter(mixed: bool,
             param.grad = grad.to(param.dtype)
         for param, grad in zip(reference, grads):
             param.grad = grad.to(param.dtype).to(torch.bfloat16).float() if mixed else grad.clone()
-        state.step(torch.tensor(1.0) if mixed else None)
+        state.step()
         optimizer.step()
         for master, param, expected in zip(state.masters, params.values(), reference):
             assert torch.equal(master.detach(), expected.detach()), step
