@@ -43,6 +43,11 @@ posted receive occupies the communication stream and a send behind it that the p
 deadlock."""
 
 
+ALL_GATHER_STAGING: dict[str, int] = {"nccl": 0, "gloo": 1}  # output-sized buffers an all-gather allocates
+"""gloo's ``all_gather_into_tensor`` gathers into a buffer of its own the size of the output, then copies it
+out (measured on torch 2.13's CPU build: tests/dist/test_step_memory.py); NCCL writes the output in place."""
+
+
 def hidden_share(grad_bytes: float, backend: str) -> float:
     """Of a data-parallel all-reduce of ``grad_bytes``, the share its last backward hides: DDP's buckets before
     the last (:func:`overlapped_share`), or none on gloo, whose copies and sums take the very core the

@@ -258,7 +258,8 @@ def measure_cpu_device(*, threads: int | None = None, link: LinkSpec | None = No
             bf16 = _matmul_tflops(torch.bfloat16)
             copy_gb_per_s = _copy_bandwidth_gb_per_s(mem_bytes)
             overhead_us = _op_overhead_us()
-        optimizer_steps = measure_optimizer_steps(torch.device("cpu"), CPU_MIX, _COPY_MAX_BYTES)
+        optimizer_steps = measure_optimizer_steps(torch.device("cpu"), CPU_MIX, _COPY_MAX_BYTES,
+                                                  foreach=True)  # as the runtime steps on every device
     finally:
         if threads is not None:
             torch.set_num_threads(previous_threads)

@@ -68,6 +68,12 @@ class Optimizer(str, Enum):
         """Optimizer state tensors kept per parameter tensor."""
         return {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}[self.value]
 
+    @property
+    def step_temporaries(self) -> int:
+        """Temporaries per stepped element, in the state's dtype, that torch's multi-tensor step allocates:
+        Adam's and AdamW's denominator (the second moment's square root); SGD updates in place."""
+        return {"sgd": 0, "momentum": 0, "adam": 1, "adamw": 1}[self.value]
+
     def build(self, params: list, lr: float) -> Any:
         """The torch optimizer this name means over ``params`` (momentum: SGD with momentum 0.9); what the
         runtime steps and what the measured devices time."""
@@ -131,3 +137,61 @@ def rescale_bytes(nbytes: int, dtype: str, precision: Precision) -> int:
     """``nbytes`` of a tensor of ``dtype`` once stored in the training precision."""
     itemsize = _FLOAT_ITEMSIZE.get(dtype)
     return nbytes if itemsize is None else nbytes * precision.itemsize // itemsize
+
+
+def step_bucket_bytes(grad_bytes: int) -> int:
+    """The gradient bytes one bucket of a stage's optimizer step takes (runtime/stage_optimizer.py), for a
+    stage with ``grad_bytes`` of gradients: an eighth of them, between 1 MiB and 64 MiB, so that what the
+    step itself allocates stays a small share of what the stage holds, and a large stage's buckets stay few.
+    A parameter larger than that is a bucket of its own.
+
+    >>> step_bucket_bytes(4 * 2**20) == 2**20, step_bucket_bytes(80 * 2**20) == 10 * 2**20
+    (True, True)
+    >>> step_bucket_bytes(2**40) == 2**26
+    True
+    """
+    return min(max(grad_bytes // 8, 2**20), 64 * 2**20)
+
+
+def step_transient_bytes(bucket_numel: float, precision: Precision, optimizer: Optimizer, *,
+                         separate_masters: bool, steps_on_device: bool, freed_numel: float | None = None) -> float:
+    """Device bytes an optimizer step allocates beyond the model state (every gradient still held), at its
+    worst moment, when it steps a bucket of ``bucket_numel`` elements (runtime/stage_optimizer.py).
+
+    * ``separate_masters`` (mixed precision, ZeRO shards, an optimizer off the device): the bucket's
+      gradients are first copied into one buffer in the masters' dtype, on the device (off it, the cast
+      runs on the device before the copy down); then the bucket's gradients are freed: ``freed_numel``
+      elements in the weights' dtype (default the bucket's; under ZeRO-1 its shards are views of whole
+      gradients, all freed).
+    * ``steps_on_device``: torch's multi-tensor Adam and AdamW allocate one temporary per element of the
+      bucket (the denominator, the second moment's square root); SGD with or without momentum none.
+
+    >>> step_transient_bytes(1000, Precision.BF16, Optimizer.ADAM, separate_masters=True, steps_on_device=True)
+    6000.0
+    >>> step_transient_bytes(1000, Precision.FP32, Optimizer.ADAM, separate_masters=False, steps_on_device=True)
+    4000.0
+    """
+    master = bucket_numel * precision.state_itemsize
+    temporaries = master * optimizer.step_temporaries if steps_on_device else 0.0
+    if not separate_masters:
+        return temporaries
+    freed = (bucket_numel if freed_numel is None else freed_numel) * precision.itemsize
+    return master + max(0.0, temporaries - freed)
+
+
+def zero_gather_bytes(bucket_numel: float, precision: Precision, copies: int, *, masters_off_device: bool,
+                      freed_numel: float | None = None, staging: int = 0) -> float:
+    """Device bytes beyond the model state (every gradient counted) that ZeRO-1/2's all-gather of one stepped
+    bucket holds (runtime/stage_optimizer.py), for a bucket of ``bucket_numel`` elements of this rank's
+    shards over ``copies`` replicas: every replica's shards (the bucket's whole weights; ``staging`` more
+    such buffers where the backend gathers through its own: cost_models.comm.ALL_GATHER_STAGING) and this
+    rank's row sent, in the weights' dtype, and the shards cast to it first where the masters are not
+    already it on the device; less the bucket's gradients, freed by then (``freed_numel`` as for
+    :func:`step_transient_bytes`).
+
+    >>> zero_gather_bytes(1000, Precision.BF16, 4, masters_off_device=False)
+    10000
+    """
+    cast = precision.master_weights or masters_off_device
+    freed = bucket_numel if freed_numel is None else freed_numel
+    return int(precision.itemsize * (bucket_numel * (copies * (1 + staging) + 1 + cast) - freed))

@@ -188,7 +188,8 @@ def _stage_plan(best: Candidate, index: int, nodes: tuple[str, ...], graph: Laye
         part.fwd_ms, part.bwd_ms, sum(best.setup.table[name].param_bytes for name in nodes),
         part.static_bytes + part.recompute_bytes, part.activation_bytes,
         part.allreduce_ms, part.optimizer_ms, part.swap_bytes, part.swap_ms, part.host_bytes, part.nvme_bytes,
-        part.weight_grad_ms, part.grad_bytes if best.setup.config.state.zero_stage < 2 else 0),  # ZeRO-2/3: shards
+        part.weight_grad_ms, part.grad_bytes if best.setup.config.state.zero_stage < 2 else 0,  # ZeRO-2/3: shards
+        part.step_excess_bytes),
         spatial=_spatial(best, index, nodes, graph, offload), offload=offload)
 
 

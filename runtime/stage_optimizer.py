@@ -6,14 +6,16 @@ The plan's ``offload`` section decides, per stage (planner/plan/parts.py ``Offlo
 * ``optimizer_state`` gpu, ``zero_stage`` 0: the optimizer steps the parameters themselves (no copy).
 * ``optimizer_state`` host: master copies on the CPU (the parameters' dtype: fp32/fp64 plans);
   the step copies gradients down into ``master.grad``, steps the masters with torch's own
-  optimizer (``foreach`` on), copies the masters back into the parameters and drops the gradients.
+  optimizer (``foreach`` on, as on every tier), copies the masters back into the parameters and drops
+  the gradients.
   On a CPU-only run the "device" is the CPU: the same path, with separate tensors.
 * ``optimizer_state`` nvme: as host, and between steps the masters and the per-element state live
   only in a file of ``--nvme-dir`` (runtime/nvme.py); the read starts at the stage's first backward
   of the step (:meth:`StageOptimizer.prefetch`), the write after the step.
 * ``zero_stage`` >= 1 over the stage's data-parallel group (runtime/sharding.py): each rank's masters
   are its chunks of the parameters (on the tier's device), it steps only those, then the updated
-  chunks are all-gathered into the parameters (1, 2) or kept as the parameter's shard (3).
+  chunks are all-gathered into the parameters, bucket by bucket (1, 2), or kept as the parameter's
+  shard (3).
   2 and 3 reduce-scatter the gradients at the stage's ``ALLREDUCE`` (after the last micro-batch:
   the gradients of all micro-batches are accumulated whole, then each rank keeps its chunk of
   the sum). 3 also keeps parameters freed between uses: :meth:`in_use` all-gathers them around a
@@ -38,12 +40,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from cost_models.memory import step_bucket_bytes
 from planner.plan import OffloadSpec, StateTier
 from runtime.nvme import PagedFile
 from runtime.sharding import ShardGroup, fill_storage, free_storage, is_freed
 from runtime.stages import OptimizerFactory
-
-
 
 
 class StageOptimizer:
@@ -72,10 +73,9 @@ class StageOptimizer:
         self.masters = self.params if self.plain else [nn.Parameter(self._new_master(i), requires_grad=True)
                                                        for i in range(len(self.params))]
         self.optimizer = factory(list(self.masters))
-        if spec.host_step:
-            for group in self.optimizer.param_groups:  # torch's multi-tensor kernels also run on CPU
-                if group.get("foreach", False) is None:
-                    group["foreach"] = True
+        for group in self.optimizer.param_groups:  # torch's multi-tensor kernels (its default on CUDA) on the
+            if group.get("foreach", False) is None:  # CPU too: the step's temporaries are a bucket's on every
+                group["foreach"] = True  # device, as cost_models.memory.step_transient_bytes counts them
         self.grad_chunks: dict[int, torch.Tensor] = {}
         self.param_shards = self._initial_shards() if self.zero_stage == 3 else {}
         self._paged: list[tuple[int, str]] = []  # (master index, state key) of the paged state, file order
@@ -160,18 +160,25 @@ class StageOptimizer:
     def step(self, unscale: Callable[[list[torch.Tensor]], object] | None = None) -> None:
         """One optimizer step over the accumulated (and reduced) gradients, ``unscale`` applied to their
         copies in the masters' dtype (fp16: the loss scale undone). It goes bucket by bucket
-        (:func:`bucket_bytes`): a bucket's gradients copied down to its masters (cast to their dtype),
-        stepped, freed and the masters copied back, so the step holds one bucket's copies and optimizer
-        temporaries at a time, not every parameter's."""
+        (cost_models.memory.step_bucket_bytes): a bucket's gradients are taken from the parameters, copied
+        down to its masters (cast to their dtype) and freed, the bucket is stepped, its masters' gradients
+        dropped and the masters copied back (ZeRO-1/2: all-gathered). So the step holds one bucket's copies,
+        optimizer temporaries and gathered weights at a time, not every parameter's
+        (cost_models.memory.step_transient_bytes and zero_gather_bytes count them)."""
         self._page_in()
-        grads = [self._grad_chunk(index) for index in range(len(self.masters))]
-        for master, param in zip(self.masters, self.params):
-            master.grad = param.grad = None
-        sizes = [None if grad is None else grad.nbytes for grad in grads]
-        for bucket in buckets(sizes, bucket_bytes(sum(size or 0 for size in sizes))):
-            sources: list[torch.Tensor] = [grads[i] for i in bucket]  # type: ignore[misc]
-            for index in bucket:
-                grads[index] = None  # each bucket's gradients are freed once copied (or stepped)
+        sizes = [self._grad_bytes(index) for index in range(len(self.masters))]
+        # the plain path's optimizer steps the parameters themselves, every one with a gradient: all are taken
+        # off first (no copy); with masters of their own, each bucket's are taken when it is stepped
+        taken = [self._grad_chunk(index) for index in range(len(self.params))] if self.plain else None
+        for param in self.params if self.plain else ():
+            param.grad = None
+        for bucket in buckets(sizes, step_bucket_bytes(sum(size or 0 for size in sizes))):
+            sources: list[torch.Tensor] = [  # type: ignore[misc]
+                self._grad_chunk(index) if taken is None else taken[index] for index in bucket]
+            for index in bucket:  # the bucket's gradients are held by ``sources`` alone now
+                self.masters[index].grad = self.params[index].grad = None
+                if taken is not None:
+                    taken[index] = None
             targets = [(self.masters[i].shape, self.masters[i].dtype, self.masters[i].device) for i in bucket]
             copies = sources if self.plain else copied_into_new(sources, targets)
             del sources
@@ -179,13 +186,13 @@ class StageOptimizer:
                 unscale(copies)
             for index, copy in zip(bucket, copies):
                 self.masters[index].grad = copy
-            del copies
+            del copies, copy  # the masters alone hold the copies now
             self.optimizer.step()  # it steps the parameters with a gradient: this bucket's
-            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad(set_to_none=True)  # the bucket's copies, freed before the next bucket's
             if not self.plain:
                 self._copy_up([i for i in bucket if not self.sharded[i]])
+                self._copy_back_shards([i for i in bucket if self.sharded[i]])
         if not self.plain:
-            self._copy_back_shards()
             self._page_out()
 
     def skip(self) -> None:
@@ -201,8 +208,20 @@ class StageOptimizer:
             return grad
         if self.zero_stage >= 2:
             return self.grad_chunks.get(index) if keep else self.grad_chunks.pop(index, None)
-        assert self.layout is not None
-        return None if grad is None else self.layout.chunk(self._slot[index], grad)
+        assert self.layout is not None  # ZeRO-1: a view of this rank's chunk of the whole gradient
+        return None if grad is None else self.layout.padded(self._slot[index], grad)[self.layout.rank]
+
+    def _grad_bytes(self, index: int) -> int | None:
+        """Bytes of what :meth:`_grad_chunk` gives for ``index`` (None: no gradient), without making it."""
+        grad = self.params[index].grad
+        if self.sharded[index] and self.zero_stage >= 2:
+            grad = self.grad_chunks.get(index)
+        if grad is None:
+            return None
+        if self.sharded[index] and self.zero_stage == 1:
+            assert self.layout is not None
+            return self.layout.chunk_numel(self._slot[index]) * grad.element_size()
+        return grad.nbytes
 
     def _copy_up(self, indices: Sequence[int]) -> None:
         """Updated masters of whole (unsharded) parameters into them: one multi-tensor copy (a cast under
@@ -213,18 +232,27 @@ class StageOptimizer:
             with torch.no_grad():
                 torch._foreach_copy_([self.params[i] for i in indices], self._masters_up(indices, as_params=True))
 
-    def _copy_back_shards(self) -> None:
-        """Updated masters of sharded parameters into them: all-gathered (ZeRO-1/2) or kept as shards (3)."""
+    def _copy_back_shards(self, indices: Sequence[int]) -> None:
+        """Updated masters of the sharded parameters ``indices`` into them: all-gathered (ZeRO-1/2, every
+        replica gathers the same bucket) or kept as shards (3)."""
         with torch.no_grad():
-            shards = list(self.param_shards)  # ZeRO-3's sharded parameters
+            shards = [index for index in indices if index in self.param_shards]  # ZeRO-3's
             for index, master in zip(shards, self._masters_up(shards)):
                 if self.param_shards[index].data_ptr() != master.data_ptr():
                     self.param_shards[index].copy_(master)
-            if self.zero_stage in (1, 2):
-                ups = self._masters_up(list(self._slot))
-                chunks = [master.to(self.params[i].dtype) for i, master in zip(self._slot, ups)]
-                for index, rows in zip(self._slot, self._all_gather(chunks, "parameters")):
-                    self.params[index].copy_(self._unpad(index, rows))
+            if self.zero_stage not in (1, 2) or not indices:
+                return
+            assert self.shards is not None
+            chunks = [master.to(self.params[i].dtype) for i, master in zip(indices, self._masters_up(indices))]
+            layout = self.shards.layout([self.params[i].numel() for i in indices])
+            gathered = self.shards.all_gather(layout, chunks, f"stage {self.stage} parameters")
+            del chunks
+            for slot, (index, rows) in enumerate(zip(indices, gathered)):
+                param = self.params[index]
+                if rows.numel() == param.numel() and param.is_contiguous():
+                    param.view(rows.shape).copy_(rows)  # no padding: straight from the gathered rows
+                else:
+                    param.copy_(layout.unpad(slot, rows, param.shape))
 
     def _masters_up(self, indices: Sequence[int], *, as_params: bool = False) -> list[torch.Tensor]:
         """The masters of ``indices`` on the device in their dtype (shaped as their parameters if
@@ -442,32 +470,24 @@ def copied_into_new(sources: Sequence[torch.Tensor], targets: Sequence[Target], 
     return copies  # type: ignore[return-value]
 
 
-def bucket_bytes(total_bytes: int) -> int:
-    """The gradient bytes one bucket of a step takes: an eighth of the stage's, between 1 MiB and 64 MiB, so
-    the step's own memory (a bucket's gradients in the masters' dtype and the optimizer's temporaries
-    over it) stays a small share of what the stage holds, and a large stage's buckets stay few.
-
-    >>> bucket_bytes(4 * 2**20) == 2**20, bucket_bytes(80 * 2**20) == 10 * 2**20, bucket_bytes(2**40) == 2**26
-    (True, True, True)
-    """
-    return min(max(total_bytes // 8, 2**20), 64 * 2**20)
-
-
 def buckets(sizes: Sequence[int | None], limit: int) -> list[list[int]]:
-    """Consecutive indices of the sizes given (None: skipped), grouped so that each group reaches
-    ``limit`` only with its last one.
+    """Consecutive indices of the sizes given (None: skipped), grouped so that no group's sizes add up to
+    more than ``limit``, unless one size alone does: that one is a group of its own (the bound
+    cost_models.memory.step_transient_bytes is taken at).
 
     >>> buckets([3, None, 3, 5, 1], 6)
     [[0, 2], [3, 4]]
+    >>> buckets([2, 9, 2], 6)
+    [[0], [1], [2]]
     """
     groups: list[list[int]] = [[]]
     total = 0
     for index, size in enumerate(sizes):
         if size is None:
             continue
-        groups[-1].append(index)
-        total += size
-        if total >= limit:
+        if groups[-1] and total + size > limit:
             groups.append([])
             total = 0
+        groups[-1].append(index)
+        total += size
     return [group for group in groups if group]

@@ -21,7 +21,8 @@ ran in the previous step (a carried forward, planner/schedules/periods.py) is he
 start; one whose F runs ahead for the next step, until its end. A stage's ``grad_bytes`` (part of its
 static bytes) exist from the end of its first B (or W) of the step, whose activations go as its gradients
 come (both at its end: the peak of a linear exchange is at one end), to the end of its optimizer step,
-which frees them (``zero_grad(set_to_none=True)``).
+which frees them (``zero_grad(set_to_none=True)``); while the step runs, its buffers (``step_bytes``: a
+bucket's gradients in the masters' dtype, the optimizer's temporaries) are held too.
 
 Swaps: a stage that swaps copies ``swap_bytes`` per micro-batch to the host, starting with its F,
 on the rank's device-to-host copy engine (one copy at a time, ``swap_ms`` each); ``SWAP_OUT``
@@ -65,6 +66,7 @@ class StageCosts:
     weight_grad_ms: float = 0.0  # the share of bwd_ms a split backward's W takes (its I takes the rest)
     allreduce_overlap: float = 0.0  # the share of allreduce_ms in buckets that start during the last backward
     grad_bytes: int = 0  # of static_bytes: the gradients, from the stage's first backward to its optimizer step
+    step_bytes: int = 0  # during its optimizer step: its buffers, above static_bytes
 
 
 @dataclass(frozen=True)
@@ -222,8 +224,9 @@ class _Clocks:
         if action.kind in (ActionKind.B, ActionKind.W) and (rank, action.stage) not in self.grads_made:
             self.grads_made.add((rank, action.stage))  # it frees activations as it writes gradients: both at its end
             self._change_memory(rank, end, stage.grad_bytes)
-        elif action.kind is ActionKind.OPTIMIZER_STEP:  # it sets them to None
-            self._change_memory(rank, end, -stage.grad_bytes)
+        elif action.kind is ActionKind.OPTIMIZER_STEP:  # its buffers while it runs; then the gradients are None
+            self._change_memory(rank, start, stage.step_bytes)
+            self._change_memory(rank, end, -stage.step_bytes - stage.grad_bytes)
         lane = COMPUTE_LANE if action.kind in _BUSY_KINDS else COMM_LANE
         if lane == COMPUTE_LANE:
             self.busy_ms[rank] += end - start

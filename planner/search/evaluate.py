@@ -136,10 +136,18 @@ class PartSummary:
     host_bytes: int = 0  # host memory for this part's optimizer state and gradients (per rank)
     nvme_bytes: int = 0  # NVMe for this part's optimizer state (per rank)
     weight_grad_ms: float = 0.0  # of bwd_ms: the parameters' gradients (a split backward's W)
+    state_bytes: int = 0  # of static_bytes: the model state on the device
+    step_bytes: int = 0  # what the optimizer step allocates on top of the model state, at its worst bucket
 
     @property
     def compute_ms(self) -> float:
         return self.fwd_ms + self.bwd_ms
+
+    @property
+    def step_excess_bytes(self) -> int:
+        """How far the optimizer step's memory (model state and step buffers, nothing else) rises above
+        what the part holds all step (static and recompute bytes): the simulator's step event."""
+        return max(0, self.state_bytes + self.step_bytes - self.static_bytes - self.recompute_bytes)
 
 
 @dataclass(frozen=True)
@@ -183,11 +191,13 @@ def evaluate(model: CostModel, cuts: tuple[int, ...], decisions: Decisions | Non
         decisions = None
     ranges = segments(model.num_units, cuts)
     parts = tuple(_summary(model, part, first, last, decisions) for part, (first, last) in enumerate(ranges))
-    peaks = tuple(round(row_value(model, row, ranges, decisions)) for row in model.memory)
+    peaks = [0] * len({row.slot for row in model.memory})
+    for row in model.memory:  # a slot's peak: the largest of its rows (its forwards and backwards, its step)
+        peaks[row.slot] = max(peaks[row.slot], round(row_value(model, row, ranges, decisions)))
     step = sum(piece_value(model, piece, ranges, decisions) for piece in model.objective)
     capacity = tuple((row.name, round(capacity_value(model, row, ranges, decisions)), row.capacity_bytes)
                      for row in model.capacity)
-    return Evaluation(tuple(cuts), parts, peaks, step, decisions, capacity)
+    return Evaluation(tuple(cuts), parts, tuple(peaks), step, decisions, capacity)
 
 
 def piece_value(model: CostModel, piece: Aggregate | Drain, ranges: list[tuple[int, int]],
@@ -234,4 +244,5 @@ def _summary(model: CostModel, part: int, first: int, last: int, decisions: Deci
                        values["allreduce_ms"], round(values["grad_bytes"]), round(values["static_bytes"]),
                        round(values["activation_bytes"]), values["optimizer_ms"], values["swap_ms"],
                        round(values["swap_bytes"]), round(values["recompute_bytes"]),
-                       round(values["host_bytes"]), round(values["nvme_bytes"]), values["weight_grad_ms"])
+                       round(values["host_bytes"]), round(values["nvme_bytes"]), values["weight_grad_ms"],
+                       round(values["state_bytes"]), round(values["step_bytes"]))

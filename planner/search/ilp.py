@@ -52,7 +52,7 @@ class _Model:
 
     problem: pulp.LpProblem
     done: dict[tuple[int, int], Any]
-    memory: dict[int, pulp.LpConstraint]
+    memory: dict[str, pulp.LpConstraint]  # by row: "slot 2", "slot 2 at its optimizer step"
     variables: _Variables
 
 
@@ -447,18 +447,20 @@ def _is_zero(term: Term) -> bool:
     return term.upper_bound() == 0
 
 
-def _memory(lp: pulp.LpProblem, variables: _Variables, costs: CostModel) -> dict[int, pulp.LpConstraint]:
-    """Each slot's memory row <= budget.
+def _memory(lp: pulp.LpProblem, variables: _Variables, costs: CostModel) -> dict[str, pulp.LpConstraint]:
+    """Each slot's memory rows (its compute and its optimizer step) <= budget, by what they are.
 
     Rows are written in units of the budget (coefficients of order 1), not bytes (order 1e10),
     which would leave the solver's tolerances larger than real differences between plans.
     """
     scale = 1.0 / costs.problem.mem_bytes
     constraints = {}
-    for row in costs.memory:
-        name = f"memory_slot_{row.slot}"
+    for index, row in enumerate(costs.memory):
+        at_step = row.moment != "compute"  # one row per stage of the slot: part members[0][0] steps
+        name = f"memory_slot_{row.slot}" + (f"_at_step_{index}" if at_step else "")
         lp += variables.total((term, part, scale) for part, term in row.members) <= 1.0, name
-        constraints[row.slot] = lp.get_constraint_by_name(name)
+        label = f"slot {row.slot}" + (f" at part {row.members[0][0]}'s optimizer step" if at_step else "")
+        constraints[label] = lp.get_constraint_by_name(name)
     return constraints
 
 
@@ -501,6 +503,6 @@ def _gap(lp: pulp.LpProblem) -> float:
 
 
 def _binding(model: _Model) -> str:
-    used = {slot: 1.0 + (constraint.value() or 0.0) for slot, constraint in model.memory.items()}
-    slot = max(used, key=lambda s: used[s])
-    return f"memory of slot {slot} ({used[slot]:.0%} of the budget)"
+    used = {row: 1.0 + (constraint.value() or 0.0) for row, constraint in model.memory.items()}
+    row = max(used, key=lambda r: used[r])
+    return f"memory of {row} ({used[row]:.0%} of the budget)"

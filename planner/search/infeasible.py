@@ -33,23 +33,33 @@ class StageMemory:
     send_bytes: float
     activation_bytes: float  # per micro-batch in flight
     in_flight: int
+    step_bytes: float = 0.0  # at the optimizer step: what it allocates on top of the model state
 
     @property
     def working_bytes(self) -> float:
         return self.transient_bytes + self.send_bytes
 
     @property
-    def total_bytes(self) -> float:
+    def compute_bytes(self) -> float:
+        """The peak of the forwards and backwards."""
         return self.state_bytes + self.working_bytes + self.in_flight * self.activation_bytes
 
+    @property
+    def total_bytes(self) -> float:
+        return max(self.compute_bytes, self.state_bytes + self.step_bytes)
+
     def describe(self) -> str:
-        return (f"{format_bytes(self.state_bytes)} of model state (weights, gradients, optimizer state, "
+        text = (f"{format_bytes(self.state_bytes)} of model state (weights, gradients, optimizer state, "
                 f"buffers), {format_bytes(self.working_bytes)} of working memory (largest transient "
                 f"{format_bytes(self.transient_bytes)}: the output of {self.transient_node} and its "
                 f"gradient; send buffer {format_bytes(self.send_bytes)}), "
                 f"{format_bytes(self.in_flight * self.activation_bytes)} of activations "
                 f"({plural(self.in_flight, 'micro-batch', 'micro-batches')} in flight x "
                 f"{format_bytes(self.activation_bytes)})")
+        if self.state_bytes + self.step_bytes > self.compute_bytes:
+            text += (f"; its peak is the optimizer step, which adds {format_bytes(self.step_bytes)} (a bucket of "
+                     f"gradients in the masters' dtype and the optimizer's temporaries) to the model state")
+        return text
 
     def fix(self) -> str:
         """What to change, by the kind of memory that dominates."""
@@ -73,7 +83,9 @@ def stage_memory(setup: Setup, part: int, stage: int, first: int, last: int) -> 
     node = max(setup.coarsening.units[transient_unit].nodes, key=lambda name: setup.table[name].output_bytes)
     return StageMemory(value["held"], value["transient"], node, value["outgoing"],
                        term_value(costs, costs.parts[part]["activation_bytes"], first, last),
-                       setup.problem.in_flight[stage])
+                       setup.problem.in_flight[stage],
+                       term_value(costs, costs.parts[part]["state_bytes"].plus(costs.parts[part]["step_bytes"]),
+                                  first, last) - value["held"])
 
 
 def infeasible_error(setup: Setup, budget: str, gpus: int, device_name: str,
@@ -82,7 +94,9 @@ def infeasible_error(setup: Setup, budget: str, gpus: int, device_name: str,
     costs = setup.costs
     frugal = min_peak_partition(costs)
     lowest = frugal.evaluation
-    peaks = [row_value(costs, row, segments(costs.num_units, frugal.cuts)) for row in costs.frugal_memory]
+    peaks = [0.0] * len(lowest.slot_peak_bytes)  # per slot, its largest row (its compute or its step)
+    for row in costs.frugal_memory:
+        peaks[row.slot] = max(peaks[row.slot], row_value(costs, row, segments(costs.num_units, frugal.cuts)))
     stage = max(range(len(peaks)), key=lambda index: peaks[index])
     part = setup.schedule.layout.part(stage)
     summary = lowest.parts[part]

@@ -57,6 +57,7 @@ class Unit:
     input_bytes: int = 0  # what a checkpoint of this unit keeps: the activations alive where it starts
     weight_grad_ms: float = 0.0  # of bwd_ms: its parameters' gradients (a split backward's W; NodeCost)
     param_tensors: int = 0  # parameter tensors among them (an optimizer step pays a fixed time per tensor)
+    largest_param_numel: int = 0  # of its parameters and the shared ones it uses, the largest's elements
 
 
 @dataclass(frozen=True)
@@ -159,6 +160,8 @@ class MemoryTiers:
     gpus_per_node: int
     host_master_bytes_per_param: int = 0  # a master copy the host step needs where the precision has none
     device_step: OptimizerStepCost | None = None  # measured on the device: replaces the per-byte estimate
+    precision: Precision | None = None  # with the optimizer, what the step's own buffers are costed by
+    optimizer: Optimizer | None = None  # (None: a bare problem, whose step costs nothing)
 
     @property
     def activations(self) -> bool:
@@ -466,6 +469,8 @@ def _unit(graph: LayerGraph, table: CostTable, names: list[str], precision: Prec
         input_bytes=min(saved, crossing_before),
         weight_grad_ms=sum(c.weight_grad_ms for c in costs),
         param_tensors=sum(p.tensors for p in state),
+        largest_param_numel=max((graph.parameter(p).numel for p in params if not graph.parameter(p).is_buffer),
+                                default=0),
     )
 
 
@@ -486,4 +491,4 @@ def memory_tiers(device: DeviceSpec, space: SearchSpace, state: StateMode, *, ac
         host_master_bytes_per_param=0 if space.precision.master_weights else space.precision.state_itemsize,
         host_mem_bytes=space.host_mem_bytes if space.host_mem_bytes is not None else device.host_mem_bytes * per_node,
         nvme_bytes=space.nvme_bytes if space.nvme_bytes is not None else device.nvme_bytes * per_node,
-        gpus_per_node=per_node)
+        gpus_per_node=per_node, precision=space.precision, optimizer=space.optimizer)

@@ -40,7 +40,8 @@ from typing import Any
 
 import numpy as np
 
-from cost_models.comm import RECEIVES_POSTED_AHEAD, hidden_share
+from cost_models.comm import ALL_GATHER_STAGING, RECEIVES_POSTED_AHEAD, hidden_share
+from cost_models.memory import step_bucket_bytes, step_transient_bytes, zero_gather_bytes
 from planner.plan.kinds import ScheduleKind
 from planner.plan.parts import StateTier
 from planner.schedules.generate import STASHED_WEIGHT_VERSIONS
@@ -197,6 +198,7 @@ class MemoryRow:
 
     slot: int
     members: tuple[tuple[int, Term], ...]  # (part, term)
+    moment: str = "compute"  # when: "compute" (the forwards and backwards) or "step" (the optimizer step)
 
 
 @dataclass(frozen=True)
@@ -209,7 +211,8 @@ class CapacityRow:
 
 
 BREAKDOWN = ("fwd_ms", "bwd_ms", "weight_grad_ms", "send_ms", "allreduce_ms", "optimizer_ms", "swap_ms", "grad_bytes",
-             "static_bytes", "activation_bytes", "swap_bytes", "recompute_bytes", "host_bytes", "nvme_bytes")
+             "static_bytes", "activation_bytes", "swap_bytes", "recompute_bytes", "host_bytes", "nvme_bytes",
+             "state_bytes", "step_bytes")
 """The per-part terms every evaluation reports (planner/search/evaluate.py: PartSummary)."""
 
 
@@ -227,7 +230,7 @@ class CostModel:
     @functools.cached_property
     def frugal_memory(self) -> tuple[MemoryRow, ...]:
         """The memory rows with every decision at its most frugal: no partition needs less."""
-        return tuple(MemoryRow(row.slot, tuple((part, member.floor()) for part, member in row.members))
+        return tuple(MemoryRow(row.slot, tuple((part, member.floor()) for part, member in row.members), row.moment)
                      for row in self.memory)
 
     @functools.cached_property
@@ -373,7 +376,42 @@ def _state_terms(problem: PipelineProblem, copies: int) -> dict[str, Term]:
 
     terms = _mode_terms(problem.tiers, problem.tiers.state, copies, per_parameter)
     return {**dict(zip(("state_bytes", "host_bytes", "nvme_bytes", "optimizer_ms"), terms)),
-            "weight_bytes": per_parameter(lambda a: a.weight_bytes)}
+            "weight_bytes": per_parameter(lambda a: a.weight_bytes), "step_bytes": _step_term(problem, copies)}
+
+
+def _step_term(problem: PipelineProblem, copies: int) -> Term:
+    """What a part's optimizer step allocates on the device beyond its model state, at its worst bucket
+    (cost_models.memory: step_transient_bytes; and ZeRO-1/2's all-gather of the bucket, zero_gather_bytes).
+
+    A bucket holds at most a bucket's limit or one parameter (shard), whichever is larger: per unit, the
+    bucket its largest parameter (or a shared one it uses, never sharded) may be in; the part's worst is its
+    units' maximum. The limit is taken at the whole model's gradients (of a shard under ZeRO), which no part
+    exceeds: exact where every part is below 8 MiB of gradients or above 512 MiB, an upper bound between.
+    Not costed (empty) where the problem names no precision and optimizer (a bare problem)."""
+    tiers = problem.tiers
+    precision, optimizer, mode = tiers.precision, tiers.optimizer, tiers.state
+    if precision is None or optimizer is None:
+        return Term()
+    sharded = bool(mode.zero_stage) and copies > 1
+    share = 1.0 / copies if sharded else 1.0
+    grad_bytes = share * (sum(u.grad_bytes for u in problem.units) + sum(p.grad_bytes for p in problem.shared))
+    limit_numel = step_bucket_bytes(int(grad_bytes)) / precision.itemsize
+    off_device = mode.optimizer is not StateTier.GPU
+    separate = precision.master_weights or sharded or off_device
+
+    def worst(numel: float) -> float:
+        freed = copies * numel if sharded and mode.zero_stage == 1 else numel  # ZeRO-1: whole gradients
+        step = step_transient_bytes(numel, precision, optimizer, separate_masters=separate,
+                                    steps_on_device=not off_device, freed_numel=freed)
+        gathered = (zero_gather_bytes(numel, precision, copies, masters_off_device=off_device, freed_numel=freed,
+                                      staging=ALL_GATHER_STAGING[problem.backend])
+                    if sharded and mode.zero_stage in (1, 2) else 0.0)
+        return max(step, gathered)
+
+    largest = [max((share * unit.largest_param_numel, *(problem.shared[q].param_numel for q in unit.shared)))
+               if unit.largest_param_numel or unit.shared else 0.0 for unit in problem.units]
+    return Term(unit_max=tuple(worst(max(limit_numel, numel)) if numel else 0.0 for numel in largest),
+                max_name="step")
 
 
 def _mode_terms(tiers: MemoryTiers, mode: StateMode, copies: int,
@@ -446,10 +484,11 @@ def _part_terms(problem: PipelineProblem, part: int, shared: dict[str, Term],
         working = working.plus(shared["sent_bytes"], ahead)
     if "untileable_bytes" in shared:
         working = working.plus(shared["untileable_bytes"])
-    terms["static_bytes"] = state["state_bytes"].plus(working)  # + one send buffer
+    terms["state_bytes"] = state["state_bytes"]
     if part in problem.schedule.stale_parts(problem.num_parts):  # WPipe's stashed weight versions
-        terms["static_bytes"] = terms["static_bytes"].plus(state["weight_bytes"], float(STASHED_WEIGHT_VERSIONS))
-    terms.update({name: state[name] for name in ("host_bytes", "nvme_bytes", "optimizer_ms")})
+        terms["state_bytes"] = terms["state_bytes"].plus(state["weight_bytes"], float(STASHED_WEIGHT_VERSIONS))
+    terms["static_bytes"] = terms["state_bytes"].plus(working)  # + one send buffer
+    terms.update({name: state[name] for name in ("host_bytes", "nvme_bytes", "optimizer_ms", "step_bytes")})
     if problem.tiers.state.zero_stage and copies > 1:  # the updated shards are all-gathered into every copy:
         gather = Term(constant=allreduce.fixed_ms / 2).plus(state["weight_bytes"], allreduce.ms_per_byte / 2)
         terms["optimizer_ms"] = terms["optimizer_ms"].plus(gather)  # half a ring all-reduce of the weights
@@ -524,21 +563,36 @@ def _replayed_objective(problem: PipelineProblem, parts: tuple[dict[str, Term], 
 
 
 def _memory_rows(problem: PipelineProblem, parts: tuple[dict[str, Term], ...]) -> tuple[MemoryRow, ...]:
+    """Per slot, what it holds at the peak of its forwards and backwards, and at each of its stages'
+    optimizer steps: that stage's model state and step buffers, the slot's other stages' static bytes, and
+    no activations but those of forwards a stale-weight (WPipe) stage runs ahead of the step (counted as all
+    its micro-batches in flight: an upper bound)."""
     layout = problem.layout
+    stale = problem.schedule.stale_parts(problem.num_parts)
     rows = []
     for slot in range(layout.num_slots):
-        members: list[tuple[int, Term]] = []
+        static: list[tuple[int, Term]] = []
+        held: list[tuple[int, Term]] = []
         for stage in layout.stages_on_slot(slot):
             part = layout.part(stage)
             terms = parts[part]
-            held = terms["activation_bytes"].scaled(problem.in_flight[stage])
+            activations = terms["activation_bytes"].scaled(problem.in_flight[stage])
             if problem.tiers.swap:
                 resident = problem.swapped_resident[stage] if problem.swapped_resident else 2
-                held = held.plus(terms["swap_bytes"], float(resident))
+                activations = activations.plus(terms["swap_bytes"], float(resident))
             if problem.tiers.recompute:
-                held = held.plus(terms["recompute_bytes"])
-            members += [(part, terms["static_bytes"]), (part, held)]
-        rows.append(MemoryRow(slot, tuple(members)))
+                activations = activations.plus(terms["recompute_bytes"])
+            static.append((part, terms["static_bytes"]))
+            held.append((part, activations))
+        rows.append(MemoryRow(slot, tuple(member for pair in zip(static, held) for member in pair)))
+        ahead = tuple((part, activations) for part, activations in held if part in stale)
+        for index, (part, _) in enumerate(static):
+            step = parts[part]["step_bytes"]
+            if step.upper_bound() > 0:  # the other stages as the simulator holds them all step: recompute too
+                others = tuple(member for other, (at, term) in enumerate(static) if other != index
+                               for member in ((at, term), (at, parts[at]["recompute_bytes"])))
+                stepping = (part, parts[part]["state_bytes"].plus(step))
+                rows.append(MemoryRow(slot, (stepping, *others, *ahead), "step"))
     return tuple(rows)
 
 

@@ -99,6 +99,7 @@ def test_gradients_go_down_in_buckets_of_one_buffer_per_dtype_as_single_casts_wo
     assert copies[1].untyped_storage().data_ptr() == copies[2].untyped_storage().data_ptr()  # one fp64 buffer
     assert buckets([4, None, 4, 8, 1, None], 8) == [[0, 2], [3], [4]]
     assert buckets([None, None], 8) == []
+    assert buckets([2, 9, 2], 6) == [[0], [1], [2]]  # no bucket grows past the limit, but one parameter alone
 
 
 @pytest.mark.parametrize("mixed", [False, True])
@@ -106,7 +107,7 @@ def test_a_step_in_buckets_equals_one_step_over_every_parameter(mixed: bool,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     import runtime.stage_optimizer
 
-    monkeypatch.setattr(runtime.stage_optimizer, "bucket_bytes", lambda total: 1)  # a bucket per parameter
+    monkeypatch.setattr(runtime.stage_optimizer, "step_bucket_bytes", lambda total: 1)  # a bucket per parameter
     torch.manual_seed(0)
     start = [torch.randn(shape, dtype=torch.float64) for shape in ((4, 3), (5,), (2,))]
     dtype = torch.bfloat16 if mixed else torch.float64

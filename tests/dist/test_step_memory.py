@@ -1,0 +1,67 @@
+"""ZeRO-1's optimizer step on 2 gloo ranks allocates what cost_models/memory.py counts: each bucket's shards
+are stepped and then all-gathered on their own, so the step holds one bucket's gathered weights, not the
+stage's (runtime/stage_optimizer.py).
+
+Hand-computed reference, for the largest parameter (N = 1,400,000 elements, n = N / 2 per rank: a bucket of
+its own, above 1 MiB in fp32 and bf16): stepping it copies its shard of gradient into the masters' dtype (4n
+bytes) and frees the whole gradient the shard is a view of (N = 2n elements); the all-gather holds both
+ranks' shards (2n elements) twice (gloo gathers into a buffer of its own first) and this rank's row (n) in
+the weights' dtype, and in bf16 the fp32 masters cast first (n).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cost_models.comm import ALL_GATHER_STAGING
+from cost_models.memory import Optimizer, Precision, step_transient_bytes, zero_gather_bytes
+from planner.plan import OffloadSpec
+from runtime.optim import optimizer_factory
+from runtime.sharding import ShardGroup
+from runtime.stage_optimizer import StageOptimizer
+from tests.dist.harness import run_ranks
+from tests.unit.test_step_memory import _allocated_peak_bytes
+
+LARGEST = 1_400_000
+
+pytestmark = pytest.mark.dist
+
+
+def _zero1_step(rank: int, world_size: int, precision: str) -> tuple[int, list[torch.Tensor]]:
+    torch.manual_seed(0)
+    dtype = getattr(torch, Precision(precision).dtype)
+    start = [torch.randn(shape) for shape in [(1400, LARGEST // 1400), *[(100, 500)] * 12, (300,)]]
+    params = {f"p{i}": nn.Parameter(t.to(dtype)) for i, t in enumerate(start)}
+    state = StageOptimizer(0, params, optimizer_factory("adam"), spec=OffloadSpec(zero_stage=1),
+                           device=torch.device("cpu"), shards=ShardGroup(dist.group.WORLD, timeout_s=60),
+                           sources=start if Precision(precision).master_weights else None)
+    generator = torch.Generator().manual_seed(1)  # the same gradients on both ranks (as after an all-reduce)
+
+    def step() -> None:
+        for param in params.values():
+            param.grad = torch.randn(param.shape, generator=generator).to(dtype)
+        state.step()
+
+    step()
+    measured = _allocated_peak_bytes(step) - sum(p.numel() * p.element_size() for p in params.values())
+    return measured, [p.detach().clone() for p in params.values()]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_zero1_steps_and_gathers_one_bucket_at_a_time(precision: str) -> None:
+    outcomes = run_ranks(_zero1_step, 2, precision, timeout_s=120)
+    shard = LARGEST // 2
+    expected = {"fp32": 4 * (2 * 2 * shard + shard - 2 * shard),  # the gather (2 x 2n + n) less the gradient
+                "bf16": 2 * (2 * 2 * shard + shard + shard - 2 * shard)}[precision]  # and the cast (n)
+    for measured, _ in outcomes:
+        assert measured == pytest.approx(expected, abs=64)
+    kind = Precision(precision)
+    assert max(step_transient_bytes(shard, kind, Optimizer.ADAM, separate_masters=True, steps_on_device=True,
+                                    freed_numel=LARGEST),
+               zero_gather_bytes(shard, kind, 2, masters_off_device=False, freed_numel=LARGEST,
+                                 staging=ALL_GATHER_STAGING["gloo"])) == expected
+    for mine, theirs in zip(outcomes[0][1], outcomes[1][1]):  # every replica gathered the same weights
+        assert torch.equal(mine, theirs)
