@@ -1,7 +1,7 @@
 """Predicted against measured: step time and peak memory per rank of tessera's CPU plans, run for real.
 
-Six plans on 2 and 4 CPU ranks (GPT, ResNet, U-Net; GPipe and 1F1B; pipeline-only, data-parallel-only
-and mixed), each made by ``tessera plan --device cpu`` (node times measured on this machine, its gloo
+Seven plans on 2 and 4 CPU ranks (GPT, ResNet, U-Net; GPipe and 1F1B; pipeline-only, data-parallel-only
+and mixed; one, bf16 with Adam at one sample a micro-batch, whose peak is its optimizer step), each made by ``tessera plan --device cpu`` (node times measured on this machine, its gloo
 link measured once and cached) with the stage count, replicas and schedule fixed, run by
 ``tessera run`` (gloo, one thread per rank) with a run report, and compared as ``tessera validate``
 does (planner/reports/compare.py): per rank, the predicted and the measured median step and peak
@@ -44,14 +44,19 @@ RESNET = ["examples/models/resnet.py:resnet50", "--model-arg", "width=8", "--mod
           "--input", "3x64x64"]
 UNET = ["examples/models/unet.py:unet_small", "--input", "3x64x64"]
 
-# name: (model arguments, ranks, stages, replicas, schedule, batch, micro-batch)
-PLANS: dict[str, tuple[list[str], int, int, int, str, int, int]] = {
-    "gpt pipeline 1f1b": (GPT, 2, 2, 1, "1f1b", 16, 2),
-    "gpt data-parallel": (GPT, 2, 1, 2, "gpipe", 16, 4),
-    "gpt 2x2 gpipe": (GPT, 4, 2, 2, "gpipe", 16, 2),
-    "resnet pipeline gpipe": (RESNET, 2, 2, 1, "gpipe", 16, 4),
-    "resnet pipeline 1f1b": (RESNET, 4, 4, 1, "1f1b", 16, 2),
-    "unet pipeline 1f1b": (UNET, 2, 2, 1, "1f1b", 8, 2),
+MOMENTUM = ["--optimizer", "momentum"]
+# the step's own buffers outgrow one sample's activations: the peak is the optimizer step (fp32 copies, Adam)
+AT_THE_STEP = ["--optimizer", "adam", "--precision", "bf16"]
+
+# name: (model arguments, ranks, stages, replicas, schedule, batch, micro-batch, training options)
+PLANS: dict[str, tuple[list[str], int, int, int, str, int, int, list[str]]] = {
+    "gpt pipeline 1f1b": (GPT, 2, 2, 1, "1f1b", 16, 2, MOMENTUM),
+    "gpt data-parallel": (GPT, 2, 1, 2, "gpipe", 16, 4, MOMENTUM),
+    "gpt 2x2 gpipe": (GPT, 4, 2, 2, "gpipe", 16, 2, MOMENTUM),
+    "resnet pipeline gpipe": (RESNET, 2, 2, 1, "gpipe", 16, 4, MOMENTUM),
+    "resnet pipeline 1f1b": (RESNET, 4, 4, 1, "1f1b", 16, 2, MOMENTUM),
+    "unet pipeline 1f1b": (UNET, 2, 2, 1, "1f1b", 8, 2, MOMENTUM),
+    "gpt bf16 adam, step peak": (GPT, 2, 2, 1, "1f1b", 4, 1, AT_THE_STEP),
 }
 
 
@@ -66,11 +71,11 @@ def tessera(*args: str) -> subprocess.CompletedProcess:
 
 def measure(name: str, folder: Path, steps: int, runs: int) -> tuple[Plan, list[RunReport]]:
     """Plan ``name`` and run it ``runs`` times (the machine's speed drifts: the runs show by how much)."""
-    model, ranks, stages, replicas, schedule, batch, micro = PLANS[name]
+    model, ranks, stages, replicas, schedule, batch, micro, training = PLANS[name]
     plan_file = folder / "plan.json"
     tessera("plan", *model, "--batch-size", str(batch), "--gpus", str(ranks), "--mem", "8GB", "--device", "cpu",
             "--num-stages", str(stages), "--data-parallel", str(replicas), "--schedule", schedule,
-            "--micro-batch-size", str(micro), "--optimizer", "momentum", "--no-offload", "--no-spatial",
+            "--micro-batch-size", str(micro), *training, "--no-offload", "--no-spatial",
             "-o", str(plan_file), "-q")
     reports = []
     for run in range(runs):
@@ -91,7 +96,7 @@ def main() -> None:
     cores = usable_cores()
     print(f"load average {os.getloadavg()[0]:.1f} on {cores} cores; {args.runs} runs of {args.steps} steps per "
           f"plan (median of the runs' medians; the spread is their range)")
-    print(f"{'plan':<24} {'rank':>4} {'step pred':>10} {'measured':>10} {'spread':>16} {'error':>8} {'replay':>8} "
+    print(f"{'plan':<26} {'rank':>4} {'step pred':>10} {'measured':>10} {'spread':>16} {'error':>8} {'replay':>8} "
           f"{'peak pred':>11} {'measured':>11} {'error':>8}")
     worst: dict[tuple[str, bool], tuple[float, str]] = {}  # (metric, on shared cores) -> worst
     with tempfile.TemporaryDirectory() as cache:
@@ -110,7 +115,7 @@ def main() -> None:
                 measured = statistics.median(c.measured for c in steps)
                 error = 100 * (measured - steps[0].predicted) / steps[0].predicted
                 spread = f"{format_ms(min(c.measured for c in steps))}..{format_ms(max(c.measured for c in steps))}"
-                print(f"{name:<24} {rank:>4} {format_ms(steps[0].predicted):>10} {format_ms(measured):>10} "
+                print(f"{name:<26} {rank:>4} {format_ms(steps[0].predicted):>10} {format_ms(measured):>10} "
                       f"{spread:>16} {error:>+7.1f}% {replay:>+7.1f}% {format_bytes(memory.predicted):>11} "
                       f"{format_bytes(memory.measured):>11} {memory.error_pct:>+7.1f}%"
                       + ("  (ranks share cores)" if shared else ""))
