@@ -283,7 +283,11 @@ def _binding(best: Candidate, space: SearchSpace, simulated: SimResult) -> str:
     fullest = max(range(len(simulated.peak_mem_bytes)), key=lambda rank: simulated.peak_mem_bytes[rank])
     share = simulated.peak_mem_bytes[fullest] / space.mem_bytes
     if share >= MEMORY_BINDS_AT:
-        binding += f"; memory of rank {fullest} ({share:.0%} of the usable budget)"
+        peak_ms = max(simulated.memory_timeline[fullest], key=lambda point: point[1])[0]
+        at_step = any(event.rank == fullest and event.action.endswith("OPTIMIZER_STEP") and event.start_ms == peak_ms
+                      for event in simulated.events)  # the step's buffers on top of the model state
+        binding += (f"; memory of rank {fullest} ({share:.0%} of the usable budget"
+                    + (", at its optimizer step)" if at_step else ")"))
     return binding
 
 

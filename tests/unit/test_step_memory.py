@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from cost_models.errors import PlanInfeasible
 from cost_models.memory import Optimizer, Precision, step_transient_bytes
 from planner.plan import OffloadSpec, StateTier
 from runtime.optim import optimizer_factory
@@ -77,8 +78,12 @@ def test_a_plan_whose_peak_is_its_optimizer_step_predicts_it() -> None:
         model = gpt(vocab=8192, hidden=128, layers=2, heads=4, seq_len=16, dropout=0.0)
     largest = max(p.numel() for p in model.parameters())
     assert largest == 8192 * 128
-    made = plan(model, 1, "8GB", batch_size=1, example_inputs=torch.zeros((1, 16), dtype=torch.int64),
-                device="A100-40GB", optimizer="adam", precision="bf16", reserve=0, offload=False)
     state_bytes = 16 * sum(p.numel() for p in model.parameters()) + sum(b.nbytes for b in model.buffers())
+    made = plan(model, 1, state_bytes + 6 * largest, batch_size=1, example_inputs=torch.zeros((1, 16),
+                dtype=torch.int64), device="A100-40GB", optimizer="adam", precision="bf16", reserve=0, offload=False)
     assert made.predicted.peak_mem_bytes == (state_bytes + 6 * largest,)
     assert made.stages[0].predicted.step_bytes > 0
+    assert "memory of rank 0 (100% of the usable budget, at its optimizer step)" in str(made)
+    with pytest.raises(PlanInfeasible, match="its peak is the optimizer step, which adds"):
+        plan(model, 1, state_bytes + 6 * largest - 1, batch_size=1, example_inputs=torch.zeros((1, 16),
+             dtype=torch.int64), device="A100-40GB", optimizer="adam", precision="bf16", reserve=0, offload=False)
