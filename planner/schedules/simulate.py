@@ -67,6 +67,7 @@ class StageCosts:
     allreduce_overlap: float = 0.0  # the share of allreduce_ms in buckets that start during the last backward
     grad_bytes: int = 0  # of static_bytes: the gradients, from the stage's first backward to its optimizer step
     step_bytes: int = 0  # during its optimizer step: its buffers, above static_bytes
+    tied_bytes: int = 0  # at each backward's end, after its micro-batch's activations went: tied partial gradients
 
 
 @dataclass(frozen=True)
@@ -224,7 +225,10 @@ class _Clocks:
         if action.kind in (ActionKind.B, ActionKind.W) and (rank, action.stage) not in self.grads_made:
             self.grads_made.add((rank, action.stage))  # it frees activations as it writes gradients: both at its end
             self._change_memory(rank, end, stage.grad_bytes)
-        elif action.kind is ActionKind.OPTIMIZER_STEP:  # its buffers while it runs; then the gradients are None
+        if action.kind.ends_backward and stage.tied_bytes:  # summed at the end, then added to the gradients
+            self._change_memory(rank, end, stage.tied_bytes)
+            self._change_memory(rank, end, -stage.tied_bytes)
+        if action.kind is ActionKind.OPTIMIZER_STEP:  # its buffers while it runs; then the gradients are None
             self._change_memory(rank, start, stage.step_bytes)
             self._change_memory(rank, end, -stage.step_bytes - stage.grad_bytes)
         lane = COMPUTE_LANE if action.kind in _BUSY_KINDS else COMM_LANE

@@ -138,6 +138,7 @@ class PartSummary:
     weight_grad_ms: float = 0.0  # of bwd_ms: the parameters' gradients (a split backward's W)
     state_bytes: int = 0  # of static_bytes: the model state on the device
     step_bytes: int = 0  # what the optimizer step allocates on top of the model state, at its worst bucket
+    tied_bytes: int = 0  # at a backward's end, tied weights' partial gradients and their sum, before it is added
 
     @property
     def compute_ms(self) -> float:
@@ -245,4 +246,4 @@ def _summary(model: CostModel, part: int, first: int, last: int, decisions: Deci
                        round(values["activation_bytes"]), values["optimizer_ms"], values["swap_ms"],
                        round(values["swap_bytes"]), round(values["recompute_bytes"]),
                        round(values["host_bytes"]), round(values["nvme_bytes"]), values["weight_grad_ms"],
-                       round(values["state_bytes"]), round(values["step_bytes"]))
+                       round(values["state_bytes"]), round(values["step_bytes"]), round(values["tied_bytes"]))

@@ -52,7 +52,7 @@ class _Model:
 
     problem: pulp.LpProblem
     done: dict[tuple[int, int], Any]
-    memory: dict[str, pulp.LpConstraint]  # by row: "slot 2", "slot 2 at its optimizer step"
+    memory: dict[str, pulp.LpConstraint]  # by row: "slot 2", "slot 2 at part 1's optimizer step", ...
     variables: _Variables
 
 
@@ -456,10 +456,10 @@ def _memory(lp: pulp.LpProblem, variables: _Variables, costs: CostModel) -> dict
     scale = 1.0 / costs.problem.mem_bytes
     constraints = {}
     for index, row in enumerate(costs.memory):
-        at_step = row.moment != "compute"  # one row per stage of the slot: part members[0][0] steps
-        name = f"memory_slot_{row.slot}" + (f"_at_step_{index}" if at_step else "")
+        name = f"memory_slot_{row.slot}" + ("" if row.moment == "compute" else f"_at_{row.moment}_{index}")
         lp += variables.total((term, part, scale) for part, term in row.members) <= 1.0, name
-        label = f"slot {row.slot}" + (f" at part {row.members[0][0]}'s optimizer step" if at_step else "")
+        label = f"slot {row.slot}" + {"compute": "", "backward": " at a backward's end (tied gradients summed)",
+                                      "step": f" at part {row.members[0][0]}'s optimizer step"}[row.moment]
         constraints[label] = lp.get_constraint_by_name(name)
     return constraints
 

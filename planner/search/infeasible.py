@@ -34,6 +34,7 @@ class StageMemory:
     activation_bytes: float  # per micro-batch in flight
     in_flight: int
     step_bytes: float = 0.0  # at the optimizer step: what it allocates on top of the model state
+    tied_bytes: float = 0.0  # at a backward's end: tied weights' partial gradients and their sum
 
     @property
     def working_bytes(self) -> float:
@@ -45,8 +46,13 @@ class StageMemory:
         return self.state_bytes + self.working_bytes + self.in_flight * self.activation_bytes
 
     @property
+    def summing_bytes(self) -> float:
+        """At a backward's end: its micro-batch's activations gone, tied gradients being summed."""
+        return self.compute_bytes + self.tied_bytes - (self.activation_bytes if self.tied_bytes else 0.0)
+
+    @property
     def total_bytes(self) -> float:
-        return max(self.compute_bytes, self.state_bytes + self.step_bytes)
+        return max(self.compute_bytes, self.summing_bytes, self.state_bytes + self.step_bytes)
 
     def describe(self) -> str:
         text = (f"{format_bytes(self.state_bytes)} of model state (weights, gradients, optimizer state, "
@@ -56,9 +62,12 @@ class StageMemory:
                 f"{format_bytes(self.in_flight * self.activation_bytes)} of activations "
                 f"({plural(self.in_flight, 'micro-batch', 'micro-batches')} in flight x "
                 f"{format_bytes(self.activation_bytes)})")
-        if self.state_bytes + self.step_bytes > self.compute_bytes:
+        if self.state_bytes + self.step_bytes > max(self.compute_bytes, self.summing_bytes):
             text += (f"; its peak is the optimizer step, which adds {format_bytes(self.step_bytes)} (a bucket of "
                      f"gradients in the masters' dtype and the optimizer's temporaries) to the model state")
+        elif self.summing_bytes > self.compute_bytes:
+            text += (f"; its peak is the end of a backward, where tied weights' partial gradients and their sum "
+                     f"({format_bytes(self.tied_bytes)} beyond the gradient) are held with one micro-batch fewer")
         return text
 
     def fix(self) -> str:
@@ -85,7 +94,8 @@ def stage_memory(setup: Setup, part: int, stage: int, first: int, last: int) -> 
                        term_value(costs, costs.parts[part]["activation_bytes"], first, last),
                        setup.problem.in_flight[stage],
                        term_value(costs, costs.parts[part]["state_bytes"].plus(costs.parts[part]["step_bytes"]),
-                                  first, last) - value["held"])
+                                  first, last) - value["held"],
+                       term_value(costs, costs.parts[part]["tied_bytes"], first, last))
 
 
 def infeasible_error(setup: Setup, budget: str, gpus: int, device_name: str,

@@ -7,6 +7,8 @@ only between units, at points where few bytes cross. Every number the cost terms
 
 from __future__ import annotations
 
+from collections import Counter
+
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -58,6 +60,7 @@ class Unit:
     weight_grad_ms: float = 0.0  # of bwd_ms: its parameters' gradients (a split backward's W; NodeCost)
     param_tensors: int = 0  # parameter tensors among them (an optimizer step pays a fixed time per tensor)
     largest_param_numel: int = 0  # of its parameters and the shared ones it uses, the largest's elements
+    tied_grad_bytes: int = 0  # gradients of its parameters that several of its nodes use (tied weights)
 
 
 @dataclass(frozen=True)
@@ -449,6 +452,8 @@ def _unit(graph: LayerGraph, table: CostTable, names: list[str], precision: Prec
               for p in graph.node(name).param_names}
     own = [p for p in params if p not in shared_index]
     state = [_param_state(graph, p, precision, optimizer) for p in own]
+    uses = Counter(p for name in names if graph.node(name).kind is not NodeKind.PARAM
+                   for p in dict.fromkeys(graph.node(name).param_names))
     costs = [table[name] for name in names]
     saved = sum(c.saved_activation_bytes for c in costs)
     loss_kept, loss_working = _loss_bytes(graph, table, names, precision)
@@ -471,6 +476,7 @@ def _unit(graph: LayerGraph, table: CostTable, names: list[str], precision: Prec
         param_tensors=sum(p.tensors for p in state),
         largest_param_numel=max((graph.parameter(p).numel for p in params if not graph.parameter(p).is_buffer),
                                 default=0),
+        tied_grad_bytes=sum(p.grad_bytes for name, p in zip(own, state) if uses[name] > 1),
     )
 
 

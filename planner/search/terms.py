@@ -198,7 +198,7 @@ class MemoryRow:
 
     slot: int
     members: tuple[tuple[int, Term], ...]  # (part, term)
-    moment: str = "compute"  # when: "compute" (the forwards and backwards) or "step" (the optimizer step)
+    moment: str = "compute"  # when: "compute" (forwards and backwards), "backward" (a backward's end), "step"
 
 
 @dataclass(frozen=True)
@@ -212,7 +212,7 @@ class CapacityRow:
 
 BREAKDOWN = ("fwd_ms", "bwd_ms", "weight_grad_ms", "send_ms", "allreduce_ms", "optimizer_ms", "swap_ms", "grad_bytes",
              "static_bytes", "activation_bytes", "swap_bytes", "recompute_bytes", "host_bytes", "nvme_bytes",
-             "state_bytes", "step_bytes")
+             "state_bytes", "step_bytes", "tied_bytes")
 """The per-part terms every evaluation reports (planner/search/evaluate.py: PartSummary)."""
 
 
@@ -330,6 +330,13 @@ def _shared_terms(problem: PipelineProblem, units: tuple[Unit, ...],
                             per_recompute=tuple(-float(u.offloadable_bytes) for u in units) if recompute else (),
                             per_swap=tuple(-float(u.offloadable_bytes) for u in units) if swap else (),
                             per_start=tuple(float(u.input_bytes) for u in units) if recompute else ()),
+        # a tied parameter's users in one part: autograd holds each one's partial gradient until it sums them,
+        # at the earliest user's backward: 2 more gradients' worth when two users share a part (the sum is
+        # then added into, or becomes, the gradient counted in the state); none with one user a part. A
+        # shared parameter (users in several units) counts 2 per user less 2 per part using it
+        "tied_bytes": Term(per_unit=tuple(2.0 * (u.tied_grad_bytes + sum(shared[q].grad_bytes for q in u.shared))
+                                          for u in units),
+                           per_shared=tuple(-2.0 * p.grad_bytes for p in shared)),
         "sent_bytes": Term(ends_after=tuple(float(b) for b in crossing)),
         "received_bytes": Term(starts_after=tuple(float(b) for b in crossing)),
         "swap_bytes": Term(per_swap=tuple(float(u.offloadable_bytes) for u in units) if swap else ()),
@@ -469,7 +476,8 @@ def _part_terms(problem: PipelineProblem, part: int, shared: dict[str, Term],
     boundary = problem.boundary_bytes
     allreduce = problem.allreduce[part]
     terms: dict[str, Term] = {name: shared[name] for name in (
-        "fwd_ms", "bwd_ms", "weight_grad_ms", "compute_ms", "grad_bytes", "swap_bytes", "swap_ms", "recompute_bytes")}
+        "fwd_ms", "bwd_ms", "weight_grad_ms", "compute_ms", "grad_bytes", "swap_bytes", "swap_ms", "recompute_bytes",
+        "tied_bytes")}
     if is_first:  # its inputs are data, carrying no gradient: a split backward's I has nothing to do, W all of it
         terms["weight_grad_ms"] = dataclasses.replace(shared["bwd_ms"], family="weight_grad_ms")
     copies = len(problem.layout.part_ranks(part))
@@ -563,16 +571,18 @@ def _replayed_objective(problem: PipelineProblem, parts: tuple[dict[str, Term], 
 
 
 def _memory_rows(problem: PipelineProblem, parts: tuple[dict[str, Term], ...]) -> tuple[MemoryRow, ...]:
-    """Per slot, what it holds at the peak of its forwards and backwards, and at each of its stages'
-    optimizer steps: that stage's model state and step buffers, the slot's other stages' static bytes, and
-    no activations but those of forwards a stale-weight (WPipe) stage runs ahead of the step (counted as all
-    its micro-batches in flight: an upper bound)."""
+    """Per slot, what it holds at the peak of its forwards and backwards; at the end of a backward, where
+    tied weights' partial gradients are summed after the micro-batch's activations went (one micro-batch
+    fewer in flight); and at each of its stages' optimizer steps: that stage's model state and step buffers,
+    the slot's other stages' static bytes, and no activations but those of forwards a stale-weight (WPipe)
+    stage runs ahead of the step (counted as all its micro-batches in flight: an upper bound)."""
     layout = problem.layout
     stale = problem.schedule.stale_parts(problem.num_parts)
     rows = []
     for slot in range(layout.num_slots):
         static: list[tuple[int, Term]] = []
         held: list[tuple[int, Term]] = []
+        summing: list[tuple[int, Term]] = []  # at a backward's end: tied gradients, one micro-batch fewer held
         for stage in layout.stages_on_slot(slot):
             part = layout.part(stage)
             terms = parts[part]
@@ -584,7 +594,11 @@ def _memory_rows(problem: PipelineProblem, parts: tuple[dict[str, Term], ...]) -
                 activations = activations.plus(terms["recompute_bytes"])
             static.append((part, terms["static_bytes"]))
             held.append((part, activations))
+            summing += [(part, terms["static_bytes"].plus(terms["tied_bytes"])),
+                        (part, activations.plus(terms["activation_bytes"], -1.0))]
         rows.append(MemoryRow(slot, tuple(member for pair in zip(static, held) for member in pair)))
+        if any(parts[part]["tied_bytes"].upper_bound() > 0 for part, _ in static):
+            rows.append(MemoryRow(slot, tuple(summing), "backward"))
         ahead = tuple((part, activations) for part, activations in held if part in stale)
         for index, (part, _) in enumerate(static):
             step = parts[part]["step_bytes"]
