@@ -7,9 +7,8 @@ only between units, at points where few bytes cross. Every number the cost terms
 
 from __future__ import annotations
 
-from collections import Counter
-
 import dataclasses
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum

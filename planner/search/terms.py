@@ -476,8 +476,8 @@ def _part_terms(problem: PipelineProblem, part: int, shared: dict[str, Term],
     boundary = problem.boundary_bytes
     allreduce = problem.allreduce[part]
     terms: dict[str, Term] = {name: shared[name] for name in (
-        "fwd_ms", "bwd_ms", "weight_grad_ms", "compute_ms", "grad_bytes", "swap_bytes", "swap_ms", "recompute_bytes",
-        "tied_bytes")}
+        "fwd_ms", "bwd_ms", "weight_grad_ms", "compute_ms", "grad_bytes", "swap_bytes", "swap_ms",
+        "recompute_bytes", "tied_bytes")}
     if is_first:  # its inputs are data, carrying no gradient: a split backward's I has nothing to do, W all of it
         terms["weight_grad_ms"] = dataclasses.replace(shared["bwd_ms"], family="weight_grad_ms")
     copies = len(problem.layout.part_ranks(part))

@@ -91,7 +91,8 @@ def test_tied_weights_on_one_stage_peak_as_predicted() -> None:
     from tests.runtime_plans import GPT, make_plan
 
     for micro_batch_size, microbatches in ((1, 1), (2, 2)):  # without the sum, the first is 16% below
-        plan_json = make_plan(GPT, [], schedule="gpipe", microbatches=microbatches, micro_batch_size=micro_batch_size)
+        plan_json = make_plan(GPT, [], schedule="gpipe", microbatches=microbatches,
+                              micro_batch_size=micro_batch_size)
         predicted = Plan.from_dict(json.loads(plan_json)).predicted.peak_mem_bytes[0]
         measured = run_ranks(_profiled_peak, 1, plan_json, timeout_s=120)[0]
         assert measured == pytest.approx(predicted, rel=0.05), (micro_batch_size, microbatches)
