@@ -298,8 +298,11 @@ def cost_model(problem: PipelineProblem) -> CostModel:
     the next run, posted a run ahead: an input and a gradient's worth), the recomputed
     unit's activations, two micro-batches' swapped bytes, and in-flight(t) x (kept saved
     activations + received inputs); on the last part the activations include what the loss keeps
-    (added to the unit holding the graph's output in planner/search/problem.py). Each node's host
-    memory and NVMe hold what its ranks' modes and swaps put there.
+    (added to the unit holding the graph's output in planner/search/problem.py). Two other moments have
+    rows of their own (:func:`_memory_rows`): a backward's end, where a stage holding both uses of a tied
+    weight sums their partial gradients with one micro-batch fewer in flight; and its optimizer step, which
+    holds the model state and its worst bucket's buffers (``step_bytes``) but no activations. Each node's
+    host memory and NVMe hold what its ranks' modes and swaps put there.
     """
     shared = _shared_terms(problem, problem.units)
     tiled = [_tiled_terms(problem, spatial) for spatial in problem.spatial]
