@@ -220,6 +220,7 @@ class StagePrediction:
     grad_bytes: int = 0  # of static_bytes: gradients, from the step's first backward to its optimizer step
     step_bytes: int = 0  # during its optimizer step: what the step's buffers add above static_bytes (worst bucket)
     tied_bytes: int = 0  # at each backward's end, once its activations went: tied weights' partial gradients
+    accumulate_bytes: int = 0  # from a backward that adds into its gradients: the largest node's new gradient
 
     def allreduce_overlap(self, offload: OffloadSpec, after_backward: bool, backend: str) -> float:
         """The share of ``allreduce_ms`` that runs during the stage's last backward (as DDP's: buckets start
@@ -237,9 +238,10 @@ class StagePrediction:
             "static_bytes": codec.integer, "activation_bytes": codec.integer, "allreduce_ms": codec.number,
             "optimizer_ms": codec.number, "swap_bytes": codec.integer, "swap_ms": codec.number,
             "host_bytes": codec.integer, "nvme_bytes": codec.integer, "weight_grad_ms": codec.number,
-            "grad_bytes": codec.integer, "step_bytes": codec.integer, "tied_bytes": codec.integer},
+            "grad_bytes": codec.integer, "step_bytes": codec.integer, "tied_bytes": codec.integer,
+            "accumulate_bytes": codec.integer},
             optional=frozenset({"optimizer_ms", "swap_bytes", "swap_ms", "host_bytes", "nvme_bytes",
-                                "weight_grad_ms", "grad_bytes", "step_bytes", "tied_bytes"}))
+                                "weight_grad_ms", "grad_bytes", "step_bytes", "tied_bytes", "accumulate_bytes"}))
 
 
 @dataclass(frozen=True)

@@ -321,6 +321,29 @@ def max_in_flight(schedule: Schedule) -> tuple[int, ...]:
     return tuple(peak)
 
 
+def accumulating_in_flight(schedule: Schedule) -> tuple[int, ...]:
+    """Per stage, the most micro-batches between their F and their B when a backward that adds into the
+    stage's gradients starts (a B or W after the stage's first of the step, which makes them): the weight
+    gradients it computes are held until added in. 0 where the stage has one backward a step.
+
+    >>> accumulating_in_flight(gpipe(2, 4)), accumulating_in_flight(one_f_one_b(3, 8))
+    ((3, 3), (3, 2, 1))
+    """
+    periods = Periods.of(schedule.programs)
+    held = [len(periods.carried_on(stage)) for stage in range(schedule.num_stages)]
+    peak, started = [0] * schedule.num_stages, [False] * schedule.num_stages
+    for program in schedule.programs:
+        for action in program:
+            if action.kind is ActionKind.F:
+                held[action.stage] += 1
+            elif action.kind in (ActionKind.B, ActionKind.W):
+                if started[action.stage]:
+                    peak[action.stage] = max(peak[action.stage], held[action.stage])
+                started[action.stage] = True
+                held[action.stage] -= 1
+    return tuple(peak)
+
+
 def swapped_resident(schedule: Schedule) -> tuple[int, ...]:
     """Per stage, the most micro-batches whose swapped activations are back on the device at once when the
     stage swaps (planner/schedules/swaps.py): the one in its backward, the one prefetched for the next,

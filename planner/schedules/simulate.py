@@ -68,6 +68,7 @@ class StageCosts:
     grad_bytes: int = 0  # of static_bytes: the gradients, from the stage's first backward to its optimizer step
     step_bytes: int = 0  # during its optimizer step: its buffers, above static_bytes
     tied_bytes: int = 0  # at each backward's end, after its micro-batch's activations went: tied partial gradients
+    accumulate_bytes: int = 0  # at the start of a backward adding into its gradients: a node's new weight gradient
 
 
 @dataclass(frozen=True)
@@ -216,6 +217,9 @@ class _Clocks:
             self.last_backward_ms[rank, action.stage] = (start, end)
         self.clock_ms[rank] = end
         activation = self._activation_bytes(action.stage)
+        if action.kind in (ActionKind.B, ActionKind.W) and (rank, action.stage) in self.grads_made:
+            self._change_memory(rank, start, stage.accumulate_bytes)  # held until added into the gradients
+            self._change_memory(rank, start, -stage.accumulate_bytes)
         if action.kind is ActionKind.F:
             self._change_memory(rank, start, activation)
             if stage.swap_bytes:

@@ -139,6 +139,8 @@ class PartSummary:
     state_bytes: int = 0  # of static_bytes: the model state on the device
     step_bytes: int = 0  # what the optimizer step allocates on top of the model state, at its worst bucket
     tied_bytes: int = 0  # at a backward's end, tied weights' partial gradients and their sum, before it is added
+    accumulate_bytes: int = 0  # in a backward adding into the gradients: its working set (new weight gradients)
+    transient_bytes: int = 0  # of static_bytes: the largest working set of a forward or backward
 
     @property
     def compute_ms(self) -> float:
@@ -149,6 +151,11 @@ class PartSummary:
         """How far the optimizer step's memory (model state and step buffers, nothing else) rises above
         what the part holds all step (static and recompute bytes): the simulator's step event."""
         return max(0, self.state_bytes + self.step_bytes - self.static_bytes - self.recompute_bytes)
+
+    @property
+    def accumulate_excess_bytes(self) -> int:
+        """How far a backward adding into the gradients works above the transient static_bytes counts."""
+        return max(0, self.accumulate_bytes - self.transient_bytes)
 
 
 @dataclass(frozen=True)
@@ -246,4 +253,5 @@ def _summary(model: CostModel, part: int, first: int, last: int, decisions: Deci
                        round(values["activation_bytes"]), values["optimizer_ms"], values["swap_ms"],
                        round(values["swap_bytes"]), round(values["recompute_bytes"]),
                        round(values["host_bytes"]), round(values["nvme_bytes"]), values["weight_grad_ms"],
-                       round(values["state_bytes"]), round(values["step_bytes"]), round(values["tied_bytes"]))
+                       round(values["state_bytes"]), round(values["step_bytes"]), round(values["tied_bytes"]),
+                       round(values["accumulate_bytes"]), round(values["transient_bytes"]))

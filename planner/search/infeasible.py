@@ -35,6 +35,8 @@ class StageMemory:
     in_flight: int
     step_bytes: float = 0.0  # at the optimizer step: what it allocates on top of the model state
     tied_bytes: float = 0.0  # at a backward's end: tied weights' partial gradients and their sum
+    accumulating_bytes: float = 0.0  # working set of a backward adding into existing gradients
+    accumulating_in_flight: int = 0  # micro-batches held then (0: no such backward)
 
     @property
     def working_bytes(self) -> float:
@@ -51,8 +53,16 @@ class StageMemory:
         return self.compute_bytes + self.tied_bytes - (self.activation_bytes if self.tied_bytes else 0.0)
 
     @property
+    def adding_bytes(self) -> float:
+        """In a backward adding into existing gradients: its working set in place of the transient."""
+        if not self.accumulating_in_flight:
+            return 0.0
+        return (self.state_bytes + self.send_bytes + self.accumulating_bytes
+                + self.accumulating_in_flight * self.activation_bytes)
+
+    @property
     def total_bytes(self) -> float:
-        return max(self.compute_bytes, self.summing_bytes, self.state_bytes + self.step_bytes)
+        return max(self.compute_bytes, self.summing_bytes, self.adding_bytes, self.state_bytes + self.step_bytes)
 
     def describe(self) -> str:
         text = (f"{format_bytes(self.state_bytes)} of model state (weights, gradients, optimizer state, "
@@ -62,12 +72,16 @@ class StageMemory:
                 f"{format_bytes(self.in_flight * self.activation_bytes)} of activations "
                 f"({plural(self.in_flight, 'micro-batch', 'micro-batches')} in flight x "
                 f"{format_bytes(self.activation_bytes)})")
-        if self.state_bytes + self.step_bytes > max(self.compute_bytes, self.summing_bytes):
+        if self.state_bytes + self.step_bytes > max(self.compute_bytes, self.summing_bytes, self.adding_bytes):
             text += (f"; its peak is the optimizer step, which adds {format_bytes(self.step_bytes)} (a bucket of "
                      f"gradients in the masters' dtype and the optimizer's temporaries) to the model state")
-        elif self.summing_bytes > self.compute_bytes:
+        elif self.summing_bytes > max(self.compute_bytes, self.adding_bytes):
             text += (f"; its peak is the end of a backward, where tied weights' partial gradients and their sum "
                      f"({format_bytes(self.tied_bytes)} beyond the gradient) are held with one micro-batch fewer")
+        elif self.adding_bytes > self.compute_bytes:
+            text += (f"; its peak is a backward adding into the gradients, whose working set is "
+                     f"{format_bytes(self.accumulating_bytes)} (a node's output gradient and its new weight "
+                     f"gradients) with {plural(self.accumulating_in_flight, 'micro-batch', 'micro-batches')} held")
         return text
 
     def fix(self) -> str:
@@ -95,7 +109,9 @@ def stage_memory(setup: Setup, part: int, stage: int, first: int, last: int) -> 
                        setup.problem.in_flight[stage],
                        term_value(costs, costs.parts[part]["state_bytes"].plus(costs.parts[part]["step_bytes"]),
                                   first, last) - value["held"],
-                       term_value(costs, costs.parts[part]["tied_bytes"], first, last))
+                       term_value(costs, costs.parts[part]["tied_bytes"], first, last),
+                       term_value(costs, costs.parts[part]["accumulate_bytes"], first, last),
+                       setup.problem.accumulating[stage] if setup.problem.accumulating else 0)
 
 
 def infeasible_error(setup: Setup, budget: str, gpus: int, device_name: str,

@@ -60,6 +60,8 @@ class Unit:
     param_tensors: int = 0  # parameter tensors among them (an optimizer step pays a fixed time per tensor)
     largest_param_numel: int = 0  # of its parameters and the shared ones it uses, the largest's elements
     tied_grad_bytes: int = 0  # gradients of its parameters that several of its nodes use (tied weights)
+    accumulating_bytes: int = 0  # working set of a backward adding into existing gradients: a node's output
+    # gradient and the new gradient of the parameters it uses (at least transient_bytes)
 
 
 @dataclass(frozen=True)
@@ -278,6 +280,7 @@ class PipelineProblem:
     balanced: BalancedStep | None = None  # a family without a closed form: its programs on balanced parts
     swapped_resident: tuple[int, ...] = ()  # per stage: micro-batches of swapped bytes on the device (() = 2)
     backend: str = "nccl"  # the device's (DeviceSpec.backend): what hides an all-reduce, which receives post early
+    accumulating: tuple[int, ...] = ()  # per stage: micro-batches held when a backward adds into its gradients
 
     def __post_init__(self) -> None:
         assert len(self.boundary_bytes) == len(self.units) - 1
@@ -456,6 +459,8 @@ def _unit(graph: LayerGraph, table: CostTable, names: list[str], precision: Prec
     costs = [table[name] for name in names]
     saved = sum(c.saved_activation_bytes for c in costs)
     loss_kept, loss_working = _loss_bytes(graph, table, names, precision)
+    computing = [(cost, name) for cost, name in zip(costs, names) if graph.node(name).kind is not NodeKind.PARAM]
+    transient = max((*(2 * cost.output_bytes for cost, _ in computing), loss_working), default=0)
     return Unit(
         nodes=tuple(names),
         fwd_ms=sum(c.fwd_ms for c in costs),
@@ -463,8 +468,7 @@ def _unit(graph: LayerGraph, table: CostTable, names: list[str], precision: Prec
         state_bytes=sum(p.state_bytes for p in state),
         grad_bytes=sum(p.grad_bytes for p in state),
         activation_bytes=saved + loss_kept,
-        transient_bytes=max((*(2 * c.output_bytes for c, n in zip(costs, names)
-                               if graph.node(n).kind is not NodeKind.PARAM), loss_working), default=0),
+        transient_bytes=transient,
         shared=tuple(sorted(shared_index[p] for p in params if p in shared_index)),
         weight_bytes=sum(p.weight_bytes for p in state),
         optimizer_bytes=sum(p.optimizer_bytes for p in state),
@@ -476,6 +480,9 @@ def _unit(graph: LayerGraph, table: CostTable, names: list[str], precision: Prec
         largest_param_numel=max((graph.parameter(p).numel for p in params if not graph.parameter(p).is_buffer),
                                 default=0),
         tied_grad_bytes=sum(p.grad_bytes for name, p in zip(own, state) if uses[name] > 1),
+        accumulating_bytes=max((transient, *(cost.output_bytes + sum(
+            _param_state(graph, p, precision, optimizer).grad_bytes
+            for p in dict.fromkeys(graph.node(name).param_names)) for cost, name in computing))),
     )
 
 

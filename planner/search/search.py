@@ -30,7 +30,13 @@ from planner.plan.parts import StateTier
 from planner.plan.spatial import Slicing
 from planner.progress import Phase, Progress, ProgressEvent
 from planner.schedules.balanced import BalancedStep, family_step
-from planner.schedules.generate import Schedule, generate, max_in_flight, swapped_resident
+from planner.schedules.generate import (
+    Schedule,
+    accumulating_in_flight,
+    generate,
+    max_in_flight,
+    swapped_resident,
+)
 from planner.search.configs import Config, SearchSpace, configurations, gpu_counts
 from planner.search.evaluate import Decisions, Evaluation, evaluate
 from planner.search.ilp import SolveStatus, Window, solve_partition
@@ -196,7 +202,7 @@ class Search:
             memory_tiers(self.device, self.space, config.state, activations=False),
             tuple(self._spatial_part(choice, config.micro_batch_size, units, None if coarse else config.spatial)
                   for choice in config.spatial), self.balanced(config, units), swapped_resident(schedule),
-            self.device.backend)
+            self.device.backend, accumulating_in_flight(schedule))
         decided = None
         if {Offload.RECOMPUTE, Offload.SWAP} & self.space.offload:
             tiers = memory_tiers(self.device, self.space, config.state, activations=True)

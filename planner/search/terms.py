@@ -198,7 +198,8 @@ class MemoryRow:
 
     slot: int
     members: tuple[tuple[int, Term], ...]  # (part, term)
-    moment: str = "compute"  # when: "compute" (forwards and backwards), "backward" (a backward's end), "step"
+    moment: str = "compute"  # "compute" (forwards and backwards), "backward" (a backward's end), "accumulate"
+    # (a backward adding into the gradients), "step" (the optimizer step)
 
 
 @dataclass(frozen=True)
@@ -212,7 +213,7 @@ class CapacityRow:
 
 BREAKDOWN = ("fwd_ms", "bwd_ms", "weight_grad_ms", "send_ms", "allreduce_ms", "optimizer_ms", "swap_ms", "grad_bytes",
              "static_bytes", "activation_bytes", "swap_bytes", "recompute_bytes", "host_bytes", "nvme_bytes",
-             "state_bytes", "step_bytes", "tied_bytes")
+             "state_bytes", "step_bytes", "tied_bytes", "accumulate_bytes", "transient_bytes")
 """The per-part terms every evaluation reports (planner/search/evaluate.py: PartSummary)."""
 
 
@@ -340,6 +341,9 @@ def _shared_terms(problem: PipelineProblem, units: tuple[Unit, ...],
         "tied_bytes": Term(per_unit=tuple(2.0 * (u.tied_grad_bytes + sum(shared[q].grad_bytes for q in u.shared))
                                           for u in units),
                            per_shared=tuple(-2.0 * p.grad_bytes for p in shared)),
+        # a backward after a stage's first of the step holds each node's new weight gradients until they are
+        # added into the stage's: its working set then, in place of transient_bytes
+        "accumulate_bytes": Term(unit_max=tuple(float(u.accumulating_bytes) for u in units), max_name="accumulate"),
         "sent_bytes": Term(ends_after=tuple(float(b) for b in crossing)),
         "received_bytes": Term(starts_after=tuple(float(b) for b in crossing)),
         "swap_bytes": Term(per_swap=tuple(float(u.offloadable_bytes) for u in units) if swap else ()),
@@ -480,14 +484,14 @@ def _part_terms(problem: PipelineProblem, part: int, shared: dict[str, Term],
     allreduce = problem.allreduce[part]
     terms: dict[str, Term] = {name: shared[name] for name in (
         "fwd_ms", "bwd_ms", "weight_grad_ms", "compute_ms", "grad_bytes", "swap_bytes", "swap_ms",
-        "recompute_bytes", "tied_bytes")}
+        "recompute_bytes", "tied_bytes", "accumulate_bytes", "transient_bytes")}
     if is_first:  # its inputs are data, carrying no gradient: a split backward's I has nothing to do, W all of it
         terms["weight_grad_ms"] = dataclasses.replace(shared["bwd_ms"], family="weight_grad_ms")
     copies = len(problem.layout.part_ranks(part))
     if copies not in states:
         states[copies] = _state_terms(problem, copies)
     state = states[copies]
-    working = shared["transient_bytes"] if is_last else shared["transient_bytes"].plus(shared["sent_bytes"])
+    working = Term() if is_last else shared["sent_bytes"]  # + the transient (below)
     ahead = float(RECEIVES_POSTED_AHEAD[problem.backend])  # the next run's receives, posted early:
     if ahead and not is_first:  # an input from the part before
         working = working.plus(shared["received_bytes"], ahead)
@@ -498,7 +502,8 @@ def _part_terms(problem: PipelineProblem, part: int, shared: dict[str, Term],
     terms["state_bytes"] = state["state_bytes"]
     if part in problem.schedule.stale_parts(problem.num_parts):  # WPipe's stashed weight versions
         terms["state_bytes"] = terms["state_bytes"].plus(state["weight_bytes"], float(STASHED_WEIGHT_VERSIONS))
-    terms["static_bytes"] = terms["state_bytes"].plus(working)  # + one send buffer
+    terms["kept_bytes"] = terms["state_bytes"].plus(working)  # + one send buffer
+    terms["static_bytes"] = terms["kept_bytes"].plus(shared["transient_bytes"])
     terms.update({name: state[name] for name in ("host_bytes", "nvme_bytes", "optimizer_ms", "step_bytes")})
     if problem.tiers.state.zero_stage and copies > 1:  # the updated shards are all-gathered into every copy:
         gather = Term(constant=allreduce.fixed_ms / 2).plus(state["weight_bytes"], allreduce.ms_per_byte / 2)
@@ -576,7 +581,10 @@ def _replayed_objective(problem: PipelineProblem, parts: tuple[dict[str, Term], 
 def _memory_rows(problem: PipelineProblem, parts: tuple[dict[str, Term], ...]) -> tuple[MemoryRow, ...]:
     """Per slot, what it holds at the peak of its forwards and backwards; at the end of a backward, where
     tied weights' partial gradients are summed after the micro-batch's activations went (one micro-batch
-    fewer in flight); and at each of its stages' optimizer steps: that stage's model state and step buffers,
+    fewer in flight); at the start of each of its stages' backwards that add into its gradients (not the
+    step's first, which makes them): the largest node's new weight gradient, with the micro-batches the stage
+    holds then (``problem.accumulating``); and at each of its stages' optimizer steps: that stage's model
+    state and step buffers,
     the slot's other stages' static bytes, and no activations but those of forwards a stale-weight (WPipe)
     stage runs ahead of the step (counted as all its micro-batches in flight: an upper bound)."""
     layout = problem.layout
@@ -602,6 +610,20 @@ def _memory_rows(problem: PipelineProblem, parts: tuple[dict[str, Term], ...]) -
         rows.append(MemoryRow(slot, tuple(member for pair in zip(static, held) for member in pair)))
         if any(parts[part]["tied_bytes"].upper_bound() > 0 for part, _ in static):
             rows.append(MemoryRow(slot, tuple(summing), "backward"))
+        for index, stage in enumerate(layout.stages_on_slot(slot)):
+            count = problem.accumulating[stage] if problem.accumulating else 0
+            part = layout.part(stage)
+            if not (count and parts[part]["accumulate_bytes"].upper_bound() > 0):
+                continue
+            members: list[tuple[int, Term]] = []
+            for other, ((at, kept), (_, activations)) in enumerate(zip(static, held)):
+                if other == index:  # the micro-batches it holds then, and its working set in place of the transient
+                    activations = activations.plus(parts[at]["activation_bytes"],
+                                                   float(count - problem.in_flight[stage]))
+                    kept = parts[at]["kept_bytes"]
+                    members.append((at, parts[at]["accumulate_bytes"]))
+                members += [(at, kept), (at, activations)]
+            rows.append(MemoryRow(slot, tuple(members), "accumulate"))
         ahead = tuple((part, activations) for part, activations in held if part in stale)
         for index, (part, _) in enumerate(static):
             step = parts[part]["step_bytes"]
