@@ -38,12 +38,27 @@ def nvme_stages(plan: Plan) -> list[int]:
     return [stage.index for stage in plan.stages if stage.offload.optimizer_state is StateTier.NVME]
 
 
-def check_nvme_dir(plan: Plan, directory: Path | None, parts: Iterable[int]) -> None:
+def check_nvme_dir(plan: Plan, directory: Path | None, parts: Iterable[int], *,
+                   printer_parts: Iterable[int] | None = None) -> None:
     """Refuse, before any work, a missing, unwritable or too small ``--nvme-dir`` (one line each) for
-    ``parts`` (indices of ``plan.stages``: a layout stage's part is ``plan.layout.part(stage)``)."""
+    ``parts`` (indices of ``plan.stages``: a layout stage's part is ``plan.layout.part(stage)``).
+
+    ``printer_parts``: the parts of the rank that prints the set-up errors every rank meets (rank 0).
+    The error counts as met by every rank only if that rank pages to NVMe too; otherwise the rank that
+    meets it prints it at once. None: one process checks for all.
+    """
     paged = [index for index in parts if plan.stages[index].offload.optimizer_state is StateTier.NVME]
     if not paged:
         return
+    shared = printer_parts is None or any(plan.stages[index].offload.optimizer_state is StateTier.NVME
+                                          for index in printer_parts)
+    try:
+        _check_paged(plan, directory, paged)
+    except RuntimeSetupError as error:
+        raise RuntimeSetupError(str(error), same_on_every_rank=shared) from None
+
+
+def _check_paged(plan: Plan, directory: Path | None, paged: list[int]) -> None:
     if directory is None:
         raise RuntimeSetupError(f"stages {paged} keep their optimizer state on NVMe but no --nvme-dir "
                                 f"was given; pass --nvme-dir DIR on a local SSD")

@@ -93,7 +93,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         checks.check_plan(plan)
         checks.check_executable(plan)
         checks.check_world_size(plan, env.world_size)
-        check_nvme_dir(plan, options.nvme_dir, plan.layout.parts_of_rank(env.rank))
+        check_nvme_dir(plan, options.nvme_dir, plan.layout.parts_of_rank(env.rank),
+                       printer_parts=plan.layout.parts_of_rank(0))
         device = init_group(env, device_choice, options.timeout_s)
         report = train.run(plan, options, device)
         if env.rank == 0 and options.report is not None:

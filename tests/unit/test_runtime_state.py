@@ -103,6 +103,21 @@ def test_nvme_dir_refusals_are_one_line_naming_the_path_and_the_fix(nvme_plan: P
     check_nvme_dir(nvme_plan, None, [])  # stages without NVMe state need no directory
 
 
+def test_an_nvme_refusal_rank_0_cannot_meet_is_printed_by_the_rank_that_meets_it() -> None:
+    """Rank 0 prints the set-up errors every rank meets; the others wait before printing theirs. A rank whose
+    NVMe stages rank 0 does not share must not wait (20 s with nothing said)."""
+    one_paged = _plan([OffloadSpec(), OffloadSpec(optimizer_state=StateTier.NVME)])
+
+    def shared(parts: list[int], printer_parts: list[int] | None) -> bool:
+        with pytest.raises(RuntimeSetupError) as caught:
+            check_nvme_dir(one_paged, None, parts, printer_parts=printer_parts)
+        return caught.value.same_on_every_rank
+
+    assert not shared([1], [0])  # rank 1 pages, rank 0 does not: rank 1 says it now
+    assert shared([1], [1])  # rank 0 pages the same stage (a replica): it says it
+    assert shared([0, 1], None)  # one process checking every stage (tessera run)
+
+
 def test_paged_bytes_count_masters_and_adam_moments_and_divide_zero_shards(nvme_plan: Plan) -> None:
     params = [stage.predicted.param_bytes // 8 for stage in nvme_plan.stages]  # float64 plan
     assert paged_bytes(nvme_plan, [0]) == params[0] * 3 * 8
