@@ -44,6 +44,7 @@ class NodeCost:
     saved_activation_bytes: int
     output_bytes: int
     measured_fwd_peak_bytes: int | None = None  # CUDA profile only: peak allocated in forward
+    split_ms: tuple[float, float] | None = None  # profiled: a split backward's I and W, each alone (its W cold)
 
     @property
     def model_state_bytes(self) -> int:
@@ -51,12 +52,26 @@ class NodeCost:
 
     @property
     def weight_grad_ms(self) -> float:
-        """The share of ``bwd_ms`` that computes its own parameters' gradients (what a split backward's W
-        runs; its I runs the rest): the weight gradient of a matmul or convolution takes as many FLOPs as
-        its forward, so that share of the backward's FLOPs. 0 for a node without trainable parameters."""
+        """What a split backward's W takes: its measured time (``split_ms``), or else the share of ``bwd_ms``
+        that computes its own parameters' gradients: the weight gradient of a matmul or convolution takes
+        as many FLOPs as its forward, so that share of the backward's FLOPs. 0 for a node without
+        trainable parameters."""
+        if self.split_ms is not None:
+            return self.split_ms[1]
         if not self.grad_bytes or not self.bwd_flops:
             return 0.0
         return self.bwd_ms * min(self.fwd_flops, self.bwd_flops) / self.bwd_flops
+
+    @property
+    def split_extra_ms(self) -> float:
+        """What splitting its backward into I and W costs beyond one whole backward (measured; 0 unless
+        profiled): W runs later, from a cold cache, on the output gradients I kept, and ops that make
+        input and weight gradients together (a LayerNorm's backward) run in both. A split backward's I
+        takes ``bwd_ms - weight_grad_ms + split_extra_ms``. Never below 0 (a split does the whole
+        backward's work; timing noise can say less)."""
+        if self.split_ms is None:
+            return 0.0
+        return max(0.0, self.split_ms[0] + self.split_ms[1] - self.bwd_ms)
 
 
 @dataclass(frozen=True)

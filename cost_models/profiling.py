@@ -33,18 +33,22 @@ from cost_models.loss import training_loss
 if TYPE_CHECKING:
     from cost_models.graph.ir import LayerGraph
 
-_CACHE_VERSION = 4  # 2: node times scaled to the whole graph's measured pass; 3: from a cold cache; 4: the loss
+_CACHE_VERSION = 5  # 2: node times scaled to the whole graph's measured pass; 3: from a cold cache; 4: the loss;
+# 5: split backwards
 _EVICT_BYTES = 64 * 2**20  # written between whole-graph passes: more than a CPU's last-level cache
 _CO_RUNNER_START_S = 60.0  # for the co-running copies to start (they fork from this process) and to stop
 
 
 @dataclass(frozen=True)
 class NodeTiming:
-    """Median forward and backward milliseconds of one node, and its CUDA forward peak."""
+    """Median forward and backward milliseconds of one node, its CUDA forward peak, and for a node with both
+    weights and inputs that carry a gradient, its backward split in two as ZB-H1 runs it: I (the inputs'
+    gradients) then W (the weights', from a cold cache: W runs later, after other work)."""
 
     fwd_ms: float
     bwd_ms: float
     fwd_peak_bytes: int | None = None
+    split_ms: tuple[float, float] | None = None
 
 
 def profile(model: nn.Module, example_inputs: torch.Tensor | Sequence[torch.Tensor],
@@ -105,7 +109,8 @@ def profile_with_graph(model: nn.Module, example_inputs: torch.Tensor | Sequence
     table = estimate(graph, spec, optimizer, precision)
     costs = tuple(dataclasses.replace(cost, fwd_ms=timings[cost.name].fwd_ms,
                                       bwd_ms=timings[cost.name].bwd_ms,
-                                      measured_fwd_peak_bytes=timings[cost.name].fwd_peak_bytes)
+                                      measured_fwd_peak_bytes=timings[cost.name].fwd_peak_bytes,
+                                      split_ms=timings[cost.name].split_ms)
                   if cost.name in timings else cost for cost in table.costs)
     return graph, dataclasses.replace(table, costs=costs, source="measured")
 
@@ -152,7 +157,8 @@ def measured_table(model: nn.Module, graph: "LayerGraph", example_inputs: Sequen
         raise ProfileError(f"the profiled graph at batch {batch_size} has no node {unmatched[0]!r} of the "
                            f"planned graph ({len(unmatched)} missing); plan with profile=False (roofline costs)")
     return dataclasses.replace(table, costs=tuple(
-        dataclasses.replace(cost, fwd_ms=times[cost.name].fwd_ms, bwd_ms=times[cost.name].bwd_ms)
+        dataclasses.replace(cost, fwd_ms=times[cost.name].fwd_ms, bwd_ms=times[cost.name].bwd_ms,
+                            split_ms=times[cost.name].split_ms)
         for cost in table.costs), source="measured")
 
 
@@ -241,6 +247,7 @@ class _NodeProfiler:
         self.warmup = warmup
         self.repeats = repeats
         self.co_runners = co_runners
+        self._splits: dict[tuple, tuple[float, float]] = {}  # by signature: repeated layers are timed once
 
     def run(self, inputs: tuple[torch.Tensor, ...]) -> dict[str, NodeTiming]:
         buffers = {name: b.detach().clone() for name, b in self.module.named_buffers()}
@@ -320,15 +327,38 @@ class _NodeProfiler:
             fwd_samples.append(elapsed)
         targets = [t for t in tensor_leaves(output) if t.requires_grad and t.is_floating_point()]
         wrt = leaves + params
-        bwd_samples = [0.0]
+        bwd_samples, split = [0.0], None
         if targets and wrt:
             grads = [torch.ones_like(t) for t in targets]
             bwd_samples = [self._timed(lambda: torch.autograd.grad(
                 targets, wrt, grads, retain_graph=True, allow_unused=True))[0]
                 for _ in range(self.warmup + self.repeats)]
+            inputs = [leaf for leaf in leaves if not isinstance(leaf, nn.Parameter)]
+            if inputs and params:
+                key = _signature(node, self.module, (args, kwargs))
+                if key not in self._splits:
+                    self._splits[key] = self._split_ms(targets, grads, inputs, params)
+                split = self._splits[key]
         timing = NodeTiming(statistics.median(fwd_samples[self.warmup:]),
-                            statistics.median(bwd_samples[self.warmup:] or bwd_samples), peak_bytes)
+                            statistics.median(bwd_samples[self.warmup:] or bwd_samples), peak_bytes, split)
         return detach_tree(output), timing
+
+    def _split_ms(self, targets: list[torch.Tensor], grads: list[torch.Tensor], inputs: list[torch.Tensor],
+                  params: list[torch.Tensor]) -> tuple[float, float]:
+        """Median milliseconds of I (into ``inputs``) and of W (into ``params``), W from a cold CPU cache
+        (one warm-up and at most three samples: a third of the backward's samples' cost, for a figure
+        that only a split backward's schedules read)."""
+        evict = torch.empty(_EVICT_BYTES // 4) if self.device.type == "cpu" else None
+        input_samples, weight_samples = [], []
+        warmup = min(self.warmup, 1)
+        for _ in range(warmup + min(self.repeats, 3)):
+            input_samples.append(self._timed(lambda: torch.autograd.grad(
+                targets, inputs, grads, retain_graph=True, allow_unused=True))[0])
+            if evict is not None:
+                evict.fill_(1.0)
+            weight_samples.append(self._timed(lambda: torch.autograd.grad(
+                targets, params, grads, retain_graph=True, allow_unused=True))[0])
+        return statistics.median(input_samples[warmup:]), statistics.median(weight_samples[warmup:])
 
     def _timed(self, work: Callable[[], Any]) -> tuple[float, Any, int | None]:
         if self.device.type != "cuda":
@@ -398,7 +428,7 @@ def _train_until(module: nn.Module, inputs: tuple[torch.Tensor, ...], stop: Any,
 
 def in_context(alone: dict[str, NodeTiming], whole_fwd_ms: float, whole_bwd_ms: float) -> dict[str, NodeTiming]:
     """Node times measured alone, scaled so that they sum to the whole graph's measured forward and
-    backward (each node keeps its share of each).
+    backward (each node keeps its share of each; a split backward's halves scale as the backward).
 
     >>> scaled = in_context({"a": NodeTiming(1.0, 2.0), "b": NodeTiming(3.0, 0.0)}, 8.0, 1.0)
     >>> scaled["a"].fwd_ms, scaled["b"].fwd_ms, scaled["a"].bwd_ms, scaled["b"].bwd_ms
@@ -408,8 +438,24 @@ def in_context(alone: dict[str, NodeTiming], whole_fwd_ms: float, whole_bwd_ms: 
     bwd_total = sum(t.bwd_ms for t in alone.values())
     fwd_scale = whole_fwd_ms / fwd_total if fwd_total > 0 else 1.0
     bwd_scale = whole_bwd_ms / bwd_total if bwd_total > 0 and whole_bwd_ms > 0 else 1.0
-    return {name: dataclasses.replace(t, fwd_ms=t.fwd_ms * fwd_scale, bwd_ms=t.bwd_ms * bwd_scale)
+    return {name: dataclasses.replace(t, fwd_ms=t.fwd_ms * fwd_scale, bwd_ms=t.bwd_ms * bwd_scale,
+                                      split_ms=None if t.split_ms is None else (t.split_ms[0] * bwd_scale,
+                                                                                t.split_ms[1] * bwd_scale))
             for name, t in alone.items()}
+
+
+def _signature(node: torch.fx.Node, module: torch.fx.GraphModule, arguments: Any) -> tuple:
+    """What a node's times depend on: its operation (a module's type, settings and parameter shapes) and
+    its arguments' shapes and dtypes; equal for the repeated layers of a model."""
+    if node.op == "call_module":
+        submodule = module.get_submodule(node.target)
+        operation: Any = (type(submodule), submodule.extra_repr(),
+                          tuple((tuple(p.shape), p.dtype) for p in submodule.parameters()))
+    else:
+        operation = (node.op, node.target)
+    leaves, spec = pytree.tree_flatten(arguments)
+    return (operation, str(spec), tuple((tuple(x.shape), x.dtype, x.requires_grad) if isinstance(x, torch.Tensor)
+                                        else repr(x) for x in leaves))
 
 
 def _real_callable(node: torch.fx.Node, module: torch.fx.GraphModule) -> tuple[Callable[..., Any], list]:
@@ -453,7 +499,8 @@ def _read_cache(path: Path, fingerprint: str) -> dict[str, NodeTiming] | None:
         data = json.loads(path.read_text())
         if data["version"] != _CACHE_VERSION or data["fingerprint"] != fingerprint:
             return None
-        return {name: NodeTiming(**row) for name, row in data["nodes"].items()}
+        return {name: NodeTiming(**{**row, "split_ms": tuple(row["split_ms"]) if row.get("split_ms") else None})
+                for name, row in data["nodes"].items()}
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

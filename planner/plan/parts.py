@@ -216,11 +216,12 @@ class StagePrediction:
     swap_ms: float = 0.0  # per micro-batch, each way over the host link
     host_bytes: int = 0  # per rank: optimizer state and gradients on the host (swapped activations apart)
     nvme_bytes: int = 0  # per rank: optimizer state on NVMe
-    weight_grad_ms: float = 0.0  # of bwd_ms: the parameters' gradients (what a split backward's W runs)
+    weight_grad_ms: float = 0.0  # what a split backward's W takes: the parameters' gradients
     grad_bytes: int = 0  # of static_bytes: gradients, from the step's first backward to its optimizer step
     step_bytes: int = 0  # during its optimizer step: what the step's buffers add above static_bytes (worst bucket)
     tied_bytes: int = 0  # at each backward's end, once its activations went: tied weights' partial gradients
     accumulate_bytes: int = 0  # from a backward that adds into its gradients: the largest node's new gradient
+    split_extra_ms: float = 0.0  # a split backward's I and W beyond bwd_ms, measured (I takes bwd - W + this)
 
     def allreduce_overlap(self, offload: OffloadSpec, after_backward: bool, backend: str) -> float:
         """The share of ``allreduce_ms`` that runs during the stage's last backward (as DDP's: buckets start
@@ -239,9 +240,10 @@ class StagePrediction:
             "optimizer_ms": codec.number, "swap_bytes": codec.integer, "swap_ms": codec.number,
             "host_bytes": codec.integer, "nvme_bytes": codec.integer, "weight_grad_ms": codec.number,
             "grad_bytes": codec.integer, "step_bytes": codec.integer, "tied_bytes": codec.integer,
-            "accumulate_bytes": codec.integer},
+            "accumulate_bytes": codec.integer, "split_extra_ms": codec.number},
             optional=frozenset({"optimizer_ms", "swap_bytes", "swap_ms", "host_bytes", "nvme_bytes",
-                                "weight_grad_ms", "grad_bytes", "step_bytes", "tied_bytes", "accumulate_bytes"}))
+                                "weight_grad_ms", "grad_bytes", "step_bytes", "tied_bytes", "accumulate_bytes",
+                                "split_extra_ms"}))
 
 
 @dataclass(frozen=True)

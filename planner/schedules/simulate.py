@@ -3,7 +3,7 @@
 Model: programs are per rank of the whole job (the layout says which stages each rank runs and
 between which ranks a message travels). Each rank runs its actions in order on one compute
 resource. F, B, OPTIMIZER_STEP take their stage's time and count as busy (a split backward's I
-takes ``bwd_ms - weight_grad_ms`` and its W ``weight_grad_ms``); ALLREDUCE takes
+takes ``bwd_ms - weight_grad_ms + split_extra_ms`` and its W ``weight_grad_ms``); ALLREDUCE takes
 ``allreduce_ms`` (all replicas reduce at once, so it is a local duration) and blocks the rank,
 but is communication, not busy time. A stage whose all-reduce runs in buckets during its last
 backward (``allreduce_overlap``, DDP's overlap) starts the buckets before the last one with that
@@ -63,12 +63,13 @@ class StageCosts:
     optimizer_ms: float = 0.0
     swap_bytes: int = 0  # per micro-batch, to the host after F and back before B
     swap_ms: float = 0.0  # per micro-batch, each way
-    weight_grad_ms: float = 0.0  # the share of bwd_ms a split backward's W takes (its I takes the rest)
+    weight_grad_ms: float = 0.0  # what a split backward's W takes (its I: the rest of bwd_ms, + split_extra_ms)
     allreduce_overlap: float = 0.0  # the share of allreduce_ms in buckets that start during the last backward
     grad_bytes: int = 0  # of static_bytes: the gradients, from the stage's first backward to its optimizer step
     step_bytes: int = 0  # during its optimizer step: its buffers, above static_bytes
     tied_bytes: int = 0  # at each backward's end, after its micro-batch's activations went: tied partial gradients
     accumulate_bytes: int = 0  # at the start of a backward adding into its gradients: a node's new weight gradient
+    split_extra_ms: float = 0.0  # what a split backward's I and W take beyond bwd_ms (measured: W runs cold)
 
 
 @dataclass(frozen=True)
@@ -264,7 +265,8 @@ class _Clocks:
 
     def _duration_ms(self, action: Action) -> float:
         stage = self.costs.stages[action.stage]
-        return {ActionKind.F: stage.fwd_ms, ActionKind.B: stage.bwd_ms, ActionKind.I: stage.bwd_ms - stage.weight_grad_ms,
+        return {ActionKind.F: stage.fwd_ms, ActionKind.B: stage.bwd_ms,
+                ActionKind.I: stage.bwd_ms - stage.weight_grad_ms + stage.split_extra_ms,
                 ActionKind.W: stage.weight_grad_ms, ActionKind.ALLREDUCE: stage.allreduce_ms,
                 ActionKind.OPTIMIZER_STEP: stage.optimizer_ms}.get(action.kind, 0.0)
 

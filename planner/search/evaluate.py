@@ -135,12 +135,13 @@ class PartSummary:
     recompute_bytes: int = 0  # the largest recomputed unit's activations, rematerialised in its backward
     host_bytes: int = 0  # host memory for this part's optimizer state and gradients (per rank)
     nvme_bytes: int = 0  # NVMe for this part's optimizer state (per rank)
-    weight_grad_ms: float = 0.0  # of bwd_ms: the parameters' gradients (a split backward's W)
+    weight_grad_ms: float = 0.0  # what a split backward's W takes: the parameters' gradients
     state_bytes: int = 0  # of static_bytes: the model state on the device
     step_bytes: int = 0  # what the optimizer step allocates on top of the model state, at its worst bucket
     tied_bytes: int = 0  # at a backward's end, tied weights' partial gradients and their sum, before it is added
     accumulate_bytes: int = 0  # in a backward adding into the gradients: its working set (new weight gradients)
     transient_bytes: int = 0  # of static_bytes: the largest working set of a forward or backward
+    split_extra_ms: float = 0.0  # a split backward's I and W beyond bwd_ms (I takes bwd - W + this)
 
     @property
     def compute_ms(self) -> float:
@@ -254,4 +255,5 @@ def _summary(model: CostModel, part: int, first: int, last: int, decisions: Deci
                        round(values["swap_bytes"]), round(values["recompute_bytes"]),
                        round(values["host_bytes"]), round(values["nvme_bytes"]), values["weight_grad_ms"],
                        round(values["state_bytes"]), round(values["step_bytes"]), round(values["tied_bytes"]),
-                       round(values["accumulate_bytes"]), round(values["transient_bytes"]))
+                       round(values["accumulate_bytes"]), round(values["transient_bytes"]),
+                       values["split_extra_ms"])

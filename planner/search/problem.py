@@ -56,7 +56,8 @@ class Unit:
     param_numel: int = 0  # elements of those parameters (what an optimizer step touches)
     offloadable_bytes: int = 0  # of activation_bytes: what its nodes save (the loss's share excluded)
     input_bytes: int = 0  # what a checkpoint of this unit keeps: the activations alive where it starts
-    weight_grad_ms: float = 0.0  # of bwd_ms: its parameters' gradients (a split backward's W; NodeCost)
+    weight_grad_ms: float = 0.0  # what a split backward's W takes (its parameters' gradients; NodeCost)
+    split_extra_ms: float = 0.0  # what splitting its backward costs beyond bwd_ms (NodeCost: measured)
     param_tensors: int = 0  # parameter tensors among them (an optimizer step pays a fixed time per tensor)
     largest_param_numel: int = 0  # of its parameters and the shared ones it uses, the largest's elements
     tied_grad_bytes: int = 0  # gradients of its parameters that several of its nodes use (tied weights)
@@ -249,6 +250,7 @@ def spatial_part(choice: SpatialChoice, coarse: Coarsening, geometry: TileGeomet
         units.append(dataclasses.replace(
             unit, fwd_ms=sum(cost.fwd_ms for cost in on_tiles), bwd_ms=bwd_ms,
             weight_grad_ms=unit.weight_grad_ms * bwd_ms / unit.bwd_ms if unit.bwd_ms else 0.0,
+            split_extra_ms=unit.split_extra_ms * bwd_ms / unit.bwd_ms if unit.bwd_ms else 0.0,
             activation_bytes=round(saved), offloadable_bytes=round(saved),
             transient_bytes=round(max((cost.transient_bytes for cost in on_tiles), default=0.0)),
             input_bytes=round(min(saved, unit.input_bytes * (first.share if first else 1.0)))))
@@ -476,6 +478,7 @@ def _unit(graph: LayerGraph, table: CostTable, names: list[str], precision: Prec
         offloadable_bytes=saved,
         input_bytes=min(saved, crossing_before),
         weight_grad_ms=sum(c.weight_grad_ms for c in costs),
+        split_extra_ms=sum(c.split_extra_ms for c in costs),
         param_tensors=sum(p.tensors for p in state),
         largest_param_numel=max((graph.parameter(p).numel for p in params if not graph.parameter(p).is_buffer),
                                 default=0),

@@ -211,8 +211,8 @@ class CapacityRow:
     members: tuple[tuple[int, float, Term], ...]  # (part, weight: ranks or micro-batches, member)
 
 
-BREAKDOWN = ("fwd_ms", "bwd_ms", "weight_grad_ms", "send_ms", "allreduce_ms", "optimizer_ms", "swap_ms", "grad_bytes",
-             "static_bytes", "activation_bytes", "swap_bytes", "recompute_bytes", "host_bytes", "nvme_bytes",
+BREAKDOWN = ("fwd_ms", "bwd_ms", "weight_grad_ms", "split_extra_ms", "send_ms", "allreduce_ms", "optimizer_ms",
+             "swap_ms", "grad_bytes", "static_bytes", "activation_bytes", "swap_bytes", "recompute_bytes", "host_bytes", "nvme_bytes",
              "state_bytes", "step_bytes", "tied_bytes", "accumulate_bytes", "transient_bytes")
 """The per-part terms every evaluation reports (planner/search/evaluate.py: PartSummary)."""
 
@@ -326,7 +326,8 @@ def _shared_terms(problem: PipelineProblem, units: tuple[Unit, ...],
         "fwd_ms": Term(per_unit=tuple(u.fwd_ms for u in units)),
         "bwd_ms": Term(per_unit=tuple(u.bwd_ms for u in units),
                        per_recompute=tuple(u.fwd_ms for u in units) if recompute else ()),
-        "weight_grad_ms": Term(per_unit=tuple(u.weight_grad_ms for u in units)),  # of bwd_ms
+        "weight_grad_ms": Term(per_unit=tuple(u.weight_grad_ms for u in units)),  # a split backward's W
+        "split_extra_ms": Term(per_unit=tuple(u.split_extra_ms for u in units)),  # its I and W beyond bwd_ms
         "grad_bytes": Term(per_unit=tuple(float(u.grad_bytes) for u in units),
                            per_shared=tuple(float(p.grad_bytes) for p in shared)),
         "transient_bytes": Term(unit_max=tuple(float(u.transient_bytes) for u in units), max_name="transient"),
@@ -483,10 +484,11 @@ def _part_terms(problem: PipelineProblem, part: int, shared: dict[str, Term],
     boundary = problem.boundary_bytes
     allreduce = problem.allreduce[part]
     terms: dict[str, Term] = {name: shared[name] for name in (
-        "fwd_ms", "bwd_ms", "weight_grad_ms", "compute_ms", "grad_bytes", "swap_bytes", "swap_ms",
+        "fwd_ms", "bwd_ms", "weight_grad_ms", "split_extra_ms", "compute_ms", "grad_bytes", "swap_bytes", "swap_ms",
         "recompute_bytes", "tied_bytes", "accumulate_bytes", "transient_bytes")}
     if is_first:  # its inputs are data, carrying no gradient: a split backward's I has nothing to do, W all of it
         terms["weight_grad_ms"] = dataclasses.replace(shared["bwd_ms"], family="weight_grad_ms")
+        terms["split_extra_ms"] = Term()  # (the runtime's W there is one whole backward)
     copies = len(problem.layout.part_ranks(part))
     if copies not in states:
         states[copies] = _state_terms(problem, copies)
@@ -553,10 +555,10 @@ def _replayed_objective(problem: PipelineProblem, parts: tuple[dict[str, Term], 
 
         step = (rank_work - 1) max_s(C_s, c_s, w_s) + path_parts / P x sum_s C_s + 2 sum_s c_s + k max_s (a_s + o_s)
 
-    with C_s = F_s + B_s (its W included), c_s its link and w_s its swaps per micro-batch (the first
-    micro-batch crosses every cut forward and back, however many parts a rank holds), and k the
-    most stages a slot holds (their all-reduces and optimizer steps follow each other): exact for
-    balanced parts with free transfers, an estimate otherwise (the simulator gives the plan's step, and
+    with C_s = F_s + B_s (its W included; a split backward's extra too, split_extra_ms), c_s its link and w_s
+    its swaps per micro-batch (the first micro-batch crosses every cut forward and back, however many parts
+    a rank holds), and k the most stages a slot holds (their all-reduces and optimizer steps follow each
+    other): exact for balanced parts with free transfers, an estimate otherwise (the simulator gives the plan's step, and
     the search compares the families' best plans on it: planner/assemble.py).
     """
     balanced = problem.balanced
@@ -567,11 +569,13 @@ def _replayed_objective(problem: PipelineProblem, parts: tuple[dict[str, Term], 
     along = balanced.path_parts / problem.num_parts
     sends = tuple((p, parts[p]["send_ms"]) for p in range(problem.num_parts - 1))
     swaps = tuple((p, parts[p]["swap_ms"]) for p in every) if problem.tiers.swap else ()
+    split = problem.schedule.splits_backward
+    compute = tuple((p, parts[p]["compute_ms"].plus(parts[p]["split_extra_ms"]) if split else parts[p]["compute_ms"])
+                    for p in every)
     return (
-        Aggregate("path", Reduce.SUM, along, tuple((p, parts[p]["compute_ms"]) for p in every)),
+        Aggregate("path", Reduce.SUM, along, compute),
         Aggregate("path_transfers", Reduce.SUM, 2.0, sends),
-        Aggregate("bottleneck", Reduce.MAX, float(balanced.rank_work - 1),
-                  tuple((p, parts[p]["compute_ms"]) for p in every) + sends + swaps),
+        Aggregate("bottleneck", Reduce.MAX, float(balanced.rank_work - 1), compute + sends + swaps),
         Aggregate("tail", Reduce.MAX, float(max(len(problem.layout.stages_on_slot(slot))
                                                 for slot in range(problem.layout.num_slots))),
                   tuple((p, parts[p]["allreduce_tail_ms"].plus(parts[p]["optimizer_ms"])) for p in every)),

@@ -133,3 +133,32 @@ def test_a_plan_for_a_gpu_this_machine_has_is_costed_from_times_measured_on_it(
     assert sum(row.fwd_ms for row in roofline.layers) < sum(row.fwd_ms for row in made.layers)  # a CPU is slower
     with pytest.raises(InvalidArgument, match="it has no 'A100-40GB'"):
         plan(model, 1, "8GB", batch_size=8, example_inputs=tokens, device="A100-40GB", profile=True)
+
+
+def test_a_measured_zb_h1_plan_carries_what_splitting_its_backwards_costs(cache: Path) -> None:
+    """A CPU plan splitting its backwards (ZB-H1) predicts each later stage's I + W from the profile's split
+    timings: the stage's split_extra_ms is its nodes' sum, and its W their weight gradients'. The first
+    stage's W is its whole backward (its inputs are data), with nothing extra."""
+    from planner.simulation import simulate_plan
+
+    torch.manual_seed(0)
+    model = gpt_tiny(device="cpu")
+    made = _plan(model, schedules=("zb-h1",), num_stages=(2,), data_parallel=(1,))
+    assert made.schedule.kind.value == "zb-h1"
+    measured = profile(model, (torch.zeros((made.training.micro_batch_size, 32), dtype=torch.int64),), "cpu",
+                       optimizer="momentum", cache_dir=cache / "profiles", co_runners=min(2, usable_cores()) - 1)
+    first, second = made.stages
+    assert first.predicted.split_extra_ms == 0.0
+    assert first.predicted.weight_grad_ms == pytest.approx(first.predicted.bwd_ms)
+    assert second.predicted.split_extra_ms == pytest.approx(sum(measured[name].split_extra_ms
+                                                                for name in second.nodes))
+    assert second.predicted.split_extra_ms != 0.0
+    assert second.predicted.weight_grad_ms == pytest.approx(sum(measured[name].weight_grad_ms
+                                                                for name in second.nodes))
+    # the simulator's busy time counts it: each rank's F + I + W per micro-batch, the extra included
+    per_micro = [stage.predicted.fwd_ms + stage.predicted.bwd_ms + stage.predicted.split_extra_ms
+                 for stage in made.stages]
+    micro = made.training.num_microbatches
+    busy = simulate_plan(made).busy_ms
+    assert busy == pytest.approx([micro * ms + stage.predicted.optimizer_ms
+                                  for ms, stage in zip(per_micro, made.stages)])

@@ -143,5 +143,25 @@ def test_node_times_are_scaled_to_the_whole_graph_keeping_each_nodes_share() -> 
 
     scaled = in_context({"a": NodeTiming(1.0, 2.0), "b": NodeTiming(3.0, 0.0)}, 8.0, 1.0)
     assert scaled == {"a": NodeTiming(2.0, 1.0), "b": NodeTiming(6.0, 0.0)}
+    # a split backward's I and W scale as the backward does (a: halved)
+    split = in_context({"a": NodeTiming(1.0, 2.0, split_ms=(1.5, 1.0))}, 1.0, 1.0)
+    assert split == {"a": NodeTiming(1.0, 1.0, split_ms=(0.75, 0.5))}
     # a graph without a backward keeps its node times' backward as measured alone (nothing to scale to)
     assert in_context({"a": NodeTiming(1.0, 2.0)}, 1.0, 0.0) == {"a": NodeTiming(1.0, 2.0)}
+
+
+def test_a_split_backward_is_timed_where_inputs_and_weights_both_take_gradients() -> None:
+    """ZB-H1 runs a backward as I (into the inputs) and, later, W (into the weights). Both are timed for a
+    node with weights whose inputs carry a gradient; a first layer (its input is data) and a node without
+    weights have none. W is what the node's weight gradient costs; what I + W take beyond the whole
+    backward is the node's split_extra_ms; layers of one type and shape share one timing."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
+                                torch.nn.ReLU(), torch.nn.Linear(64, 64))
+    table = profile(model, (torch.randn(32, 64),), "cpu", warmup=1, repeats=2)
+    first, relu, second, _, third = (table[name] for name in ("_0", "_1", "_2", "_3", "_4"))
+    assert first.split_ms is None and relu.split_ms is None
+    assert first.split_extra_ms == 0.0 and first.weight_grad_ms == first.bwd_ms  # nothing flows into data
+    assert second.split_ms is not None and min(second.split_ms) > 0
+    assert third.split_ms == second.split_ms  # the same layer on the same shapes: timed once
+    assert second.weight_grad_ms == second.split_ms[1]
+    assert second.split_extra_ms == pytest.approx(max(0.0, sum(second.split_ms) - second.bwd_ms))

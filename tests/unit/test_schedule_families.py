@@ -123,6 +123,20 @@ def test_zb_h1_validates_and_takes_the_zero_bubble_step(num_stages: int, num_mic
     assert max_in_flight(zb_h1(num_stages, num_microbatches)) == (num_stages,) * num_stages
 
 
+def test_what_splitting_a_backward_costs_beyond_it_lengthens_each_i() -> None:
+    """A split backward's I takes bwd - W + split_extra_ms (W runs cold; ops making both gradients run in
+    both): every rank works that much more per micro-batch, and the wait grows by it on every stage."""
+    unit_ms, extra_ms, num_stages, num_microbatches = 1.0, 0.5, 3, 6
+    stages = (StageCosts(unit_ms, 2 * unit_ms, 1, STATIC, weight_grad_ms=unit_ms, split_extra_ms=extra_ms),) * 3
+    result = _simulate(zb_h1(num_stages, num_microbatches), stages)
+    assert result.busy_ms == pytest.approx((num_microbatches * (3 * unit_ms + extra_ms),) * num_stages)
+    # the zero-bubble wait (S - 1)(F + I - W), with I = 1 + extra
+    assert result.step_ms == pytest.approx(num_microbatches * (3 * unit_ms + extra_ms)
+                                           + (num_stages - 1) * (unit_ms + extra_ms))
+    unsplit = _simulate(generate("1f1b", num_stages, num_microbatches), stages)  # B is one whole backward
+    assert unsplit.busy_ms == pytest.approx((num_microbatches * 3 * unit_ms,) * num_stages)
+
+
 def test_zb_h1_lowering_sends_after_i_and_reduces_after_the_last_w() -> None:
     schedule = zb_h1(2, 2, data_parallel=2)
     lowered = format_programs(lower(schedule.programs, schedule.layout, {(0, 1)}))
