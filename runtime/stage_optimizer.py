@@ -176,8 +176,9 @@ class StageOptimizer:
             sources: list[torch.Tensor] = [  # type: ignore[misc]
                 self._grad_chunk(index) if taken is None else taken[index] for index in bucket]
             for index in bucket:  # the bucket's gradients are held by ``sources`` alone now
-                self.masters[index].grad = self.params[index].grad = None
-                if taken is not None:
+                if taken is None:
+                    self.masters[index].grad = self.params[index].grad = None
+                else:  # (the plain path's parameters let go of theirs above)
                     taken[index] = None
             targets = [(self.masters[i].shape, self.masters[i].dtype, self.masters[i].device) for i in bucket]
             copies = sources if self.plain else copied_into_new(sources, targets)

@@ -455,7 +455,8 @@ def _unit(graph: LayerGraph, table: CostTable, names: list[str], precision: Prec
     params = {p for name in names if graph.node(name).kind is not NodeKind.PARAM
               for p in graph.node(name).param_names}
     own = [p for p in params if p not in shared_index]
-    state = [_param_state(graph, p, precision, optimizer) for p in own]
+    grads = {p: _param_state(graph, p, precision, optimizer) for p in params}  # shared ones too
+    state = [grads[p] for p in own]
     uses = Counter(p for name in names if graph.node(name).kind is not NodeKind.PARAM
                    for p in dict.fromkeys(graph.node(name).param_names))
     costs = [table[name] for name in names]
@@ -484,8 +485,7 @@ def _unit(graph: LayerGraph, table: CostTable, names: list[str], precision: Prec
                                 default=0),
         tied_grad_bytes=sum(p.grad_bytes for name, p in zip(own, state) if uses[name] > 1),
         accumulating_bytes=max((transient, *(cost.output_bytes + sum(
-            _param_state(graph, p, precision, optimizer).grad_bytes
-            for p in dict.fromkeys(graph.node(name).param_names)) for cost, name in computing))),
+            grads[p].grad_bytes for p in dict.fromkeys(graph.node(name).param_names)) for cost, name in computing))),
     )
 
 
