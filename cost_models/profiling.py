@@ -334,18 +334,19 @@ class _NodeProfiler:
                 targets, wrt, grads, retain_graph=True, allow_unused=True))[0]
                 for _ in range(self.warmup + self.repeats)]
             inputs = [leaf for leaf in leaves if not isinstance(leaf, nn.Parameter)]
-            if inputs and params:
+            weights = [leaf for leaf in leaves if isinstance(leaf, nn.Parameter)] + params  # a get_attr's too
+            if inputs and weights:
                 key = _signature(node, self.module, (args, kwargs))
                 if key not in self._splits:
-                    self._splits[key] = self._split_ms(targets, grads, inputs, params)
+                    self._splits[key] = self._split_ms(targets, grads, inputs, weights)
                 split = self._splits[key]
         timing = NodeTiming(statistics.median(fwd_samples[self.warmup:]),
                             statistics.median(bwd_samples[self.warmup:] or bwd_samples), peak_bytes, split)
         return detach_tree(output), timing
 
     def _split_ms(self, targets: list[torch.Tensor], grads: list[torch.Tensor], inputs: list[torch.Tensor],
-                  params: list[torch.Tensor]) -> tuple[float, float]:
-        """Median milliseconds of I (into ``inputs``) and of W (into ``params``), W from a cold CPU cache
+                  weights: list[torch.Tensor]) -> tuple[float, float]:
+        """Median milliseconds of I (into ``inputs``) and of W (into ``weights``), W from a cold CPU cache
         (one warm-up and at most three samples: a third of the backward's samples' cost, for a figure
         that only a split backward's schedules read)."""
         evict = torch.empty(_EVICT_BYTES // 4) if self.device.type == "cpu" else None
@@ -357,7 +358,7 @@ class _NodeProfiler:
             if evict is not None:
                 evict.fill_(1.0)
             weight_samples.append(self._timed(lambda: torch.autograd.grad(
-                targets, params, grads, retain_graph=True, allow_unused=True))[0])
+                targets, weights, grads, retain_graph=True, allow_unused=True))[0])
         return statistics.median(input_samples[warmup:]), statistics.median(weight_samples[warmup:])
 
     def _timed(self, work: Callable[[], Any]) -> tuple[float, Any, int | None]:

@@ -165,3 +165,14 @@ def test_a_split_backward_is_timed_where_inputs_and_weights_both_take_gradients(
     assert third.split_ms == second.split_ms  # the same layer on the same shapes: timed once
     assert second.weight_grad_ms == second.split_ms[1]
     assert second.split_extra_ms == pytest.approx(max(0.0, sum(second.split_ms) - second.bwd_ms))
+
+    class FunctionalHead(torch.nn.Module):  # a weight read by a function (get_attr), as tied heads and exports do
+        def __init__(self) -> None:
+            super().__init__()
+            self.body, self.head = torch.nn.Linear(64, 64), torch.nn.Parameter(torch.randn(64, 64))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.linear(torch.relu(self.body(x)), self.head)
+
+    functional = profile(FunctionalHead(), (torch.randn(32, 64),), "cpu", warmup=1, repeats=2)
+    assert functional["linear"].split_ms is not None and functional["body"].split_ms is None
