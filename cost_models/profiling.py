@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 _CACHE_VERSION = 5  # 2: node times scaled to the whole graph's measured pass; 3: from a cold cache; 4: the loss;
 # 5: split backwards
-_EVICT_BYTES = 64 * 2**20  # written between whole-graph passes: more than a CPU's last-level cache
+_EVICT_BYTES = 64 * 2**20  # written before a pass timed from a cold cache: more than a CPU's last-level cache
 _CO_RUNNER_START_S = 60.0  # for the co-running copies to start (they fork from this process) and to stop
 
 
@@ -248,6 +248,7 @@ class _NodeProfiler:
         self.repeats = repeats
         self.co_runners = co_runners
         self._splits: dict[tuple, tuple[float, float]] = {}  # by signature: repeated layers are timed once
+        self._evict = torch.empty(_EVICT_BYTES // 4) if device.type == "cpu" else None  # written to cool the cache
 
     def run(self, inputs: tuple[torch.Tensor, ...]) -> dict[str, NodeTiming]:
         buffers = {name: b.detach().clone() for name, b in self.module.named_buffers()}
@@ -282,7 +283,7 @@ class _NodeProfiler:
         """Median milliseconds of the whole graph's forward and of its backward into the weights, each from
         a cold CPU cache (in a training step other micro-batches' work runs in between)."""
         params = [p for p in self.module.parameters() if p.requires_grad]
-        evict = torch.empty(_EVICT_BYTES // 4) if self.device.type == "cpu" else None
+        evict = self._evict
         fwd_samples, bwd_samples = [], []
         for _ in range(self.warmup + self.repeats):
             if evict is not None:
@@ -349,7 +350,7 @@ class _NodeProfiler:
         """Median milliseconds of I (into ``inputs``) and of W (into ``weights``), W from a cold CPU cache
         (one warm-up and at most three samples: a third of the backward's samples' cost, for a figure
         that only a split backward's schedules read)."""
-        evict = torch.empty(_EVICT_BYTES // 4) if self.device.type == "cpu" else None
+        evict = self._evict
         input_samples, weight_samples = [], []
         warmup = min(self.warmup, 1)
         for _ in range(warmup + min(self.repeats, 3)):
