@@ -131,7 +131,7 @@ def node_key(node: torch.fx.Node, root: torch.nn.Module, leaves: Sequence[Any], 
     Only FakeTensor and ReplayedTensor inputs are described (a replay views their meta
     storages), each the same way.
     """
-    callee = _callee(node, root)
+    callee = callee_key(node, root)
     if callee is None:
         return None
     groups: dict[int, int] = {}
@@ -155,7 +155,9 @@ def node_key(node: torch.fx.Node, root: torch.nn.Module, leaves: Sequence[Any], 
     return callee, nesting, tuple(described)
 
 
-def _callee(node: torch.fx.Node, root: torch.nn.Module) -> Hashable | None:
+def callee_key(node: torch.fx.Node, root: torch.nn.Module) -> Hashable | None:
+    """What a node calls, as far as its measurements go: a torch.nn module's type, settings, mode and
+    parameter and buffer shapes, or the function or method; None for a user's module."""
     if node.op == "call_module":
         module = root.get_submodule(node.target)
         if not type(module).__module__.startswith("torch.nn."):

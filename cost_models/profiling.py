@@ -27,6 +27,7 @@ from cost_models.devices import DeviceSpec, cache_root, get_device
 from cost_models.errors import ProfileError
 from cost_models.estimation import CostTable, estimate
 from cost_models.fake_measure import detach_tree
+from cost_models.fake_memo import callee_key
 from cost_models.graph.shapes import tensor_leaves
 from cost_models.loss import training_loss
 
@@ -247,7 +248,7 @@ class _NodeProfiler:
         self.warmup = warmup
         self.repeats = repeats
         self.co_runners = co_runners
-        self._splits: dict[tuple, tuple[float, float]] = {}  # by signature: repeated layers are timed once
+        self._splits: dict[tuple, tuple[float, float]] = {}  # by _signature: repeated layers timed once
         self._evict = torch.empty(_EVICT_BYTES // 4) if device.type == "cpu" else None  # written to cool the cache
 
     def run(self, inputs: tuple[torch.Tensor, ...]) -> dict[str, NodeTiming]:
@@ -338,9 +339,11 @@ class _NodeProfiler:
             weights = [leaf for leaf in leaves if isinstance(leaf, nn.Parameter)] + params  # a get_attr's too
             if inputs and weights:
                 key = _signature(node, self.module, (args, kwargs))
-                if key not in self._splits:
-                    self._splits[key] = self._split_ms(targets, grads, inputs, weights)
-                split = self._splits[key]
+                split = self._splits.get(key) if key is not None else None
+                if split is None:
+                    split = self._split_ms(targets, grads, inputs, weights)
+                    if key is not None:
+                        self._splits[key] = split
         timing = NodeTiming(statistics.median(fwd_samples[self.warmup:]),
                             statistics.median(bwd_samples[self.warmup:] or bwd_samples), peak_bytes, split)
         return detach_tree(output), timing
@@ -446,18 +449,15 @@ def in_context(alone: dict[str, NodeTiming], whole_fwd_ms: float, whole_bwd_ms: 
             for name, t in alone.items()}
 
 
-def _signature(node: torch.fx.Node, module: torch.fx.GraphModule, arguments: Any) -> tuple:
-    """What a node's times depend on: its operation (a module's type, settings and parameter shapes) and
-    its arguments' shapes and dtypes; equal for the repeated layers of a model."""
-    if node.op == "call_module":
-        submodule = module.get_submodule(node.target)
-        operation: Any = (type(submodule), submodule.extra_repr(),
-                          tuple((tuple(p.shape), p.dtype) for p in submodule.parameters()))
-    else:
-        operation = (node.op, node.target)
+def _signature(node: torch.fx.Node, module: torch.fx.GraphModule, arguments: Any) -> tuple | None:
+    """What a node's times depend on: what it calls (fake_memo.callee_key) and its arguments' shapes and
+    dtypes; equal for the repeated layers of a model, None where that cannot be told (a user's module)."""
+    callee = callee_key(node, module)
+    if callee is None:
+        return None
     leaves, spec = pytree.tree_flatten(arguments)
-    return (operation, str(spec), tuple((tuple(x.shape), x.dtype, x.requires_grad) if isinstance(x, torch.Tensor)
-                                        else repr(x) for x in leaves))
+    return (callee, str(spec), tuple((tuple(x.shape), x.dtype, x.requires_grad) if isinstance(x, torch.Tensor)
+                                     else repr(x) for x in leaves))
 
 
 def _real_callable(node: torch.fx.Node, module: torch.fx.GraphModule) -> tuple[Callable[..., Any], list]:
