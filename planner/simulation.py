@@ -45,7 +45,7 @@ def simulate_measured(plan: Plan, action_ms: Sequence[Mapping[str, float]]) -> S
         weight_grad_ms = measured(f"{stage}:W", 0.0)
         backward_ms = measured(f"{stage}:B", measured(f"{stage}:I", 0.0) + weight_grad_ms)
         stages.append(dataclasses.replace(costs, fwd_ms=measured(f"{stage}:F", costs.fwd_ms), bwd_ms=backward_ms,
-                                          weight_grad_ms=weight_grad_ms,
+                                          weight_grad_ms=weight_grad_ms, split_extra_ms=0.0,  # in the measured I
                                           optimizer_ms=measured(f"{stage}:OPTIMIZER_STEP", costs.optimizer_ms)))
     replayed = dataclasses.replace(predicted, stages=tuple(stages))
     return simulate(parse_programs(plan.programs), plan.layout, replayed)

@@ -149,6 +149,23 @@ def test_the_schedule_replayed_on_measured_compute(plan: Plan) -> None:
     assert found["step time on measured compute"].predicted == pytest.approx(slowed.step_ms)
 
 
+def test_the_replay_on_measured_compute_takes_a_split_backwards_i_as_it_was_measured(plan: Plan) -> None:
+    """A ZB-H1 run measures I and W; the replay runs each I for its measured time, not that plus the
+    predicted cost of splitting (split_extra_ms, which the measured I already holds): by hand, every rank
+    is busy M (F + I + W) + its optimizer step."""
+    from planner.manual import reschedule
+    from planner.simulation import simulate_measured
+
+    split = reschedule(plan, "zb-h1")
+    stages = tuple(dataclasses.replace(stage, predicted=dataclasses.replace(stage.predicted, split_extra_ms=5.0))
+                   for stage in split.stages)
+    split = dataclasses.replace(split, stages=stages)
+    own = [{f"{index}:F": 1.0, f"{index}:I": 2.0, f"{index}:W": 3.0, f"{index}:OPTIMIZER_STEP": 0.5}
+           for index in range(len(stages))]
+    replayed = simulate_measured(split, own)
+    assert replayed.busy_ms == pytest.approx([split.training.num_microbatches * 6.0 + 0.5] * len(stages))
+
+
 def test_pipeline_bytes_are_each_sends_transfer_and_checked_per_rank(plan: Plan) -> None:
     """By hand: on 2 stages, rank 0 sends every micro-batch's activations forward, rank 1 as many gradient
     bytes back; a run sending fewer on rank 1 shows in its check."""
