@@ -212,8 +212,9 @@ class CapacityRow:
 
 
 BREAKDOWN = ("fwd_ms", "bwd_ms", "weight_grad_ms", "split_extra_ms", "send_ms", "allreduce_ms", "optimizer_ms",
-             "swap_ms", "grad_bytes", "static_bytes", "activation_bytes", "swap_bytes", "recompute_bytes", "host_bytes", "nvme_bytes",
-             "state_bytes", "step_bytes", "tied_bytes", "accumulate_bytes", "transient_bytes")
+             "swap_ms", "grad_bytes", "static_bytes", "activation_bytes", "swap_bytes", "recompute_bytes",
+             "host_bytes", "nvme_bytes", "state_bytes", "step_bytes", "tied_bytes", "accumulate_bytes",
+             "transient_bytes")
 """The per-part terms every evaluation reports (planner/search/evaluate.py: PartSummary)."""
 
 
@@ -558,8 +559,8 @@ def _replayed_objective(problem: PipelineProblem, parts: tuple[dict[str, Term], 
     with C_s = F_s + B_s (its W included; a split backward's extra too, split_extra_ms), c_s its link and w_s
     its swaps per micro-batch (the first micro-batch crosses every cut forward and back, however many parts
     a rank holds), and k the most stages a slot holds (their all-reduces and optimizer steps follow each
-    other): exact for balanced parts with free transfers, an estimate otherwise (the simulator gives the plan's step, and
-    the search compares the families' best plans on it: planner/assemble.py).
+    other): exact for balanced parts with free transfers, an estimate otherwise (the simulator gives the
+    plan's step, and the search compares the families' best plans on it: planner/assemble.py).
     """
     balanced = problem.balanced
     if balanced is None:
