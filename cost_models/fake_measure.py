@@ -28,12 +28,14 @@ from cost_models.graph.shapes import (VALUE_DEPENDENT, concrete_copy, dtype_name
 
 @dataclass(frozen=True)
 class NodeMeasurement:
-    """Per-node result of the fake run; saved bytes are attributed to the allocating node."""
+    """Per-node result of the fake run; a saved storage is attributed to the node that allocated it
+    (``saved_bytes_by_dtype``) and to the last node saving it (``released_bytes_by_dtype``)."""
 
     outputs: tuple[TensorMeta, ...]
     fwd_flops: int
     bwd_flops: int
     saved_bytes_by_dtype: tuple[tuple[str, int], ...]
+    released_bytes_by_dtype: tuple[tuple[str, int], ...] = ()
 
 
 def storage_key(tensor: torch.Tensor | ReplayedTensor) -> int:
@@ -41,15 +43,22 @@ def storage_key(tensor: torch.Tensor | ReplayedTensor) -> int:
 
 
 class StorageLedger:
-    """Which node allocated each storage, and which storages autograd saved (counted once)."""
+    """Which node allocated each storage, and which nodes save the storages autograd keeps.
+
+    A saved storage is counted once twice over: for its producer (what a stage holds: the node's
+    output stays with the stage that made it, and a stage keeps the outputs it sent for their
+    backward), and for the last node that saves it (what recomputing or swapping that node releases:
+    a checkpointed region drops only what its own nodes save, runtime/recompute.py, and a swapped node
+    sends what it saves to the host, runtime/swap.py). A GELU's output that the next Linear saves stays
+    alive when the GELU is recomputed and the Linear is not.
+    """
 
     def __init__(self, param_tensors: Iterable[torch.Tensor]) -> None:
         self.param_keys = {storage_key(t) for t in param_tensors}
         self.producer: dict[int, str] = {}
         self.nbytes: dict[int, int] = {}
         self.alias: dict[int, int] = {}
-        self.counted: set[int] = set()
-        self.saved: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+        self.saver: dict[int, tuple[str, str]] = {}  # saved storage -> (the last node saving it, its dtype name)
         self._alive: list[torch.Tensor] = []  # keeps every keyed storage alive so keys stay unique
         self._internal = 0
 
@@ -75,17 +84,26 @@ class StorageLedger:
         self.record_key(self.resolve(tensor), tensor.dtype, tensor.untyped_storage().nbytes(), node)
 
     def record_key(self, key: int, dtype: torch.dtype, nbytes: int, node: str) -> None:
-        """Count storage ``key`` once, for its producer (``node`` if it has none yet)."""
-        if key in self.param_keys or key in self.counted:
+        """``node`` saves storage ``key`` (``nbytes`` unless its producer said otherwise; ``node`` is its
+        producer if none is known)."""
+        if key in self.param_keys:
             return
-        self.counted.add(key)
-        producer = self.producer.setdefault(key, node)
-        self.saved[producer][dtype_name(dtype)] += self.nbytes.setdefault(key, nbytes)
+        self.producer.setdefault(key, node)
+        self.nbytes.setdefault(key, nbytes)
+        self.saver[key] = (node, dtype_name(dtype))
 
     def record_internal(self, dtype: torch.dtype, nbytes: int, node: str) -> None:
         """A storage ``node`` allocated and autograd saved, re-counted without a tensor (replay)."""
         self._internal -= 1  # negative keys never collide with real storages
         self.record_key(self._internal, dtype, nbytes, node)
+
+    def saved_bytes(self, *, by_saver: bool) -> dict[str, collections.Counter[str]]:
+        """Per node, the bytes of the saved storages it produced (or, ``by_saver``, is the last to
+        save), by dtype name."""
+        saved: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+        for key, (node, dtype) in self.saver.items():
+            saved[node if by_saver else self.producer[key]][dtype] += self.nbytes[key]
+        return saved
 
 
 def flop_counter() -> FlopCounterMode:
@@ -120,8 +138,9 @@ def measure_graph(module: torch.fx.GraphModule,
         ledger = StorageLedger(())  # parameters join it as the runner makes their fakes
         runner = _FakeRunner(module, ledger, fake_mode)
         flops = runner.run(example_inputs)
-    return {name: NodeMeasurement(outputs, fwd, bwd,
-                                  tuple(sorted(ledger.saved.get(name, {}).items())))
+    made, saves = ledger.saved_bytes(by_saver=False), ledger.saved_bytes(by_saver=True)
+    return {name: NodeMeasurement(outputs, fwd, bwd, tuple(sorted(made.get(name, {}).items())),
+                                  tuple(sorted(saves.get(name, {}).items())))
             for name, (outputs, fwd, bwd) in flops.items()}
 
 

@@ -68,14 +68,18 @@ class Geometry:
 class NodeWork:
     """What one node costs, measured once on fake tensors while tracing.
 
-    FLOPs come from torch.utils.flop_counter; ``saved_bytes_by_dtype`` holds the storages that
-    this node allocates and autograd keeps for the backward pass (de-duplicated by storage,
-    parameters excluded), keyed by dtype name so precision changes can rescale them.
+    FLOPs come from torch.utils.flop_counter. The storages autograd keeps for the backward pass
+    (de-duplicated by storage, parameters excluded; keyed by dtype name so precision changes can
+    rescale them) are counted twice over (cost_models.fake_measure.StorageLedger):
+    ``saved_bytes_by_dtype`` holds those this node allocates (what the stage holding it keeps),
+    ``released_bytes_by_dtype`` those it is the last to save (what recomputing or swapping it
+    releases). Both add up to the same over a whole graph.
     """
 
     fwd_flops: int = 0
     bwd_flops: int = 0
     saved_bytes_by_dtype: tuple[tuple[str, int], ...] = ()
+    released_bytes_by_dtype: tuple[tuple[str, int], ...] = ()
 
     @property
     def saved_bytes(self) -> int:
@@ -83,12 +87,15 @@ class NodeWork:
 
     def to_dict(self) -> dict[str, Any]:
         return {"fwd_flops": self.fwd_flops, "bwd_flops": self.bwd_flops,
-                "saved_bytes_by_dtype": {dtype: n for dtype, n in self.saved_bytes_by_dtype}}
+                "saved_bytes_by_dtype": dict(self.saved_bytes_by_dtype),
+                "released_bytes_by_dtype": dict(self.released_bytes_by_dtype)}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "NodeWork":
         saved = tuple(sorted(data["saved_bytes_by_dtype"].items()))
-        return cls(data["fwd_flops"], data["bwd_flops"], saved)
+        released = data.get("released_bytes_by_dtype")  # absent: written before it was measured
+        return cls(data["fwd_flops"], data["bwd_flops"], saved,
+                   saved if released is None else tuple(sorted(released.items())))
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,7 @@ class Unit:
     weight_bytes: int = 0  # of state_bytes: the weights (in the training dtype)
     optimizer_bytes: int = 0  # of state_bytes: fp32 master weights and optimizer state
     param_numel: int = 0  # elements of those parameters (what an optimizer step touches)
-    offloadable_bytes: int = 0  # of activation_bytes: what its nodes save (the loss's share excluded)
+    offloadable_bytes: int = 0  # what recomputing or swapping it releases: what its nodes are the last to save
     input_bytes: int = 0  # what a checkpoint of this unit keeps: the activations alive where it starts
     weight_grad_ms: float = 0.0  # what a split backward's W takes (its parameters' gradients; NodeCost)
     split_extra_ms: float = 0.0  # what splitting its backward costs beyond bwd_ms (NodeCost: measured)
@@ -461,6 +461,7 @@ def _unit(graph: LayerGraph, table: CostTable, names: list[str], precision: Prec
                    for p in dict.fromkeys(graph.node(name).param_names))
     costs = [table[name] for name in names]
     saved = sum(c.saved_activation_bytes for c in costs)
+    released = sum(c.released_activation_bytes for c in costs)
     loss_kept, loss_working = _loss_bytes(graph, table, names, precision)
     computing = [(cost, name) for cost, name in zip(costs, names) if graph.node(name).kind is not NodeKind.PARAM]
     transient = max((*(2 * cost.output_bytes for cost, _ in computing), loss_working), default=0)
@@ -476,8 +477,8 @@ def _unit(graph: LayerGraph, table: CostTable, names: list[str], precision: Prec
         weight_bytes=sum(p.weight_bytes for p in state),
         optimizer_bytes=sum(p.optimizer_bytes for p in state),
         param_numel=sum(p.numel for p in state),
-        offloadable_bytes=saved,
-        input_bytes=min(saved, crossing_before),
+        offloadable_bytes=released,
+        input_bytes=min(released, crossing_before),
         weight_grad_ms=sum(c.weight_grad_ms for c in costs),
         split_extra_ms=sum(c.split_extra_ms for c in costs),
         param_tensors=sum(p.tensors for p in state),

@@ -52,6 +52,21 @@ def test_activations_rescale_with_precision() -> None:
     assert bf16["_0"].output_bytes * 2 == fp32["_0"].output_bytes
 
 
+def test_a_saved_tensor_is_kept_by_its_maker_and_released_by_its_last_saver() -> None:
+    """Linear -> GELU -> Linear on 8 x 64 fp32 inputs, hand-computed: the first Linear saves the input
+    (2048 bytes), the GELU the first Linear's output (8 x 256 x 4 = 8192), the second Linear the GELU's
+    output (8192). Each is held with the node that made it; recomputing a node releases what it saves:
+    recomputing the GELU alone keeps its own output, which the second Linear still saves."""
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    graph = trace(model, torch.empty(8, 64, device="meta"))
+    table = estimate(graph, "A100-80GB", "sgd", "fp32")
+    source = graph.input_nodes[0].name
+    rows = {name: (table[name].saved_activation_bytes, table[name].released_activation_bytes)
+            for name in (source, "_0", "_1", "_2")}
+    assert rows == {source: (2048, 0), "_0": (8192, 2048), "_1": (8192, 8192), "_2": (0, 8192)}
+    assert table.total("saved_activation_bytes") == sum(cost.released_activation_bytes for cost in table.costs)
+
+
 def _toy_device(tflops: float, gb_per_s: float, overhead_us: float = 0.0):
     link = LinkSpec("toy-link", 10.0, 1.0)
     return dataclasses.replace(get_device("V100-16GB"), name="toy", fp32_tflops=tflops,
