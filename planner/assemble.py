@@ -186,7 +186,7 @@ def _stage_plan(best: Candidate, index: int, nodes: tuple[str, ...], graph: Laye
     offload = _offload(best, index, graph)
     return StagePlan(index, nodes, StagePrediction(
         part.fwd_ms, part.bwd_ms, sum(best.setup.table[name].param_bytes for name in nodes),
-        part.static_bytes + part.recompute_bytes, part.activation_bytes,
+        part.held_bytes, part.activation_bytes,
         part.allreduce_ms, part.optimizer_ms, part.swap_bytes, part.swap_ms, part.host_bytes, part.nvme_bytes,
         part.weight_grad_ms, part.grad_bytes if best.setup.config.state.zero_stage < 2 else 0,  # ZeRO-2/3: shards
         part.step_excess_bytes, part.tied_bytes, part.accumulate_excess_bytes, part.split_extra_ms),

@@ -142,16 +142,26 @@ class PartSummary:
     accumulate_bytes: int = 0  # in a backward adding into the gradients: its working set (new weight gradients)
     transient_bytes: int = 0  # of static_bytes: the largest working set of a forward or backward
     split_extra_ms: float = 0.0  # a split backward's I and W beyond bwd_ms (I takes bwd - W + this)
+    region_transient_bytes: int = 0  # a node's working set alone (the loss's excluded): at a region's backward
 
     @property
     def compute_ms(self) -> float:
         return self.fwd_ms + self.bwd_ms
 
     @property
+    def held_bytes(self) -> int:
+        """What the part holds all step beside its activations, at the worse of two moments: its static
+        bytes (with the largest transient), or in a recomputed region's backward its static bytes with a
+        node's working set in place of the largest transient and the region's activations (the simulator's
+        static bytes)."""
+        regional = self.region_transient_bytes + self.recompute_bytes
+        return max(self.static_bytes, self.static_bytes - self.transient_bytes + regional)
+
+    @property
     def step_excess_bytes(self) -> int:
         """How far the optimizer step's memory (model state and step buffers, nothing else) rises above
-        what the part holds all step (static and recompute bytes): the simulator's step event."""
-        return max(0, self.state_bytes + self.step_bytes - self.static_bytes - self.recompute_bytes)
+        what the part holds all step (:attr:`held_bytes`): the simulator's step event."""
+        return max(0, self.state_bytes + self.step_bytes - self.held_bytes)
 
     @property
     def accumulate_excess_bytes(self) -> int:
@@ -256,4 +266,4 @@ def _summary(model: CostModel, part: int, first: int, last: int, decisions: Deci
                        round(values["host_bytes"]), round(values["nvme_bytes"]), values["weight_grad_ms"],
                        round(values["state_bytes"]), round(values["step_bytes"]), round(values["tied_bytes"]),
                        round(values["accumulate_bytes"]), round(values["transient_bytes"]),
-                       values["split_extra_ms"])
+                       values["split_extra_ms"], round(values["region_transient_bytes"]))

@@ -459,7 +459,8 @@ def _memory(lp: pulp.LpProblem, variables: _Variables, costs: CostModel) -> dict
         name = f"memory_slot_{row.slot}" + ("" if row.moment == "compute" else f"_at_{row.moment}_{index}")
         lp += variables.total((term, part, scale) for part, term in row.members) <= 1.0, name
         part = row.members[0][0]  # a step or accumulate row's own stage comes first
-        label = f"slot {row.slot}" + {"compute": "", "backward": " at a backward's end (tied gradients summed)",
+        label = f"slot {row.slot}" + {"compute": "", "recompute": " in a recomputed region's backward",
+                                      "backward": " at a backward's end (tied gradients summed)",
                                       "accumulate": f" in a backward of part {part} adding into its gradients",
                                       "step": f" at part {part}'s optimizer step"}[row.moment]
         constraints[label] = lp.get_constraint_by_name(name)

@@ -204,9 +204,10 @@ def decided_step_floor(costs: CostModel, enough_ms: float = float("inf"),
     sum over parts, minimised over partitions by min-plus DPs (from the first part and from the last,
     joined at part k). A part holding units first..last pays, besides those terms without
     decisions, the time to free what its memory rows hold beyond the budget, where a region's kept
-    inputs count as free (inf where even every unit at its most frugal does not fit): at least that
-    excess times the fewest ms per byte freed of any unit it holds (recompute or swap), and at least a
-    fractional knapsack's least time over a superset of its units (_least_freeing_ms). Needs
+    inputs count as free (inf where even every unit at its most frugal does not fit): for each row at
+    least its excess times the fewest ms per byte freed of any unit it holds (recompute or swap), and at
+    least a fractional knapsack's least time over a superset of its units (_least_freeing_ms); the most
+    of its rows' (the same decisions free bytes in every row, so their times do not add up). Needs
     check_exact's layouts (one part per memory row); -inf where a decision could cost negative time
     or memory. tests/unit/test_memory_tiers.py checks it against a brute force and the ILP.
     """
@@ -310,6 +311,7 @@ def _part_floor(costs: CostModel, chosen: list[tuple[Term, float]], part: int,
         return None
     value = weighted_matrix(costs, chosen)
     firsts, lasts = np.arange(count)[:, None], np.arange(count)[None, :]
+    freeing_ms = np.zeros_like(value)  # the most any one row needs: the same decisions free every row's bytes
     for held, fits, by_recompute, by_swap in rows:
         with np.errstate(divide="ignore", invalid="ignore"):
             per_byte = np.minimum(np.where(by_recompute > 0, recompute_ms / by_recompute, np.inf),
@@ -318,9 +320,9 @@ def _part_floor(costs: CostModel, chosen: list[tuple[Term, float]], part: int,
             excess = held - costs.problem.mem_bytes
             freeing = np.maximum(excess * cheapest, _least_freeing_ms(
                 (recompute_ms, swap_ms, by_recompute, by_swap), excess, part == 0, part == costs.num_parts - 1))
-            value = value + np.where(excess > 0, freeing, 0.0)
+            freeing_ms = np.maximum(freeing_ms, np.where(excess > 0, freeing, 0.0))
         value = np.where(fits, value, np.inf)
-    return value
+    return value + freeing_ms
 
 
 def _least_freeing_ms(freeing: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], excess: np.ndarray,

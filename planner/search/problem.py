@@ -54,7 +54,7 @@ class Unit:
     weight_bytes: int = 0  # of state_bytes: the weights (in the training dtype)
     optimizer_bytes: int = 0  # of state_bytes: fp32 master weights and optimizer state
     param_numel: int = 0  # elements of those parameters (what an optimizer step touches)
-    offloadable_bytes: int = 0  # what recomputing or swapping it releases: what its nodes are the last to save
+    offloadable_bytes: int = 0  # what recomputing or swapping it releases: what its nodes last save
     input_bytes: int = 0  # what a checkpoint of this unit keeps: the activations alive where it starts
     weight_grad_ms: float = 0.0  # what a split backward's W takes (its parameters' gradients; NodeCost)
     split_extra_ms: float = 0.0  # what splitting its backward costs beyond bwd_ms (NodeCost: measured)
@@ -63,6 +63,14 @@ class Unit:
     tied_grad_bytes: int = 0  # gradients of its parameters that several of its nodes use (tied weights)
     accumulating_bytes: int = 0  # working set of a backward adding into existing gradients: a node's output
     # gradient and the new gradient of the parameters it uses (at least transient_bytes)
+    node_transient_bytes: int | None = None  # of transient_bytes, the largest node's alone: without the
+    # loss's working bytes (None: all of transient_bytes)
+
+    @property
+    def region_transient_bytes(self) -> int:
+        """The working set while a recomputed region's backward runs: a node's output and its gradient. The
+        loss's working bytes are gone by then (its backward runs first and hands on one output gradient)."""
+        return self.transient_bytes if self.node_transient_bytes is None else self.node_transient_bytes
 
 
 @dataclass(frozen=True)
@@ -253,6 +261,7 @@ def spatial_part(choice: SpatialChoice, coarse: Coarsening, geometry: TileGeomet
             split_extra_ms=unit.split_extra_ms * bwd_ms / unit.bwd_ms if unit.bwd_ms else 0.0,
             activation_bytes=round(saved), offloadable_bytes=round(saved),
             transient_bytes=round(max((cost.transient_bytes for cost in on_tiles), default=0.0)),
+            node_transient_bytes=None,  # a tile's working sets are its nodes' (no loss among them)
             input_bytes=round(min(saved, unit.input_bytes * (first.share if first else 1.0)))))
     reach = len(coarse.units) if tileable is None else tileable
     boundary = tuple(float(whole) if crossing is None or cut >= reach else crossing[coarse.units[cut].nodes[-1]]
@@ -464,7 +473,8 @@ def _unit(graph: LayerGraph, table: CostTable, names: list[str], precision: Prec
     released = sum(c.released_activation_bytes for c in costs)
     loss_kept, loss_working = _loss_bytes(graph, table, names, precision)
     computing = [(cost, name) for cost, name in zip(costs, names) if graph.node(name).kind is not NodeKind.PARAM]
-    transient = max((*(2 * cost.output_bytes for cost, _ in computing), loss_working), default=0)
+    node_transient = max((2 * cost.output_bytes for cost, _ in computing), default=0)
+    transient = max(node_transient, loss_working)
     return Unit(
         nodes=tuple(names),
         fwd_ms=sum(c.fwd_ms for c in costs),
@@ -473,6 +483,7 @@ def _unit(graph: LayerGraph, table: CostTable, names: list[str], precision: Prec
         grad_bytes=sum(p.grad_bytes for p in state),
         activation_bytes=saved + loss_kept,
         transient_bytes=transient,
+        node_transient_bytes=node_transient,
         shared=tuple(sorted(shared_index[p] for p in params if p in shared_index)),
         weight_bytes=sum(p.weight_bytes for p in state),
         optimizer_bytes=sum(p.optimizer_bytes for p in state),

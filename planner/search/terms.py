@@ -198,8 +198,9 @@ class MemoryRow:
 
     slot: int
     members: tuple[tuple[int, Term], ...]  # (part, term)
-    moment: str = "compute"  # "compute" (forwards and backwards), "backward" (a backward's end), "accumulate"
-    # (a backward adding into the gradients), "step" (the optimizer step)
+    moment: str = "compute"  # "compute" (forwards and backwards), "recompute" (a recomputed region's
+    # backward), "backward" (a backward's end), "accumulate" (a backward adding into the gradients), "step"
+    # (the optimizer step)
 
 
 @dataclass(frozen=True)
@@ -214,7 +215,7 @@ class CapacityRow:
 BREAKDOWN = ("fwd_ms", "bwd_ms", "weight_grad_ms", "split_extra_ms", "send_ms", "allreduce_ms", "optimizer_ms",
              "swap_ms", "grad_bytes", "static_bytes", "activation_bytes", "swap_bytes", "recompute_bytes",
              "host_bytes", "nvme_bytes", "state_bytes", "step_bytes", "tied_bytes", "accumulate_bytes",
-             "transient_bytes")
+             "transient_bytes", "region_transient_bytes")
 """The per-part terms every evaluation reports (planner/search/evaluate.py: PartSummary)."""
 
 
@@ -297,14 +298,15 @@ def cost_model(problem: PipelineProblem) -> CostModel:
 
     Memory of stage t on part s: its weights, gradients, optimizer state and
     buffers (as its mode keeps them), its largest transient, one send buffer (and on gloo the receives of
-    the next run, posted a run ahead: an input and a gradient's worth), the recomputed
-    unit's activations, two micro-batches' swapped bytes, and in-flight(t) x (kept saved
-    activations + received inputs); on the last part the activations include what the loss keeps
-    (added to the unit holding the graph's output in planner/search/problem.py). Two other moments have
-    rows of their own (:func:`_memory_rows`): a backward's end, where a stage holding both uses of a tied
-    weight sums their partial gradients with one micro-batch fewer in flight; and its optimizer step, which
-    holds the model state and its worst bucket's buffers (``step_bytes``) but no activations. Each node's
-    host memory and NVMe hold what its ranks' modes and swaps put there.
+    the next run, posted a run ahead: an input and a gradient's worth), two micro-batches' swapped bytes,
+    and in-flight(t) x (kept saved activations + received inputs); on the last part the activations
+    include what the loss keeps (added to the unit holding the graph's output in planner/search/problem.py).
+    Other moments have rows of their own (:func:`_memory_rows`): a recomputed region's backward, where its
+    activations exist again beside a node's working set in place of the largest transient (a language
+    model's is the loss's, whose backward ran first); a backward's end, where a stage holding both uses of a
+    tied weight sums their partial gradients with one micro-batch fewer in flight; and its optimizer step,
+    which holds the model state and its worst bucket's buffers (``step_bytes``) but no activations. Each
+    node's host memory and NVMe hold what its ranks' modes and swaps put there.
     """
     shared = _shared_terms(problem, problem.units)
     tiled = [_tiled_terms(problem, spatial) for spatial in problem.spatial]
@@ -352,6 +354,9 @@ def _shared_terms(problem: PipelineProblem, units: tuple[Unit, ...],
         # while a region's backward runs its activations exist again: at most its block's, counted for
         # the part's largest block whether or not it recomputes, so no rounding of the shares exceeds it
         "recompute_bytes": Term(unit_max=_block_bytes(units) if recompute else (), max_name="recomputed"),
+        # and beside them a node's working set, not the loss's: its backward ran first (cost_models.loss)
+        "region_transient_bytes": Term(unit_max=tuple(float(u.region_transient_bytes) for u in units),
+                                       max_name="region_transient"),
     }
     terms["swap_ms"] = terms["swap_bytes"].scaled(tiers.host_link.ms_per_byte)
     terms["compute_ms"] = terms["fwd_ms"].plus(terms["bwd_ms"])
@@ -486,7 +491,7 @@ def _part_terms(problem: PipelineProblem, part: int, shared: dict[str, Term],
     allreduce = problem.allreduce[part]
     terms: dict[str, Term] = {name: shared[name] for name in (
         "fwd_ms", "bwd_ms", "weight_grad_ms", "split_extra_ms", "compute_ms", "grad_bytes", "swap_bytes", "swap_ms",
-        "recompute_bytes", "tied_bytes", "accumulate_bytes", "transient_bytes")}
+        "recompute_bytes", "tied_bytes", "accumulate_bytes", "transient_bytes", "region_transient_bytes")}
     if is_first:  # its inputs are data, carrying no gradient: a split backward's I has nothing to do, W all of it
         terms["weight_grad_ms"] = dataclasses.replace(shared["bwd_ms"], family="weight_grad_ms")
         terms["split_extra_ms"] = Term()  # (the runtime's W there is one whole backward)
@@ -584,7 +589,9 @@ def _replayed_objective(problem: PipelineProblem, parts: tuple[dict[str, Term], 
 
 
 def _memory_rows(problem: PipelineProblem, parts: tuple[dict[str, Term], ...]) -> tuple[MemoryRow, ...]:
-    """Per slot, what it holds at the peak of its forwards and backwards; at the end of a backward, where
+    """Per slot, what it holds at the peak of its forwards and backwards (its largest transient, which for
+    a language model is the loss's); in the backward of a recomputed region, whose activations exist again
+    beside a node's working set (the loss's is gone by then); at the end of a backward, where
     tied weights' partial gradients are summed after the micro-batch's activations went (one micro-batch
     fewer in flight); at the start of each of its stages' backwards that add into its gradients (not the
     step's first, which makes them): the largest node's new weight gradient, with the micro-batches the stage
@@ -597,8 +604,11 @@ def _memory_rows(problem: PipelineProblem, parts: tuple[dict[str, Term], ...]) -
     rows = []
     for slot in range(layout.num_slots):
         static: list[tuple[int, Term]] = []
-        held: list[tuple[int, Term]] = []
-        summing: list[tuple[int, Term]] = []  # at a backward's end: tied gradients, one micro-batch fewer held
+        held: list[tuple[int, Term]] = []  # activations, and a recomputed region's while its backward runs
+        summing: list[tuple[int, Term]] = []  # at a backward's end: tied gradients, one micro-batch fewer held,
+        # a node's working set (the first node's backward: the loss's working bytes are gone)
+        computing: list[tuple[int, Term]] = []  # at the largest transient (the loss's): no region rematerialised
+        recomputing: list[tuple[int, Term]] = []  # in a recomputed region's backward: a node's working set
         for stage in layout.stages_on_slot(slot):
             part = layout.part(stage)
             terms = parts[part]
@@ -606,13 +616,18 @@ def _memory_rows(problem: PipelineProblem, parts: tuple[dict[str, Term], ...]) -
             if problem.tiers.swap:
                 resident = problem.swapped_resident[stage] if problem.swapped_resident else 2
                 activations = activations.plus(terms["swap_bytes"], float(resident))
+            computing += [(part, terms["static_bytes"]), (part, activations)]
+            working = terms["kept_bytes"].plus(terms["region_transient_bytes"])  # a node's, the loss's gone
             if problem.tiers.recompute:
                 activations = activations.plus(terms["recompute_bytes"])
+                recomputing += [(part, working), (part, activations)]
             static.append((part, terms["static_bytes"]))
             held.append((part, activations))
-            summing += [(part, terms["static_bytes"].plus(terms["tied_bytes"])),
+            summing += [(part, working.plus(terms["tied_bytes"])),
                         (part, activations.plus(terms["activation_bytes"], -1.0))]
-        rows.append(MemoryRow(slot, tuple(member for pair in zip(static, held) for member in pair)))
+        rows.append(MemoryRow(slot, tuple(computing)))
+        if recomputing:
+            rows.append(MemoryRow(slot, tuple(recomputing), "recompute"))
         if any(parts[part]["tied_bytes"].upper_bound() > 0 for part, _ in static):
             rows.append(MemoryRow(slot, tuple(summing), "backward"))
         for index, stage in enumerate(layout.stages_on_slot(slot)):

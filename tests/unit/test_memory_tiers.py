@@ -197,6 +197,28 @@ def test_recompute_adds_the_forward_and_keeps_only_the_inputs() -> None:
     assert kept.slot_peak_bytes[0] - recomputed.slot_peak_bytes[0] == 3 * 800
 
 
+@pytest.mark.parametrize(("loss_node_transient", "peaks"), [
+    (10, (200 + 5000 + 3 * 2000, 200 + 5000 + 3 * 1200)),  # the loss's 5000 bytes, without the block's 2000
+    (None, (200 + 5000 + 3 * 2000 + 2000, 200 + 5000 + 3 * 1200 + 2000)),  # a node's 5000: beside the block's
+])
+def test_a_recomputed_regions_backward_is_not_counted_beside_the_losss_working_bytes(
+        loss_node_transient: int | None, peaks: tuple[int, int]) -> None:
+    """Two units of one block (2000 saved bytes together, 200 of state), 3 micro-batches in flight, the
+    second holding the loss, whose backward works on 5000 bytes. The loss's backward runs before any
+    recomputed region's, so the peak is the larger of the two moments: model state + 5000 + activations,
+    or model state + a node's working set (10) + activations + the block rematerialised (2000). Were the
+    5000 bytes a node's own (``None``), they and the block would be held at once. Recomputing the first
+    unit keeps 200 of its 1000 bytes per micro-batch."""
+    unit = Unit(("a",), 2.0, 3.0, 100, 0, 1000, 10, (), 0, 0, 0, 1000, 200)
+    loss = Unit(("loss",), 1.0, 1.0, 100, 0, 1000, 5000, (), 0, 0, 0, 1000, 200,
+                node_transient_bytes=loss_node_transient)
+    problem = PipelineProblem((unit, loss), (50,), (), Layout.pipeline(1), ScheduleKind.GPIPE, 3, (3,), (),
+                              (LinearCost(0.0, 0.0),), 10**6, _tiers())
+    costs = cost_model(problem)
+    assert tuple(evaluate(costs, (), Decisions((r, 0.0), (0.0, 0.0))).slot_peak_bytes[0]
+                 for r in (0.0, 1.0)) == peaks
+
+
 def test_state_modes_follow_what_offload_allows() -> None:
     assert state_modes(frozenset(), sharded=True) == (ON_GPU,)
     everything = state_modes(frozenset(Offload), sharded=True)
