@@ -125,8 +125,7 @@ def _host_adam_params_per_s(gpus: int) -> float:
                                        names=("adam",))["adam"]
     finally:
         torch.set_num_threads(previous)
-    seconds = adam.ms(len(GPU_MIX), sum(GPU_MIX)) / 1e3
-    return sum(GPU_MIX) / max(seconds, 1e-9)
+    return adam.params_per_s(GPU_MIX)
 
 
 def _cuda_seconds(device: Any, work: Callable[[], object]) -> float:

@@ -290,6 +290,8 @@ def measure_cpu_device(*, threads: int | None = None, link: LinkSpec | None = No
         collective_link=collective,
         optimizer_steps=optimizer_steps,
         host_mem_bytes=mem_bytes,  # the "device" is the host: one memory (each rank's share of it)
+        # and the same cores: the host tier's Adam steps at the device's own measured rate, not a default
+        host_optimizer_params_per_s=optimizer_steps["adam"].params_per_s(CPU_MIX),
         nvme_bytes=shutil.disk_usage(tempfile.gettempdir()).free,  # where --nvme-dir defaults to
     )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,6 +105,15 @@ class OptimizerStepCost:
 
     def ms(self, tensors: float, params: float) -> float:
         return tensors * self.us_per_tensor / 1e3 + params * self.ns_per_param / 1e6
+
+    def params_per_s(self, sizes: Sequence[int]) -> float:
+        """Parameters per second over one step of tensors of ``sizes`` parameters (the per-tensor time spread
+        over them).
+
+        >>> round(OptimizerStepCost(us_per_tensor=10.0, ns_per_param=1.0).params_per_s([10_000, 10_000]))
+        500000000
+        """
+        return sum(sizes) / max(self.ms(len(sizes), sum(sizes)) / 1e3, 1e-12)
 
 
 @dataclass(frozen=True)

@@ -189,7 +189,7 @@ def _stage_plan(best: Candidate, index: int, nodes: tuple[str, ...], graph: Laye
         part.held_bytes, part.activation_bytes,
         part.allreduce_ms, part.optimizer_ms, part.swap_bytes, part.swap_ms, part.host_bytes, part.nvme_bytes,
         part.weight_grad_ms, part.grad_bytes if best.setup.config.state.zero_stage < 2 else 0,  # ZeRO-2/3: shards
-        part.step_excess_bytes, part.tied_bytes, part.accumulate_excess_bytes, part.split_extra_ms),
+        part.step_excess_bytes, part.tied_excess_bytes, part.accumulate_excess_bytes, part.split_extra_ms),
         spatial=_spatial(best, index, nodes, graph, offload), offload=offload)
 
 

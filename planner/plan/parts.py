@@ -219,7 +219,8 @@ class StagePrediction:
     weight_grad_ms: float = 0.0  # what a split backward's W takes: the parameters' gradients
     grad_bytes: int = 0  # of static_bytes: gradients, from the step's first backward to its optimizer step
     step_bytes: int = 0  # during its optimizer step: what the step's buffers add above static_bytes (worst bucket)
-    tied_bytes: int = 0  # at each backward's end, once its activations went: tied weights' partial gradients
+    tied_bytes: int = 0  # at each backward's end, once its activations went: what tied weights' partial
+    # gradients add above static_bytes (beside a node's working set, in place of the largest transient)
     accumulate_bytes: int = 0  # from a backward that adds into its gradients: the largest node's new gradient
     split_extra_ms: float = 0.0  # a split backward's I and W beyond bwd_ms, measured (I takes bwd - W + this)
 

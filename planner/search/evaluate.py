@@ -164,6 +164,14 @@ class PartSummary:
         return max(0, self.state_bytes + self.step_bytes - self.held_bytes)
 
     @property
+    def tied_excess_bytes(self) -> int:
+        """What a backward's end, summing tied weights' partial gradients beside a node's working set (the
+        loss's gone) and a recomputed region's activations, adds to :attr:`held_bytes` with one micro-batch
+        fewer held: the simulator's tied event, as the memory row's "backward" moment counts it."""
+        working = self.region_transient_bytes + self.recompute_bytes
+        return max(0, self.tied_bytes - max(0, self.transient_bytes - working))
+
+    @property
     def accumulate_excess_bytes(self) -> int:
         """How far a backward adding into the gradients works above the transient static_bytes counts."""
         return max(0, self.accumulate_bytes - self.transient_bytes)

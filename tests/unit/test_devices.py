@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from cost_models import devices
 from cost_models.devices import (
@@ -23,6 +24,8 @@ from cost_models.devices import (
     save_device,
 )
 from cost_models.errors import InvalidArgument, UnknownDevice
+from cost_models.optimizer_timing import CPU_MIX
+from planner.plan import StateTier
 
 GIB = 2**30
 
@@ -352,6 +355,22 @@ def test_the_cpu_device_times_each_optimizers_step_per_tensor_and_per_parameter(
     assert steps["sgd"].ns_per_param < steps["adam"].ns_per_param
     assert cpu.optimizer_step("adam") == steps["adam"] and type(cpu).from_dict(cpu.to_dict()) == cpu
     assert dataclasses.replace(cpu, optimizer_steps=()).optimizer_step("adam") is None
+    # the host tier is this CPU: its Adam updates the 40 mixed tensors' 4.2 M parameters at the same rate
+    seconds = (40 * steps["adam"].us_per_tensor * 1e-6 + sum(CPU_MIX) * steps["adam"].ns_per_param * 1e-9)
+    assert len(CPU_MIX) == 40 and cpu.host_optimizer_params_per_s == pytest.approx(sum(CPU_MIX) / seconds)
+
+
+def test_on_the_cpu_device_the_host_tier_buys_no_speed() -> None:
+    """The host is the CPU itself: moving the optimizer there steps at the same rate and adds the copies,
+    so a model that fits keeps it on the device (it was chosen for speed while the host rate was a
+    400 M parameters/s default, several times the measured CPU step)."""
+    from examples.models.gpt import gpt
+    from planner import plan
+
+    model = gpt(vocab=8192, hidden=256, layers=2, heads=4, seq_len=32, dropout=0.0, device="meta")
+    made = plan(model, 1, "8GB", batch_size=4, example_inputs=torch.zeros((1, 32), dtype=torch.int64),
+                device="cpu", optimizer="adam", precision="fp32", profile=False)
+    assert made.stages[0].offload.optimizer_state is StateTier.GPU
 
 
 def test_a_gpu_rank_gets_its_share_of_the_cores_and_at_least_one() -> None:

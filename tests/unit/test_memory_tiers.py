@@ -28,7 +28,7 @@ from planner.schedules.generate import gpipe
 from planner.schedules.lower import lower
 from planner.schedules.simulate import SimCosts, StageCosts, simulate
 from planner.schedules.swaps import insert_swaps
-from planner.search.evaluate import Decisions, Evaluation, evaluate
+from planner.search.evaluate import Decisions, Evaluation, evaluate, row_value
 from planner.search.ilp import IlpResult, SolveStatus, solve_partition
 from planner.search.oracle import _row_interp, decided_step_floor
 from planner.search.problem import (
@@ -217,6 +217,25 @@ def test_a_recomputed_regions_backward_is_not_counted_beside_the_losss_working_b
     costs = cost_model(problem)
     assert tuple(evaluate(costs, (), Decisions((r, 0.0), (0.0, 0.0))).slot_peak_bytes[0]
                  for r in (0.0, 1.0)) == peaks
+
+
+@pytest.mark.parametrize(("tied_grad_bytes", "excess"), [(150, 0), (3000, 6000 - (5000 - 10))])
+def test_the_simulators_tied_event_is_the_memory_rows_backward_end(tied_grad_bytes: int, excess: int) -> None:
+    """A unit whose 2 uses of a tied weight hold 2 x its gradient at the end of its backward, after the loss's
+    (5000 working bytes, a node's 10): the "backward" row holds the sums beside the node's 10 bytes in place
+    of the 5000 and one micro-batch fewer; the simulator holds its static bytes all step and adds only what
+    the sums exceed of the 4990 bytes it holds beyond them (PartSummary.tied_excess_bytes)."""
+    tied = Unit(("a",), 2.0, 3.0, 100, 0, 1000, 10, (), 0, 0, 0, 1000, 200, tied_grad_bytes=tied_grad_bytes)
+    loss = Unit(("loss",), 1.0, 1.0, 100, 0, 1000, 5000, (), 0, 0, 0, 1000, 200, node_transient_bytes=10)
+    problem = PipelineProblem((tied, loss), (50,), (), Layout.pipeline(1), ScheduleKind.GPIPE, 3, (3,), (),
+                              (LinearCost(0.0, 0.0),), 10**6, _tiers(recompute=False, swap=False))
+    costs = cost_model(problem)
+    part = evaluate(costs, ()).parts[0]
+    assert part.tied_excess_bytes == excess
+    (row,) = [row for row in costs.memory if row.moment == "backward"]
+    assert row_value(costs, row, [(0, 1)]) == 200 + 10 + 2 * tied_grad_bytes + 2 * 2000
+    if excess > 0:  # the simulator's level at that moment: held all step, 2 micro-batches, the excess
+        assert part.held_bytes + 2 * 2000 + part.tied_excess_bytes == row_value(costs, row, [(0, 1)])
 
 
 def test_state_modes_follow_what_offload_allows() -> None:
