@@ -45,7 +45,7 @@ def storage_key(tensor: torch.Tensor | ReplayedTensor) -> int:
 class StorageLedger:
     """Which node allocated each storage, and which nodes save the storages autograd keeps.
 
-    A saved storage is counted once twice over: for its producer (what a stage holds: the node's
+    Each saved storage is counted twice, in two ledgers: for its producer (what a stage holds: the node's
     output stays with the stage that made it, and a stage keeps the outputs it sent for their
     backward), and for the last node that saves it (what recomputing or swapping that node releases:
     a checkpointed region drops only what its own nodes save, runtime/recompute.py, and a swapped node

@@ -138,13 +138,14 @@ class Executor:
         self.action_ms: dict[tuple[int, ActionKind], list[float]] = {}  # the last step's, per (stage, kind)
 
     def _model_state(self) -> list[torch.Tensor]:
-        """Parameters, buffers, gradients, fp32 masters and optimizer state of this rank's stages."""
+        """Parameters, buffers, gradients, and the fp32 masters and optimizer state of this rank's stages that
+        count as device memory (the host tier's are host memory, on a CPU rank too)."""
         tensors: list[torch.Tensor] = []
         for stage in self.stages.values():
             tensors += [*stage.module.parameters(), *stage.module.buffers(), *stage.attrs.values()]
             tensors += [p.grad for p in stage.params.values() if p.grad is not None]
             if stage.state is not None:
-                tensors += stage.state.held_tensors()
+                tensors += stage.state.device_tensors()
         return tensors + self.versions.tensors()
 
     def _params_in_use(self, stage: LocalStage) -> contextlib.AbstractContextManager[None]:

@@ -16,7 +16,8 @@ Held-bytes accounting (each storage counted once):
 * model state: this rank's parameters and buffers, their gradients, the optimizer state, and
   under mixed precision (runtime/precision.py) the fp32 master weights (with their gradients
   during the step) on top of the 16-bit weights and gradients: 2 + 2 + 4 bytes a parameter plus
-  the optimizer state in fp32, as cost_models/memory.py counts it;
+  the optimizer state in fp32, as cost_models/memory.py counts it; the host tier's masters and
+  state are host memory, left out on a CPU rank too (the executor's ``_model_state``);
 * activations: every storage autograd saves for backward during a stage forward (and its
   loss), recorded with saved-tensor hooks from the F of a micro-batch until its B, parameters
   excluded;

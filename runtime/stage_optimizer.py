@@ -414,6 +414,15 @@ class StageOptimizer:
                     if isinstance(v, torch.Tensor)]
         return tensors + list(self.param_shards.values())
 
+    def device_tensors(self) -> list[torch.Tensor]:
+        """Of :meth:`held_tensors`, those the plan counts as device memory: all but the host tier's masters and
+        state (a CPU rank holds those in the same memory, but they are the plan's host memory: host_bytes)."""
+        held = self.held_tensors()
+        if self.spec.optimizer_state is StateTier.GPU:
+            return held
+        shards = {id(t) for t in self.param_shards.values()}
+        return [t for t in held if id(t) in shards]
+
     @property
     def host_bytes(self) -> int:
         """Bytes of masters and optimizer state held in host memory now (0 on the GPU tier)."""
