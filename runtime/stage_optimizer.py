@@ -428,9 +428,9 @@ class StageOptimizer:
         """Bytes of masters and optimizer state held in host memory now (0 on the GPU tier)."""
         if self.state_device.type != "cpu" or self.spec.optimizer_state is StateTier.GPU:
             return 0
-        shards = {id(t) for t in self.param_shards.values()}
+        on_device = {id(t) for t in self.device_tensors()}
         return sum(t.numel() * t.element_size() for t in self.held_tensors()
-                   if t.device.type == "cpu" and id(t) not in shards)
+                   if t.device.type == "cpu" and id(t) not in on_device)
 
     @property
     def nvme_bytes(self) -> int:
