@@ -4,11 +4,13 @@ One GPT cut into equal-layer parts (4, or 8 for interleaved 1F1B with 2 virtual 
 scheduled by every synchronous family (``planner.manual.reschedule``), run by the runtime on 4 gloo
 processes (``python -m planner run ... --report``) and compared as ``tessera validate`` does:
   predicted   the simulator on the plan's predicted costs (node times measured on this CPU, one thread);
-  replayed    the simulator on the compute times the run measured per action (run report's
-              ``rank_action_ms``), transfers as predicted: the schedule's own bubble;
+  replayed    the simulator on the compute times the run measured per action and the time it measured
+              posting a message took (run report's ``rank_action_ms``), transfers as predicted: the
+              schedule's own bubble;
   measured    1 - (busy time of every rank) / (sum of their steps), the runtime timing each compute action.
 Target: measured within 5 points of replayed, and the families' measured order by step the
-predicted one. The machine may have fewer cores than ranks: note the load average printed.
+predicted one. ``post pred/meas``: what posting one message costs a rank, as the cpu device measured it
+(the plan's) and as the run did (mean over ranks). The machine may have fewer cores than ranks: note the load average printed.
 
 Run: python benchmarks/schedule_bubbles.py [--steps 8] [--ranks 4]
 """
@@ -86,7 +88,7 @@ def main() -> None:
           f"{os.cpu_count()} cores, "
           f"{args.steps} steps (the first warms up); load average {os.getloadavg()[0]:.1f} at the start")
     print(f"{'family':<22} {'predicted':>9} {'replayed':>9} {'measured':>9} {'meas-repl':>9} "
-          f"{'pred. step':>10} {'meas. step':>10}")
+          f"{'pred. step':>10} {'meas. step':>10} {'post pred/meas':>15}")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, plan in plans(args.ranks).items():
@@ -94,9 +96,12 @@ def main() -> None:
             replayed = simulate_measured(plan, report.rank_action_ms)
             measured = report.bubble_fraction or 0.0
             rows.append((name, plan.predicted.step_ms, report.median_step_ms))
+            posts = [ranks["post"] for ranks in report.rank_action_ms if "post" in ranks]
+            planned_post_ms = plan.cluster.device["intra_node"]["post_us"] / 1e3
             print(f"{name:<22} {plan.predicted.bubble_fraction:>9.1%} {replayed.bubble_fraction:>9.1%} "
                   f"{measured:>9.1%} {(measured - replayed.bubble_fraction) * 100:>+8.1f}pt "
-                  f"{plan.predicted.step_ms:>8.1f}ms {report.median_step_ms:>8.1f}ms", flush=True)
+                  f"{plan.predicted.step_ms:>8.1f}ms {report.median_step_ms:>8.1f}ms "
+                  f"{planned_post_ms:>6.2f}/{sum(posts) / max(1, len(posts)):.2f}ms", flush=True)
     predicted_order = [name for name, _, _ in sorted(rows, key=lambda row: row[1])]
     measured_order = [name for name, _, _ in sorted(rows, key=lambda row: row[2])]
     print(f"fastest first, predicted: {', '.join(predicted_order)}")

@@ -21,6 +21,7 @@ __all__ = [
     "p2p_link",
     "same_node",
     "p2p_ms",
+    "p2p_post_ms",
     "ring_allreduce_ms",
     "p2p_coefficients",
     "ring_allreduce_coefficients",
@@ -82,6 +83,11 @@ def _beta_ms_per_byte(link: LinkSpec) -> float:
 def p2p_coefficients(link: LinkSpec) -> tuple[float, float]:
     """(fixed ms, ms per byte) of one message over `link`: the alpha-beta model as numbers."""
     return _alpha_ms(link), _beta_ms_per_byte(link)
+
+
+def p2p_post_ms(link: LinkSpec) -> float:
+    """What posting one message (one tensor) over `link` costs the posting rank."""
+    return link.post_us * 1e-3
 
 
 def ring_allreduce_coefficients(participants: int, link: LinkSpec) -> tuple[float, float]:

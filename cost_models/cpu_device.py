@@ -106,13 +106,35 @@ def _op_overhead_us() -> float:
 _PING_BYTES = 4 * 2**10  # small enough that its round trip is latency
 _STREAM_BYTES = 16 * 2**20  # large enough that its round trip is bandwidth
 _GLOO_TIMEOUT_S = 60
+_POST_PAUSE_S = 0.002  # between two posts, as a rank's compute leaves them (gloo's threads go idle)
+
+
+def pin_cpu_rank(local_rank: int, local_world_size: int) -> frozenset[int]:
+    """Bind this CPU rank (and the threads it starts later: gloo's) to its own share of the cores it may
+    use, when every local rank can have at least one: a rank's compute then stays on its core and its
+    communication threads are not moved between cores; with more ranks than cores nothing is bound
+    (the scheduler shares the cores). The runtime's CPU ranks are bound so, and so are the two processes
+    that measure gloo for them (:func:`measure_gloo_links`). Returns the cores it runs on.
+
+    >>> cores = sorted(os.sched_getaffinity(0))
+    >>> pin_cpu_rank(0, len(cores) + 1) == frozenset(cores)  # more ranks than cores: unchanged
+    True
+    """
+    if not hasattr(os, "sched_setaffinity"):  # an OS without CPU affinity (macOS): nothing to bind
+        return frozenset(range(os.cpu_count() or 1))
+    cores = sorted(os.sched_getaffinity(0))
+    share = len(cores) // local_world_size if local_world_size > 0 else 0
+    if share >= 1 and 0 <= local_rank < local_world_size:
+        os.sched_setaffinity(0, cores[local_rank * share:(local_rank + 1) * share])
+    return frozenset(os.sched_getaffinity(0))
 
 
 def measure_gloo_links() -> tuple[LinkSpec, LinkSpec]:
     """Two processes of this machine talking through gloo (TCP loopback), as the runtime's CPU ranks do:
 
     * point to point: the latency is half a small message's round trip, the bandwidth what a large one's
-      adds beyond it;
+      adds beyond it; posting a message costs the posting rank's own core time (``post_us``: gloo's
+      ``isend``/``irecv`` calls, measured after a pause as compute leaves between posts);
     * all-reduce: the link a two-rank ring all-reduce behaves as (its time is 2 alpha + bytes / beta,
       cost_models.comm), fitted to a small and a large gloo all-reduce; gloo's all-reduce also sums on
       the CPU, so it is slower than its messages alone.
@@ -141,26 +163,27 @@ def measure_gloo_links() -> tuple[LinkSpec, LinkSpec]:
     if failed:
         raise InvalidArgument(f"measuring gloo between two local processes failed ({failed[0][1][0][:200]}); "
                               f"describe the CPU as a JSON device file instead (see DeviceSpec.to_dict)")
-    ping_s, stream_s, small_sum_s, large_sum_s = (float(value) for value in outputs[0][0].split())
+    ping_s, stream_s, small_sum_s, large_sum_s, post_s = (float(value) for value in outputs[0][0].split())
     latency_s = ping_s / 2
     per_byte_s = max(stream_s / 2 - latency_s, 1e-9) / _STREAM_BYTES
     sum_latency_s = small_sum_s / 2  # a two-rank ring: 2 (n - 1) = 2 steps
     sum_per_byte_s = max(large_sum_s - small_sum_s, 1e-9) / (_STREAM_BYTES - _PING_BYTES)  # 2 (n - 1) / n = 1
     return (LinkSpec(name="gloo TCP loopback (measured)", bandwidth_gb_per_s=1 / per_byte_s / BYTES_PER_GB,
-                     latency_us=latency_s * 1e6),
+                     latency_us=latency_s * 1e6, post_us=post_s * 1e6),
             LinkSpec(name="gloo all-reduce on TCP loopback (measured)",
                      bandwidth_gb_per_s=1 / sum_per_byte_s / BYTES_PER_GB, latency_us=sum_latency_s * 1e6))
 
 
-def _ping_pong(rank: int, store_path: str) -> tuple[float, float, float, float]:
+def _ping_pong(rank: int, store_path: str) -> tuple[float, float, float, float, float]:
     """One of the two processes of :func:`measure_gloo_links`: median round trips of a small and a large
-    message, and median times of a small and a large all-reduce."""
+    message, median times of a small and a large all-reduce, and what posting a message costs."""
     import datetime
 
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    pin_cpu_rank(rank, 2)  # as the runtime binds its ranks: gloo's threads share the rank's core
     store = dist.FileStore(store_path, 2)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=_GLOO_TIMEOUT_S))
@@ -188,9 +211,27 @@ def _ping_pong(rank: int, store_path: str) -> tuple[float, float, float, float]:
             samples.append(time.perf_counter() - start)
         return statistics.median(samples[1:])
 
+    def post_s(repeats: int) -> float:
+        """What posting one small message costs the rank on average, sending and receiving alike: the call
+        alone, after a pause as a rank's compute leaves between its posts. The mean, not the median: a
+        step pays the sum of its posts, and on a core gloo's threads share, one post in five or so waits
+        milliseconds for them."""
+        message = torch.zeros(_PING_BYTES // 4)
+        samples: dict[bool, list[float]] = {True: [], False: []}
+        for index in range(2 * (repeats + 1)):  # the first of each direction warms it up
+            sending = (index % 2 == 0) == (rank == 0)
+            dist.barrier()
+            time.sleep(_POST_PAUSE_S)
+            start = time.perf_counter()
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend if sending else dist.irecv, message, 1 - rank)])
+            samples[sending].append(time.perf_counter() - start)
+            for work in works:
+                work.wait()
+        return statistics.mean(time for times in samples.values() for time in times[1:])
+
     try:
         return (round_trip_s(_PING_BYTES, 20), round_trip_s(_STREAM_BYTES, 5), all_reduce_s(_PING_BYTES, 20),
-                all_reduce_s(_STREAM_BYTES, 5))
+                all_reduce_s(_STREAM_BYTES, 5), post_s(60))
     finally:
         dist.destroy_process_group()
 

@@ -53,12 +53,16 @@ def require_count(value: object, what: str, *, minimum: int) -> int:
 class LinkSpec:
     """One data path of a GPU, modelled alpha-beta: a fixed latency plus bytes over a bandwidth.
 
-    `bandwidth_gb_per_s` is per direction and per GPU, with GB = 1e9 bytes.
+    `bandwidth_gb_per_s` is per direction and per GPU, with GB = 1e9 bytes. `post_us` is what posting
+    one message (one tensor's send or receive) costs the rank that posts it: time its compute waits.
+    It is 0 where the host queues the message ahead of a GPU's work (NCCL) and measured where the
+    rank's own core posts it (gloo on a CPU rank: cost_models.cpu_device).
     """
 
     name: str
     bandwidth_gb_per_s: float
     latency_us: float
+    post_us: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -66,8 +70,10 @@ class LinkSpec:
         owner = f"LinkSpec {self.name!r}"
         bandwidth = _check_number(owner, "bandwidth_gb_per_s", self.bandwidth_gb_per_s, allow_zero=False)
         latency = _check_number(owner, "latency_us", self.latency_us, allow_zero=True)
+        post = _check_number(owner, "post_us", self.post_us, allow_zero=True)
         object.__setattr__(self, "bandwidth_gb_per_s", bandwidth)
         object.__setattr__(self, "latency_us", latency)
+        object.__setattr__(self, "post_us", post)
 
     def bandwidth_bytes_per_s(self) -> float:
         """Per-direction bandwidth in bytes per second."""
@@ -81,17 +87,20 @@ class LinkSpec:
         return self.latency_us * 1e-3 + count / self.bandwidth_bytes_per_s() * 1e3
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain-JSON form: {"name", "bandwidth_gb_per_s", "latency_us"}."""
-        return {"name": self.name, "bandwidth_gb_per_s": self.bandwidth_gb_per_s, "latency_us": self.latency_us}
+        """Plain-JSON form: {"name", "bandwidth_gb_per_s", "latency_us", "post_us"}."""
+        return {"name": self.name, "bandwidth_gb_per_s": self.bandwidth_gb_per_s, "latency_us": self.latency_us,
+                "post_us": self.post_us}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, where: str = "link") -> LinkSpec:
-        """Inverse of `to_dict`; `where` names the object in error messages (e.g. "intra_node")."""
-        _check_keys(data, LINK_KEYS, where)
+        """Inverse of `to_dict`; `where` names the object in error messages (e.g. "intra_node"). A file
+        written before ``post_us`` was recorded reads as 0 for it."""
+        _check_keys(data, LINK_KEYS, where, optional=frozenset({"post_us"}))
         return cls(
             name=_expect_str(data["name"], f"{where}.name"),
             bandwidth_gb_per_s=_expect_float(data["bandwidth_gb_per_s"], f"{where}.bandwidth_gb_per_s"),
             latency_us=_expect_float(data["latency_us"], f"{where}.latency_us"),
+            post_us=_expect_float(data.get("post_us", 0.0), f"{where}.post_us"),
         )
 
 

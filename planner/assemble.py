@@ -166,6 +166,7 @@ def _transfers(best: Candidate, graph: LayerGraph, part_nodes: list[tuple[str, .
     part_of = {name: index for index, names in enumerate(part_nodes) for name in names}
     sent: dict[tuple[int, int], int] = {}
     grads: dict[tuple[int, int], int] = {}  # of those, the values whose gradient comes back
+    messages: dict[tuple[int, int], int] = {}  # values crossing: a message (one tensor) each
     for node in graph:
         if node.kind is NodeKind.PARAM:
             continue
@@ -175,8 +176,10 @@ def _transfers(best: Candidate, graph: LayerGraph, part_nodes: list[tuple[str, .
             edge = (part_of[node.name], target)
             sent[edge] = sent.get(edge, 0) + nbytes
             grads[edge] = grads.get(edge, 0) + (nbytes if carries_grad else 0)
+            messages[edge] = messages.get(edge, 0) + 1
     layout, links = best.setup.schedule.layout, best.setup.problem.links
-    return tuple(Transfer(src_stage, dst_stage, nbytes, links[src].ms(nbytes), grads[(src, dst)])
+    return tuple(Transfer(src_stage, dst_stage, nbytes, links[src].ms(nbytes), grads[(src, dst)],
+                          messages[(src, dst)] * links[src].post_ms_per_message)
                  for (src, dst), nbytes in sorted(sent.items())
                  for src_stage, dst_stage in zip(layout.stages_of_part(src), layout.stages_of_part(dst)))
 

@@ -19,6 +19,7 @@ from cost_models.memory import Optimizer, Precision
 from planner.api import measures, model_ref, node_measure, validate_space
 from planner.assemble import build_plan
 from planner.plan import (
+    Layout,
     OffloadSpec,
     Plan,
     Prediction,
@@ -32,7 +33,7 @@ from planner.schedules import Schedule, format_programs, generate, lower, max_in
 from planner.schedules.swaps import insert_swaps
 from planner.search.evaluate import evaluate
 from planner.search.ilp import SolveStatus
-from planner.search.problem import group_units
+from planner.search.problem import group_units, part_allreduces
 from planner.search.search import Candidate, Config, Search, SearchResult
 from planner.simulation import sim_costs
 
@@ -140,6 +141,7 @@ def _relaid(plan: Plan, schedule: Schedule, stages: tuple[StagePlan, ...], what:
     model copy, its programs lowered (swaps included) and validated, its predictions re-simulated on the
     same stage costs, checked like a plan file (InvalidArgument naming ``what`` when it does not fit)."""
     layout = schedule.layout
+    stages = _reduced_over(layout, plan, stages)
     transfers = tuple(dataclasses.replace(t, src_stage=layout.stage_of_copy(t.src_stage, copy),
                                           dst_stage=layout.stage_of_copy(t.dst_stage, copy))
                       for t in plan.transfers for copy in range(layout.num_copies))
@@ -161,6 +163,23 @@ def _relaid(plan: Plan, schedule: Schedule, stages: tuple[StagePlan, ...], what:
     except PlanFileError as error:
         raise InvalidArgument(f"{what} does not fit the split: {error}") from None
     return relaid
+
+
+def _reduced_over(layout: Layout, plan: Plan, stages: tuple[StagePlan, ...]) -> tuple[StagePlan, ...]:
+    """``stages`` with each part's gradient all-reduce costed over its copies in ``layout`` where their
+    number is not ``plan``'s (GEMS-MASTER's mirrored replica holds a second copy of every part), as the
+    search costs it: a ring over the copies of the part's gradients (kept as planned where they are
+    sharded, ZeRO-2/3, and so not recorded)."""
+    device = DeviceSpec.from_dict(plan.cluster.device)
+    rings = part_allreduces(device, layout, plan.cluster.gpus_per_node)
+
+    def reduced(stage: StagePlan) -> StagePlan:
+        part, predicted = stage.index, stage.predicted
+        if len(layout.part_ranks(part)) == len(plan.layout.part_ranks(part)) or not predicted.grad_bytes:
+            return stage
+        return dataclasses.replace(stage, predicted=dataclasses.replace(
+            predicted, allreduce_ms=rings[part].ms(predicted.grad_bytes)))
+    return tuple(reduced(stage) for stage in stages)
 
 
 def _starts(graph: LayerGraph, stage_starts: Sequence[str]) -> list[int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
+from cost_models.device_spec import LinkSpec
 from planner.plan import Layout, Plan, ScheduleKind, StagePlan, Transfer
 from planner.schedules.actions import parse_programs
 from planner.schedules.simulate import SimCosts, SimResult, StageCosts, simulate
@@ -13,7 +14,7 @@ from planner.schedules.simulate import SimCosts, SimResult, StageCosts, simulate
 def sim_costs(layout: Layout, parts: Sequence[StagePlan], transfers: Sequence[Transfer],
               kind: ScheduleKind, backend: str) -> SimCosts:
     """Each stage costs what its part is predicted to (its all-reduce overlapping its last backward where
-    the runtime's does on ``backend``); transfers per stage pair."""
+    the runtime's does on ``backend``); transfers, and what posting them costs, per stage pair."""
     stale = kind.stale_parts(layout.num_parts)
     stages = tuple(parts[layout.part(stage)] for stage in range(layout.num_stages))
     costs = tuple(StageCosts(p.fwd_ms, p.bwd_ms, p.activation_bytes, p.static_bytes, p.allreduce_ms,
@@ -21,7 +22,8 @@ def sim_costs(layout: Layout, parts: Sequence[StagePlan], transfers: Sequence[Tr
                              p.allreduce_overlap(part.offload, part.index in stale or kind.splits_backward, backend),
                              p.grad_bytes, p.step_bytes, p.tied_bytes, p.accumulate_bytes, p.split_extra_ms)
                   for part in stages for p in [part.predicted])
-    return SimCosts(costs, {(t.src_stage, t.dst_stage): t.ms for t in transfers})
+    return SimCosts(costs, {(t.src_stage, t.dst_stage): t.ms for t in transfers},
+                    {(t.src_stage, t.dst_stage): t.post_ms for t in transfers})
 
 
 def simulate_plan(plan: Plan) -> SimResult:
@@ -33,13 +35,16 @@ def simulate_plan(plan: Plan) -> SimResult:
 def simulate_measured(plan: Plan, action_ms: Sequence[Mapping[str, float]]) -> SimResult:
     """The plan's programs replayed on compute times a run measured: per rank, per "stage:kind" (as the
     run report's ``rank_action_ms`` holds them) the time of one action, averaged over the ranks running
-    the stage; transfers, all-reduces and swaps as predicted. It tells the schedule's bubble on the
-    run's own compute, apart from how well the costs were predicted."""
+    the stage, and what posting a message took (its "post", averaged over the ranks) where the plan costs
+    posts; transfers, all-reduces and swaps as predicted. It tells the schedule's bubble on the run's own
+    compute, apart from how well the costs were predicted."""
     def measured(key: str, default: float) -> float:
         times = [ranks[key] for ranks in action_ms if key in ranks]
         return sum(times) / len(times) if times else default
 
     predicted = sim_costs(plan.layout, plan.stages, plan.transfers, plan.schedule.kind, plan.cluster.backend)
+    planned_post_ms = LinkSpec.from_dict(plan.cluster.device["intra_node"]).post_us * 1e-3  # per message
+    posts = measured("post", planned_post_ms) / planned_post_ms if planned_post_ms else 1.0  # measured/planned
     stages = []
     for stage, costs in enumerate(predicted.stages):
         weight_grad_ms = measured(f"{stage}:W", 0.0)
@@ -47,7 +52,8 @@ def simulate_measured(plan: Plan, action_ms: Sequence[Mapping[str, float]]) -> S
         stages.append(dataclasses.replace(costs, fwd_ms=measured(f"{stage}:F", costs.fwd_ms), bwd_ms=backward_ms,
                                           weight_grad_ms=weight_grad_ms, split_extra_ms=0.0,  # in the measured I
                                           optimizer_ms=measured(f"{stage}:OPTIMIZER_STEP", costs.optimizer_ms)))
-    replayed = dataclasses.replace(predicted, stages=tuple(stages))
+    replayed = dataclasses.replace(predicted, stages=tuple(stages),
+                                   post_ms={edge: ms * posts for edge, ms in predicted.post_ms.items()})
     return simulate(parse_programs(plan.programs), plan.layout, replayed)
 
 

@@ -18,6 +18,7 @@ import bisect
 import datetime
 import queue
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -138,6 +139,8 @@ class P2P:
         self.sends: list[InFlight] = []
         self.receives: list[InFlight] = []  # posted, not yet waited for
         self.bytes_sent = 0  # every tensor posted by a send so far
+        self.posted = 0  # messages (one per tensor) posted so far, sends and receives
+        self.posting_s = 0.0  # wall time the posts took this rank so far (on gloo: its own core's)
         self.reaper = SendReaper(self.timeout) if device.type == "cpu" else None  # gloo
 
     def post(self, messages: Sequence[Message]) -> list[InFlight]:
@@ -153,8 +156,11 @@ class P2P:
         if not ops:
             return []
         self.stream.wait_stream(current_stream(self.device))
+        began = time.perf_counter()
         with use_stream(self.stream):
             works = dist.batch_isend_irecv(ops)
+        self.posting_s += time.perf_counter() - began
+        self.posted += len(ops)
         for op in ops:
             keep_alive(op.tensor, self.stream)
         if len(works) != len(ops):  # coalesced (NCCL): one work orders the whole batch

@@ -134,6 +134,7 @@ class Executor:
         self.steps_done = 0
         self.halo_bytes_sent = 0  # by this rank's halo exchanges in the last step (runtime/tiles.py)
         self.p2p_bytes_sent = 0  # by this rank's pipeline sends (activations, gradients) in the last step
+        self.post_ms: float | None = None  # the last step's mean wall time of posting one message (None: none)
         self.busy_ms = 0.0  # wall time of this rank's compute actions in the last step (CPU: its busy time)
         self.action_ms: dict[tuple[int, ActionKind], list[float]] = {}  # the last step's, per (stage, kind)
 
@@ -207,6 +208,7 @@ class Executor:
         state = StepState(tuple(microbatches), period=self.steps_done, ahead=following or ())
         self.swaps.new_step()
         halo_before, p2p_before = self._halo_bytes(), self.p2p.bytes_sent
+        posted_before, posting_before_s = self.p2p.posted, self.p2p.posting_s
         self.action_ms = {}
         segments = self.segments
         if self.crosses_steps:
@@ -222,6 +224,8 @@ class Executor:
             self._carried = state.carry()
         self.halo_bytes_sent = self._halo_bytes() - halo_before
         self.p2p_bytes_sent = self.p2p.bytes_sent - p2p_before
+        posted = self.p2p.posted - posted_before
+        self.post_ms = (self.p2p.posting_s - posting_before_s) / posted * 1e3 if posted else None
         self.busy_ms = busy_s * 1e3
         self.steps_done += 1
         return self._global_loss(state)

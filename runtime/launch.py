@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from cost_models.cpu_device import rank_threads
+from cost_models.cpu_device import pin_cpu_rank, rank_threads
 from cost_models.errors import RuntimeSetupError
 
 _REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -65,25 +65,6 @@ def init_group(env: RankEnv, device_choice: str, timeout_s: float) -> torch.devi
                             timeout=datetime.timedelta(seconds=timeout_s),
                             device_id=device if use_cuda else None)
     return device
-
-
-def pin_cpu_rank(local_rank: int, local_world_size: int) -> frozenset[int]:
-    """Bind this CPU rank (and the threads it starts later: gloo's) to its own share of the cores it may
-    use, when every local rank can have at least one: a rank's compute then stays on its core and
-    its communication threads are not moved between cores; with more ranks than cores nothing is bound
-    (the scheduler shares the cores). Returns the cores it runs on.
-
-    >>> cores = sorted(os.sched_getaffinity(0))
-    >>> pin_cpu_rank(0, len(cores) + 1) == frozenset(cores)  # more ranks than cores: unchanged
-    True
-    """
-    if not hasattr(os, "sched_setaffinity"):  # an OS without CPU affinity (macOS): nothing to bind
-        return frozenset(range(os.cpu_count() or 1))
-    cores = sorted(os.sched_getaffinity(0))
-    share = len(cores) // local_world_size if local_world_size > 0 else 0
-    if share >= 1 and 0 <= local_rank < local_world_size:
-        os.sched_setaffinity(0, cores[local_rank * share:(local_rank + 1) * share])
-    return frozenset(os.sched_getaffinity(0))
 
 
 def join_group(device_choice: str, timeout_s: float) -> torch.device:

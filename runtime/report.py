@@ -32,7 +32,8 @@ def gather_report(step_ms: list[float], losses: list[float], peak_bytes: int, he
     after its last step (runtime/stage_optimizer.py), recorded when any rank holds some.
     ``busy_ms``: per timed step, this rank's wall time in compute actions (Executor.busy_ms); kept on
     CPU only, where an action's wall time is its compute (on CUDA the kernels run after it returns).
-    ``action_ms``: per "stage:kind" (``0:F``), the median wall time of one such action (CPU only, likewise).
+    ``action_ms``: per "stage:kind" (``0:F``), the median wall time of one such action, and under "post" the
+    mean wall time of posting one message (CPU only, likewise).
     """
     times = torch.tensor(step_ms or [0.0], dtype=torch.float64, device=device)
     by_rank = [torch.zeros_like(times) for _ in range(dist.get_world_size())]

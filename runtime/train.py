@@ -68,6 +68,7 @@ def run(plan: Plan, options: RunOptions, device: torch.device) -> RunReport:
     step_ms, busy_ms, losses = [], [], []
     p2p_bytes_sent = 0
     action_ms: list[dict[tuple[int, ActionKind], list[float]]] = []  # per timed step (Executor.action_ms)
+    post_ms: list[float | None] = []  # per timed step, the mean post of one message (Executor.post_ms)
     for step in range(start, options.steps):
         if options.fail_at_step == step and executor.rank == options.fail_rank:
             raise RuntimeError(f"injected failure on rank {executor.rank} before step {step} "
@@ -84,6 +85,7 @@ def run(plan: Plan, options: RunOptions, device: torch.device) -> RunReport:
             step_ms.append(elapsed_ms)
             busy_ms.append(executor.busy_ms)
             action_ms.append(executor.action_ms)
+            post_ms.append(executor.post_ms)
         _log(executor, step, options.steps, losses[-1], elapsed_ms)
         if options.checkpoint_dir and _checkpoint_due(step + 1, options):
             checkpoint.save(executor, options.checkpoint_dir, step + 1)
@@ -93,7 +95,7 @@ def run(plan: Plan, options: RunOptions, device: torch.device) -> RunReport:
                          global_batch_size=plan.training.global_batch_size, start_step=start,
                          host_swap_bytes=executor.swaps.step_bytes, halo_bytes_sent=executor.halo_bytes_sent,
                          p2p_bytes_sent=p2p_bytes_sent,
-                         busy_ms=busy_ms, action_ms=_median_actions(action_ms),
+                         busy_ms=busy_ms, action_ms={**_median_actions(action_ms), **_mean_post(post_ms)},
                          optimizer_bytes=(sum(s.host_bytes for s in states), sum(s.nvme_bytes for s in states)))
 
 
@@ -105,6 +107,13 @@ def _median_actions(steps: list[dict[tuple[int, ActionKind], list[float]]]) -> d
         for (stage, kind), took in actions.items():
             every.setdefault(f"{stage}:{kind.value}", []).extend(took)
     return {key: statistics.median(took) for key, took in every.items()}
+
+
+def _mean_post(steps: list[float | None]) -> dict[str, float]:
+    """{"post": the mean wall time of posting one message} over the timed steps after the first (all if
+    there is one), or nothing where none posted. The mean: a step pays the sum of its posts."""
+    posts = [ms for ms in steps[1:] or steps if ms is not None]
+    return {"post": statistics.mean(posts)} if posts else {}
 
 
 def _resume_step(plan: Plan, options: RunOptions) -> int:

@@ -16,10 +16,11 @@ RESNET = "examples/models/resnet.py:resnet50"
 
 def make_plan(builder: str, stage_starts: list[str], *, schedule: str, data_parallel: int = 1,
               optimizer: str = "momentum", microbatches: int = 4, micro_batch_size: int = 2,
-              device: str = "V100-16GB", offload: list[Any] | None = None,
+              device: Any = "V100-16GB", offload: list[Any] | None = None,
               precision: str = "fp64", spatial: dict[int, Any] | None = None) -> str:
     """A plan (as JSON; float64 unless ``precision`` says otherwise) for one of the test models with
-    the given cut; ``offload`` (one planner.plan.OffloadSpec per stage) forces memory decisions,
+    the given cut on ``device`` (a preset's name or a DeviceSpec); ``offload`` (one
+    planner.plan.OffloadSpec per stage) forces memory decisions,
     ``spatial`` (stage -> planner.plan.SpatialSpec) runs stages on image tiles.
 
     A mixed-precision plan (fp16, bf16) is of the model built in float32, as the runtime rebuilds

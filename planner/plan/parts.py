@@ -279,6 +279,7 @@ class Transfer:
     nbytes: int
     ms: float
     grad_nbytes: int
+    post_ms: float = 0.0  # what posting one micro-batch's messages costs each end's rank (either way)
 
     @classmethod
     def from_dict(cls, data: Any, path: str) -> Transfer:
@@ -286,7 +287,8 @@ class Transfer:
             data = {**data, "grad_nbytes": data.get("nbytes")}
         return codec.fields(cls, data, path, {"src_stage": codec.integer, "dst_stage": codec.integer,
                                               "nbytes": codec.integer, "ms": codec.number,
-                                              "grad_nbytes": codec.integer})
+                                              "grad_nbytes": codec.integer, "post_ms": codec.number},
+                            optional=frozenset({"post_ms"}))  # 0 in a plan file from before it was recorded
 
 
 @dataclass(frozen=True)

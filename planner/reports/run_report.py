@@ -54,7 +54,8 @@ class RunReport:
     # per rank, CPU only: of each step timed in rank_step_ms, the wall time its compute actions took
     # (F, B, I, W, the optimizer step); the rest of its step it was idle
     rank_busy_ms: tuple[tuple[float, ...], ...] = ()
-    # per rank, CPU only: per "stage:kind" (e.g. "1:B") of its compute actions, the median wall time of one
+    # per rank, CPU only: per "stage:kind" (e.g. "1:B") of its compute actions, the median wall time of one;
+    # under "post", the mean wall time of posting one message (a tensor's send or receive)
     rank_action_ms: tuple[dict[str, float], ...] = ()
     schema_version: int = REPORT_VERSION
 

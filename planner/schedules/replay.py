@@ -14,8 +14,9 @@ def replay(programs: Programs, try_step: StepFunction) -> tuple[int, ...]:
     """Run ranks round-robin, each until it blocks, until all finish or none can move.
 
     Returns each rank's position: equal to its program length when it finished, otherwise the
-    step it is stuck at (a deadlock). Ranks interact only through messages, so the order in
-    which ranks are advanced does not change what each rank computes.
+    step it is stuck at (a deadlock). Ranks interact only through messages and collectives (each
+    waits for what it needs), so the order in which ranks are advanced does not change what each
+    rank computes.
 
     >>> replay(((), ()), lambda rank, step, action: True)
     (0, 0)

@@ -4,14 +4,18 @@ Model: programs are per rank of the whole job (the layout says which stages each
 between which ranks a message travels). Each rank runs its actions in order on one compute
 resource. F, B, OPTIMIZER_STEP take their stage's time and count as busy (a split backward's I
 takes ``bwd_ms - weight_grad_ms + split_extra_ms`` and its W ``weight_grad_ms``); ALLREDUCE takes
-``allreduce_ms`` (all replicas reduce at once, so it is a local duration) and blocks the rank,
-but is communication, not busy time. A stage whose all-reduce runs in buckets during its last
+``allreduce_ms`` once every copy of the part has reached it and blocks the rank, but is
+communication, not busy time. A stage whose all-reduce runs in buckets during its last
 backward (``allreduce_overlap``, DDP's overlap) starts the buckets before the last one with that
 backward and the last one when it ends: ALLREDUCE then ends at
 ``max(first + overlap x A, last) + (1 - overlap) x A`` (the last backward from first to last, A
-the all-reduce's time), or when the rank reaches it if later. A SEND returns at once and starts a transfer on the
-directed link src rank → dst rank; transfers on one link run one after another (FIFO). A RECV
-blocks until its transfer has arrived.
+the all-reduce's time), or when the rank reaches it if later. It is a collective: every rank holding
+a copy of the part ends it when the last of them would end its own (replicas in step end together;
+GEMS-MASTER's mirror copies, which reach it at different times, wait for each other). A SEND costs the rank the time to post it (``post_ms``: on
+gloo the rank's own core posts each message; 0 where the host queues it ahead of the GPU), then
+returns and starts a transfer on the directed link src rank → dst rank; transfers on one link run one
+after another (FIFO). A RECV costs its post too and blocks until its transfer has arrived (a receive
+posted ahead of its place pays its post while the rank would wait anyway: ``max(post, arrival)``).
 A message between stages of different slots travels from every rank of the sender to every rank
 of the receiver (spatial tiles join and split), each at the edge's cost, and the receive waits
 for all of them. Memory per rank is the static bytes of its stages plus ``activation_bytes`` for
@@ -78,6 +82,7 @@ class SimCosts:
 
     stages: tuple[StageCosts, ...]
     transfer_ms: Mapping[tuple[int, int], float]  # (src_stage, dst_stage) -> ms per micro-batch, either way
+    post_ms: Mapping[tuple[int, int], float] = field(default_factory=dict)  # what posting it costs each end
 
 
 @dataclass(frozen=True)
@@ -149,6 +154,7 @@ class _Clocks:
     copy_free_ms: dict[tuple[int, str], float] = field(default_factory=dict)  # (rank, "out"/"in")
     copied_ms: dict[tuple[int, str, int, int], float] = field(default_factory=dict)  # (rank, way, stage, mb)
     last_backward_ms: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)  # (rank, stage)
+    reduce_reached_ms: dict[int, dict[int, tuple[float, float]]] = field(default_factory=dict)  # part: rank: own
 
     def __post_init__(self) -> None:
         ranks = range(self.layout.world_size)
@@ -171,6 +177,8 @@ class _Clocks:
     def try_step(self, rank: int, step: int, action: Action) -> bool:
         if action.kind.is_recv:
             return self._receive(rank, action)
+        if action.kind is ActionKind.ALLREDUCE:
+            return self._all_reduce(rank, action)
         if action.kind.is_send:
             self._send(rank, action)
         else:
@@ -184,14 +192,22 @@ class _Clocks:
         if any(arrival is None for arrival in arrivals):
             return False
         start = self.clock_ms[rank]
-        self.clock_ms[rank] = max(start, *arrivals)
+        posted = start + len(sources) * self.costs.post_ms.get(self._edge(send), 0.0)
+        self.clock_ms[rank] = max(posted, *arrivals)
         self._record(rank, recv, start, self.clock_ms[rank], COMM_LANE)
         return True
 
+    @staticmethod
+    def _edge(send: Action) -> tuple[int, int]:
+        """The (src_stage, dst_stage) edge a send's message travels, gradients included."""
+        assert send.peer is not None
+        return (send.stage, send.peer) if send.kind is ActionKind.SEND_F else (send.peer, send.stage)
+
     def _send(self, rank: int, send: Action) -> None:
         assert send.peer is not None
-        edge = (send.stage, send.peer) if send.kind is ActionKind.SEND_F else (send.peer, send.stage)
+        edge = self._edge(send)
         for dst in self.layout.ranks_of(send.peer, self.layout.place(rank).replica):
+            self.clock_ms[rank] += self.costs.post_ms.get(edge, 0.0)
             start = max(self.clock_ms[rank], self.link_free_ms.get((rank, dst), 0.0))
             end = start + self.costs.transfer_ms.get(edge, 0.0)
             self.link_free_ms[rank, dst] = end
@@ -207,13 +223,6 @@ class _Clocks:
         if action.kind.computes_input_grads:
             start = max(start, self.copied_ms.get((rank, "in", action.stage, action.microbatch), start))
         end = start + self._duration_ms(action)
-        overlapped = action.kind is ActionKind.ALLREDUCE and stage.allreduce_overlap
-        if overlapped and (rank, action.stage) in self.last_backward_ms:
-            first, last = self.last_backward_ms[rank, action.stage]  # its last backward's start and end
-            overlap = stage.allreduce_overlap
-            start = first
-            end = max(self.clock_ms[rank], max(first + overlap * stage.allreduce_ms, last)
-                      + (1 - overlap) * stage.allreduce_ms)
         if action.kind.ends_backward:
             self.last_backward_ms[rank, action.stage] = (start, end)
         self.clock_ms[rank] = end
@@ -241,6 +250,30 @@ class _Clocks:
             self.busy_ms[rank] += end - start
         self._record(rank, action, start, end, lane)
 
+    def _all_reduce(self, rank: int, action: Action) -> bool:
+        """A collective of every rank holding a copy of the stage's part: each reaches it (its buckets
+        before the last start with its last backward where they overlap it), and all end when the last
+        to finish its own share does (GEMS's mirror copies reach theirs at different times)."""
+        stage = self.costs.stages[action.stage]
+        part = self.layout.part(action.stage)
+        reached = self.reduce_reached_ms.setdefault(part, {})
+        if rank not in reached:  # the rank waits here from now: its own share's start and end, once
+            start = self.clock_ms[rank]
+            end = start + stage.allreduce_ms
+            if stage.allreduce_overlap and (rank, action.stage) in self.last_backward_ms:
+                first, last = self.last_backward_ms[rank, action.stage]  # its last backward's start and end
+                overlap = stage.allreduce_overlap
+                start = first
+                end = max(self.clock_ms[rank], max(first + overlap * stage.allreduce_ms, last)
+                          + (1 - overlap) * stage.allreduce_ms)
+            reached[rank] = (start, end)
+        if len(reached) < len(self.layout.part_ranks(part)):
+            return False
+        start, _ = reached[rank]
+        self.clock_ms[rank] = max(end for _, end in reached.values())
+        self._record(rank, action, start, self.clock_ms[rank], COMM_LANE)
+        return True
+
     def _copy(self, rank: int, way: str, action: Action, ready_ms: float, duration_ms: float) -> float:
         """A copy on the rank's engine for ``way``, after ``ready_ms`` and the engine's previous copy."""
         start = max(ready_ms, self.copy_free_ms.get((rank, way), 0.0))
@@ -267,7 +300,7 @@ class _Clocks:
         stage = self.costs.stages[action.stage]
         return {ActionKind.F: stage.fwd_ms, ActionKind.B: stage.bwd_ms,
                 ActionKind.I: stage.bwd_ms - stage.weight_grad_ms + stage.split_extra_ms,
-                ActionKind.W: stage.weight_grad_ms, ActionKind.ALLREDUCE: stage.allreduce_ms,
+                ActionKind.W: stage.weight_grad_ms,
                 ActionKind.OPTIMIZER_STEP: stage.optimizer_ms}.get(action.kind, 0.0)
 
     def _change_memory(self, rank: int, time_ms: float, delta_bytes: int) -> None:

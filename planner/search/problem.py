@@ -18,6 +18,7 @@ from cost_models.comm import (
     allreduce_link,
     p2p_coefficients,
     p2p_link,
+    p2p_post_ms,
     ring_allreduce_coefficients,
     same_node,
 )
@@ -88,10 +89,12 @@ class SharedParam:
 
 @dataclass(frozen=True)
 class LinearCost:
-    """time_ms = fixed_ms + ms_per_byte * bytes (an alpha-beta link, or a ring all-reduce)."""
+    """time_ms = fixed_ms + ms_per_byte * bytes (an alpha-beta link, or a ring all-reduce); a link's
+    ``post_ms_per_message`` is what posting one message costs each end's rank (cost_models.comm)."""
 
     fixed_ms: float
     ms_per_byte: float
+    post_ms_per_message: float = 0.0
 
     def ms(self, nbytes: float) -> float:
         return self.fixed_ms + self.ms_per_byte * nbytes if nbytes > 0 else 0.0
@@ -317,7 +320,8 @@ def part_links(device: DeviceSpec, layout: Layout, gpus_per_node: int) -> tuple[
     def link(part: int) -> LinearCost:
         src = layout.ranks_of(layout.stages_of_part(part)[0], 0)[0]
         dst = layout.ranks_of(layout.stages_of_part(part + 1)[0], 0)[0]
-        return LinearCost(*p2p_coefficients(p2p_link(device, same_node(src, dst, gpus_per_node))))
+        link_spec = p2p_link(device, same_node(src, dst, gpus_per_node))
+        return LinearCost(*p2p_coefficients(link_spec), p2p_post_ms(link_spec))
     return tuple(link(part) for part in range(layout.num_parts - 1))
 
 

@@ -240,9 +240,16 @@ def test_validation_names_field_and_value() -> None:
 
 
 def test_int_fields_are_normalised_to_float() -> None:
-    link = LinkSpec("x", bandwidth_gb_per_s=10, latency_us=5)
+    link = LinkSpec("x", bandwidth_gb_per_s=10, latency_us=5, post_us=2)
     assert isinstance(link.bandwidth_gb_per_s, float) and isinstance(link.latency_us, float)
-    assert LinkSpec.from_dict(link.to_dict()) == link
+    assert isinstance(link.post_us, float) and LinkSpec.from_dict(link.to_dict()) == link
+
+
+def test_a_link_written_before_its_post_cost_reads_as_free_to_post() -> None:
+    old = {"name": "x", "bandwidth_gb_per_s": 10.0, "latency_us": 5.0}
+    assert LinkSpec.from_dict(old) == LinkSpec("x", 10.0, 5.0, post_us=0.0)
+    with pytest.raises(InvalidArgument, match=r"post_us.*-1"):
+        LinkSpec("x", bandwidth_gb_per_s=1.0, latency_us=1.0, post_us=-1.0)
 
 
 def test_link_transfer_ms() -> None:
@@ -337,6 +344,7 @@ def test_the_gloo_link_and_all_reduce_between_two_local_processes_are_measured()
     assert collective.name == "gloo all-reduce on TCP loopback (measured)"
     for measured in (link, collective):
         assert 0 < measured.latency_us < 10_000 and 0.01 < measured.bandwidth_gb_per_s < 1_000
+    assert 0 < link.post_us < 10_000 and collective.post_us == 0.0  # a post takes the rank's core: gloo's calls
     cpu = devices.measure_cpu_device(link=link, collective=collective)
     assert cpu.intra_node == link and cpu.inter_node.bandwidth_gb_per_s == link.bandwidth_gb_per_s
     assert cpu.collective_link == collective and type(cpu).from_dict(cpu.to_dict()) == cpu

@@ -97,3 +97,23 @@ def test_the_plans_transfer_bytes_are_the_runtimes_wire_bytes_python_ints_includ
     assert transfer.grad_nbytes == sum(wire[name].numel() * wire[name].element_size()
                                        for name in flow.gradients((0, 1)))
     assert transfer.grad_nbytes < transfer.nbytes
+
+
+def test_each_wire_tensor_is_a_message_whose_post_the_plan_costs_both_ends() -> None:
+    """A link that costs 100 us to post on: the plan's transfer costs each end one post per tensor the
+    runtime sends, and its predicted step pays them (the simulator's own arithmetic: test_schedule_simulate)."""
+    import dataclasses
+
+    from cost_models.devices import get_device
+    from planner.simulation import simulate_plan
+
+    base = get_device("V100-16GB")
+    posting = dataclasses.replace(base, intra_node=dataclasses.replace(base.intra_node, post_us=100.0))
+    free, paid = (Plan.from_dict(json.loads(make_plan(GPT, ["blocks_0_attn_qkv"], schedule="1f1b", device=device)))
+                  for device in (base, posting))
+    wire = _flow(paid.to_json()).travelling((0, 1))
+    [transfer] = paid.transfers
+    assert len(wire) > 1 and transfer.post_ms == pytest.approx(len(wire) * 0.1)
+    assert free.transfers[0].post_ms == 0.0
+    assert paid.predicted.step_ms == pytest.approx(simulate_plan(paid).step_ms)
+    assert paid.predicted.step_ms > free.predicted.step_ms + transfer.post_ms  # the last backward's wait at least

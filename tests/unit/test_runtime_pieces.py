@@ -284,7 +284,7 @@ def test_a_cpu_rank_is_bound_to_its_share_of_the_cores_only_when_each_rank_gets_
     import sys
 
     cores = sorted(os.sched_getaffinity(0))
-    script = ("import os, sys; from runtime.launch import pin_cpu_rank; "
+    script = ("import os, sys; from cost_models.cpu_device import pin_cpu_rank; "
               "print(sorted(pin_cpu_rank(int(sys.argv[1]), int(sys.argv[2]))), sorted(os.sched_getaffinity(0)))")
 
     def bound(rank: int, ranks: int) -> str:

@@ -3,6 +3,7 @@ connections, step time against the textbook formula, and the in-flight profiles 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -13,6 +14,7 @@ from planner.schedules import (
     ActionKind,
     ScheduleError,
     SimCosts,
+    SimEvent,
     SimResult,
     StageCosts,
     format_programs,
@@ -194,6 +196,22 @@ def test_gems_master_fills_one_copys_bubble_with_the_other() -> None:
     assert pipeline.bubble_fraction == pytest.approx(0.6) and mirrored.bubble_fraction == pytest.approx(0.5)
 
 
+def test_gems_master_mirror_copies_wait_for_each_other_to_reduce() -> None:
+    # Each part's all-reduce is a collective of its two copies, which reach it at different times (with
+    # free all-reduces: the arrivals): both end A ms after the later arrival, and the rank that came
+    # first waits. The first part reduced on every rank is part 0, so its arrivals do not depend on A.
+    stages = tuple(StageCosts(1.0, 2.0, 1, STATIC) for _ in range(4))
+    reducing = tuple(dataclasses.replace(stage, allreduce_ms=5.0) for stage in stages)
+    free, paid = (_simulate(gems_master(2, 4), costs) for costs in (stages, reducing))
+    layout = gems_master(2, 4).layout
+
+    def part_0(result: SimResult) -> list[SimEvent]:
+        return [e for e in result.events if e.action.endswith("ALLREDUCE") and layout.part(int(e.action[0])) == 0]
+    arrivals = [event.start_ms for event in part_0(free)]
+    assert len(arrivals) == 2 and arrivals[0] != arrivals[1]  # the copies come at different times
+    assert [event.end_ms for event in part_0(paid)] == pytest.approx([max(arrivals) + 5.0] * 2)
+
+
 @pytest.mark.parametrize(("num_parts", "num_microbatches", "message"), [
     (4, 3, ("gems-master splits the micro-batches between its 2 model copies and needs an even count, got 3; "
             "valid: 2, 4, 6, ...")),
@@ -344,3 +362,25 @@ def test_reschedule_refuses_what_the_family_cannot_use_in_one_line(kind: str, op
     with pytest.raises(InvalidArgument, match=message) as caught:
         reschedule(_tiny_plan("gpipe", 3), kind, **options)  # 3 parts: neither 3 x ranks nor even
     assert "\n" not in str(caught.value)
+
+
+def test_rescheduled_to_gems_master_each_part_all_reduces_over_its_mirror_copy() -> None:
+    """A pipeline plan has no all-reduce; its GEMS-MASTER plan sums each part's gradients with the mirror
+    copy: by hand, a two-rank ring on the device's collective link (2 alphas + bytes / beta), costed in
+    the prediction (the step outgrows the same programs with the all-reduces free)."""
+    from cost_models.devices import get_device
+    from planner.manual import reschedule
+    from planner.simulation import simulate_plan
+
+    base = _tiny_plan("gpipe", 2)
+    link = get_device("V100-16GB").intra_node  # its ranks share a node: NVLink
+    gems = reschedule(base, "gems-master")
+    assert [stage.predicted.allreduce_ms for stage in base.stages] == [0.0, 0.0]
+    for stage in gems.stages:
+        grad_bytes = stage.predicted.grad_bytes
+        assert grad_bytes > 0
+        expected = 2 * link.latency_us / 1e3 + grad_bytes / (link.bandwidth_gb_per_s * 1e9) * 1e3
+        assert stage.predicted.allreduce_ms == pytest.approx(expected)
+    free = dataclasses.replace(gems, stages=tuple(dataclasses.replace(
+        stage, predicted=dataclasses.replace(stage.predicted, allreduce_ms=0.0)) for stage in gems.stages))
+    assert gems.predicted.step_ms > simulate_plan(free).step_ms

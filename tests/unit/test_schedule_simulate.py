@@ -60,6 +60,20 @@ def test_transfers_on_one_link_are_serialised() -> None:
     assert sends == [("0SEND_F0>1", 1.0, 3.0), ("0SEND_F1>1", 3.0, 5.0), ("0SEND_F2>1", 5.0, 7.0)]
 
 
+def test_posting_a_message_costs_both_ends_but_a_receive_posts_while_it_waits() -> None:
+    # GPipe, S=2, F=1, B=2, M=2, transfers free, each post 0.5 ms. Rank 0: F0 [0,1], posts SEND_F0 [1,1.5]
+    # (arrives 1.5), F1 [1.5,2.5], posts SEND_F1 [2.5,3]. Rank 1 posts RECV_F0 at 0 (done 0.5, waits to
+    # 1.5), F0 [1.5,2.5], RECV_F1 posted by 3 = its arrival, F1 [3,4], B0 [4,6], SEND_B0 [6,6.5], B1 [6.5,8.5],
+    # SEND_B1 [8.5,9]. Rank 0 posts RECV_B0 (3.5) and waits to 6.5, B0 [6.5,8.5], RECV_B1 [8.5,9], B1 [9,11].
+    schedule = generate("gpipe", 2, 2)
+    programs = schedule.layout.rank_programs(lower(schedule.programs, schedule.layout, _chain(2)))
+    posted = simulate(programs, schedule.layout, SimCosts(_equal(2, fwd_ms=1.0), _chain(2), {(0, 1): 0.5}))
+    free = simulate(programs, schedule.layout, SimCosts(_equal(2, fwd_ms=1.0), _chain(2)))
+    assert (free.step_ms, posted.step_ms) == pytest.approx((9.0, 11.0))
+    assert posted.busy_ms == free.busy_ms == pytest.approx((6.0, 6.0))  # posting is not compute
+    assert posted.bubble_fraction == pytest.approx(1 - 12 / 22)
+
+
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
 def test_unequal_two_stage_example(kind: str) -> None:
     # F0=1, B0=2, F1=3, B1=6, M=4, free transfers. Stage 1 is the bottleneck: once its first

@@ -149,6 +149,28 @@ def test_the_schedule_replayed_on_measured_compute(plan: Plan) -> None:
     assert found["step time on measured compute"].predicted == pytest.approx(slowed.step_ms)
 
 
+def test_the_replay_pays_each_post_what_the_run_measured_it_took() -> None:
+    """On a link that costs 0.1 ms to post a message, a run that measured 0.3 ms per post replays with every
+    transfer's posts three times the plan's; measured as planned, the replay is the plan's simulation."""
+    from cost_models.devices import get_device
+    from planner.schedules.actions import parse_programs
+    from planner.schedules.simulate import simulate
+    from planner.simulation import sim_costs, simulate_measured, simulate_plan
+
+    base = get_device("V100-16GB")
+    device = dataclasses.replace(base, intra_node=dataclasses.replace(base.intra_node, post_us=100.0))
+    posting = Plan.from_dict(json.loads(make_plan(GPT, ["blocks_1_ln_1"], schedule="1f1b", device=device)))
+    own = [{f"{index}:F": stage.predicted.fwd_ms, f"{index}:B": stage.predicted.bwd_ms,
+            f"{index}:OPTIMIZER_STEP": stage.predicted.optimizer_ms} for index, stage in enumerate(posting.stages)]
+    as_planned = simulate_measured(posting, [{**times, "post": 0.1} for times in own])
+    assert as_planned.step_ms == pytest.approx(simulate_plan(posting).step_ms)
+    costs = sim_costs(posting.layout, posting.stages, posting.transfers, posting.schedule.kind, "gloo")
+    tripled = dataclasses.replace(costs, post_ms={edge: 3 * ms for edge, ms in costs.post_ms.items()})
+    expected = simulate(parse_programs(posting.programs), posting.layout, tripled)
+    slow_posts = simulate_measured(posting, [{**own[0], "post": 0.2}, {**own[1], "post": 0.4}])  # mean 0.3
+    assert slow_posts.step_ms == pytest.approx(expected.step_ms) and expected.step_ms > as_planned.step_ms
+
+
 def test_the_replay_on_measured_compute_takes_a_split_backwards_i_as_it_was_measured(plan: Plan) -> None:
     """A ZB-H1 run measures I and W; the replay runs each I for its measured time, not that plus the
     predicted cost of splitting (split_extra_ms, which the measured I already holds): by hand, every rank
