@@ -30,12 +30,16 @@ import time
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from cost_models.errors import CheckpointError, PeerFailure, RankFailure, RuntimeSetupError, TesseraError
 from runtime.launch import RankEnv, init_group, rank_or_zero
 from runtime.train import RunOptions
+
+if TYPE_CHECKING:
+    from planner.plan import Plan
 
 EXIT_SETUP = 2
 EXIT_FAILED = 1
@@ -63,7 +67,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[RunOptions, str]:
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights, data and dropout")
     parser.add_argument("--lr", type=float, default=None, help="learning rate (default per optimizer)")
     parser.add_argument("--timeout-s", type=float, default=300.0, help="process group and wait timeout")
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                        help="auto: CPU ranks (gloo) for a plan made for the cpu device, else CUDA where "
+                             "available")
     parser.add_argument("--leaf", action="append", default=[], help="leaf module the plan was traced with")
     parser.add_argument("--nvme-dir", type=Path, default=None,
                         help="directory (a local SSD) for stages whose optimizer state the plan puts on NVMe")
@@ -77,6 +83,12 @@ def parse_args(argv: Sequence[str] | None) -> tuple[RunOptions, str]:
                       args.resume, args.seed, args.lr, args.timeout_s, tuple(args.leaf),
                       nvme_dir=args.nvme_dir, fail_at_step=args.fail_at_step,
                       fail_rank=args.fail_rank), args.device
+
+
+def _device_kind(plan: Plan, choice: str) -> str:
+    """What ``--device auto`` runs ``plan`` on: a plan costed for CPU ranks (gloo) runs on CPU ranks even
+    where a GPU is present (its predictions are the CPU's); any other choice stands."""
+    return "cpu" if choice == "auto" and plan.cluster.backend == "gloo" else choice
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -95,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         checks.check_world_size(plan, env.world_size)
         check_nvme_dir(plan, options.nvme_dir, plan.layout.parts_of_rank(env.rank),
                        printer_parts=plan.layout.parts_of_rank(0))
-        device = init_group(env, device_choice, options.timeout_s)
+        device = init_group(env, _device_kind(plan, device_choice), options.timeout_s)
         report = train.run(plan, options, device)
         if env.rank == 0 and options.report is not None:
             report.save(options.report)

@@ -309,3 +309,17 @@ def test_the_agent_drops_a_shutdown_grace_its_torchrun_does_not_know(monkeypatch
     older.add_argument("--nproc-per-node")
     monkeypatch.setattr(agent, "get_args_parser", lambda: older)
     assert agent.known_options(argv) == ["--standalone", "--nproc-per-node", "1", "-m", "runtime", "p.json"]
+
+
+def test_auto_runs_a_plan_made_for_cpu_ranks_on_cpu_ranks_even_beside_a_gpu() -> None:
+    """A plan costed on the cpu device (gloo) is predicted for CPU ranks: ``--device auto`` keeps it there;
+    a GPU plan's auto, and any explicit choice, stand."""
+    from runtime.command import _device_kind
+    from tests.runtime_plans import GPT, make_plan
+
+    gpu_plan = Plan.from_dict(json.loads(make_plan(GPT, ["blocks_1_ln_1"], schedule="1f1b")))
+    device = dict(gpu_plan.cluster.device, backend="gloo")
+    cpu_plan = dataclasses.replace(gpu_plan, cluster=dataclasses.replace(gpu_plan.cluster, device=device))
+    assert cpu_plan.cluster.backend == "gloo" and gpu_plan.cluster.backend == "nccl"
+    assert _device_kind(cpu_plan, "auto") == "cpu" and _device_kind(gpu_plan, "auto") == "auto"
+    assert _device_kind(cpu_plan, "cuda") == "cuda" and _device_kind(gpu_plan, "cpu") == "cpu"
