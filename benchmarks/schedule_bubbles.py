@@ -8,17 +8,23 @@ processes (``python -m planner run ... --report``) and compared as ``tessera val
               posting a message took (run report's ``rank_action_ms``), transfers as predicted: the
               schedule's own bubble;
   measured    1 - (busy time of every rank) / (sum of their steps), the runtime timing each compute action.
-Target: measured within 5 points of replayed, and the families' measured order by step the
-predicted one. ``post pred/meas``: what posting one message costs a rank, as the cpu device measured it
-(the plan's) and as the run did (mean over ranks). The machine may have fewer cores than ranks: note the load average printed.
+Every family runs ``--rounds`` times, the families alternating, so that the machine's drift reaches
+them alike; the summary takes each family's median. Target: measured within 5 points of replayed,
+and the families' measured order by step the predicted one (neighbours measured the other way are
+listed with how far apart they were predicted and whether their measured ranges overlap).
+``post pred/meas``: what posting one message costs a rank, as the cpu device measured it (the plan's)
+and as the run did (mean over ranks). The machine may have fewer cores than ranks: note the load
+average printed.
 
-Run: python benchmarks/schedule_bubbles.py [--steps 8] [--ranks 4]
+Run: python benchmarks/schedule_bubbles.py [--steps 8] [--ranks 4] [--rounds 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -83,30 +89,45 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--ranks", type=int, default=4, help="CPU ranks (default 4; 2 on a 2-core machine keeps "
                                                              "one core per rank)")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of every family, alternating (default 2)")
     args = parser.parse_args()
     print(f"GPT {MODEL}, batch {BATCH} in micro-batches of {MICRO}, {args.ranks} gloo CPU ranks x 1 thread on "
-          f"{os.cpu_count()} cores, "
-          f"{args.steps} steps (the first warms up); load average {os.getloadavg()[0]:.1f} at the start")
-    print(f"{'family':<22} {'predicted':>9} {'replayed':>9} {'measured':>9} {'meas-repl':>9} "
+          f"{os.cpu_count()} cores, {args.rounds} rounds of the families alternating, "
+          f"{args.steps} steps a run (the first warms up); load average {os.getloadavg()[0]:.1f} at the start")
+    print(f"{'round family':<24} {'predicted':>9} {'replayed':>9} {'measured':>9} {'meas-repl':>9} "
           f"{'pred. step':>10} {'meas. step':>10} {'post pred/meas':>15}")
-    rows = []
+    made = plans(args.ranks)
+    gaps: dict[str, list[float]] = {name: [] for name in made}  # measured - replayed bubble, per round
+    steps: dict[str, list[float]] = {name: [] for name in made}  # measured median step, per round
     with tempfile.TemporaryDirectory() as tmp:
-        for name, plan in plans(args.ranks).items():
-            report = run(plan, args.steps, Path(tmp))
-            replayed = simulate_measured(plan, report.rank_action_ms)
-            measured = report.bubble_fraction or 0.0
-            rows.append((name, plan.predicted.step_ms, report.median_step_ms))
-            posts = [ranks["post"] for ranks in report.rank_action_ms if "post" in ranks]
-            planned_post_ms = plan.cluster.device["intra_node"]["post_us"] / 1e3
-            print(f"{name:<22} {plan.predicted.bubble_fraction:>9.1%} {replayed.bubble_fraction:>9.1%} "
-                  f"{measured:>9.1%} {(measured - replayed.bubble_fraction) * 100:>+8.1f}pt "
-                  f"{plan.predicted.step_ms:>8.1f}ms {report.median_step_ms:>8.1f}ms "
-                  f"{planned_post_ms:>6.2f}/{sum(posts) / max(1, len(posts)):.2f}ms", flush=True)
-    predicted_order = [name for name, _, _ in sorted(rows, key=lambda row: row[1])]
-    measured_order = [name for name, _, _ in sorted(rows, key=lambda row: row[2])]
+        for round_index in range(args.rounds):
+            for name, plan in made.items():
+                report = run(plan, args.steps, Path(tmp))
+                replayed = simulate_measured(plan, report.rank_action_ms)
+                measured = report.bubble_fraction or 0.0
+                gaps[name].append((measured - replayed.bubble_fraction) * 100)
+                steps[name].append(report.median_step_ms)
+                posts = [ranks["post"] for ranks in report.rank_action_ms if "post" in ranks]
+                planned_post_ms = plan.cluster.device["intra_node"]["post_us"] / 1e3
+                print(f"{round_index + 1} {name:<22} {plan.predicted.bubble_fraction:>9.1%} "
+                      f"{replayed.bubble_fraction:>9.1%} {measured:>9.1%} {gaps[name][-1]:>+8.1f}pt "
+                      f"{plan.predicted.step_ms:>8.1f}ms {report.median_step_ms:>8.1f}ms "
+                      f"{planned_post_ms:>6.2f}/{sum(posts) / max(1, len(posts)):.2f}ms", flush=True)
+    print(f"\n{'family':<22} {'meas-repl (median)':>18} {'pred. step':>10} {'meas. step median (range)':>28}")
+    for name, plan in made.items():
+        print(f"{name:<22} {statistics.median(gaps[name]):>+16.1f}pt {plan.predicted.step_ms:>8.1f}ms "
+              f"{statistics.median(steps[name]):>10.1f}ms ({min(steps[name]):.1f}..{max(steps[name]):.1f})")
+    predicted_order = sorted(made, key=lambda name: made[name].predicted.step_ms)
+    measured_order = sorted(made, key=lambda name: statistics.median(steps[name]))
     print(f"fastest first, predicted: {', '.join(predicted_order)}")
     print(f"fastest first, measured:  {', '.join(measured_order)}")
     print(f"orders match: {predicted_order == measured_order}")
+    for first, second in itertools.pairwise(predicted_order):  # neighbours the run put the other way
+        if statistics.median(steps[first]) > statistics.median(steps[second]):
+            apart = made[second].predicted.step_ms / made[first].predicted.step_ms - 1
+            overlap = min(steps[first]) <= max(steps[second])
+            print(f"  {first} before {second}: predicted {apart:.1%} apart; measured the other way, "
+                  f"{'their ranges overlapping' if overlap else 'their ranges apart'}")
 
 
 if __name__ == "__main__":
