@@ -106,7 +106,7 @@ def _op_overhead_us() -> float:
 _PING_BYTES = 4 * 2**10  # small enough that its round trip is latency
 _STREAM_BYTES = 16 * 2**20  # large enough that its round trip is bandwidth
 _GLOO_TIMEOUT_S = 60
-_POST_PAUSE_S = 0.002  # between two posts, as a rank's compute leaves them (gloo's threads go idle)
+_POST_PAUSE_S = 0.002  # before a send, as a rank's compute leaves between its posts (gloo's threads go idle)
 
 
 def pin_cpu_rank(local_rank: int, local_world_size: int) -> frozenset[int]:
@@ -134,7 +134,7 @@ def measure_gloo_links() -> tuple[LinkSpec, LinkSpec]:
 
     * point to point: the latency is half a small message's round trip, the bandwidth what a large one's
       adds beyond it; posting a message costs the posting rank's own core time (``post_us``: gloo's
-      ``isend``/``irecv`` calls, measured after a pause as compute leaves between posts);
+      ``isend``/``irecv`` calls, measured as the runtime posts them: receives ahead, sends after compute);
     * all-reduce: the link a two-rank ring all-reduce behaves as (its time is 2 alpha + bytes / beta,
       cost_models.comm), fitted to a small and a large gloo all-reduce; gloo's all-reduce also sums on
       the CPU, so it is slower than its messages alone.
@@ -212,22 +212,27 @@ def _ping_pong(rank: int, store_path: str) -> tuple[float, float, float, float, 
         return statistics.median(samples[1:])
 
     def post_s(repeats: int) -> float:
-        """What posting one small message costs the rank on average, sending and receiving alike: the call
-        alone, after a pause as a rank's compute leaves between its posts. The mean, not the median: a
-        step pays the sum of its posts, and on a core gloo's threads share, one post in five or so waits
-        milliseconds for them."""
+        """What posting one small message costs the rank on average, sending and receiving alike, in the
+        runtime's pattern: the receive posted ahead, before the peer sends (runtime/comm.py posts the next
+        run's receives early), the send after a pause as compute leaves between posts; the call alone.
+        The mean, not the median: a step pays the sum of its posts, and on a core gloo's threads share,
+        some posts wait milliseconds for them."""
         message = torch.zeros(_PING_BYTES // 4)
-        samples: dict[bool, list[float]] = {True: [], False: []}
+        samples = []
         for index in range(2 * (repeats + 1)):  # the first of each direction warms it up
             sending = (index % 2 == 0) == (rank == 0)
-            dist.barrier()
-            time.sleep(_POST_PAUSE_S)
+            op = dist.P2POp(dist.isend if sending else dist.irecv, message, 1 - rank)
+            if sending:
+                dist.barrier()  # the peer's receive is posted
+                time.sleep(_POST_PAUSE_S)
             start = time.perf_counter()
-            works = dist.batch_isend_irecv([dist.P2POp(dist.isend if sending else dist.irecv, message, 1 - rank)])
-            samples[sending].append(time.perf_counter() - start)
+            works = dist.batch_isend_irecv([op])
+            samples.append(time.perf_counter() - start)
+            if not sending:
+                dist.barrier()
             for work in works:
                 work.wait()
-        return statistics.mean(time for times in samples.values() for time in times[1:])
+        return statistics.mean(samples[2:])
 
     try:
         return (round_trip_s(_PING_BYTES, 20), round_trip_s(_STREAM_BYTES, 5), all_reduce_s(_PING_BYTES, 20),
