@@ -11,11 +11,12 @@ backward and the last one when it ends: ALLREDUCE then ends at
 ``max(first + overlap x A, last) + (1 - overlap) x A`` (the last backward from first to last, A
 the all-reduce's time), or when the rank reaches it if later. It is a collective: every rank holding
 a copy of the part ends it when the last of them would end its own (replicas in step end together;
-GEMS-MASTER's mirror copies, which reach it at different times, wait for each other). A SEND costs the rank the time to post it (``post_ms``: on
-gloo the rank's own core posts each message; 0 where the host queues it ahead of the GPU), then
-returns and starts a transfer on the directed link src rank → dst rank; transfers on one link run one
-after another (FIFO). A RECV costs its post too and blocks until its transfer has arrived (a receive
-posted ahead of its place pays its post while the rank would wait anyway: ``max(post, arrival)``).
+GEMS-MASTER's mirror copies, which reach it at different times, wait for each other). A SEND costs
+the rank the time to post it (``post_ms``: on gloo the rank's own core posts each message; 0 where
+the host queues it ahead of the GPU), then returns and starts a transfer on the directed link
+src rank → dst rank; transfers on one link run one after another (FIFO). A RECV costs its post too
+and blocks until its transfer has arrived (a receive posted ahead of its place pays its post while
+the rank would wait anyway: ``max(post, arrival)``).
 A message between stages of different slots travels from every rank of the sender to every rank
 of the receiver (spatial tiles join and split), each at the edge's cost, and the receive waits
 for all of them. Memory per rank is the static bytes of its stages plus ``activation_bytes`` for
