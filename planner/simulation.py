@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
+from cost_models.comm import p2p_post_ms
 from cost_models.device_spec import LinkSpec
 from planner.plan import Layout, Plan, ScheduleKind, StagePlan, Transfer
 from planner.schedules.actions import parse_programs
@@ -43,7 +44,7 @@ def simulate_measured(plan: Plan, action_ms: Sequence[Mapping[str, float]]) -> S
         return sum(times) / len(times) if times else default
 
     predicted = sim_costs(plan.layout, plan.stages, plan.transfers, plan.schedule.kind, plan.cluster.backend)
-    planned_post_ms = LinkSpec.from_dict(plan.cluster.device["intra_node"]).post_us * 1e-3  # per message
+    planned_post_ms = p2p_post_ms(LinkSpec.from_dict(plan.cluster.device["intra_node"]))  # per message
     posts = measured("post", planned_post_ms) / planned_post_ms if planned_post_ms else 1.0  # measured/planned
     stages = []
     for stage, costs in enumerate(predicted.stages):
