@@ -38,6 +38,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from plan_quality import equal_layer_starts  # noqa: E402
 
+from cost_models.comm import p2p_post_ms  # noqa: E402
+from cost_models.device_spec import LinkSpec  # noqa: E402
 from cost_models.graph.model_spec import build_model, load_builder  # noqa: E402
 from planner import trace  # noqa: E402
 from planner.manual import plan_with_split, reschedule  # noqa: E402
@@ -108,7 +110,7 @@ def main() -> None:
                 gaps[name].append((measured - replayed.bubble_fraction) * 100)
                 steps[name].append(report.median_step_ms)
                 posts = [ranks["post"] for ranks in report.rank_action_ms if "post" in ranks]
-                planned_post_ms = plan.cluster.device["intra_node"]["post_us"] / 1e3
+                planned_post_ms = p2p_post_ms(LinkSpec.from_dict(plan.cluster.device["intra_node"]))
                 print(f"{round_index + 1} {name:<22} {plan.predicted.bubble_fraction:>9.1%} "
                       f"{replayed.bubble_fraction:>9.1%} {measured:>9.1%} {gaps[name][-1]:>+8.1f}pt "
                       f"{plan.predicted.step_ms:>8.1f}ms {report.median_step_ms:>8.1f}ms "
