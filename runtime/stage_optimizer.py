@@ -28,7 +28,10 @@ the fp16 loss scale: :class:`runtime.precision.MixedPrecision` checks :meth:`gra
 on every rank, then calls :meth:`step` or :meth:`skip`), the copy-back rounds to 16 bits.
 
 Every tier steps in buckets of gradients (:meth:`StageOptimizer.step`), so that what the step itself
-allocates (the masters' gradients, the copies, torch's multi-tensor temporaries) is one bucket's.
+allocates (the masters' gradients, the copies, torch's multi-tensor temporaries) is one bucket's. The
+plain path with an optimizer that updates in place (:func:`steps_in_place`: SGD, as
+cost_models.memory's ``step_temporaries`` counts it) allocates nothing to bound, and steps once: each
+bucket's step would walk every parameter again.
 """
 
 from __future__ import annotations
@@ -164,7 +167,8 @@ class StageOptimizer:
         down to its masters (cast to their dtype) and freed, the bucket is stepped, its masters' gradients
         dropped and the masters copied back (ZeRO-1/2: all-gathered). So the step holds one bucket's copies,
         optimizer temporaries and gathered weights at a time, not every parameter's
-        (cost_models.memory.step_transient_bytes and zero_gather_bytes count them)."""
+        (cost_models.memory.step_transient_bytes and zero_gather_bytes count them). The plain path with an
+        optimizer stepping in place (:func:`steps_in_place`) has none of these and steps once."""
         self._page_in()
         sizes = [self._grad_bytes(index) for index in range(len(self.masters))]
         # the plain path's optimizer steps the parameters themselves, every one with a gradient: all are taken
@@ -172,7 +176,9 @@ class StageOptimizer:
         taken = [self._grad_chunk(index) for index in range(len(self.params))] if self.plain else None
         for param in self.params if self.plain else ():
             param.grad = None
-        for bucket in buckets(sizes, step_bucket_bytes(sum(size or 0 for size in sizes))):
+        total = sum(size or 0 for size in sizes)
+        in_place = self.plain and steps_in_place(self.optimizer)  # nothing allocated to bound: one bucket
+        for bucket in buckets(sizes, total if in_place else step_bucket_bytes(total)):
             sources: list[torch.Tensor] = [  # type: ignore[misc]
                 self._grad_chunk(index) if taken is None else taken[index] for index in bucket]
             for index in bucket:  # the bucket's gradients are held by ``sources`` alone now
@@ -478,6 +484,21 @@ def copied_into_new(sources: Sequence[torch.Tensor], targets: Sequence[Target], 
         for index, shape, flat in zip(indices, shapes, buffer.split(numels)):
             copies[index] = flat.view(shape)
     return copies  # type: ignore[return-value]
+
+
+def steps_in_place(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer``'s step allocates nothing per stepped element: torch's SGD, with momentum or not,
+    updates its momentum buffers and the parameters in place unless weight decay, Nesterov or ``maximize``
+    make it add into copies of the gradients. Any other optimizer is taken to allocate (Adam's denominator).
+
+    >>> param = torch.nn.Parameter(torch.zeros(2))
+    >>> steps_in_place(torch.optim.SGD([param], lr=0.1, momentum=0.9)), steps_in_place(torch.optim.Adam([param]))
+    (True, False)
+    >>> steps_in_place(torch.optim.SGD([param], lr=0.1, momentum=0.9, nesterov=True))
+    False
+    """
+    return type(optimizer) is torch.optim.SGD and not any(
+        group.get("weight_decay") or group.get("nesterov") or group.get("maximize") for group in optimizer.param_groups)
 
 
 def buckets(sizes: Sequence[int | None], limit: int) -> list[list[int]]:

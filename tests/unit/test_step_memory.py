@@ -66,6 +66,33 @@ def test_a_step_allocates_what_the_cost_model_counts(precision: str, optimizer: 
                                 separate_masters=not state.plain, steps_on_device=True) == expected_bytes
 
 
+@pytest.mark.parametrize(("optimizer", "calls"), [
+    ("momentum", 1),  # in place: nothing to bound, one step over every parameter
+    ("sgd", 1),
+    ("adam", 4),  # 1 MiB buckets: the largest alone, then 5 + 5 + 3 parameters of 200,000 bytes or less
+])
+def test_an_optimizer_stepping_in_place_steps_once_and_others_bucket_by_bucket(optimizer: str, calls: int) -> None:
+    """The plain path's step: the same update as torch's optimizer stepping every parameter at once."""
+    torch.manual_seed(0)
+    start = [torch.randn(shape) for shape in [(700, LARGEST // 700), *[(100, 500)] * 12, (300,)]]
+    params = {f"p{i}": nn.Parameter(t.clone()) for i, t in enumerate(start)}
+    reference = [nn.Parameter(t.clone()) for t in start]
+    state = StageOptimizer(0, params, optimizer_factory(optimizer), spec=OffloadSpec(), device=torch.device("cpu"))
+    whole = optimizer_factory(optimizer)(reference)
+    stepped = []
+    real_step = state.optimizer.step
+    state.optimizer.step = lambda: stepped.append(real_step())  # type: ignore[method-assign]
+    for _ in range(2):
+        grads = [torch.randn_like(t) for t in start]
+        for param, mine, grad in zip(params.values(), reference, grads):
+            param.grad, mine.grad = grad.clone(), grad.clone()
+        state.step()
+        whole.step()
+    assert len(stepped) == 2 * calls
+    for param, mine in zip(params.values(), reference):
+        torch.testing.assert_close(param.detach(), mine.detach(), rtol=0, atol=0)
+
+
 def test_a_plan_whose_peak_is_its_optimizer_step_predicts_it() -> None:
     """bf16 Adam on one GPU, one sample a micro-batch: the step's fp32 copy of the largest parameter (the
     token embedding) and Adam's denominator over it outgrow every activation. The plan's peak is then the
