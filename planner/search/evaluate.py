@@ -143,6 +143,7 @@ class PartSummary:
     transient_bytes: int = 0  # of static_bytes: the largest working set of a forward or backward
     split_extra_ms: float = 0.0  # a split backward's I and W beyond bwd_ms (I takes bwd - W + this)
     region_transient_bytes: int = 0  # a node's working set alone (the loss's excluded): at a region's backward
+    summing_transient_bytes: int = 0  # the working set of a node summing tied weights' partial gradients
 
     @property
     def compute_ms(self) -> float:
@@ -165,10 +166,11 @@ class PartSummary:
 
     @property
     def tied_excess_bytes(self) -> int:
-        """What a backward's end, summing tied weights' partial gradients beside a node's working set (the
-        loss's gone) and a recomputed region's activations, adds to :attr:`held_bytes` with one micro-batch
-        fewer held: the simulator's tied event, as the memory row's "backward" moment counts it."""
-        working = self.region_transient_bytes + self.recompute_bytes
+        """What a backward's end, summing tied weights' partial gradients beside the working set of the node
+        summing them (the earliest user's) and a recomputed region's activations, adds to :attr:`held_bytes`
+        with one micro-batch fewer held: the simulator's tied event, as the memory row's "backward" moment
+        counts it."""
+        working = self.summing_transient_bytes + self.recompute_bytes
         return max(0, self.tied_bytes - max(0, self.transient_bytes - working))
 
     @property
@@ -274,4 +276,5 @@ def _summary(model: CostModel, part: int, first: int, last: int, decisions: Deci
                        round(values["host_bytes"]), round(values["nvme_bytes"]), values["weight_grad_ms"],
                        round(values["state_bytes"]), round(values["step_bytes"]), round(values["tied_bytes"]),
                        round(values["accumulate_bytes"]), round(values["transient_bytes"]),
-                       values["split_extra_ms"], round(values["region_transient_bytes"]))
+                       values["split_extra_ms"], round(values["region_transient_bytes"]),
+                       round(values["summing_transient_bytes"]))

@@ -66,6 +66,8 @@ class Unit:
     # gradient and the new gradient of the parameters it uses (at least transient_bytes)
     node_transient_bytes: int | None = None  # of transient_bytes, the largest node's alone: without the
     # loss's working bytes (None: all of transient_bytes)
+    summing_transient_bytes: int = 0  # where its backward may sum a tied weight's partial gradients (a use
+    # follows the weight's first here, in it or in a later unit): that first user's working set (0: none)
 
     @property
     def region_transient_bytes(self) -> int:
@@ -352,8 +354,10 @@ def group_units(graph: LayerGraph, table: CostTable, precision: Precision, optim
     shared_names = sorted(name for name, units in users.items() if len(units) > 1)
     shared_index = {name: index for index, name in enumerate(shared_names)}
     starts = (0, *cuts)
-    units = tuple(_unit(graph, table, group, precision, optimizer, shared_index,
-                        crossing[start - 1] if start else 0) for group, start in zip(groups, starts))
+    last_user = {name: max(units) for name, units in users.items()}
+    units = tuple(_unit(graph, table, group, precision, optimizer, shared_index, crossing[start - 1] if start else 0,
+                        frozenset(name for name, last in last_user.items() if last > position))
+                  for position, (group, start) in enumerate(zip(groups, starts)))
     shared = tuple(_shared_param(name, _param_state(graph, name, precision, optimizer))
                    for name in shared_names)
     return Coarsening(units, tuple(crossing[cut - 1] for cut in cuts), shared)
@@ -464,7 +468,9 @@ def _loss_bytes(graph: LayerGraph, table: CostTable, names: list[str], precision
 
 
 def _unit(graph: LayerGraph, table: CostTable, names: list[str], precision: Precision,
-          optimizer: Optimizer, shared_index: dict[str, int], crossing_before: int) -> Unit:
+          optimizer: Optimizer, shared_index: dict[str, int], crossing_before: int,
+          used_later: frozenset[str] = frozenset()) -> Unit:
+    """The unit of nodes ``names``; ``used_later``: parameters a later unit uses too."""
     params = {p for name in names if graph.node(name).kind is not NodeKind.PARAM
               for p in graph.node(name).param_names}
     own = [p for p in params if p not in shared_index]
@@ -479,6 +485,9 @@ def _unit(graph: LayerGraph, table: CostTable, names: list[str], precision: Prec
     computing = [(cost, name) for cost, name in zip(costs, names) if graph.node(name).kind is not NodeKind.PARAM]
     node_transient = max((2 * cost.output_bytes for cost, _ in computing), default=0)
     transient = max(node_transient, loss_working)
+    # a weight used again after its first use here has its partial gradients summed in that first user's backward
+    summed = [p for p in params if uses[p] > 1 or p in used_later]
+    summing = {next(name for _, name in computing if p in graph.node(name).param_names) for p in summed}
     return Unit(
         nodes=tuple(names),
         fwd_ms=sum(c.fwd_ms for c in costs),
@@ -488,6 +497,7 @@ def _unit(graph: LayerGraph, table: CostTable, names: list[str], precision: Prec
         activation_bytes=saved + loss_kept,
         transient_bytes=transient,
         node_transient_bytes=node_transient,
+        summing_transient_bytes=max((2 * cost.output_bytes for cost, name in computing if name in summing), default=0),
         shared=tuple(sorted(shared_index[p] for p in params if p in shared_index)),
         weight_bytes=sum(p.weight_bytes for p in state),
         optimizer_bytes=sum(p.optimizer_bytes for p in state),

@@ -215,7 +215,7 @@ class CapacityRow:
 BREAKDOWN = ("fwd_ms", "bwd_ms", "weight_grad_ms", "split_extra_ms", "send_ms", "allreduce_ms", "optimizer_ms",
              "swap_ms", "grad_bytes", "static_bytes", "activation_bytes", "swap_bytes", "recompute_bytes",
              "host_bytes", "nvme_bytes", "state_bytes", "step_bytes", "tied_bytes", "accumulate_bytes",
-             "transient_bytes", "region_transient_bytes")
+             "transient_bytes", "region_transient_bytes", "summing_transient_bytes")
 """The per-part terms every evaluation reports (planner/search/evaluate.py: PartSummary)."""
 
 
@@ -357,6 +357,9 @@ def _shared_terms(problem: PipelineProblem, units: tuple[Unit, ...],
         # and beside them a node's working set, not the loss's: its backward ran first (cost_models.loss)
         "region_transient_bytes": Term(unit_max=tuple(float(u.region_transient_bytes) for u in units),
                                        max_name="region_transient"),
+        # where a backward sums tied weights' partial gradients (the earliest user's): that node's working set
+        "summing_transient_bytes": Term(unit_max=tuple(float(u.summing_transient_bytes) for u in units),
+                                        max_name="summing_transient"),
     }
     terms["swap_ms"] = terms["swap_bytes"].scaled(tiers.host_link.ms_per_byte)
     terms["compute_ms"] = terms["fwd_ms"].plus(terms["bwd_ms"])
@@ -491,7 +494,8 @@ def _part_terms(problem: PipelineProblem, part: int, shared: dict[str, Term],
     allreduce = problem.allreduce[part]
     terms: dict[str, Term] = {name: shared[name] for name in (
         "fwd_ms", "bwd_ms", "weight_grad_ms", "split_extra_ms", "compute_ms", "grad_bytes", "swap_bytes", "swap_ms",
-        "recompute_bytes", "tied_bytes", "accumulate_bytes", "transient_bytes", "region_transient_bytes")}
+        "recompute_bytes", "tied_bytes", "accumulate_bytes", "transient_bytes", "region_transient_bytes",
+        "summing_transient_bytes")}
     if is_first:  # its inputs are data, carrying no gradient: a split backward's I has nothing to do, W all of it
         terms["weight_grad_ms"] = dataclasses.replace(shared["bwd_ms"], family="weight_grad_ms")
         terms["split_extra_ms"] = Term()  # (the runtime's W there is one whole backward)
@@ -606,7 +610,7 @@ def _memory_rows(problem: PipelineProblem, parts: tuple[dict[str, Term], ...]) -
         static: list[tuple[int, Term]] = []
         held: list[tuple[int, Term]] = []  # activations, and a recomputed region's while its backward runs
         summing: list[tuple[int, Term]] = []  # at a backward's end: tied gradients, one micro-batch fewer held,
-        # a node's working set (the first node's backward: the loss's working bytes are gone)
+        # the working set of the node summing them (the earliest user's backward: the others' are gone)
         computing: list[tuple[int, Term]] = []  # at the largest transient (the loss's): no region rematerialised
         recomputing: list[tuple[int, Term]] = []  # in a recomputed region's backward: a node's working set
         for stage in layout.stages_on_slot(slot):
@@ -623,7 +627,8 @@ def _memory_rows(problem: PipelineProblem, parts: tuple[dict[str, Term], ...]) -
                 recomputing += [(part, working), (part, activations)]
             static.append((part, terms["static_bytes"]))
             held.append((part, activations))
-            summing += [(part, working.plus(terms["tied_bytes"])),
+            summed_by = terms["kept_bytes"].plus(terms["summing_transient_bytes"])  # the earliest user's node
+            summing += [(part, summed_by.plus(terms["tied_bytes"])),
                         (part, activations.plus(terms["activation_bytes"], -1.0))]
         rows.append(MemoryRow(slot, tuple(computing)))
         if recomputing:

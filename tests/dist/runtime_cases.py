@@ -102,7 +102,7 @@ def run_resumed(rank: int, world_size: int, cases: list[Resumed]) -> list[Outcom
     outcomes = []
     for resumed in cases:
         case, folder = resumed.case, Path(resumed.checkpoint_dir)
-        first, data = _executor(case.plan_json, case, {})
+        first, data = _executor(case.plan_json, case, None)
         losses = _train(first, data, range(resumed.stop_after))
         checkpoint.save(first, folder, resumed.stop_after)
         _close(first)
@@ -116,11 +116,15 @@ def run_resumed(rank: int, world_size: int, cases: list[Resumed]) -> list[Outcom
     return outcomes
 
 
-def _executor(plan_json: str, case: Case, grads: dict[int, torch.Tensor]) -> tuple[Executor, SyntheticData]:
+def _executor(plan_json: str, case: Case,
+              grads: dict[int, torch.Tensor] | None) -> tuple[Executor, SyntheticData]:
+    """The case's Executor and data; its optimizer records each gradient it steps into ``grads`` (None: the
+    plan's optimizer as `tessera run` makes it, where a test measures memory the copies would add to)."""
     plan = Plan.from_dict(json.loads(plan_json))
     model = initialize(rebuild_model(plan), SEED) if case.real_weights else rebuild_model(plan)
-    exe = Executor(plan, model, _no_loss, _recording(plan.training.optimizer, case.lr, grads),
-                   seed=SEED, timeout_s=60, nvme_dir=case.nvme_dir)
+    factory = (optimizer_factory(plan.training.optimizer, case.lr) if grads is None
+               else _recording(plan.training.optimizer, case.lr, grads))
+    exe = Executor(plan, model, _no_loss, factory, seed=SEED, timeout_s=60, nvme_dir=case.nvme_dir)
     data = SyntheticData(input_specs(exe.traced, dict(exe.flow.specs)),
                          synthetic_task(exe.flow.specs[exe.flow.output_names[0]]), SEED)
     exe.loss_fn = data.task

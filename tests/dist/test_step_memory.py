@@ -74,7 +74,7 @@ def _profiled_peak(rank: int, world_size: int, plan_json: str) -> int:
     from runtime.microbatch import split_batch
     from tests.dist.runtime_cases import Case, _executor
 
-    exe, data = _executor(plan_json, Case(plan_json), {})
+    exe, data = _executor(plan_json, Case(plan_json), None)
     training = exe.plan.training
     for step in range(3):
         batch = data.samples(step, 0, training.global_batch_size)

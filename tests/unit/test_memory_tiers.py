@@ -19,10 +19,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cost_models import estimate
 from cost_models.device_spec import OptimizerStepCost
 from cost_models.errors import InvalidArgument, PlanInfeasible
-from examples.models.gpt import gpt_tiny
-from planner import plan
+from cost_models.memory import Optimizer, Precision
+from examples.models.gpt import gpt, gpt_tiny
+from planner import plan, trace
 from planner.plan import Layout, OffloadSpec, Plan, ScheduleKind, StateTier
 from planner.schedules.generate import gpipe
 from planner.schedules.lower import lower
@@ -39,6 +41,7 @@ from planner.search.problem import (
     PipelineProblem,
     StateMode,
     Unit,
+    group_units,
     state_modes,
 )
 from planner.search.search import whole_units
@@ -219,13 +222,15 @@ def test_a_recomputed_regions_backward_is_not_counted_beside_the_losss_working_b
                  for r in (0.0, 1.0)) == peaks
 
 
-@pytest.mark.parametrize(("tied_grad_bytes", "excess"), [(150, 0), (3000, 6000 - (5000 - 10))])
+@pytest.mark.parametrize(("tied_grad_bytes", "excess"), [(150, 0), (3000, 6000 - (5000 - 4))])
 def test_the_simulators_tied_event_is_the_memory_rows_backward_end(tied_grad_bytes: int, excess: int) -> None:
     """A unit whose 2 uses of a tied weight hold 2 x its gradient at the end of its backward, after the loss's
-    (5000 working bytes, a node's 10): the "backward" row holds the sums beside the node's 10 bytes in place
-    of the 5000 and one micro-batch fewer; the simulator holds its static bytes all step and adds only what
-    the sums exceed of the 4990 bytes it holds beyond them (PartSummary.tied_excess_bytes)."""
-    tied = Unit(("a",), 2.0, 3.0, 100, 0, 1000, 10, (), 0, 0, 0, 1000, 200, tied_grad_bytes=tied_grad_bytes)
+    (5000 working bytes; a node's 10, the node summing the two 4): the "backward" row holds the sums beside the
+    summing node's 4 bytes in place of the 5000 and one micro-batch fewer; the simulator holds its static bytes
+    all step and adds only what the sums exceed of the 4996 bytes it holds beyond them
+    (PartSummary.tied_excess_bytes)."""
+    tied = Unit(("a",), 2.0, 3.0, 100, 0, 1000, 10, (), 0, 0, 0, 1000, 200, tied_grad_bytes=tied_grad_bytes,
+                summing_transient_bytes=4)
     loss = Unit(("loss",), 1.0, 1.0, 100, 0, 1000, 5000, (), 0, 0, 0, 1000, 200, node_transient_bytes=10)
     problem = PipelineProblem((tied, loss), (50,), (), Layout.pipeline(1), ScheduleKind.GPIPE, 3, (3,), (),
                               (LinearCost(0.0, 0.0),), 10**6, _tiers(recompute=False, swap=False))
@@ -233,9 +238,28 @@ def test_the_simulators_tied_event_is_the_memory_rows_backward_end(tied_grad_byt
     part = evaluate(costs, ()).parts[0]
     assert part.tied_excess_bytes == excess
     (row,) = [row for row in costs.memory if row.moment == "backward"]
-    assert row_value(costs, row, [(0, 1)]) == 200 + 10 + 2 * tied_grad_bytes + 2 * 2000
+    assert row_value(costs, row, [(0, 1)]) == 200 + 4 + 2 * tied_grad_bytes + 2 * 2000
     if excess > 0:  # the simulator's level at that moment: held all step, 2 micro-batches, the excess
         assert part.held_bytes + 2 * 2000 + part.tied_excess_bytes == row_value(costs, row, [(0, 1)])
+
+
+def test_tied_gradients_are_summed_beside_their_first_users_working_set_not_the_heads() -> None:
+    """GPT's token embedding is its output head too: autograd sums the head's partial gradient with the
+    embedding's in the embedding's backward, whose working set (its output and that output's gradient: 2 x
+    1 x 16 x 128 floats) is all that is computing then, not the head's (2 x 1 x 16 x 256). By hand, per
+    unit: one node a unit, the embedding 2 x 8 KiB and the head nothing (the weight's last user); the whole
+    model as one unit, the embedding's still."""
+    model = gpt(vocab=256, hidden=128, layers=1, heads=4, seq_len=16, dropout=0.0, device="meta")
+    graph = trace(model, torch.zeros(1, 16, dtype=torch.long, device="meta"))
+    table = estimate(graph, "V100-16GB", "sgd", "fp32")
+    embedding_bytes, head_bytes = 2 * 16 * 128 * 4, 2 * 16 * 256 * 4
+    names = [node.name for node in graph]
+    each = group_units(graph, table, Precision.FP32, Optimizer.SGD, list(range(1, len(names))))
+    summing = {unit.nodes[0]: unit.summing_transient_bytes for unit in each.units if unit.summing_transient_bytes}
+    assert summing == {"wte": embedding_bytes}
+    assert max(unit.region_transient_bytes for unit in each.units) >= head_bytes
+    (whole,) = group_units(graph, table, Precision.FP32, Optimizer.SGD, []).units
+    assert whole.tied_grad_bytes == 256 * 128 * 4 and whole.summing_transient_bytes == embedding_bytes
 
 
 def test_state_modes_follow_what_offload_allows() -> None:
