@@ -14,6 +14,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+PRELOADED = ("torch", "torch.distributed", "torch._dynamo", "planner", "runtime.executor", "tests.dist.harness")
+"""What the ranks' processes start with, imported once (torch._dynamo: fake tensors import it)."""
+
 
 class RankFailed(AssertionError):
     """A rank raised, or the group did not finish in time; carries every child's traceback."""
@@ -41,7 +44,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     ``fn`` must be importable (a module-level function). Raises RankFailed with the child
     tracebacks if any rank raises, and kills the group if it runs past ``timeout_s``.
     """
-    context = mp.get_context("spawn")
+    context = _forked_from_a_server()
     results = context.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = str(Path(tmp) / "rendezvous")
@@ -61,6 +64,16 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
         report = "".join(f"\n--- rank {rank} ---\n{text}" for rank, text in sorted(errors.items()))
         raise RankFailed(f"ranks failed: {sorted(errors)}; no answer from {missing}{report}")
     return [_from_bytes(outcomes[rank][1]) for rank in range(world_size)]
+
+
+def _forked_from_a_server() -> Any:
+    """Processes forked from multiprocessing's fork server, which imports :data:`PRELOADED` once per test
+    session: a spawned process imports torch and the runtime again (about 3 s, most of a small test's
+    time), and a fork of the test process itself would inherit whatever threads and state its tests left.
+    """
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(list(PRELOADED))
+    return context
 
 
 def _to_bytes(result: Any) -> bytes:
