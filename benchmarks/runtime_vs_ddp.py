@@ -4,9 +4,10 @@ Both systems train the same model (``runtime.initialize``'s weights) on the same
 replica its half cut into the same micro-batches, SGD with momentum, on 2 gloo processes with one
 intra-op thread each:
 
-* tessera: ``plan_with_split(..., data_parallel=2)`` (one stage, no sharding), run by the Executor:
-  every micro-batch's forward and backward, the gradient all-reduce in buckets started during the
-  last backward (runtime/grads.py), the optimizer step;
+* tessera: ``plan_with_split(..., data_parallel=2)`` (one stage, no sharding) under 1F1B, the schedule
+  `tessera plan` picks for one stage (GPipe ties on time and holds every micro-batch at once), run by
+  the Executor: each micro-batch's forward then its backward, the gradient all-reduce in buckets
+  started during the last backward (runtime/grads.py), the optimizer step;
 * DDP: ``DistributedDataParallel`` with gradient accumulation (``no_sync()`` on all micro-batches but
   the last, whose backward all-reduces in DDP's buckets), the optimizer step.
 
@@ -63,7 +64,7 @@ def data_parallel_plan(case: dict[str, Any]) -> Plan:
 
     model, x = example(case)
     return plan_with_split(model, example_inputs=x, stage_starts=[], batch_size=case["batch"],
-                           micro_batch_size=case["micro"], data_parallel=RANKS, schedule="gpipe", device="cpu",
+                           micro_batch_size=case["micro"], data_parallel=RANKS, schedule="1f1b", device="cpu",
                            optimizer="momentum", builder=case["builder"], builder_kwargs=case["kwargs"])
 
 
