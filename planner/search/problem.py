@@ -354,7 +354,7 @@ def group_units(graph: LayerGraph, table: CostTable, precision: Precision, optim
     shared_names = sorted(name for name, units in users.items() if len(units) > 1)
     shared_index = {name: index for index, name in enumerate(shared_names)}
     starts = (0, *cuts)
-    last_user = {name: max(units) for name, units in users.items()}
+    last_user = {name: max(holders) for name, holders in users.items()}
     units = tuple(_unit(graph, table, group, precision, optimizer, shared_index, crossing[start - 1] if start else 0,
                         frozenset(name for name, last in last_user.items() if last > position))
                   for position, (group, start) in enumerate(zip(groups, starts)))
@@ -483,11 +483,12 @@ def _unit(graph: LayerGraph, table: CostTable, names: list[str], precision: Prec
     released = sum(c.released_activation_bytes for c in costs)
     loss_kept, loss_working = _loss_bytes(graph, table, names, precision)
     computing = [(cost, name) for cost, name in zip(costs, names) if graph.node(name).kind is not NodeKind.PARAM]
-    node_transient = max((2 * cost.output_bytes for cost, _ in computing), default=0)
+    working = {name: 2 * cost.output_bytes for cost, name in computing}  # a node's output and its gradient
+    node_transient = max(working.values(), default=0)
     transient = max(node_transient, loss_working)
     # a weight used again after its first use here has its partial gradients summed in that first user's backward
     summed = [p for p in params if uses[p] > 1 or p in used_later]
-    summing = {next(name for _, name in computing if p in graph.node(name).param_names) for p in summed}
+    summing = {next(name for name in working if p in graph.node(name).param_names) for p in summed}
     return Unit(
         nodes=tuple(names),
         fwd_ms=sum(c.fwd_ms for c in costs),
@@ -497,7 +498,7 @@ def _unit(graph: LayerGraph, table: CostTable, names: list[str], precision: Prec
         activation_bytes=saved + loss_kept,
         transient_bytes=transient,
         node_transient_bytes=node_transient,
-        summing_transient_bytes=max((2 * cost.output_bytes for cost, name in computing if name in summing), default=0),
+        summing_transient_bytes=max((working[name] for name in summing), default=0),
         shared=tuple(sorted(shared_index[p] for p in params if p in shared_index)),
         weight_bytes=sum(p.weight_bytes for p in state),
         optimizer_bytes=sum(p.optimizer_bytes for p in state),
