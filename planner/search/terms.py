@@ -410,7 +410,11 @@ def _step_term(problem: PipelineProblem, copies: int) -> Term:
     A bucket holds at most a bucket's limit or one parameter (shard), whichever is larger: per unit, the
     bucket its largest parameter (or a shared one it uses, never sharded) may be in; the part's worst is its
     units' maximum. The limit is taken at the whole model's gradients (of a shard under ZeRO), which no part
-    exceeds: exact where every part is below 8 MiB of gradients or above 512 MiB, an upper bound between.
+    exceeds: the same limit as the runtime's where every part is below 8 MiB of gradients or above 512 MiB,
+    above it between. It is an upper bound: the runtime fills a bucket with whole parameters up to the limit,
+    so its worst bucket may hold less (the last stage of benchmarks/fidelity.py's step-peak plan, 1.2 MiB of
+    bf16 gradients, rose 1.39 MB in its step against the 3.15 MB counted at a 1 MiB bucket); tight where
+    parameters are small against the limit.
     Not costed (empty) where the problem names no precision and optimizer (a bare problem)."""
     tiers = problem.tiers
     precision, optimizer, mode = tiers.precision, tiers.optimizer, tiers.state
