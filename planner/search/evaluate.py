@@ -170,8 +170,8 @@ class PartSummary:
         summing them (the earliest user's) and a recomputed region's activations, adds to :attr:`held_bytes`
         with one micro-batch fewer held: the simulator's tied event, as the memory row's "backward" moment
         counts it."""
-        working = self.summing_transient_bytes + self.recompute_bytes
-        return max(0, self.tied_bytes - max(0, self.transient_bytes - working))
+        kept = self.static_bytes - self.transient_bytes  # model state, send and receive buffers
+        return max(0, kept + self.summing_transient_bytes + self.recompute_bytes + self.tied_bytes - self.held_bytes)
 
     @property
     def accumulate_excess_bytes(self) -> int:

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from cost_models import estimate
@@ -118,8 +118,15 @@ def test_ilp_with_whole_unit_decisions_equals_brute_force(problem: PipelineProbl
     assert evaluation.fits(problem.mem_bytes)
 
 
+ROUNDED_OVER = PipelineProblem(  # CI's falsifying example: 0.25 of unit 0 recomputed and 0.75 swapped fit
+    (Unit(("n0",), 0.25, 1.0, 0, 0, 502, 0, (), 0, 0, 0, 502, 252), Unit(("n1",), 1.0, 1.0, 0, 0, 1, 0, (), 0, 0, 0, 1, 0),
+     Unit(("n2",), 1.0, 1.0, 0, 0, 0, 0, (), 0, 0, 0, 0, 0)), (0, 0), (), Layout.pipeline(1), ScheduleKind.GPIPE, 4,
+    (4,), (), (LinearCost(0.0, 0.0),), 1510, _tiers())
+
+
 @settings(max_examples=40, deadline=None)
 @given(decided_problems())
+@example(ROUNDED_OVER)
 def test_shares_bound_the_optimum_and_their_rounding_fits(problem: PipelineProblem) -> None:
     costs = cost_model(problem)
     expected = _brute_force(costs)
@@ -128,9 +135,15 @@ def test_shares_bound_the_optimum_and_their_rounding_fits(problem: PipelineProbl
         return  # shares may fit where whole units do not; the search then solves again with whole units
     assert result.objective <= expected + 1e-6
     rounded = evaluate(costs, result.cuts, whole_units(result.decisions))
-    if all(flight >= 2 for flight in problem.in_flight):  # swapping a share never needs more memory
-        assert rounded.fits(problem.mem_bytes)
     assert rounded.step_ms >= expected - 1e-6
+    if not rounded.fits(problem.mem_bytes):
+        # rounding may need more memory: a unit with a recompute share is recomputed whole, keeping its input
+        # where a swap share of it had moved that to the host (ROUNDED_OVER: 1513 bytes against 1510); with
+        # fewer than 2 micro-batches in flight a swapped share rounds to 2 resident. The search then solves
+        # with whole units (Search._decide), which is exact
+        whole = solve_partition(costs, integral=True)
+        assert whole.objective == pytest.approx(expected, abs=1e-6)
+        assert evaluate(costs, whole.cuts, whole_units(whole.decisions)).fits(problem.mem_bytes)
 
 
 @settings(max_examples=60, deadline=None)

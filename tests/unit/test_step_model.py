@@ -57,8 +57,8 @@ def replay(costs: CostModel, evaluation: Evaluation) -> SimResult:
                         data_parallel=problem.layout.data_parallel)
     edges = {(part, part + 1): summary.send_ms for part, summary in enumerate(evaluation.parts[:-1])}
     programs = schedule.layout.rank_programs(lower(schedule.programs, schedule.layout, edges))
-    stages = tuple(StageCosts(p.fwd_ms, p.bwd_ms, p.activation_bytes, p.static_bytes, p.allreduce_ms,
-                              step_bytes=p.step_excess_bytes, tied_bytes=p.tied_bytes,
+    stages = tuple(StageCosts(p.fwd_ms, p.bwd_ms, p.activation_bytes, p.held_bytes, p.allreduce_ms,
+                              step_bytes=p.step_excess_bytes, tied_bytes=p.tied_excess_bytes,
                               accumulate_bytes=p.accumulate_excess_bytes)
                    for p in evaluation.parts)
     return simulate(programs, schedule.layout, SimCosts(stages, edges))
