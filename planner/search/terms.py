@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -781,29 +782,46 @@ def _family_sums(aggregate: Aggregate, num_parts: int) -> list[float]:
 
 @dataclass(frozen=True)
 class _Family:
-    """One kind of unit-only term on every part: ``first`` is part 0's per-unit coefficients, ``rest``
-    every other part's (alike), or ``cheapest`` each unit's least coefficient when parts differ more."""
+    """One kind of unit-only term on every part: ``first`` is part 0's per-unit coefficients, ``second``
+    part 1's where it differs from the rest too (parts 0 and 1 on tiles of their own, now-dl's two spatial
+    stages), ``rest`` every other part's (alike); or ``cheapest`` each unit's least coefficient when parts
+    differ more."""
 
     constant: float  # the least constant over the parts
     num_parts: int
     first: tuple[float, ...]
     rest: tuple[float, ...] | None = None  # None: every part has ``first``
-    cheapest: tuple[float, ...] | None = None  # set when the parts differ beyond part 0
+    cheapest: tuple[float, ...] | None = None  # set when the parts differ beyond parts 0 and 1
+    second: tuple[float, ...] | None = None  # part 1's, where it differs from ``rest`` (then num_parts >= 3)
 
-    def _splits(self) -> list[tuple[float, float, float]]:
-        """For every first cut (part 0 = units 0..k, k < U - 1): (part 0's sum, the other parts' sum, the
-        largest unit after the cut)."""
+    def _splits(self) -> list[tuple[float, float, float, float]]:
+        """For every cut after the leading parts (units 0..k on part 0, or on parts 0 and 1; k < U - 1): (the
+        least their largest sum can be, the least their total can be, the other parts' sum, the largest unit
+        after the cut). With two leading parts, part 1 may be empty here (a relaxation: the bound stays below
+        every plan); part 0's sum rises with its cut and part 1's falls, so the best first cut for each k is
+        found by bisection (every coefficient >= 0)."""
         assert self.rest is not None
         count = len(self.first)
         suffix_max = [0.0] * (count + 1)
         for unit in range(count - 1, -1, -1):
             suffix_max[unit] = max(self.rest[unit], suffix_max[unit + 1])
-        total, head, done = sum(self.rest), 0.0, 0.0
-        splits = []
-        for unit in range(count - 1):
-            head += self.first[unit]
-            done += self.rest[unit]
-            splits.append((head, total - done, suffix_max[unit + 1]))
+        first = list(itertools.accumulate(self.first))  # first[k]: part 0 = units 0..k
+        total, done = sum(self.rest), list(itertools.accumulate(self.rest))
+        if self.second is None:
+            return [(first[k], first[k], total - done[k], suffix_max[k + 1]) for k in range(count - 1)]
+        second = list(itertools.accumulate(self.second))
+        splits, least_total = [], float("inf")
+        for k in range(count - 1):
+            least_total = min(least_total, first[k] - second[k])  # part 0 = 0..j, part 1 = j+1..k, over j <= k
+            low, high = 0, k  # the first j where part 0's sum reaches part 1's
+            while low < high:
+                middle = (low + high) // 2
+                if first[middle] >= second[k] - second[middle]:
+                    high = middle
+                else:
+                    low = middle + 1
+            largest = min(max(first[j], second[k] - second[j]) for j in (low - 1, low) if j >= 0)
+            splits.append((largest, second[k] + least_total, total - done[k], suffix_max[k + 1]))
         return splits
 
     def sum_bound(self) -> float:
@@ -811,17 +829,17 @@ class _Family:
             return sum(self.cheapest)
         if self.rest is None or self.num_parts == 1 or len(self.first) < 2:
             return sum(self.first)
-        return min(head + tail for head, tail, _ in self._splits())
+        return min(head + tail for _, head, tail, _ in self._splits())
 
     def max_bound(self) -> float:
-        """The largest part is at least the larger of the average part and the largest unit (with part 0's
-        own coefficients for what it holds)."""
+        """The largest part is at least the larger of the average part and the largest unit (with the leading
+        parts' own coefficients for what they hold)."""
         if self.cheapest is not None:
             return self.constant + max(sum(self.cheapest) / self.num_parts, max(self.cheapest))
         if self.rest is None or self.num_parts == 1 or len(self.first) < 2:
             return self.constant + max(sum(self.first) / self.num_parts, max(self.first))
-        others = self.num_parts - 1
-        return self.constant + min(max(head, tail / others, largest) for head, tail, largest in self._splits())
+        others = self.num_parts - (1 if self.second is None else 2)
+        return self.constant + min(max(head, tail / others, largest) for head, _, tail, largest in self._splits())
 
 
 def _families(aggregate: Aggregate, num_parts: int) -> list[_Family]:
@@ -841,6 +859,9 @@ def _families(aggregate: Aggregate, num_parts: int) -> list[_Family]:
             found.append(_Family(constant, num_parts, first))
         elif all(per_unit == others[0] for per_unit in others[1:]):
             found.append(_Family(constant, num_parts, first, others[0]))
+        elif (num_parts >= 3 and all(per_unit == others[1] for per_unit in others[2:])
+              and min((*first, *others[0])) >= 0):
+            found.append(_Family(constant, num_parts, first, others[1], second=others[0]))
         else:
             cheapest = tuple(min(values) for values in zip(first, *others))
             found.append(_Family(constant, num_parts, first, cheapest=cheapest))
