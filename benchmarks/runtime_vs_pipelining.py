@@ -54,7 +54,7 @@ def tessera_plan(schedule: str) -> Plan:
     from planner.api import plan
 
     model, x = example()
-    return plan(model, 2, "64GB", batch_size=BATCH, example_inputs=x, device="cpu", optimizer="momentum",
+    return plan(model, 2, "8GB", batch_size=BATCH, example_inputs=x, device="cpu", optimizer="momentum",
                 schedules=(schedule,), micro_batch_sizes=(MICRO,), num_stages=(2,), builder=BUILDER,
                 builder_kwargs=MODEL)
 
