@@ -1,7 +1,8 @@
 """Spatial stages in the search: part 0 on P image tiles, costed from its tile and chosen by the ILP.
 
 The ILP over a spatial problem equals a brute force over every cut and keep/recompute/swap choice,
-and the pruning bound stays below every plan (parts 0 and 1 on tiles too, and as tight as a hand count);
+and the pruning bound stays below every plan (parts 0 and 1 on tiles too: the ILP then also equals the brute
+force, and the bound is as tight as a hand count);
 a unit that cannot run on tiles is never on part 0. The search starts from data parallelism wherever the
 bounds rank it, so a search cut short is no slower.
 Through plan(): the halo bytes a planned tile sends equal a count by hand; spatial=False and
@@ -69,6 +70,16 @@ def test_spatial_ilp_equals_brute_force_and_keeps_untileable_units_off_the_tiles
     result = ilp_equals_brute_force(cost_model(problem))
     if result is not None:
         assert result.cuts[0] < problem.spatial[0].tileable_units
+
+
+@settings(max_examples=40, deadline=None)
+@given(two_spatial_problems())
+def test_two_tiled_parts_ilp_equals_brute_force_and_keeps_untileable_units_off_their_tiles(
+        problem: PipelineProblem) -> None:
+    result = ilp_equals_brute_force(cost_model(problem))
+    if result is not None:
+        assert result.cuts[0] < problem.spatial[0].tileable_units
+        assert result.cuts[1] < problem.spatial[1].tileable_units
 
 
 @settings(max_examples=40, deadline=None)
