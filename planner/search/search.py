@@ -167,6 +167,7 @@ class Search:
         self._setups: dict[Config, Setup] = {}
         self._min_peaks: dict[tuple[Config, bool], OracleResult | None] = {}
         self._schedules: dict[tuple, Schedule] = {}
+        self._in_flight: dict[tuple, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = {}
         self._balanced: dict[tuple, BalancedStep] = {}
         self._geometries: dict[SpatialChoice, TileGeometry] = {}
         self._fused: dict[SpatialChoice, FusedHalos] = {}  # each geometry's fused-halo costing (memoised walks)
@@ -194,15 +195,16 @@ class Search:
         spatial_units = config.spatial and self._spatial_units(config.micro_batch_size, config.spatial)
         units = coarse or spatial_units or default
         schedule = self.schedule(config)
+        in_flight, resident, accumulating = self._in_flight[_schedule_key(config)]
         layout, per_node = schedule.layout, self.space.gpus_per_node
         problem = PipelineProblem(
             units.units, units.boundary_bytes, units.shared, layout, config.schedule, config.num_microbatches,
-            max_in_flight(schedule), part_links(self.device, layout, per_node),
+            in_flight, part_links(self.device, layout, per_node),
             part_allreduces(self.device, layout, per_node), self.space.mem_bytes,
             memory_tiers(self.device, self.space, config.state, activations=False),
             tuple(self._spatial_part(choice, config.micro_batch_size, units, None if coarse else config.spatial)
-                  for choice in config.spatial), self.balanced(config, units), swapped_resident(schedule),
-            self.device.backend, accumulating_in_flight(schedule))
+                  for choice in config.spatial), self.balanced(config, units), resident,
+            self.device.backend, accumulating)
         decided = None
         if {Offload.RECOMPUTE, Offload.SWAP} & self.space.offload:
             tiers = memory_tiers(self.device, self.space, config.state, activations=True)
@@ -216,12 +218,15 @@ class Search:
         return setup
 
     def schedule(self, config: Config) -> Schedule:
-        """``config``'s generated programs and layout (cached: alike for every state mode)."""
-        key = (config.schedule, config.num_stages, config.num_microbatches, config.data_parallel,
-               config.stage_tiles, config.virtual_stages)
+        """``config``'s generated programs and layout (cached: alike for every state mode), and what its
+        programs hold per part (in flight, swapped ones resident, accumulating: ``_in_flight``)."""
+        key = _schedule_key(config)
         if key not in self._schedules:
-            self._schedules[key] = generate(config.schedule, config.num_stages, config.num_microbatches,
-                                            data_parallel=config.data_parallel, **_shape(config))
+            schedule = generate(config.schedule, config.num_stages, config.num_microbatches,
+                                data_parallel=config.data_parallel, **_shape(config))
+            self._schedules[key] = schedule
+            self._in_flight[key] = (max_in_flight(schedule), swapped_resident(schedule),
+                                    accumulating_in_flight(schedule))
         return self._schedules[key]
 
     def balanced(self, config: Config, units: Coarsening) -> BalancedStep | None:
@@ -717,6 +722,12 @@ SHARED_SLOT_SOLVE_S = 3.0
 
 DECISION_ROUNDS = 3
 """How many times the window of the ILP with memory decisions moves after the best plan's cuts."""
+
+
+def _schedule_key(config: Config) -> tuple:
+    """What ``config``'s programs depend on (not its state mode)."""
+    return (config.schedule, config.num_stages, config.num_microbatches, config.data_parallel, config.stage_tiles,
+            config.virtual_stages)
 
 
 def _shape(config: Config) -> dict[str, Any]:
