@@ -167,7 +167,8 @@ class Search:
         self._setups: dict[Config, Setup] = {}
         self._min_peaks: dict[tuple[Config, bool], OracleResult | None] = {}
         self._schedules: dict[tuple, Schedule] = {}
-        self._in_flight: dict[tuple, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = {}
+        # per schedule key, per part: micro-batches in flight, swapped ones resident, accumulating
+        self._held: dict[tuple, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = {}
         self._balanced: dict[tuple, BalancedStep] = {}
         self._geometries: dict[SpatialChoice, TileGeometry] = {}
         self._fused: dict[SpatialChoice, FusedHalos] = {}  # each geometry's fused-halo costing (memoised walks)
@@ -195,7 +196,7 @@ class Search:
         spatial_units = config.spatial and self._spatial_units(config.micro_batch_size, config.spatial)
         units = coarse or spatial_units or default
         schedule = self.schedule(config)
-        in_flight, resident, accumulating = self._in_flight[_schedule_key(config)]
+        in_flight, resident, accumulating = self._held[_schedule_key(config)]
         layout, per_node = schedule.layout, self.space.gpus_per_node
         problem = PipelineProblem(
             units.units, units.boundary_bytes, units.shared, layout, config.schedule, config.num_microbatches,
@@ -219,13 +220,13 @@ class Search:
 
     def schedule(self, config: Config) -> Schedule:
         """``config``'s generated programs and layout (cached: alike for every state mode), and what its
-        programs hold per part (in flight, swapped ones resident, accumulating: ``_in_flight``)."""
+        programs hold per part (in flight, swapped ones resident, accumulating: ``_held``)."""
         key = _schedule_key(config)
         if key not in self._schedules:
             schedule = generate(config.schedule, config.num_stages, config.num_microbatches,
                                 data_parallel=config.data_parallel, **_shape(config))
             self._schedules[key] = schedule
-            self._in_flight[key] = (max_in_flight(schedule), swapped_resident(schedule),
+            self._held[key] = (max_in_flight(schedule), swapped_resident(schedule),
                                     accumulating_in_flight(schedule))
         return self._schedules[key]
 
