@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -60,7 +61,7 @@ class Optimizer(str, Enum):
     ADAMW = "adamw"
 
     @classmethod
-    def _missing_(cls, value: object) -> "Optimizer | None":
+    def _missing_(cls, value: object) -> Optimizer | None:
         return cls.MOMENTUM if value == "sgd-momentum" else None
 
     @property
@@ -88,7 +89,7 @@ class Optimizer(str, Enum):
         return torch.optim.AdamW(params, lr=lr)
 
 
-def get_precision(name: "str | Precision") -> Precision:
+def get_precision(name: str | Precision) -> Precision:
     """The precision named ``name`` (case-insensitive), or InvalidArgument listing the choices."""
     try:
         return Precision(name.lower() if isinstance(name, str) else name)
@@ -98,7 +99,7 @@ def get_precision(name: "str | Precision") -> Precision:
                               f"with fp32 master weights)") from None
 
 
-def get_optimizer(name: "str | Optimizer") -> Optimizer:
+def get_optimizer(name: str | Optimizer) -> Optimizer:
     """The optimizer named ``name`` (case-insensitive), or InvalidArgument listing the choices."""
     try:
         return Optimizer(name.lower() if isinstance(name, str) else name)
@@ -153,6 +154,29 @@ def step_bucket_bytes(grad_bytes: int) -> int:
     return min(max(grad_bytes // 8, 2**20), 64 * 2**20)
 
 
+def step_buckets(sizes: Sequence[int | None], limit: int) -> list[list[int]]:
+    """The buckets of an optimizer step (runtime/stage_optimizer.py steps them; planner/stepped.py predicts
+    them): consecutive indices of the sizes given (None: skipped), grouped so that no group's sizes add up
+    to more than ``limit``, unless one size alone does: that one is a group of its own.
+
+    >>> step_buckets([3, None, 3, 5, 1], 6)
+    [[0, 2], [3, 4]]
+    >>> step_buckets([2, 9, 2], 6)
+    [[0], [1], [2]]
+    """
+    groups: list[list[int]] = [[]]
+    total = 0
+    for index, size in enumerate(sizes):
+        if size is None:
+            continue
+        if groups[-1] and total + size > limit:
+            groups.append([])
+            total = 0
+        groups[-1].append(index)
+        total += size
+    return [group for group in groups if group]
+
+
 def step_transient_bytes(bucket_numel: float, precision: Precision, optimizer: Optimizer, *,
                          separate_masters: bool, steps_on_device: bool, freed_numel: float | None = None) -> float:
     """Device bytes an optimizer step allocates beyond the model state (every gradient still held), at its
@@ -167,9 +191,9 @@ def step_transient_bytes(bucket_numel: float, precision: Precision, optimizer: O
       bucket (the denominator, the second moment's square root); SGD with or without momentum none.
 
     >>> step_transient_bytes(1000, Precision.BF16, Optimizer.ADAM, separate_masters=True, steps_on_device=True)
-    6000.0
+    6000
     >>> step_transient_bytes(1000, Precision.FP32, Optimizer.ADAM, separate_masters=False, steps_on_device=True)
-    4000.0
+    4000
     """
     master = bucket_numel * precision.state_itemsize
     temporaries = master * optimizer.step_temporaries if steps_on_device else 0.0

@@ -41,6 +41,7 @@ from planner.search.ilp import SolveStatus
 from planner.search.problem import ON_GPU
 from planner.search.search import OFFLOAD_MUST_GAIN, TILES_MUST_GAIN, Candidate, SearchResult, SearchSpace
 from planner.simulation import sim_costs
+from planner.stepped import stage_step_bytes
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,9 @@ def lower_candidate(candidate: Candidate, graph: LayerGraph) -> Lowered:
     part_nodes = _part_nodes(candidate)
     transfers = _transfers(candidate, graph, part_nodes)
     edges = {(t.src_stage, t.dst_stage) for t in transfers}
-    parts = tuple(_stage_plan(candidate, index, nodes, graph) for index, nodes in enumerate(part_nodes))
+    step_bytes = stage_step_bytes(graph, setup.problem, layout, part_nodes)
+    parts = tuple(_stage_plan(candidate, index, nodes, graph, step_bytes[index])
+                  for index, nodes in enumerate(part_nodes))
     swapping = {stage for stage in range(layout.num_stages) if parts[layout.part(stage)].offload.swap}
     programs = layout.rank_programs(lower(insert_swaps(setup.schedule.programs, swapping), layout, edges))
     validate(programs, layout, edges=edges)
@@ -184,8 +187,13 @@ def _transfers(best: Candidate, graph: LayerGraph, part_nodes: list[tuple[str, .
                  for src_stage, dst_stage in zip(layout.stages_of_part(src), layout.stages_of_part(dst)))
 
 
-def _stage_plan(best: Candidate, index: int, nodes: tuple[str, ...], graph: LayerGraph) -> StagePlan:
+def _stage_plan(best: Candidate, index: int, nodes: tuple[str, ...], graph: LayerGraph,
+                step_bytes: float | None) -> StagePlan:
+    """Part ``index``'s plan; its optimizer step's buffers as the runtime packs them (``step_bytes``,
+    planner/stepped.py), not the search's bound, where the problem costs a step."""
     part = best.evaluation.parts[index]
+    if step_bytes is not None:
+        part = dataclasses.replace(part, step_bytes=round(step_bytes))
     offload = _offload(best, index, graph)
     return StagePlan(index, nodes, StagePrediction(
         part.fwd_ms, part.bwd_ms, sum(best.setup.table[name].param_bytes for name in nodes),

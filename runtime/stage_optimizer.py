@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from cost_models.memory import step_bucket_bytes
+from cost_models.memory import step_bucket_bytes, step_buckets
 from planner.plan import OffloadSpec, StateTier
 from runtime.nvme import PagedFile
 from runtime.sharding import ShardGroup, fill_storage, free_storage, is_freed
@@ -178,7 +178,7 @@ class StageOptimizer:
             param.grad = None
         total = sum(size or 0 for size in sizes)
         in_place = self.plain and steps_in_place(self.optimizer)  # nothing allocated to bound: one bucket
-        for bucket in buckets(sizes, total if in_place else step_bucket_bytes(total)):
+        for bucket in step_buckets(sizes, total if in_place else step_bucket_bytes(total)):
             sources: list[torch.Tensor] = [  # type: ignore[misc]
                 self._grad_chunk(index) if taken is None else taken[index] for index in bucket]
             for index in bucket:  # the bucket's gradients are held by ``sources`` alone now
@@ -499,26 +499,3 @@ def steps_in_place(optimizer: torch.optim.Optimizer) -> bool:
     """
     return type(optimizer) is torch.optim.SGD and not any(
         group.get("weight_decay") or group.get("nesterov") or group.get("maximize") for group in optimizer.param_groups)
-
-
-def buckets(sizes: Sequence[int | None], limit: int) -> list[list[int]]:
-    """Consecutive indices of the sizes given (None: skipped), grouped so that no group's sizes add up to
-    more than ``limit``, unless one size alone does: that one is a group of its own (the bound
-    cost_models.memory.step_transient_bytes is taken at).
-
-    >>> buckets([3, None, 3, 5, 1], 6)
-    [[0, 2], [3, 4]]
-    >>> buckets([2, 9, 2], 6)
-    [[0], [1], [2]]
-    """
-    groups: list[list[int]] = [[]]
-    total = 0
-    for index, size in enumerate(sizes):
-        if size is None:
-            continue
-        if groups[-1] and total + size > limit:
-            groups.append([])
-            total = 0
-        groups[-1].append(index)
-        total += size
-    return [group for group in groups if group]

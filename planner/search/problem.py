@@ -341,7 +341,23 @@ def coarsen(graph: LayerGraph, table: CostTable, precision: Precision, optimizer
     """Group nodes into at most ``max_units`` units of similar time, cutting where few bytes cross."""
     crossing = _crossing_bytes(graph, table)
     times = [table[node.name].fwd_ms + table[node.name].bwd_ms for node in graph]
-    return group_units(graph, table, precision, optimizer, _choose_cuts(times, crossing, max_units))
+    return group_units(graph, table, precision, optimizer, _computing(graph, _choose_cuts(times, crossing, max_units)))
+
+
+def _computing(graph: LayerGraph, cuts: list[int]) -> list[int]:
+    """``cuts`` less those that would leave a unit without a node that computes (one of inputs, parameters or
+    the output alone, such as the output behind a cut before it): such a unit joins the next one, or the
+    last one the one before it. A part of such units alone would be a stage the runtime cannot build."""
+    computes = [node.kind not in (NodeKind.INPUT, NodeKind.PARAM, NodeKind.OUTPUT) for node in graph]
+    kept: list[int] = []
+    start = 0
+    for end in [*cuts, len(computes)]:
+        if any(computes[start:end]):
+            kept.append(end)
+            start = end
+    if start < len(computes) and kept:  # the nodes behind the last computing unit join it
+        kept.pop()
+    return [cut for cut in kept if cut < len(computes)]
 
 
 def group_units(graph: LayerGraph, table: CostTable, precision: Precision, optimizer: Optimizer,

@@ -406,41 +406,60 @@ def _state_terms(problem: PipelineProblem, copies: int) -> dict[str, Term]:
 
 def _step_term(problem: PipelineProblem, copies: int) -> Term:
     """What a part's optimizer step allocates on the device beyond its model state, at its worst bucket
-    (cost_models.memory: step_transient_bytes; and ZeRO-1/2's all-gather of the bucket, zero_gather_bytes).
+    (:func:`step_bucket_bytes_of`).
 
     A bucket holds at most a bucket's limit or one parameter (shard), whichever is larger: per unit, the
     bucket its largest parameter (or a shared one it uses, never sharded) may be in; the part's worst is its
     units' maximum. The limit is taken at the whole model's gradients (of a shard under ZeRO), which no part
     exceeds: the same limit as the runtime's where every part is below 8 MiB of gradients or above 512 MiB,
-    above it between. It is an upper bound: the runtime fills a bucket with whole parameters up to the limit,
-    so its worst bucket may hold less (the last stage of benchmarks/fidelity.py's step-peak plan, 1.2 MiB of
-    bf16 gradients, rose 1.39 MB in its step against the 3.15 MB counted at a 1 MiB bucket); tight where
-    parameters are small against the limit.
-    Not costed (empty) where the problem names no precision and optimizer (a bare problem)."""
-    tiers = problem.tiers
-    precision, optimizer, mode = tiers.precision, tiers.optimizer, tiers.state
-    if precision is None or optimizer is None:
+    above it between. It is an upper bound, which the ILP's memory rows keep: the runtime fills a bucket
+    with whole parameters up to the limit, so its worst bucket may hold less; the assembled plan packs its
+    stages' parameters as the runtime does (planner/stepped.py: the last stage of benchmarks/fidelity.py's
+    step-peak plan, 1.2 MiB of bf16 gradients, packs 347,008 elements into its worst bucket where this
+    bound counts 524,288). Not costed (empty) where the problem names no precision and optimizer."""
+    bucket_bytes = step_bucket_bytes_of(problem, copies)
+    if bucket_bytes is None:
         return Term()
-    sharded = bool(mode.zero_stage) and copies > 1
+    sharded = bool(problem.tiers.state.zero_stage) and copies > 1
     share = 1.0 / copies if sharded else 1.0
     grad_bytes = share * (sum(u.grad_bytes for u in problem.units) + sum(p.grad_bytes for p in problem.shared))
-    limit_numel = step_bucket_bytes(int(grad_bytes)) / precision.itemsize
-    off_device = mode.optimizer is not StateTier.GPU
-    separate = precision.master_weights or sharded or off_device
+    limit_numel = step_bucket_bytes(int(grad_bytes)) / problem.tiers.precision.itemsize
 
-    def worst(numel: float) -> float:
-        freed = copies * numel if sharded and mode.zero_stage == 1 else numel  # ZeRO-1: whole gradients
-        step = step_transient_bytes(numel, precision, optimizer, separate_masters=separate,
-                                    steps_on_device=not off_device, freed_numel=freed)
-        gathered = (zero_gather_bytes(numel, precision, copies, masters_off_device=off_device, freed_numel=freed,
-                                      staging=ALL_GATHER_STAGING[problem.backend])
-                    if sharded and mode.zero_stage in (1, 2) else 0.0)
-        return max(step, gathered)
+    def worst(numel: float) -> float:  # a bucket of one kind: shards where the part is sharded
+        return bucket_bytes(numel, numel if sharded else 0.0)
 
     largest = [max((share * unit.largest_param_numel, *(problem.shared[q].param_numel for q in unit.shared)))
                if unit.largest_param_numel or unit.shared else 0.0 for unit in problem.units]
     return Term(unit_max=tuple(worst(max(limit_numel, numel)) if numel else 0.0 for numel in largest),
                 max_name="step")
+
+
+def step_bucket_bytes_of(problem: PipelineProblem, copies: int) -> Callable[[float, float], float] | None:
+    """What one bucket of the optimizer step of a part with ``copies`` copies allocates on the device
+    beyond its model state (cost_models.memory: step_transient_bytes; and ZeRO-1/2's all-gather of the
+    bucket, zero_gather_bytes), as a function of the bucket's elements on this rank and, of those, the
+    elements of sharded parameters (their shards). None where the problem names no precision and optimizer
+    (a bare problem)."""
+    tiers = problem.tiers
+    precision, optimizer, mode = tiers.precision, tiers.optimizer, tiers.state
+    if precision is None or optimizer is None:
+        return None
+    sharded = bool(mode.zero_stage) and copies > 1
+    off_device = mode.optimizer is not StateTier.GPU
+    separate = precision.master_weights or sharded or off_device
+    staging = ALL_GATHER_STAGING[problem.backend]
+
+    def bucket_bytes(numel: float, shard_numel: float) -> float:
+        whole = numel - shard_numel  # ZeRO-1 frees a shard's whole gradient; ZeRO-2's hold the shard alone
+        freed = whole + (copies * shard_numel if mode.zero_stage == 1 else shard_numel)
+        step = step_transient_bytes(numel, precision, optimizer, separate_masters=separate,
+                                    steps_on_device=not off_device, freed_numel=freed)
+        gathered = (zero_gather_bytes(shard_numel, precision, copies, masters_off_device=off_device,
+                                      freed_numel=freed, staging=staging)
+                    if sharded and mode.zero_stage in (1, 2) and shard_numel else 0.0)
+        return max(step, gathered)
+
+    return bucket_bytes
 
 
 def _mode_terms(tiers: MemoryTiers, mode: StateMode, copies: int,

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from cost_models.memory import Precision
+from cost_models.memory import Precision, step_buckets
 from planner.plan import OffloadSpec, Plan
 from planner.preflight import build_dtype, rebuild_model, trace_checked
 from runtime import checks
@@ -22,7 +22,7 @@ from runtime.precision import (
     compute_dtype,
     fp32_copies,
 )
-from runtime.stage_optimizer import StageOptimizer, buckets, copied_into_new
+from runtime.stage_optimizer import StageOptimizer, copied_into_new
 from runtime.stages import LocalStage
 from tests.runtime_plans import GPT, make_plan
 
@@ -97,9 +97,9 @@ def test_gradients_go_down_in_buckets_of_one_buffer_per_dtype_as_single_casts_wo
         assert copy.dtype == dtype and copy.shape == shape
         assert torch.equal(copy, grad.to(dtype).reshape(shape))
     assert copies[1].untyped_storage().data_ptr() == copies[2].untyped_storage().data_ptr()  # one fp64 buffer
-    assert buckets([4, None, 4, 8, 1, None], 8) == [[0, 2], [3], [4]]
-    assert buckets([None, None], 8) == []
-    assert buckets([2, 9, 2], 6) == [[0], [1], [2]]  # no bucket grows past the limit, but one parameter alone
+    assert step_buckets([4, None, 4, 8, 1, None], 8) == [[0, 2], [3], [4]]
+    assert step_buckets([None, None], 8) == []
+    assert step_buckets([2, 9, 2], 6) == [[0], [1], [2]]  # no bucket grows past the limit, but one parameter alone
 
 
 @pytest.mark.parametrize("mixed", [False, True])

@@ -114,3 +114,102 @@ def test_a_plan_whose_peak_is_its_optimizer_step_predicts_it() -> None:
     with pytest.raises(PlanInfeasible, match="its peak is the optimizer step, which adds"):
         plan(model, 1, state_bytes + 6 * largest - 1, batch_size=1, example_inputs=torch.zeros((1, 16),
              dtype=torch.int64), device="A100-40GB", optimizer="adam", precision="bf16", reserve=0, offload=False)
+
+
+class _OutOfOrder(nn.Module):
+    """Uses its modules in another order than it defines them, and a parameter through ``get_attr``
+    (a module's own parameter, registered before that module's submodules), so the order the runtime steps
+    a stage's parameters in is torch.fx's registration order, not the model's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.late = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+        self.early = nn.Linear(32, 64)
+        self.scale = nn.Parameter(torch.ones(64))
+        self.late.gain = nn.Parameter(torch.ones(64))
+        self.head = nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.late[1](self.early(x)) * self.scale
+        x = self.late[0](x) * self.late.gain
+        return self.head(torch.relu(x)).sum(dim=-1)
+
+
+def _runtime_stages(made: object, model: nn.Module) -> dict[int, object]:
+    """Each part's stage as its rank builds it (runtime/setup.py, one stage a rank, no process group)."""
+    from runtime import build
+    from runtime.dataflow import dataflow
+    from runtime.stages import local_stages
+    from runtime.values import value_specs
+
+    traced = build.trace_checked(model, made)
+    modules = build.split_stages(traced, model, made)
+    inputs = [(meta.shape, getattr(torch, meta.dtype)) for meta in made.model.example_inputs]
+    flow = dataflow(traced, modules, made.part_of(), value_specs(traced, inputs, made.training.micro_batch_size))
+    return {part: local_stages(model, modules, flow, {part: part})[part] for part in range(made.num_parts)}
+
+
+def _models() -> dict[str, tuple[nn.Module, torch.Tensor]]:
+    from examples.models.gpt import gpt
+    from examples.models.resnet import resnet50
+    from examples.models.unet import unet_small
+
+    return {"gpt, tied": (gpt(vocab=512, hidden=64, layers=4, heads=4, seq_len=16, dropout=0.0, device="cpu"),
+                          torch.zeros((2, 16), dtype=torch.int64)),
+            "resnet": (resnet50(width=8, num_classes=10), torch.zeros((2, 3, 32, 32))),
+            "unet": (unet_small(), torch.zeros((2, 3, 32, 32))),
+            "out of order": (_OutOfOrder(), torch.zeros((2, 32)))}
+
+
+@pytest.mark.parametrize("name", list(_models()))
+@pytest.mark.parametrize("stages", [2, 3])
+def test_the_planner_lists_a_stages_parameters_in_the_order_the_runtime_steps_them(name: str, stages: int) -> None:
+    """planner/stepped.py's order (which packs the step's buckets) against the stage's parameters as the
+    runtime builds and steps them, every cut the search may choose: the plan's."""
+    from planner import plan, trace
+    from planner.stepped import module_order
+
+    torch.manual_seed(0)
+    model, example = _models()[name]
+    made = plan(model, stages, "40GB", batch_size=2, example_inputs=example, device="A100-40GB", num_stages=[stages],
+                offload=False, spatial=False, optimizer="momentum")
+    graph = trace(model, example)
+    built = _runtime_stages(made, model)
+    for part, stage in built.items():
+        assert module_order(graph, made.stages[part].nodes) == tuple(stage.params), f"stage {part}"
+
+
+def test_a_plans_step_peak_is_its_stages_buckets_as_the_runtime_packs_them() -> None:
+    """bf16 Adam, one sample a micro-batch, two stages of a GPT whose parameters are each below the 1 MiB
+    bucket limit (in bf16, 524,288 elements) but add up to more per stage: the runtime packs a stage's
+    parameters into buckets up to the limit, so its worst bucket holds less than the limit. Each rank's
+    predicted peak is its step's: its model state (16 bytes a parameter, and its buffers) and what a step of
+    its parameters, built and stepped as the runtime does, is measured to allocate."""
+    from examples.models.gpt import gpt
+    from planner import plan
+
+    torch.manual_seed(0)
+    model = gpt(vocab=2048, hidden=128, layers=4, heads=4, seq_len=8, dropout=0.0, tie_embeddings=False,
+                device="cpu")
+    example = torch.zeros((1, 8), dtype=torch.int64)
+    made = plan(model, 2, "40GB", batch_size=4, example_inputs=example, device="A100-40GB", optimizer="adam",
+                precision="bf16", num_stages=[2], micro_batch_sizes=[1], schedules=["1f1b"], offload=False,
+                spatial=False)
+    for part, stage in _runtime_stages(made, model).items():
+        start = [param.detach().clone() for param in stage.params.values()]
+        params = {name: nn.Parameter(param.to(torch.bfloat16)) for name, param in zip(stage.params, start)}
+        state = StageOptimizer(part, params, optimizer_factory("adam"), spec=OffloadSpec(),
+                               device=torch.device("cpu"), sources=start)
+        grad_bytes = sum(p.numel() * p.element_size() for p in params.values())
+
+        def step(params: dict[str, nn.Parameter] = params, state: StageOptimizer = state) -> None:
+            for param in params.values():
+                param.grad = torch.randn_like(param)
+            state.step()
+
+        step()
+        measured = _allocated_peak_bytes(step) - grad_bytes
+        assert measured < 6 * (2**20 // 2)  # below a bucket at the limit: what the search bounds it by
+        buffers = sum(b.nbytes for b in stage.module.buffers())
+        state_bytes = 16 * sum(p.numel() for p in params.values()) + buffers
+        assert made.predicted.peak_mem_bytes[part] == pytest.approx(state_bytes + measured, abs=64), f"stage {part}"
