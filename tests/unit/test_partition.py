@@ -180,3 +180,22 @@ def test_ilp_equals_dynamic_program_when_memory_binds_at_real_scale(schedule: st
     oracle = optimal_partition(tight)
     assert result.objective == pytest.approx(oracle.evaluation.step_ms, rel=1e-9)
     assert evaluate(tight, result.cuts).fits(tight.problem.mem_bytes)
+
+
+@pytest.mark.parametrize("max_units", [4, 16, 1000])
+def test_every_unit_computes_something_so_that_every_stage_can_be_built(max_units: int) -> None:
+    """A unit of the U-Net's output node alone (the cheapest cut, before it: only the head's small output
+    crosses) made a 3-stage plan whose last stage held no computation, which the runtime refuses. Units of
+    inputs, parameters or the output alone join their neighbour; by hand, the input and the output cannot
+    stand alone however fine the units are."""
+    from cost_models import estimate
+    from cost_models.graph.ir import NodeKind
+    from planner.search.problem import coarsen
+
+    graph = trace(unet_small(), torch.zeros(2, 3, 32, 32))
+    table = estimate(graph, "A100-40GB", "momentum", "fp32")
+    units = coarsen(graph, table, get_precision("fp32"), Optimizer.MOMENTUM, max_units).units
+    idle = (NodeKind.INPUT, NodeKind.PARAM, NodeKind.OUTPUT)
+    assert all(any(graph.node(name).kind not in idle for name in unit.nodes) for unit in units)
+    assert units[-1].nodes[-1] == "output" and len(units[-1].nodes) > 1
+    assert [name for unit in units for name in unit.nodes] == [node.name for node in graph]
