@@ -401,6 +401,8 @@ class Search:
             decided, wall_s = self.solve_decided(config, kept, min(max(1.0, remaining), DECISION_S), best)
             solver_s += wall_s
             if decided is not None:
+                if kept is not None and kept.seed and kept in solved:
+                    solved.remove(kept)  # the ILP's plan of the seed's configuration beats it
                 solved.append(decided)
         self._report(ProgressEvent(Phase.SEARCHING, len(ranked), len(ranked),
                                    min((c.objective_ms for c in solved), default=None), "done"))
@@ -462,14 +464,14 @@ class Search:
 
     def fits(self, config: Config) -> bool:
         """Whether any partition of this configuration might fit the budget (by DP, where it applies:
-        exact without memory decisions, a necessary condition with them)."""
+        exact without memory decisions, a necessary condition with them; else by the memory floor alone)."""
         costs = self.setup(config).frugal_costs
+        if memory_floor(costs) > self.space.mem_bytes:
+            return False
         try:
             check_exact(costs, decisions_allowed=True)
         except ValueError:
             return True  # several stages share a slot: the ILP decides
-        if memory_floor(costs) > self.space.mem_bytes:
-            return False
         lowest = self._min_peak(config, frugal=True)
         return lowest is not None and lowest.peak_bytes <= self.space.mem_bytes
 

@@ -893,9 +893,10 @@ def _max_lower_bound(aggregate: Aggregate, num_parts: int) -> float:
 
 
 def memory_floor(costs: CostModel) -> float:
-    """A peak no partition goes below, in O(rows x units): every unit's most frugal coefficient (over the
-    parts it could be on) summed, plus every constant, spread evenly over the memory rows."""
-    rows = costs.frugal_memory
+    """A peak no partition goes below, in O(rows x units): at the moment of the forwards and backwards, whose
+    rows (one a slot) hold every part, every unit's most frugal coefficient there (over the parts it could be
+    on) summed, plus every constant, spread evenly over the slots."""
+    rows = [row for row in costs.frugal_memory if row.moment == "compute"]
     cheapest = [float("inf")] * costs.num_units
     constants = 0.0
     for row in rows:

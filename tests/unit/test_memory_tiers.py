@@ -45,7 +45,7 @@ from planner.search.problem import (
     state_modes,
 )
 from planner.search.search import whole_units
-from planner.search.terms import CostModel, cost_model, lower_bound
+from planner.search.terms import CostModel, cost_model, lower_bound, memory_floor
 
 LINK = LinearCost(0.0, 0.002)  # host link: 2 ms per 1000 bytes
 
@@ -178,6 +178,27 @@ def test_the_bound_with_memory_decisions_is_below_every_fitting_plan(problem: Pi
     if 0 < bound < float("inf"):  # told what is enough, it stops at a bound that reaches it, never above the full one
         enough = bound / 2
         assert enough <= decided_step_floor(costs, enough) <= bound + 1e-9
+
+
+@settings(max_examples=80, deadline=None)
+@given(decided_problems(max_stages=3), st.sampled_from(["pipeline", "interleaved", "mirrored"]), st.booleans())
+def test_the_memory_floor_is_below_every_plans_peak(problem: PipelineProblem, layout: str, decides: bool) -> None:
+    """What lets the search skip a configuration's ILPs: no partition, with any recompute and swap where the
+    problem decides them, needs less than the memory floor, for ranks holding one part or several (two parts a
+    slot interleaved, or GEMS's two mirrored copies)."""
+    parts = problem.num_parts
+    if layout != "pipeline":
+        slots = max(1, parts // 2) if layout == "interleaved" else parts
+        shaped = (Layout.replicated(tuple(part % slots for part in range(parts))) if layout == "interleaved"
+                  else Layout.mirrored(parts))
+        problem = dataclasses.replace(problem, layout=shaped, in_flight=(problem.num_microbatches,) * shaped.num_stages)
+    if not decides:
+        problem = dataclasses.replace(problem, tiers=_tiers(recompute=False, swap=False))
+    costs = cost_model(problem)
+    floor = memory_floor(costs)
+    plans = (_every_plan(costs) if decides else
+             (evaluate(costs, cuts) for cuts in itertools.combinations(range(costs.num_units - 1), parts - 1)))
+    assert all(floor <= evaluation.peak_mem_bytes + 1e-6 for evaluation in plans)
 
 
 @settings(max_examples=60, deadline=None)
