@@ -82,8 +82,8 @@ def _fixed(costs: CostModel) -> CostModel:
                      for row in costs.capacity)
     parts = tuple({name: _recompute_all(term) for name, term in part.items()} for part in costs.parts)
     tiers = dataclasses.replace(costs.problem.tiers, recompute=False, swap=False)
-    return CostModel(dataclasses.replace(costs.problem, tiers=tiers), parts, pieces, memory, costs.shared_next_use,
-                     capacity)
+    return CostModel(dataclasses.replace(costs.problem, tiers=tiers), parts, pieces, costs.shared_next_use,
+                     given_memory=memory, given_capacity=capacity)
 
 
 def _pairs(members: tuple) -> tuple:

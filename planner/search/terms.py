@@ -227,9 +227,20 @@ class CostModel:
     problem: PipelineProblem
     parts: tuple[dict[str, Term], ...]  # per part, the BREAKDOWN terms (and any the objective adds)
     objective: Objective
-    memory: tuple[MemoryRow, ...]
     shared_next_use: tuple[tuple[int, ...], ...] = field(repr=False, default=())
-    capacity: tuple[CapacityRow, ...] = ()
+    given_memory: tuple[MemoryRow, ...] | None = field(repr=False, default=None)  # else built on first use
+    given_capacity: tuple[CapacityRow, ...] | None = field(repr=False, default=None)  # else built on first use
+
+    @functools.cached_property
+    def memory(self) -> tuple[MemoryRow, ...]:
+        """Every slot's memory rows (:func:`_memory_rows`), built when first asked for: a configuration the
+        search skips by its lower bound never needs them."""
+        return self.given_memory if self.given_memory is not None else _memory_rows(self.problem, self.parts)
+
+    @functools.cached_property
+    def capacity(self) -> tuple[CapacityRow, ...]:
+        """Each node's host memory and NVMe rows (:func:`_capacity_rows`), built when first asked for."""
+        return self.given_capacity if self.given_capacity is not None else _capacity_rows(self.problem, self.parts)
 
     @functools.cached_property
     def frugal_memory(self) -> tuple[MemoryRow, ...]:
@@ -315,8 +326,7 @@ def cost_model(problem: PipelineProblem) -> CostModel:
     average = _average_part(problem)
     parts = tuple(_part_terms(problem, part, tiled[part] if part < len(tiled) else shared, states, average)
                   for part in range(problem.num_parts))
-    return CostModel(problem, parts, _objective(problem, parts), _memory_rows(problem, parts),
-                     _next_use(problem), _capacity_rows(problem, parts))
+    return CostModel(problem, parts, _objective(problem, parts), _next_use(problem))
 
 
 def _shared_terms(problem: PipelineProblem, units: tuple[Unit, ...],
@@ -897,15 +907,14 @@ def memory_floor(costs: CostModel) -> float:
     rows (one a slot) hold every part, every unit's most frugal coefficient there (over the parts it could be
     on) summed, plus every constant, spread evenly over the slots."""
     rows = [row for row in costs.frugal_memory if row.moment == "compute"]
-    cheapest = [float("inf")] * costs.num_units
+    cheapest = np.full(costs.num_units, np.inf)
     constants = 0.0
     for row in rows:
-        per_part: dict[int, list[float]] = {}
+        per_part: dict[int, Any] = {}
         for part, term in row.members:
             constants += term.constant
-            held = per_part.setdefault(part, [0.0] * costs.num_units)
-            for unit, value in enumerate(term.per_unit):
-                held[unit] += value
+            held = per_part.get(part, 0.0)
+            per_part[part] = held + np.asarray(term.per_unit) if term.per_unit else held
         for held in per_part.values():
-            cheapest = [min(a, b) for a, b in zip(cheapest, held)]
-    return (constants + sum(max(0.0, value) for value in cheapest)) / max(1, len(rows))
+            cheapest = np.minimum(cheapest, held)
+    return (constants + float(np.maximum(cheapest, 0.0).sum())) / max(1, len(rows))
