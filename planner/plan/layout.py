@@ -159,7 +159,7 @@ class Layout:
 
     def stages_of_part(self, part: int) -> tuple[int, ...]:
         """The stages that compute ``part`` (two for a GEMS mirror pair)."""
-        return tuple(stage for stage, owner in enumerate(self.stage_part) if owner == part)
+        return self._part_stages.get(part, ())
 
     @property
     def num_copies(self) -> int:
@@ -242,6 +242,13 @@ class Layout:
     def _slot_stages(self) -> tuple[tuple[int, ...], ...]:
         return tuple(tuple(stage for stage, owner in enumerate(self.stage_slot) if owner == slot)
                      for slot in range(self.num_slots))
+
+    @cached_property
+    def _part_stages(self) -> dict[int, tuple[int, ...]]:
+        stages: dict[int, tuple[int, ...]] = {}
+        for stage, part in enumerate(self.stage_part):
+            stages[part] = (*stages.get(part, ()), stage)
+        return stages
 
     @cached_property
     def _places(self) -> dict[int, RankPlace]:

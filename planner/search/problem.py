@@ -370,9 +370,13 @@ def group_units(graph: LayerGraph, table: CostTable, precision: Precision, optim
     shared_names = sorted(name for name, units in users.items() if len(units) > 1)
     shared_index = {name: index for index, name in enumerate(shared_names)}
     starts = (0, *cuts)
-    last_user = {name: max(holders) for name, holders in users.items()}
+    used_later: list[set[str]] = [set() for _ in groups]  # per unit, its parameters a later unit uses too
+    for name, holders in users.items():
+        for unit in holders:
+            if unit < max(holders):
+                used_later[unit].add(name)
     units = tuple(_unit(graph, table, group, precision, optimizer, shared_index, crossing[start - 1] if start else 0,
-                        frozenset(name for name, last in last_user.items() if last > position))
+                        frozenset(used_later[position]))
                   for position, (group, start) in enumerate(zip(groups, starts)))
     shared = tuple(_shared_param(name, _param_state(graph, name, precision, optimizer))
                    for name in shared_names)
