@@ -154,6 +154,16 @@ def step_bucket_bytes(grad_bytes: int) -> int:
     return min(max(grad_bytes // 8, 2**20), 64 * 2**20)
 
 
+def shard_numel(numel: int, copies: int) -> int:
+    """Elements of one replica's shard of a parameter of ``numel`` elements sharded over ``copies`` replicas
+    (ZeRO; runtime/sharding.py pads the last shard to this size).
+
+    >>> shard_numel(10, 4), shard_numel(8, 4)
+    (3, 2)
+    """
+    return -(-numel // copies)
+
+
 def step_buckets(sizes: Sequence[int | None], limit: int) -> list[list[int]]:
     """The buckets of an optimizer step (runtime/stage_optimizer.py steps them; planner/stepped.py predicts
     them): consecutive indices of the sizes given (None: skipped), grouped so that no group's sizes add up

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from cost_models.errors import RuntimeSetupError
-from cost_models.memory import get_optimizer, get_precision
+from cost_models.memory import get_optimizer, get_precision, shard_numel
 from planner.plan import Plan, StateTier
 
 
@@ -29,7 +29,7 @@ def paged_bytes(plan: Plan, stages: Iterable[int]) -> int:
             continue
         numel = stage.predicted.param_bytes // precision.itemsize
         if stage.offload.zero_stage >= 1:
-            numel = -(-numel // plan.data_parallel)
+            numel = shard_numel(numel, plan.data_parallel)
         total += numel * per_element
     return total
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from cost_models.graph.ir import LayerGraph, NodeKind
-from cost_models.memory import step_bucket_bytes, step_buckets
+from cost_models.memory import shard_numel, step_bucket_bytes, step_buckets
 from planner.plan import Layout
 from planner.search.problem import PipelineProblem
 from planner.search.terms import step_bucket_bytes_of
@@ -67,7 +67,7 @@ def stage_step_bytes(graph: LayerGraph, problem: PipelineProblem, layout: Layout
                 owned.add(name)
                 info = graph.parameter(name)
                 shard = sharded and len(users[name]) == 1 and len(info.shape) > 0  # tied ones stay whole
-                elements.append(-(-info.numel // copies) if shard else info.numel)
+                elements.append(shard_numel(info.numel, copies) if shard else info.numel)
                 shards.append(shard)
             sizes = [numel * precision.itemsize for numel in elements]
             for bucket in step_buckets(sizes, step_bucket_bytes(sum(sizes))):

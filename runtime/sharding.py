@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from cost_models.memory import shard_numel
 from runtime.comm import wait_for
 
 
@@ -39,7 +40,7 @@ class ShardLayout:
     rank: int
 
     def chunk_numel(self, index: int) -> int:
-        return -(-self.numels[index] // self.world)
+        return shard_numel(self.numels[index], self.world)
 
     @property
     def row_numel(self) -> int:
