@@ -372,9 +372,9 @@ def group_units(graph: LayerGraph, table: CostTable, precision: Precision, optim
     starts = (0, *cuts)
     used_later: list[set[str]] = [set() for _ in groups]  # per unit, its parameters a later unit uses too
     for name, holders in users.items():
-        for unit in holders:
-            if unit < max(holders):
-                used_later[unit].add(name)
+        last = max(holders)
+        for unit in holders - {last}:
+            used_later[unit].add(name)
     units = tuple(_unit(graph, table, group, precision, optimizer, shared_index, crossing[start - 1] if start else 0,
                         frozenset(used_later[position]))
                   for position, (group, start) in enumerate(zip(groups, starts)))

@@ -226,8 +226,7 @@ class Search:
             schedule = generate(config.schedule, config.num_stages, config.num_microbatches,
                                 data_parallel=config.data_parallel, **_shape(config))
             self._schedules[key] = schedule
-            self._held[key] = (max_in_flight(schedule), swapped_resident(schedule),
-                                    accumulating_in_flight(schedule))
+            self._held[key] = (max_in_flight(schedule), swapped_resident(schedule), accumulating_in_flight(schedule))
         return self._schedules[key]
 
     def balanced(self, config: Config, units: Coarsening) -> BalancedStep | None:
