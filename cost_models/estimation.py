@@ -44,13 +44,22 @@ class NodeCost:
     saved_activation_bytes: int  # saved for the backward, of what it allocates: what its stage keeps
     output_bytes: int
     measured_fwd_peak_bytes: int | None = None  # CUDA profile only: peak allocated in forward
+    measured_bwd_bytes: int | None = None  # profiled: the most its backward allocated (its inputs' and weights'
+    # gradients, the kernel's workspace) beside its output's gradient; None: estimated (planner/search/working.py)
     split_ms: tuple[float, float] | None = None  # profiled: a split backward's I and W, each alone (its W cold)
     released_bytes: int | None = None  # saved, of what it is the last to save: what recomputing or swapping
     # it releases (cost_models.graph.ir.NodeWork); None: saved_activation_bytes (a table written before)
 
+    freed_bytes: int | None = None  # saved, of what it is the first to save: what autograd frees once its
+    # backward has run (the later savers' ran before it); None: saved_activation_bytes (a table written before)
+
     @property
     def released_activation_bytes(self) -> int:
         return self.saved_activation_bytes if self.released_bytes is None else self.released_bytes
+
+    @property
+    def freed_activation_bytes(self) -> int:
+        return self.saved_activation_bytes if self.freed_bytes is None else self.freed_bytes
 
     @property
     def model_state_bytes(self) -> int:
@@ -191,12 +200,13 @@ def _node_cost(graph: LayerGraph, node: LayerNode, device: DeviceSpec, precision
         fwd_ms, bwd_ms = _loss_ms(graph, node, device, precision, scale)
     saved = activation_bytes(node.work.saved_bytes_by_dtype, precision)
     released = activation_bytes(node.work.released_bytes_by_dtype, precision)
+    freed = activation_bytes(node.work.freed_bytes_by_dtype, precision)
     return NodeCost(
         name=node.name, fwd_flops=fwd_flops, bwd_flops=bwd_flops,
         fwd_ms=fwd_ms, bwd_ms=bwd_ms, param_bytes=state.param_bytes, grad_bytes=state.grad_bytes,
         optimizer_bytes=state.optimizer_bytes, buffer_bytes=graph.owned_buffer_bytes[node.name],
         saved_activation_bytes=round(saved * scale), output_bytes=output_bytes,
-        released_bytes=round(released * scale))
+        released_bytes=round(released * scale), freed_bytes=round(freed * scale))
 
 
 def _loss_ms(graph: LayerGraph, node: LayerNode, device: DeviceSpec, precision: Precision,

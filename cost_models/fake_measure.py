@@ -29,13 +29,15 @@ from cost_models.graph.shapes import (VALUE_DEPENDENT, concrete_copy, dtype_name
 @dataclass(frozen=True)
 class NodeMeasurement:
     """Per-node result of the fake run; a saved storage is attributed to the node that allocated it
-    (``saved_bytes_by_dtype``) and to the last node saving it (``released_bytes_by_dtype``)."""
+    (``saved_bytes_by_dtype``), to the last node saving it (``released_bytes_by_dtype``) and to the first
+    (``freed_bytes_by_dtype``)."""
 
     outputs: tuple[TensorMeta, ...]
     fwd_flops: int
     bwd_flops: int
     saved_bytes_by_dtype: tuple[tuple[str, int], ...]
     released_bytes_by_dtype: tuple[tuple[str, int], ...] = ()
+    freed_bytes_by_dtype: tuple[tuple[str, int], ...] = ()
 
 
 def storage_key(tensor: torch.Tensor | ReplayedTensor) -> int:
@@ -45,12 +47,13 @@ def storage_key(tensor: torch.Tensor | ReplayedTensor) -> int:
 class StorageLedger:
     """Which node allocated each storage, and which nodes save the storages autograd keeps.
 
-    Each saved storage is counted twice, in two ledgers: for its producer (what a stage holds: the node's
-    output stays with the stage that made it, and a stage keeps the outputs it sent for their
-    backward), and for the last node that saves it (what recomputing or swapping that node releases:
+    Each saved storage is counted three times, in three ledgers: for its producer (what a stage holds: the
+    node's output stays with the stage that made it, and a stage keeps the outputs it sent for their
+    backward), for the last node that saves it (what recomputing or swapping that node releases:
     a checkpointed region drops only what its own nodes save, runtime/recompute.py, and a swapped node
-    sends what it saves to the host, runtime/swap.py). A GELU's output that the next Linear saves stays
-    alive when the GELU is recomputed and the Linear is not.
+    sends what it saves to the host, runtime/swap.py), and for the first (autograd frees it once that
+    node's backward has run: the later savers' ran before). A GELU's output that the next Linear saves
+    stays alive when the GELU is recomputed and the Linear is not; it is freed by the GELU's backward.
     """
 
     def __init__(self, param_tensors: Iterable[torch.Tensor]) -> None:
@@ -59,6 +62,7 @@ class StorageLedger:
         self.nbytes: dict[int, int] = {}
         self.alias: dict[int, int] = {}
         self.saver: dict[int, tuple[str, str]] = {}  # saved storage -> (the last node saving it, its dtype name)
+        self.first_saver: dict[int, str] = {}  # saved storage -> the first node saving it
         self._alive: list[torch.Tensor] = []  # keeps every keyed storage alive so keys stay unique
         self._internal = 0
 
@@ -91,18 +95,20 @@ class StorageLedger:
         self.producer.setdefault(key, node)
         self.nbytes.setdefault(key, nbytes)
         self.saver[key] = (node, dtype_name(dtype))
+        self.first_saver.setdefault(key, node)
 
     def record_internal(self, dtype: torch.dtype, nbytes: int, node: str) -> None:
         """A storage ``node`` allocated and autograd saved, re-counted without a tensor (replay)."""
         self._internal -= 1  # negative keys never collide with real storages
         self.record_key(self._internal, dtype, nbytes, node)
 
-    def saved_bytes(self, *, by_saver: bool) -> dict[str, collections.Counter[str]]:
-        """Per node, the bytes of the saved storages it produced (or, ``by_saver``, is the last to
-        save), by dtype name."""
+    def saved_bytes(self, by: str) -> dict[str, collections.Counter[str]]:
+        """Per node, the bytes of the saved storages it produced (``by="producer"``), is the last to save
+        (``"last"``) or the first (``"first"``), by dtype name."""
         saved: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
-        for key, (node, dtype) in self.saver.items():
-            saved[node if by_saver else self.producer[key]][dtype] += self.nbytes[key]
+        for key, (last, dtype) in self.saver.items():
+            node = {"producer": self.producer[key], "last": last, "first": self.first_saver[key]}[by]
+            saved[node][dtype] += self.nbytes[key]
         return saved
 
 
@@ -138,9 +144,9 @@ def measure_graph(module: torch.fx.GraphModule,
         ledger = StorageLedger(())  # parameters join it as the runner makes their fakes
         runner = _FakeRunner(module, ledger, fake_mode)
         flops = runner.run(example_inputs)
-    made, saves = ledger.saved_bytes(by_saver=False), ledger.saved_bytes(by_saver=True)
-    return {name: NodeMeasurement(outputs, fwd, bwd, tuple(sorted(made.get(name, {}).items())),
-                                  tuple(sorted(saves.get(name, {}).items())))
+    made, last, first = (ledger.saved_bytes(by) for by in ("producer", "last", "first"))
+    return {name: NodeMeasurement(outputs, fwd, bwd, *(tuple(sorted(ledger_of.get(name, {}).items()))
+                                                       for ledger_of in (made, last, first)))
             for name, (outputs, fwd, bwd) in flops.items()}
 
 

@@ -22,6 +22,7 @@ import torch.fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from cost_models.allocations import peaks_within
 from cost_models.device_spec import CALIBRATED
 from cost_models.devices import DeviceSpec, cache_root, get_device
 from cost_models.errors import ProfileError
@@ -34,22 +35,26 @@ from cost_models.loss import training_loss
 if TYPE_CHECKING:
     from cost_models.graph.ir import LayerGraph
 
-_CACHE_VERSION = 5  # 2: node times scaled to the whole graph's measured pass; 3: from a cold cache; 4: the loss;
-# 5: split backwards
+_CACHE_VERSION = 6  # 2: node times scaled to the whole graph's measured pass; 3: from a cold cache; 4: the loss;
+# 5: split backwards; 6: what each backward allocates
 _EVICT_BYTES = 64 * 2**20  # written before a pass timed from a cold cache: more than a CPU's last-level cache
+_BACKWARD_LABEL = "tessera.backward:"  # the profiler range of each node's backward whose allocations are measured
 _CO_RUNNER_START_S = 60.0  # for the co-running copies to start (they fork from this process) and to stop
 
 
 @dataclass(frozen=True)
 class NodeTiming:
-    """Median forward and backward milliseconds of one node, its CUDA forward peak, and for a node with both
-    weights and inputs that carry a gradient, its backward split in two as ZB-H1 runs it: I (the inputs'
-    gradients) then W (the weights', from a cold cache: W runs later, after other work)."""
+    """Median forward and backward milliseconds of one node, its CUDA forward peak, the most its backward
+    allocates (its inputs' and weights' gradients, the kernel's workspace: oneDNN's convolution takes
+    two more inputs' worth), and for a node with both weights and inputs that carry a gradient, its
+    backward split in two as ZB-H1 runs it: I (the inputs' gradients) then W (the weights', from a cold
+    cache: W runs later, after other work)."""
 
     fwd_ms: float
     bwd_ms: float
     fwd_peak_bytes: int | None = None
     split_ms: tuple[float, float] | None = None
+    bwd_bytes: int | None = None
 
 
 def profile(model: nn.Module, example_inputs: torch.Tensor | Sequence[torch.Tensor],
@@ -111,7 +116,8 @@ def profile_with_graph(model: nn.Module, example_inputs: torch.Tensor | Sequence
     costs = tuple(dataclasses.replace(cost, fwd_ms=timings[cost.name].fwd_ms,
                                       bwd_ms=timings[cost.name].bwd_ms,
                                       measured_fwd_peak_bytes=timings[cost.name].fwd_peak_bytes,
-                                      split_ms=timings[cost.name].split_ms)
+                                      split_ms=timings[cost.name].split_ms,
+                                      measured_bwd_bytes=timings[cost.name].bwd_bytes)
                   if cost.name in timings else cost for cost in table.costs)
     return graph, dataclasses.replace(table, costs=costs, source="measured")
 
@@ -159,7 +165,7 @@ def measured_table(model: nn.Module, graph: "LayerGraph", example_inputs: Sequen
                            f"planned graph ({len(unmatched)} missing); plan with profile=False (roofline costs)")
     return dataclasses.replace(table, costs=tuple(
         dataclasses.replace(cost, fwd_ms=times[cost.name].fwd_ms, bwd_ms=times[cost.name].bwd_ms,
-                            split_ms=times[cost.name].split_ms)
+                            split_ms=times[cost.name].split_ms, measured_bwd_bytes=times[cost.name].measured_bwd_bytes)
         for cost in table.costs), source="measured")
 
 
@@ -255,6 +261,9 @@ class _NodeProfiler:
         buffers = {name: b.detach().clone() for name, b in self.module.named_buffers()}
         try:
             alone = self._run(inputs)
+            if self.device.type == "cpu":  # (CUDA's allocator gave each its peak as it was timed)
+                allocated = self._cpu_backward_bytes(inputs)
+                alone = {name: dataclasses.replace(t, bwd_bytes=allocated.get(name)) for name, t in alone.items()}
             with co_running(self.module, inputs, self.co_runners):
                 whole_fwd_ms, whole_bwd_ms = self._whole_graph_ms(inputs)
             timings = in_context(alone, whole_fwd_ms, whole_bwd_ms)
@@ -268,8 +277,20 @@ class _NodeProfiler:
                     b.copy_(buffers[name])
 
     def _run(self, inputs: tuple[torch.Tensor, ...]) -> dict[str, NodeTiming]:
-        env: dict[str, Any] = {}
         timings: dict[str, NodeTiming] = {}
+
+        def timed(node: torch.fx.Node, env: dict[str, Any]) -> Any:
+            output, timings[node.name] = self._time_node(node, env)
+            return output
+
+        self._each_node(inputs, timed)
+        return timings
+
+    def _each_node(self, inputs: tuple[torch.Tensor, ...],
+                   compute: Callable[[torch.fx.Node, dict[str, Any]], Any]) -> None:
+        """Run the graph on ``inputs`` node by node: ``compute(node, env)`` returns each call's output from
+        the values before it (``env``, by node name)."""
+        env: dict[str, Any] = {}
         feed = iter(inputs)
         for node in self.module.graph.nodes:
             if node.op == "placeholder":
@@ -277,8 +298,25 @@ class _NodeProfiler:
             elif node.op == "get_attr":
                 env[node.name] = operator.attrgetter(node.target)(self.module)
             elif node.op != "output":
-                env[node.name], timings[node.name] = self._time_node(node, env)
-        return timings
+                env[node.name] = compute(node, env)
+
+    def _cpu_backward_bytes(self, inputs: tuple[torch.Tensor, ...]) -> dict[str, int]:
+        """Per node with a backward, the most that backward allocates on the CPU: each node's forward and
+        backward run once more, on its real inputs, under one profiler session (not timed)."""
+        def backward_once(node: torch.fx.Node, env: dict[str, Any]) -> Any:
+            function, params = _real_callable(node, self.module)
+            args, kwargs, leaves = _isolate(*torch.fx.node.map_arg((node.args, node.kwargs), lambda n: env[n.name]))
+            output = function(*args, **kwargs)
+            targets = [t for t in tensor_leaves(output) if t.requires_grad and t.is_floating_point()]
+            if targets and leaves + params:
+                grads = [torch.ones_like(t) for t in targets]
+                with torch.profiler.record_function(_BACKWARD_LABEL + node.name):
+                    torch.autograd.grad(targets, leaves + params, grads, allow_unused=True)
+            return detach_tree(output)
+
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as run:
+            self._each_node(inputs, backward_once)
+        return peaks_within(run, _BACKWARD_LABEL)
 
     def _whole_graph_ms(self, inputs: tuple[torch.Tensor, ...]) -> tuple[float, float]:
         """Median milliseconds of the whole graph's forward and of its backward into the weights, each from
@@ -330,11 +368,14 @@ class _NodeProfiler:
         targets = [t for t in tensor_leaves(output) if t.requires_grad and t.is_floating_point()]
         wrt = leaves + params
         bwd_samples, split = [0.0], None
+        bwd_bytes = None
         if targets and wrt:
             grads = [torch.ones_like(t) for t in targets]
-            bwd_samples = [self._timed(lambda: torch.autograd.grad(
-                targets, wrt, grads, retain_graph=True, allow_unused=True))[0]
-                for _ in range(self.warmup + self.repeats)]
+            bwd_samples = []
+            for _ in range(self.warmup + self.repeats):
+                elapsed, _, bwd_bytes = self._timed(lambda: torch.autograd.grad(
+                    targets, wrt, grads, retain_graph=True, allow_unused=True))
+                bwd_samples.append(elapsed)
             inputs = [leaf for leaf in leaves if not isinstance(leaf, nn.Parameter)]
             weights = [leaf for leaf in leaves if isinstance(leaf, nn.Parameter)] + params  # a get_attr's too
             if inputs and weights:
@@ -345,7 +386,7 @@ class _NodeProfiler:
                     if key is not None:
                         self._splits[key] = split
         timing = NodeTiming(statistics.median(fwd_samples[self.warmup:]),
-                            statistics.median(bwd_samples[self.warmup:] or bwd_samples), peak_bytes, split)
+                            statistics.median(bwd_samples[self.warmup:] or bwd_samples), peak_bytes, split, bwd_bytes)
         return detach_tree(output), timing
 
     def _split_ms(self, targets: list[torch.Tensor], grads: list[torch.Tensor], inputs: list[torch.Tensor],

@@ -36,10 +36,11 @@ from planner.schedules.simulate import SimResult, simulate
 from planner.schedules.swaps import insert_swaps
 from planner.schedules.validate import validate
 from planner.search.configs import gpus_note
-from planner.search.evaluate import region_start
+from planner.search.evaluate import PartSummary, region_start
 from planner.search.ilp import SolveStatus
 from planner.search.problem import ON_GPU
 from planner.search.search import OFFLOAD_MUST_GAIN, TILES_MUST_GAIN, Candidate, SearchResult, SearchSpace
+from planner.search.working import PartWorking, part_working
 from planner.simulation import sim_costs
 from planner.stepped import stage_step_bytes
 
@@ -55,7 +56,8 @@ class Lowered:
 
 
 MEMORY_BINDS_AT = 0.9
-"""A plan's memory is called binding when its fullest rank uses at least this share of the usable budget."""
+"""A plan's memory is called binding when the search's bound on its fullest rank is at least this share of the
+usable budget."""
 
 
 def lower_candidate(candidate: Candidate, graph: LayerGraph) -> Lowered:
@@ -195,13 +197,33 @@ def _stage_plan(best: Candidate, index: int, nodes: tuple[str, ...], graph: Laye
     if step_bytes is not None:
         part = dataclasses.replace(part, step_bytes=round(step_bytes))
     offload = _offload(best, index, graph)
+    tiers = best.setup.problem.tiers
+    first_backward_bytes = 0
+    if not (offload.recompute or offload.swap or index < len(best.setup.problem.spatial)
+            or tiers.precision is None or tiers.optimizer is None):
+        working = part_working(graph, best.setup.table, nodes, tiers.precision, tiers.optimizer)
+        part, first_backward_bytes = _node_by_node(part, working)
     return StagePlan(index, nodes, StagePrediction(
         part.fwd_ms, part.bwd_ms, sum(best.setup.table[name].param_bytes for name in nodes),
         part.held_bytes, part.activation_bytes,
         part.allreduce_ms, part.optimizer_ms, part.swap_bytes, part.swap_ms, part.host_bytes, part.nvme_bytes,
         part.weight_grad_ms, part.grad_bytes if best.setup.config.state.zero_stage < 2 else 0,  # ZeRO-2/3: shards
-        part.step_excess_bytes, part.tied_excess_bytes, part.accumulate_excess_bytes, part.split_extra_ms),
+        part.step_excess_bytes, part.tied_excess_bytes, part.accumulate_excess_bytes, part.split_extra_ms,
+        first_backward_bytes),
         spatial=_spatial(best, index, nodes, graph, offload), offload=offload)
+
+
+def _node_by_node(part: PartSummary, working: PartWorking) -> tuple[PartSummary, int]:
+    """``part`` with what it holds beside its activations counted node by node (planner/search/working.py)
+    in place of the search's largest working set: its forwards' in the static bytes, its later backwards'
+    in the accumulate event; and what the step's first backward adds above the static bytes (its gradients,
+    made node by node, are in the static bytes only from its end)."""
+    transient = working.transient_bytes
+    kept = part.static_bytes - part.transient_bytes
+    summary = dataclasses.replace(part, static_bytes=kept + transient, transient_bytes=transient,
+                                  accumulate_bytes=working.accumulating_bytes,
+                                  region_transient_bytes=min(part.region_transient_bytes, transient))
+    return summary, max(0, working.first_backward_bytes - transient)
 
 
 def _spatial(best: Candidate, index: int, nodes: tuple[str, ...], graph: LayerGraph,
@@ -287,18 +309,23 @@ def _report(result: SearchResult, space: SearchSpace, simulated: SimResult,
 
 
 def _binding(best: Candidate, space: SearchSpace, simulated: SimResult) -> str:
-    """The slowest stage, and the fullest rank when its memory is near the usable budget."""
+    """The slowest stage, and the fullest rank when the search's bound on its memory (every saved activation
+    beside the largest working set: planner/search/terms.py) is near the usable budget, with its predicted
+    peak (node by node, planner/search/working.py: at most the bound)."""
     parts = best.evaluation.parts
     slowest = max(range(len(parts)), key=lambda part: parts[part].compute_ms)
     binding = f"compute of stage {slowest} ({format_ms(parts[slowest].compute_ms)} per micro-batch)"
-    fullest = max(range(len(simulated.peak_mem_bytes)), key=lambda rank: simulated.peak_mem_bytes[rank])
-    share = simulated.peak_mem_bytes[fullest] / space.mem_bytes
+    layout = best.setup.schedule.layout
+    bounds = [best.evaluation.slot_peak_bytes[layout.place(rank).slot] for rank in range(layout.world_size)]
+    fullest = max(range(len(bounds)), key=lambda rank: (bounds[rank], simulated.peak_mem_bytes[rank]))
+    share = bounds[fullest] / space.mem_bytes
     if share >= MEMORY_BINDS_AT:
         peak_ms = max(simulated.memory_timeline[fullest], key=lambda point: point[1])[0]
         at_step = any(event.rank == fullest and event.action.endswith("OPTIMIZER_STEP") and event.start_ms == peak_ms
                       for event in simulated.events)  # the step's buffers on top of the model state
-        binding += (f"; memory of rank {fullest} ({share:.0%} of the usable budget"
-                    + (", at its optimizer step)" if at_step else ")"))
+        peak = simulated.peak_mem_bytes[fullest] / space.mem_bytes
+        binding += (f"; memory of rank {fullest} ({share:.0%} of the usable budget as the search bounds it, "
+                    f"{peak:.0%} at its predicted peak" + (", at its optimizer step)" if at_step else ")"))
     return binding
 
 

@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from cost_models.allocations import allocated_peak_bytes
+
 Key = Any  # (stage, micro-batch)
 
 
@@ -126,18 +128,7 @@ class MemoryTracker:
         finally:
             self.active = False
             self.saved.clear()
-        self.profiled_bytes = max(self.profiled_bytes, baseline + _replay_peak(profile))
-
-
-def _replay_peak(profile: torch.profiler.profile) -> int:
-    """Highest running sum of the profiled CPU allocations (+) and frees (-), in time order."""
-    events = sorted((e for e in profile.profiler.kineto_results.events() if e.name() == "[memory]"
-                     and e.device_type() == torch.autograd.DeviceType.CPU), key=lambda e: e.start_ns())
-    running = peak = 0
-    for event in events:
-        running += event.nbytes()
-        peak = max(peak, running)
-    return peak
+        self.profiled_bytes = max(self.profiled_bytes, baseline + allocated_peak_bytes(profile))
 
 
 def _storages(tensors: Iterable[torch.Tensor]) -> dict[int, int]:

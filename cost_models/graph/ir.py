@@ -73,13 +73,15 @@ class NodeWork:
     rescale them) are counted twice over (cost_models.fake_measure.StorageLedger):
     ``saved_bytes_by_dtype`` holds those this node allocates (what the stage holding it keeps),
     ``released_bytes_by_dtype`` those it is the last to save (what recomputing or swapping it
-    releases). Both add up to the same over a whole graph.
+    releases), ``freed_bytes_by_dtype`` those it is the first to save (what autograd frees once its
+    backward has run). All add up to the same over a whole graph.
     """
 
     fwd_flops: int = 0
     bwd_flops: int = 0
     saved_bytes_by_dtype: tuple[tuple[str, int], ...] = ()
     released_bytes_by_dtype: tuple[tuple[str, int], ...] = ()
+    freed_bytes_by_dtype: tuple[tuple[str, int], ...] = ()
 
     @property
     def saved_bytes(self) -> int:
@@ -88,14 +90,17 @@ class NodeWork:
     def to_dict(self) -> dict[str, Any]:
         return {"fwd_flops": self.fwd_flops, "bwd_flops": self.bwd_flops,
                 "saved_bytes_by_dtype": dict(self.saved_bytes_by_dtype),
-                "released_bytes_by_dtype": dict(self.released_bytes_by_dtype)}
+                "released_bytes_by_dtype": dict(self.released_bytes_by_dtype),
+                "freed_bytes_by_dtype": dict(self.freed_bytes_by_dtype)}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "NodeWork":
         saved = tuple(sorted(data["saved_bytes_by_dtype"].items()))
         released = data.get("released_bytes_by_dtype")  # absent: written before it was measured
+        freed = data.get("freed_bytes_by_dtype")  # (by the producer: what it frees comes no sooner)
         return cls(data["fwd_flops"], data["bwd_flops"], saved,
-                   saved if released is None else tuple(sorted(released.items())))
+                   saved if released is None else tuple(sorted(released.items())),
+                   saved if freed is None else tuple(sorted(freed.items())))
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,8 @@ def trace_module(model: nn.Module, inputs: tuple[torch.Tensor, ...],
     except Exception as error:  # noqa: BLE001 - report which model failed and how to fix it
         raise _fake_run_failed(model, captured, inputs, error) from error
     outputs = {name: m.outputs for name, m in measured.items()}
-    work = {name: NodeWork(m.fwd_flops, m.bwd_flops, m.saved_bytes_by_dtype, m.released_bytes_by_dtype)
+    work = {name: NodeWork(m.fwd_flops, m.bwd_flops, m.saved_bytes_by_dtype, m.released_bytes_by_dtype,
+                             m.freed_bytes_by_dtype)
             for name, m in measured.items()}
     return build_graph(captured, outputs, work), captured.module
 

@@ -223,6 +223,8 @@ class StagePrediction:
     # gradients add above static_bytes (beside a node's working set, in place of the largest transient)
     accumulate_bytes: int = 0  # from a backward that adds into its gradients: the largest node's new gradient
     split_extra_ms: float = 0.0  # a split backward's I and W beyond bwd_ms, measured (I takes bwd - W + this)
+    first_backward_bytes: int = 0  # in the step's first backward: what its node-by-node working set and the
+    # gradients made so far add above static_bytes, less the gradients (planner/search/working.py)
 
     def allreduce_overlap(self, offload: OffloadSpec, after_backward: bool, backend: str) -> float:
         """The share of ``allreduce_ms`` that runs during the stage's last backward (as DDP's: buckets start
@@ -241,10 +243,11 @@ class StagePrediction:
             "optimizer_ms": codec.number, "swap_bytes": codec.integer, "swap_ms": codec.number,
             "host_bytes": codec.integer, "nvme_bytes": codec.integer, "weight_grad_ms": codec.number,
             "grad_bytes": codec.integer, "step_bytes": codec.integer, "tied_bytes": codec.integer,
-            "accumulate_bytes": codec.integer, "split_extra_ms": codec.number},
+            "accumulate_bytes": codec.integer, "split_extra_ms": codec.number,
+            "first_backward_bytes": codec.integer},
             optional=frozenset({"optimizer_ms", "swap_bytes", "swap_ms", "host_bytes", "nvme_bytes",
                                 "weight_grad_ms", "grad_bytes", "step_bytes", "tied_bytes", "accumulate_bytes",
-                                "split_extra_ms"}))
+                                "split_extra_ms", "first_backward_bytes"}))
 
 
 @dataclass(frozen=True)

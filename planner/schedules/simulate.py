@@ -25,7 +25,8 @@ saved inputs, so a split backward frees the micro-batch only after both halves).
 ran in the previous step (a carried forward, planner/schedules/periods.py) is held from the step's
 start; one whose F runs ahead for the next step, until its end. A stage's ``grad_bytes`` (part of its
 static bytes) exist from the end of its first B (or W) of the step, whose activations go as its gradients
-come (both at its end: the peak of a linear exchange is at one end), to the end of its optimizer step,
+come (both at its end; while it runs, its ``first_backward_bytes`` count the gradients made so far and its
+worst node's working set beside the activations not yet gone), to the end of its optimizer step,
 which frees them (``zero_grad(set_to_none=True)``); while the step runs, its buffers (``step_bytes``: a
 bucket's gradients in the masters' dtype, the optimizer's temporaries) are held too.
 
@@ -75,6 +76,8 @@ class StageCosts:
     tied_bytes: int = 0  # at each backward's end, after its micro-batch's activations went: tied partial gradients
     accumulate_bytes: int = 0  # at the start of a backward adding into its gradients: a node's new weight gradient
     split_extra_ms: float = 0.0  # what a split backward's I and W take beyond bwd_ms (measured: W runs cold)
+    first_backward_bytes: int = 0  # during the step's first backward: the gradients made so far, and what its
+    # worst node works in beyond the transient (its activations not yet gone)
 
 
 @dataclass(frozen=True)
@@ -228,9 +231,12 @@ class _Clocks:
             self.last_backward_ms[rank, action.stage] = (start, end)
         self.clock_ms[rank] = end
         activation = self._activation_bytes(action.stage)
-        if action.kind in (ActionKind.B, ActionKind.W) and (rank, action.stage) in self.grads_made:
-            self._change_memory(rank, start, stage.accumulate_bytes)  # held until added into the gradients
-            self._change_memory(rank, start, -stage.accumulate_bytes)
+        if action.kind in (ActionKind.B, ActionKind.W):  # a backward's worst moment, at its start
+            made = (rank, action.stage) in self.grads_made  # then added into the gradients; else making them
+            extra = stage.accumulate_bytes if made else stage.first_backward_bytes
+            if extra:
+                self._change_memory(rank, start, extra)
+                self._change_memory(rank, start, -extra)
         if action.kind is ActionKind.F:
             self._change_memory(rank, start, activation)
             if stage.swap_bytes:

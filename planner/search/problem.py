@@ -27,7 +27,6 @@ from cost_models.devices import DeviceSpec
 from cost_models.errors import InvalidArgument
 from cost_models.estimation import CostTable
 from cost_models.graph.ir import LayerGraph, NodeKind
-from cost_models.loss import loss_memory_bytes
 from cost_models.memory import Optimizer, Precision, model_state_bytes
 from cost_models.spatial import TileCost, TileGeometry
 from planner.plan.kinds import ScheduleKind
@@ -35,6 +34,7 @@ from planner.plan.layout import Layout
 from planner.plan.parts import StateTier
 from planner.plan.spatial import Slicing, grid_shape
 from planner.schedules.balanced import BalancedStep
+from planner.search.working import loss_bytes, node_working
 
 if TYPE_CHECKING:
     from planner.search.configs import SearchSpace
@@ -478,15 +478,6 @@ def _param_state(graph: LayerGraph, name: str, precision: Precision, optimizer: 
     return _ParamState(state.total_bytes, state.grad_bytes, state.param_bytes, state.optimizer_bytes, info.numel, 1)
 
 
-def _loss_bytes(graph: LayerGraph, table: CostTable, names: list[str], precision: Precision) -> tuple[int, int]:
-    """What the loss holds per micro-batch, on the unit holding the graph's output (it is not part of the
-    graph): what it keeps until that micro-batch's backward, and its working bytes in that backward
-    (cost_models.loss.loss_memory_bytes, in the loss's dtype)."""
-    numel = sum(table[source].output_bytes for name in names if graph.node(name).kind is NodeKind.OUTPUT
-                for source in graph.node(name).inputs) // precision.itemsize
-    return loss_memory_bytes(numel, precision.loss_itemsize)
-
-
 def _unit(graph: LayerGraph, table: CostTable, names: list[str], precision: Precision,
           optimizer: Optimizer, shared_index: dict[str, int], crossing_before: int,
           used_later: frozenset[str] = frozenset()) -> Unit:
@@ -501,9 +492,10 @@ def _unit(graph: LayerGraph, table: CostTable, names: list[str], precision: Prec
     costs = [table[name] for name in names]
     saved = sum(c.saved_activation_bytes for c in costs)
     released = sum(c.released_activation_bytes for c in costs)
-    loss_kept, loss_working = _loss_bytes(graph, table, names, precision)
-    computing = [(cost, name) for cost, name in zip(costs, names) if graph.node(name).kind is not NodeKind.PARAM]
-    working = {name: 2 * cost.output_bytes for cost, name in computing}  # a node's output and its gradient
+    loss_kept, loss_working = loss_bytes(graph, table, names, precision)
+    works = {name: node_working(graph, table, name, precision, optimizer) for name in names
+             if graph.node(name).kind is not NodeKind.PARAM}
+    working = {name: work.working for name, work in works.items()}
     node_transient = max(working.values(), default=0)
     transient = max(node_transient, loss_working)
     # a weight used again after its first use here has its partial gradients summed in that first user's backward
@@ -531,8 +523,7 @@ def _unit(graph: LayerGraph, table: CostTable, names: list[str], precision: Prec
         largest_param_numel=max((graph.parameter(p).numel for p in params if not graph.parameter(p).is_buffer),
                                 default=0),
         tied_grad_bytes=sum(p.grad_bytes for name, p in zip(own, state) if uses[name] > 1),
-        accumulating_bytes=max((transient, *(cost.output_bytes + sum(
-            grads[p].grad_bytes for p in dict.fromkeys(graph.node(name).param_names)) for cost, name in computing))),
+        accumulating_bytes=max((transient, *(work.accumulating for work in works.values()))),
     )
 
 

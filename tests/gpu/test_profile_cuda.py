@@ -20,6 +20,10 @@ def test_cuda_profile_measures_time_and_peak_memory() -> None:
     assert conv.fwd_ms > 0 and conv.bwd_ms > 0
     assert conv.measured_fwd_peak_bytes is not None
     assert conv.measured_fwd_peak_bytes >= conv.output_bytes
+    fc = table["fc"]  # its backward: its input's, weight's and bias's gradients (the allocator's peak)
+    weight = model.fc.weight
+    assert fc.measured_bwd_bytes is not None
+    assert fc.measured_bwd_bytes >= 4 * (8 * weight.shape[1] + weight.numel() + weight.shape[0])
 
 
 def test_predicted_saved_bytes_match_cuda_allocator() -> None:

@@ -425,10 +425,16 @@ def test_the_printed_plan_labels_what_it_shows() -> None:
     assert "memory" not in _lines(one_stage, "binding: ")[0]  # 0% of the budget is not binding
     with pytest.raises(PlanInfeasible) as raised:
         _tiny(mem=100_000, offload=False)
-    tight = str(_tiny(mem=raised.value.min_mem_bytes, offload=False))  # the smallest budget that fits
+    tight_plan = _tiny(mem=raised.value.min_mem_bytes, offload=False)  # the smallest budget that fits
+    tight = str(tight_plan)
     assert "2 stages x 1 data-parallel" in tight and "bubble: " in _lines(tight, "step: ")[0]
     binding = _lines(tight, "binding: ")[0]
-    assert re.search(r"; memory of rank \d \((9\d|100)% of the usable budget(, at its optimizer step)?\)", binding)
+    bound = re.search(r"; memory of rank (\d) \((9\d|100)% of the usable budget as the search bounds it, (\d+)% at its "
+                      r"predicted peak(, at its optimizer step)?\)", binding)
+    assert bound, binding
+    usable = tight_plan.cluster.mem_bytes - tight_plan.cluster.reserve_bytes
+    peak = tight_plan.predicted.peak_mem_bytes[int(bound[1])]
+    assert int(bound[3]) == round(100 * peak / usable) <= int(bound[2])  # node by node: at most the bound
 
 
 def test_configurations_running_the_same_programs_are_searched_once() -> None:

@@ -110,7 +110,8 @@ def test_a_plan_whose_peak_is_its_optimizer_step_predicts_it() -> None:
                 dtype=torch.int64), device="A100-40GB", optimizer="adam", precision="bf16", reserve=0, offload=False)
     assert made.predicted.peak_mem_bytes == (state_bytes + 6 * largest,)
     assert made.stages[0].predicted.step_bytes > 0
-    assert "memory of rank 0 (100% of the usable budget, at its optimizer step)" in str(made)
+    assert ("memory of rank 0 (100% of the usable budget as the search bounds it, 100% at its predicted peak, "
+            "at its optimizer step)") in str(made)
     with pytest.raises(PlanInfeasible, match="its peak is the optimizer step, which adds"):
         plan(model, 1, state_bytes + 6 * largest - 1, batch_size=1, example_inputs=torch.zeros((1, 16),
              dtype=torch.int64), device="A100-40GB", optimizer="adam", precision="bf16", reserve=0, offload=False)
