@@ -22,22 +22,7 @@ def _cpu_allocations(profile: Any) -> list[tuple[int, int]]:
 
 
 def allocated_peak_bytes(profile: Any) -> int:
-    """The highest running sum of the profiled CPU allocations, above what was allocated when it began.
-
-    >>> class Event:
-    ...     def __init__(self, start, nbytes): self.start, self.n = start, nbytes
-    ...     def name(self): return "[memory]"
-    ...     def device_type(self): import torch; return torch.autograd.DeviceType.CPU
-    ...     def start_ns(self): return self.start
-    ...     def nbytes(self): return self.n
-    >>> class Profile:
-    ...     class profiler:
-    ...         class kineto_results:
-    ...             @staticmethod
-    ...             def events(): return [Event(1, 100), Event(2, 50), Event(3, -100), Event(4, 70)]
-    >>> allocated_peak_bytes(Profile())
-    150
-    """
+    """The highest running sum of the profiled CPU allocations, above what was allocated when it began."""
     running = peak = 0
     for _, nbytes in _cpu_allocations(profile):
         running += nbytes

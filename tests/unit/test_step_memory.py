@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from cost_models.allocations import allocated_peak_bytes
 from cost_models.errors import PlanInfeasible
 from cost_models.memory import Optimizer, Precision, step_transient_bytes
 from planner.plan import OffloadSpec, StateTier
@@ -26,13 +27,7 @@ def _allocated_peak_bytes(step: object) -> int:
     """The highest running sum of the CPU allocations and frees profiled while ``step()`` runs."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as run:
         step()  # type: ignore[operator]
-    events = sorted((e for e in run.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    running = peak = 0
-    for event in events:
-        running += event.nbytes()
-        peak = max(peak, running)
-    return peak
+    return allocated_peak_bytes(run)
 
 
 @pytest.mark.parametrize(("precision", "optimizer", "tier", "expected_bytes"), [

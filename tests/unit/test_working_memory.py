@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from cost_models.allocations import allocated_peak_bytes
+from cost_models.allocations import allocated_peak_bytes, peaks_within
 from cost_models.errors import PlanInfeasible
 from cost_models.loss import training_loss
 from cost_models.profiling import profile
@@ -51,6 +51,20 @@ def test_a_saved_storage_is_counted_for_its_maker_its_first_saver_and_its_last()
     totals = {ledger: sum(of(node.name, ledger) for node in graph)
               for ledger in ("saved_bytes_by_dtype", "released_bytes_by_dtype", "freed_bytes_by_dtype")}
     assert len(set(totals.values())) == 1, totals
+
+
+def test_the_allocation_peak_of_a_profiled_block_and_of_each_range_in_it() -> None:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as run:
+        with torch.profiler.record_function("range:a"):
+            first = torch.empty(1000)  # 4,000 bytes, freed before b
+            del first
+        kept = torch.empty(500)  # 2,000 bytes held through b
+        with torch.profiler.record_function("range:b"):
+            second, third = torch.empty(250), torch.empty(250)  # 2,000 more
+            del second, third
+        del kept
+    assert peaks_within(run, "range:") == {"a": 4000, "b": 2000}
+    assert allocated_peak_bytes(run) == 4000
 
 
 def test_the_profile_measures_what_a_nodes_backward_allocates() -> None:
