@@ -14,6 +14,12 @@ images) holds most of both at once, mid-backward. :func:`part_working` is each m
 saved activations at its worst node; the plan counts them (planner/assemble.py: its forward and later
 backwards in the static bytes and the accumulate event, its first backward as an event of the simulator)
 where the part keeps every activation (no recompute, no swap, no tiles).
+
+A value the part receives is held by the runtime until the micro-batch's backward ends, whichever of the
+part's nodes saves it; the ledger says which node first saves a storage, not where it was made, so the
+backwards of the nodes before that saver count a received value as freed too soon. None do where the saver
+is the part's first node (a transformer block's or a ResNet block's input, saved by its first layer) or
+nothing saves it (a U-Net's skips, read by concatenations).
 """
 
 from __future__ import annotations
