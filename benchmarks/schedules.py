@@ -5,7 +5,9 @@ each, the predicted (simulated) step and peak memory of the best plan of every s
 (``plan(..., schedules=(family,))``; WPipe's with ``allow_stale_weights=True``), and the family ``plan()``
 picks when it may use every synchronous one (WPipe, which changes the training rule, is not). The picked
 plan should be no slower than the best single family (the "vs best" column: its step over the best
-family's), and at the tight budget the winning family may change. "-" is a family with no plan that fits.
+family's) unless that family's best needs memory decisions (sharded state, offloading, recompute or swap)
+and gains less than the search's margin for them (said under the row), and at the tight budget the winning
+family may change. "-" is a family with no plan that fits.
 
 Run: python benchmarks/schedules.py [--quick]   (--quick: BERT-large only)
 """
@@ -30,6 +32,7 @@ from examples.models.gpt import megatron_8_3b  # noqa: E402
 from planner import plan, trace  # noqa: E402
 from planner.plan import Plan  # noqa: E402
 from planner.plan.kinds import ScheduleKind  # noqa: E402
+from planner.search.search import OFFLOAD_MUST_GAIN  # noqa: E402
 
 # name: (builder, example input, global batch, device, (roomy, tight) budgets, fixed search options)
 CASES: dict[str, tuple[Callable[[], torch.nn.Module], torch.Tensor, int, str, tuple[str, str], dict[str, Any]]] = {
@@ -88,6 +91,16 @@ def main() -> None:
             if picked is not None:
                 print(f"{'':<20}picked: {picked.solver.why.split(';')[0]}; "
                       f"{picked.solver.why.split(';')[1].strip() if ';' in picked.solver.why else ''}", flush=True)
+                fastest = min((each for family, each in alone.items() if each is not None and family in synchronous),
+                              key=lambda each: each.predicted.step_ms)
+                if picked.predicted.step_ms > fastest.predicted.step_ms and _decides(fastest) and not _decides(picked):
+                    print(f"{'':<20}slower than {fastest.schedule.kind.value}'s best, which needs memory decisions: "
+                          f"plan() takes those only for a gain of {OFFLOAD_MUST_GAIN:.0%} or more", flush=True)
+
+
+def _decides(result: Plan) -> bool:
+    """Whether a plan shards, offloads, recomputes or swaps anything."""
+    return any(not stage.offload.is_default for stage in result.stages)
 
 
 if __name__ == "__main__":
