@@ -11,9 +11,9 @@ forward what they make is not yet made); the gradients of values that a later no
 (a skip connection's). In the step's first backward the gradients come as the activations go, node by node:
 a network whose weights sit late and whose activations sit early (a ResNet: wide late layers, large early
 images) holds most of both at once, mid-backward. :func:`part_working` is each moment's excess over the part's
-saved activations at its worst node; the plan counts them (planner/assemble.py: its forward and later
-backwards in the static bytes and the accumulate event, its first backward as an event of the simulator)
-where the part keeps every activation (no recompute, no swap, no tiles).
+saved activations at its worst node; the plan counts them (planner/assemble.py: its forwards and a split
+backward's I in the static bytes, its later backwards in the accumulate event, its first backward as an event
+of the simulator) where the part keeps every activation (no recompute, no swap, no tiles).
 
 A value the part receives is held by the runtime until the micro-batch's backward ends, whichever of the
 part's nodes saves it; the ledger says which node first saves a storage, not where it was made, so the
@@ -44,10 +44,10 @@ class NodeWorking:
 
 @dataclass(frozen=True)
 class PartWorking:
-    """What a part holds above its saved activations at its worst node (bytes): in a forward
-    (``transient_bytes``, the loss's working bytes among them), in the step's first backward
-    (``first_backward_bytes``: with the gradients it made so far, not yet in the model state) and in a
-    backward adding into its gradients (``accumulating_bytes``)."""
+    """What a part holds above its saved activations at its worst node (bytes): in a forward or a backward
+    making no weight gradient (``transient_bytes``: a split backward's I; the loss's working bytes among
+    them), in the step's first backward (``first_backward_bytes``: with the gradients it made so far, not
+    yet in the model state) and in a backward adding into its gradients (``accumulating_bytes``)."""
 
     transient_bytes: int
     first_backward_bytes: int
@@ -90,19 +90,20 @@ def part_working(graph: LayerGraph, table: CostTable, names: Sequence[str], prec
     n (the storages those nodes were the first to save, and what the loss kept); in the step's first
     backward, plus the gradients those backwards made. In its forward: its output, less what the nodes
     after n will make and save. The loss's working bytes come first, in the forward's end and every
-    backward's start."""
+    backward's start. ``transient_bytes`` also covers a backward making no weight gradient (a split
+    backward's I), which no event of the simulator counts apart."""
     position = {name: index for index, name in enumerate(names)}
     loss_kept, loss_working = loss_bytes(graph, table, names, precision)
     computing = [name for name in names if graph.node(name).kind not in (NodeKind.PARAM, NodeKind.OUTPUT)]
     waiting = _waiting_grad_bytes(graph, table, names, position)
-    forward = first = accumulating = loss_working
+    transient = first = accumulating = loss_working
     freed_after = made_after = loss_kept  # gone before any node's backward: the loss's ran first
     grads_after = 0
     seen: set[str] = set()  # parameters whose gradient a later node's backward made
     for name in reversed(computing):
         work = node_working(graph, table, name, precision, optimizer)
         cost = table[name]
-        forward = max(forward, cost.output_bytes - made_after)
+        transient = max(transient, cost.output_bytes - made_after, work.working + waiting[position[name]] - freed_after)
         accumulating = max(accumulating, work.accumulating + waiting[position[name]] - freed_after)
         first = max(first, work.accumulating + waiting[position[name]] + grads_after - freed_after)
         freed_after += cost.freed_activation_bytes
@@ -111,7 +112,7 @@ def part_working(graph: LayerGraph, table: CostTable, names: Sequence[str], prec
         seen.update(fresh)
         grads_after += sum(model_state_bytes(graph.parameter(p).numel, precision, optimizer).grad_bytes
                            for p in dict.fromkeys(fresh))
-    return PartWorking(forward, first, accumulating)
+    return PartWorking(transient, max(transient, first), max(transient, accumulating))
 
 
 def _waiting_grad_bytes(graph: LayerGraph, table: CostTable, names: Sequence[str],
