@@ -24,7 +24,7 @@ nothing saves it (a U-Net's skips, read by concatenations).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from cost_models.estimation import CostTable
@@ -58,7 +58,7 @@ def node_working(graph: LayerGraph, table: CostTable, name: str, precision: Prec
                  optimizer: Optimizer) -> NodeWorking:
     """Node ``name``'s working sets (module docstring); its parameters' gradients each time it is used."""
     cost = table[name]
-    grads = param_grad_bytes(graph, name, precision, optimizer)
+    grads = _gradient_bytes(graph, graph.node(name).param_names, precision, optimizer)
     if cost.measured_bwd_bytes is None:  # the input's gradient as large as the output
         working = 2 * cost.output_bytes
         return NodeWorking(working, max(working, cost.output_bytes + grads))
@@ -66,10 +66,10 @@ def node_working(graph: LayerGraph, table: CostTable, name: str, precision: Prec
     return NodeWorking(max(cost.output_bytes, accumulating - grads), accumulating)
 
 
-def param_grad_bytes(graph: LayerGraph, name: str, precision: Precision, optimizer: Optimizer) -> int:
-    """The gradients of the parameters node ``name`` uses (each once)."""
+def _gradient_bytes(graph: LayerGraph, params: Iterable[str], precision: Precision, optimizer: Optimizer) -> int:
+    """The gradients of parameters ``params`` (each once; buffers have none)."""
     return sum(model_state_bytes(graph.parameter(p).numel, precision, optimizer).grad_bytes
-               for p in dict.fromkeys(graph.node(name).param_names) if not graph.parameter(p).is_buffer)
+               for p in dict.fromkeys(params) if not graph.parameter(p).is_buffer)
 
 
 def loss_bytes(graph: LayerGraph, table: CostTable, names: Sequence[str], precision: Precision) -> tuple[int, int]:
@@ -108,10 +108,9 @@ def part_working(graph: LayerGraph, table: CostTable, names: Sequence[str], prec
         first = max(first, work.accumulating + waiting[position[name]] + grads_after - freed_after)
         freed_after += cost.freed_activation_bytes
         made_after += cost.saved_activation_bytes
-        fresh = [p for p in graph.node(name).param_names if p not in seen and not graph.parameter(p).is_buffer]
+        fresh = [p for p in graph.node(name).param_names if p not in seen]
         seen.update(fresh)
-        grads_after += sum(model_state_bytes(graph.parameter(p).numel, precision, optimizer).grad_bytes
-                           for p in dict.fromkeys(fresh))
+        grads_after += _gradient_bytes(graph, fresh, precision, optimizer)
     return PartWorking(transient, max(transient, first), max(transient, accumulating))
 
 
