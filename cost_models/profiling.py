@@ -261,7 +261,9 @@ class _NodeProfiler:
         buffers = {name: b.detach().clone() for name, b in self.module.named_buffers()}
         try:
             alone = self._run(inputs)
-            if self.device.type == "cpu":  # (CUDA's allocator gave each its peak as it was timed)
+            # (CUDA's allocator gave each its peak as it was timed; a caller's own profiler session, which a
+            # second would end, leaves the backwards' bytes estimated)
+            if self.device.type == "cpu" and not torch.autograd.profiler._is_profiler_enabled:
                 allocated = self._cpu_backward_bytes(inputs)
                 alone = {name: dataclasses.replace(t, bwd_bytes=allocated.get(name)) for name, t in alone.items()}
             with co_running(self.module, inputs, self.co_runners):

@@ -75,6 +75,17 @@ def test_the_profile_measures_what_a_nodes_backward_allocates() -> None:
     assert table["_0"].measured_bwd_bytes == 4 * (128 * 64 + 128)  # the data carries no gradient
 
 
+def test_a_callers_own_profiler_session_is_left_running() -> None:
+    """The profile measures each backward's allocations in a profiler session of its own; under the caller's,
+    which a second session would end, it leaves them to the estimate instead."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as outer:
+        table = profile(model, torch.randn(2, 8), "cpu", optimizer="momentum", cache_dir=None)
+        assert torch.autograd.profiler._is_profiler_enabled  # still the caller's
+    assert table["_2"].measured_bwd_bytes is None
+    assert any(event.name == "aten::linear" for event in outer.events())
+
+
 def _measured_step_peak_bytes(model: nn.Module, batch: torch.Tensor) -> int:
     """The second of two training steps (SGD with momentum, gradients set to None after each, as the runtime
     steps): its profiled allocations' peak on top of the model state before it."""
