@@ -49,7 +49,6 @@ class NodeCost:
     split_ms: tuple[float, float] | None = None  # profiled: a split backward's I and W, each alone (its W cold)
     released_bytes: int | None = None  # saved, of what it is the last to save: what recomputing or swapping
     # it releases (cost_models.graph.ir.NodeWork); None: saved_activation_bytes (a table written before)
-
     freed_bytes: int | None = None  # saved, of what it is the first to save: what autograd frees once its
     # backward has run (the later savers' ran before it); None: saved_activation_bytes (a table written before)
 

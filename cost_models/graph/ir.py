@@ -70,7 +70,7 @@ class NodeWork:
 
     FLOPs come from torch.utils.flop_counter. The storages autograd keeps for the backward pass
     (de-duplicated by storage, parameters excluded; keyed by dtype name so precision changes can
-    rescale them) are counted twice over (cost_models.fake_measure.StorageLedger):
+    rescale them) are counted three times over (cost_models.fake_measure.StorageLedger):
     ``saved_bytes_by_dtype`` holds those this node allocates (what the stage holding it keeps),
     ``released_bytes_by_dtype`` those it is the last to save (what recomputing or swapping it
     releases), ``freed_bytes_by_dtype`` those it is the first to save (what autograd frees once its
