@@ -25,7 +25,6 @@ micro-batches leaves them out (a flush); its first group computes on stashed wei
 from __future__ import annotations
 
 import contextlib
-import datetime
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -42,10 +41,11 @@ from planner.preflight import programs
 from planner.schedules import Action, ActionKind
 from planner.schedules.periods import Periods
 from runtime.checks import segments as grouped
-from runtime.comm import P2P, InFlight, Message, ReceivesAhead, wait_for
+from runtime.comm import P2P, InFlight, Message, ReceivesAhead
 from runtime.dataflow import SourceKind
 from runtime.grads import GradientSync, OverlappedReduce
 from runtime.launch import join_group
+from runtime.loss_reduce import STARTS_EARLY, LossReduce, start_after
 from runtime.memory import MemoryTracker
 from runtime.microbatch import Microbatch, Targets, split_batch
 from runtime.precision import ScalerOptions
@@ -129,7 +129,14 @@ class Executor:
         self._split: dict[int, bool] = {}  # per stage: whether its split backward's I groups cover its weights
         self._overlapped = {a.stage: self._overlapped_reduce(a) for a in program
                             if a.kind is ActionKind.ALLREDUCE and self._overlaps(self.stages[a.stage])}
-        self._flush_segments = grouped([a for a in program if not self.periods.is_ahead(a)])
+        flush = grouped([a for a in program if not self.periods.is_ahead(a)])
+        loss_stages = {index for index, stage in self.stages.items() if stage.part == self.flow.last_stage}
+        early = STARTS_EARLY.get(str(dist.get_backend()), False)
+        # each program a step runs, with the segment after which the step's loss all-reduce starts
+        self._step_program = self.segments, start_after(self.segments, loss_stages, early)
+        self._flush_program = flush, start_after(flush, loss_stages, early)
+        self.loss = LossReduce(self.groups.loss, self.device, plan.training.num_microbatches * plan.data_parallel,
+                               timeout_s)
         self.memory = MemoryTracker(self.device, self._model_state)
         self.steps_done = 0
         self.halo_bytes_sent = 0  # by this rank's halo exchanges in the last step (runtime/tiles.py)
@@ -210,15 +217,16 @@ class Executor:
         halo_before, p2p_before = self._halo_bytes(), self.p2p.bytes_sent
         posted_before, posting_before_s = self.p2p.posted, self.p2p.posting_s
         self.action_ms = {}
-        segments = self.segments
+        segments, loss_after = self._step_program
         if self.crosses_steps:
             if self._carried is None:  # the first step, or the one after a flush: its ahead forwards first
                 self._prologue(microbatches)
             assert self._carried is not None
             state.adopt(self._carried)
             self._carried = None
-            segments = self.segments if following is not None else self._flush_segments
-        busy_s = self._execute(segments, state)
+            if following is None:
+                segments, loss_after = self._flush_program
+        busy_s = self._execute(segments, state, loss_after=loss_after)
         self.p2p.finish()
         if following is not None:
             self._carried = state.carry()
@@ -228,7 +236,7 @@ class Executor:
         self.post_ms = (self.p2p.posting_s - posting_before_s) / posted * 1e3 if posted else None
         self.busy_ms = busy_s * 1e3
         self.steps_done += 1
-        return self._global_loss(state)
+        return self.loss.mean()
 
     def _prologue(self, microbatches: Sequence[Microbatch]) -> None:
         """The forwards the previous step would have run ahead for this one (their period is this step's)."""
@@ -238,12 +246,16 @@ class Executor:
         self.p2p.finish()
         self._carried = state.carry()
 
-    def _execute(self, segments: Sequence[Action | tuple[Action, ...]], state: StepState) -> float:
-        """Run ``segments`` on ``state``; returns the seconds spent in compute actions."""
+    def _execute(self, segments: Sequence[Action | tuple[Action, ...]], state: StepState, *,
+                 loss_after: int | None = None) -> float:
+        """Run ``segments`` on ``state``, the step's loss all-reduce started after segment ``loss_after`` (-1:
+        before the first; None: not at all, a prologue's); returns the seconds spent in compute actions."""
         busy_s = 0.0
         ahead = ReceivesAhead(segments, self._receives_ahead)
         posted: dict[int, tuple[list[list[Message]], list[InFlight]]] = {}
         self._post_receives(ahead.due(-1), segments, state, posted)
+        if loss_after == -1:
+            self.loss.start(state.losses)
         for index, segment in enumerate(segments):
             if isinstance(segment, tuple):
                 self._communicate(segment, state, posted.pop(index, None), lambda index=index: self._post_receives(
@@ -257,21 +269,13 @@ class Executor:
                     self.action_ms.setdefault((segment.stage, segment.kind), []).append(took_s * 1e3)
             if self.memory.active:
                 self.memory.sample([*state.held(), *self.p2p.in_flight()])
+            if index == loss_after:
+                self.loss.start(state.losses)
         return busy_s
 
     def _halo_bytes(self) -> int:
         """Bytes this rank's spatial stages have sent through halo exchanges so far."""
         return halo_bytes_sent(stage.module for index, stage in self.stages.items() if index in self.tiled)
-
-    def _global_loss(self, state: StepState) -> float:
-        scale = self.plan.training.num_microbatches * self.plan.data_parallel
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for loss in state.losses:
-            total += loss.to(torch.float64)
-        total /= scale
-        wait_for(dist.all_reduce(total, async_op=True), datetime.timedelta(seconds=self.timeout_s),
-                 "the loss all-reduce")
-        return float(total.item())
 
     # ------------------------------------------------- stages and the dataflow
     def _parts(self, src: int, dst: int) -> tuple[int, int]:

@@ -50,6 +50,7 @@ class Groups:
 
     data_parallel: Mapping[int, dist.ProcessGroup]  # part -> the group of its copies (my parts only)
     tied: tuple[TiedGroup, ...]  # every tied set (group None where this rank holds no copy)
+    loss: dist.ProcessGroup | None  # every rank, for the step's loss alone (runtime/loss_reduce.py); None: one rank
 
     @property
     def tied_names(self) -> frozenset[str]:
@@ -58,7 +59,7 @@ class Groups:
 
 def create_groups(layout: Layout, rank: int, stage_params: Mapping[int, set[str]],
                   timeout_s: float) -> Groups:
-    """Create the data-parallel and tied-parameter groups (collective: every rank must call it).
+    """Create the data-parallel, tied-parameter and loss groups (collective: every rank must call it).
 
     ``stage_params`` maps each part to the canonical names of the parameters it uses.
     """
@@ -75,7 +76,9 @@ def create_groups(layout: Layout, rank: int, stage_params: Mapping[int, set[str]
         ranks = tuple(sorted({r for part in stages for r in layout.part_ranks(part)}))  # a rank may hold several
         group = dist.new_group(list(ranks), timeout=timeout) if len(ranks) > 1 else None
         tied.append(TiedGroup(stages, names, ranks, group if rank in ranks else None))
-    return Groups(data_parallel, tuple(tied))
+    world = list(range(layout.world_size))
+    loss = dist.new_group(world, timeout=timeout) if len(world) > 1 else None
+    return Groups(data_parallel, tuple(tied), loss)
 
 
 def tied_sets(stage_params: Mapping[int, set[str]]) -> dict[tuple[int, ...], tuple[str, ...]]:

@@ -276,6 +276,32 @@ def test_receives_posted_one_run_ahead_keep_program_order_and_precede_their_run(
     assert ReceivesAhead(segments, 0).due(-1) == [] and ReceivesAhead(segments, 0).due(len(segments)) == []
 
 
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "gems-master"])
+def test_the_loss_all_reduce_starts_after_the_last_forward_making_a_loss(kind: str) -> None:
+    """On gloo a rank starts the step's loss all-reduce right after its last forward of a stage holding the
+    loss (none follows it), a rank holding none at the step's start; on NCCL every rank where its step ends."""
+    from planner.schedules import generate, lower
+    from runtime.loss_reduce import start_after
+
+    schedule = generate(kind, 4, 8)
+    layout = schedule.layout
+    edges = {(p, p + 1) for p in range(layout.num_parts - 1)}
+    last = {stage for stage in range(layout.num_stages) if layout.part(stage) == layout.num_parts - 1}
+    holding = 0
+    for program in layout.rank_programs(lower(schedule.programs, layout, edges)):
+        segments = checks.segments(program)
+        index = start_after(segments, last, early=True)
+        forwards = [i for i, s in enumerate(segments) if isinstance(s, Action) and s.kind is ActionKind.F
+                    and s.stage in last]
+        if forwards:
+            holding += 1
+            assert index == forwards[-1] and index < len(segments) - 1  # the last backwards still follow
+        else:
+            assert index == -1
+        assert start_after(segments, last, early=False) == len(segments) - 1
+    assert holding == (2 if kind == "gems-master" else 1)  # one rank per replica holds the loss
+
+
 def test_a_cpu_rank_is_bound_to_its_share_of_the_cores_only_when_each_rank_gets_one() -> None:
     """In a child process (binding is process-wide): with as many ranks as cores, rank 1 runs on the second
     core alone; with more ranks than cores it keeps every core."""
