@@ -106,7 +106,8 @@ def _op_overhead_us() -> float:
 _PING_BYTES = 4 * 2**10  # small enough that its round trip is latency
 _STREAM_BYTES = 16 * 2**20  # large enough that its round trip is bandwidth
 _GLOO_TIMEOUT_S = 60
-_POST_PAUSE_S = 0.002  # before a send, as a rank's compute leaves between its posts (gloo's threads go idle)
+_POST_MATMUL = 256  # before a send, six matmuls of this size (about 2 ms) and a pass over _POST_SWEEP_BYTES:
+_POST_SWEEP_BYTES = 4 * 2**20  # the core and its caches as a layer's compute leaves them to the post after it
 
 
 def pin_cpu_rank(local_rank: int, local_world_size: int) -> frozenset[int]:
@@ -213,23 +214,33 @@ def _ping_pong(rank: int, store_path: str) -> tuple[float, float, float, float, 
 
     def post_s(repeats: int) -> float:
         """What posting one small message costs the rank on average, sending and receiving alike, in the
-        runtime's pattern: the receive posted ahead, before the peer sends (runtime/comm.py posts the next
-        run's receives early), the send after a pause as compute leaves between posts; the call alone.
+        runtime's pattern: the receive posted ahead, before the compute that precedes its run (runtime/comm.py
+        posts the next run's receives early), the send right after the compute that made its tensor, while
+        the peer computes too; the call alone. After compute a send took 3-4x what it took after an idle
+        pause (cold caches, gloo's threads woken on a busy core): 130-300 us against 40-110 us.
         The mean, not the median: a step pays the sum of its posts, and on a core gloo's threads share,
         some posts wait milliseconds for them."""
         message = torch.zeros(_PING_BYTES // 4)
+        weights = torch.randn(_POST_MATMUL, _POST_MATMUL)
+        sweep = torch.randn(_POST_SWEEP_BYTES // 4)
+
+        def compute() -> None:
+            for _ in range(6):
+                torch.tanh(weights @ weights)
+            torch.relu(sweep)
+
         samples = []
         for index in range(2 * (repeats + 1)):  # the first of each direction warms it up
             sending = (index % 2 == 0) == (rank == 0)
             op = dist.P2POp(dist.isend if sending else dist.irecv, message, 1 - rank)
+            dist.barrier()
             if sending:
-                dist.barrier()  # the peer's receive is posted
-                time.sleep(_POST_PAUSE_S)
+                compute()
             start = time.perf_counter()
             works = dist.batch_isend_irecv([op])
             samples.append(time.perf_counter() - start)
             if not sending:
-                dist.barrier()
+                compute()
             for work in works:
                 work.wait()
         return statistics.mean(samples[2:])
