@@ -91,7 +91,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=2, help="runs per plan; the table shows their median")
     parser.add_argument("--only", choices=list(PLANS), default=None)
     parser.add_argument("--fresh-cache", action="store_true",
-                        help="measure the cpu device and the node times now, into a temporary cache")
+                        help="measure the cpu device and the node times afresh for each plan, just before its runs "
+                             "(a temporary cache per plan: the machine drifts less between profile and run)")
     args = parser.parse_args()
     cores = usable_cores()
     print(f"load average {os.getloadavg()[0]:.1f} on {cores} cores; {args.runs} runs of {args.steps} steps per "
@@ -99,31 +100,30 @@ def main() -> None:
     print(f"{'plan':<26} {'rank':>4} {'step pred':>10} {'measured':>10} {'spread':>16} {'error':>8} {'replay':>8} "
           f"{'peak pred':>11} {'measured':>11} {'error':>8}")
     worst: dict[tuple[str, bool], tuple[float, str]] = {}  # (metric, on shared cores) -> worst
-    with tempfile.TemporaryDirectory() as cache:
-        if args.fresh_cache:
-            os.environ["TESSERA_CACHE_DIR"] = cache
-        for name in [args.only] if args.only else list(PLANS):
-            with tempfile.TemporaryDirectory() as tmp:
-                plan, reports = measure(name, Path(tmp), args.steps, args.runs)
-            shared = plan.layout.world_size > cores
-            runs = [checks(plan, report) for report in reports]
-            replays = [next(c for c in found if c.metric == "step time on measured compute") for found in runs]
-            replay = statistics.median(c.error_pct for c in replays)
-            for rank in range(plan.layout.world_size):
-                steps = [next(c for c in found if c.rank == rank and c.metric == "step time") for found in runs]
-                memory = next(c for c in runs[0] if c.rank == rank and c.metric == "peak memory")
-                measured = statistics.median(c.measured for c in steps)
-                error = 100 * (measured - steps[0].predicted) / steps[0].predicted
-                spread = f"{format_ms(min(c.measured for c in steps))}..{format_ms(max(c.measured for c in steps))}"
-                print(f"{name:<26} {rank:>4} {format_ms(steps[0].predicted):>10} {format_ms(measured):>10} "
-                      f"{spread:>16} {error:>+7.1f}% {replay:>+7.1f}% {format_bytes(memory.predicted):>11} "
-                      f"{format_bytes(memory.measured):>11} {memory.error_pct:>+7.1f}%"
-                      + ("  (ranks share cores)" if shared else ""))
-                for metric, value in (("step time", error), ("peak memory", memory.error_pct)):
-                    key = (metric, shared)
-                    worst[key] = max(worst.get(key, (0.0, "")), (abs(value), f"{name} rank {rank}: {value:+.1f}%"))
-            key = ("step time on measured compute", shared)  # the job's: one figure per plan
-            worst[key] = max(worst.get(key, (0.0, "")), (abs(replay), f"{name}: {replay:+.1f}%"))
+    for name in [args.only] if args.only else list(PLANS):
+        with tempfile.TemporaryDirectory() as tmp:
+            if args.fresh_cache:  # each plan's own, measured just before its runs
+                os.environ["TESSERA_CACHE_DIR"] = str(Path(tmp) / "cache")
+            plan, reports = measure(name, Path(tmp), args.steps, args.runs)
+        shared = plan.layout.world_size > cores
+        runs = [checks(plan, report) for report in reports]
+        replays = [next(c for c in found if c.metric == "step time on measured compute") for found in runs]
+        replay = statistics.median(c.error_pct for c in replays)
+        for rank in range(plan.layout.world_size):
+            steps = [next(c for c in found if c.rank == rank and c.metric == "step time") for found in runs]
+            memory = next(c for c in runs[0] if c.rank == rank and c.metric == "peak memory")
+            measured = statistics.median(c.measured for c in steps)
+            error = 100 * (measured - steps[0].predicted) / steps[0].predicted
+            spread = f"{format_ms(min(c.measured for c in steps))}..{format_ms(max(c.measured for c in steps))}"
+            print(f"{name:<26} {rank:>4} {format_ms(steps[0].predicted):>10} {format_ms(measured):>10} "
+                  f"{spread:>16} {error:>+7.1f}% {replay:>+7.1f}% {format_bytes(memory.predicted):>11} "
+                  f"{format_bytes(memory.measured):>11} {memory.error_pct:>+7.1f}%"
+                  + ("  (ranks share cores)" if shared else ""))
+            for metric, value in (("step time", error), ("peak memory", memory.error_pct)):
+                key = (metric, shared)
+                worst[key] = max(worst.get(key, (0.0, "")), (abs(value), f"{name} rank {rank}: {value:+.1f}%"))
+        key = ("step time on measured compute", shared)  # the job's: one figure per plan
+        worst[key] = max(worst.get(key, (0.0, "")), (abs(replay), f"{name}: {replay:+.1f}%"))
     for metric, target in (("step time", 10), ("step time on measured compute", 10), ("peak memory", 5)):
         for shared, where in ((False, "a core per rank"), (True, f"more ranks than the {cores} cores")):
             if (metric, shared) in worst:
