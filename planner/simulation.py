@@ -37,7 +37,7 @@ def simulate_plan(plan: Plan) -> SimResult:
 def simulate_measured(plan: Plan, action_ms: Sequence[Mapping[str, float]]) -> SimResult:
     """The plan's programs replayed on compute times a run measured: per rank, per "stage:kind" (as the
     run report's ``rank_action_ms`` holds them) the time of one action, averaged over the ranks running
-    the stage, and what posting a message took (its "post", averaged over the ranks) where the plan costs
+    the stage, and what a message took apart from waiting (its "post", averaged over the ranks) where the plan costs
     posts; transfers, all-reduces and swaps as predicted. It tells the schedule's bubble on the run's own
     compute, apart from how well the costs were predicted."""
     def measured(key: str, default: float) -> float:

@@ -140,7 +140,7 @@ class P2P:
         self.receives: list[InFlight] = []  # posted, not yet waited for
         self.bytes_sent = 0  # every tensor posted by a send so far
         self.posted = 0  # messages (one per tensor) posted so far, sends and receives
-        self.posting_s = 0.0  # wall time the posts took this rank so far (on gloo: its own core's)
+        self.waiting_s = 0.0  # wall time :meth:`wait` spent waiting for receives so far
         self.reaper = SendReaper(self.timeout) if device.type == "cpu" else None  # gloo
 
     def post(self, messages: Sequence[Message]) -> list[InFlight]:
@@ -156,10 +156,8 @@ class P2P:
         if not ops:
             return []
         self.stream.wait_stream(current_stream(self.device))
-        began = time.perf_counter()
         with use_stream(self.stream):
             works = dist.batch_isend_irecv(ops)
-        self.posting_s += time.perf_counter() - began
         self.posted += len(ops)
         for op in ops:
             keep_alive(op.tensor, self.stream)
@@ -177,8 +175,10 @@ class P2P:
 
     def wait(self, receives: Sequence[InFlight]) -> None:
         """Wait for posted receives (with the timeout); reap the sends that have completed."""
+        began = time.perf_counter()
         for receive in receives:
             wait_for(receive.work, self.timeout, receive.label)
+        self.waiting_s += time.perf_counter() - began
         done = {id(receive) for receive in receives}
         self.receives = [r for r in self.receives if id(r) not in done]
         self.sends = [s for s in self.sends if not (s.done if self.reaper is not None else s.work.is_completed())]

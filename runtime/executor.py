@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -141,7 +141,8 @@ class Executor:
         self.steps_done = 0
         self.halo_bytes_sent = 0  # by this rank's halo exchanges in the last step (runtime/tiles.py)
         self.p2p_bytes_sent = 0  # by this rank's pipeline sends (activations, gradients) in the last step
-        self.post_ms: float | None = None  # the last step's mean wall time of posting one message (None: none)
+        self.post_ms: float | None = None  # the last step's messaging wall time per message posted (None: none)
+        self._messaging_s = 0.0  # wall time of communication runs, apart from their waits (:meth:`_messaging`)
         self.busy_ms = 0.0  # wall time of this rank's compute actions in the last step (CPU: its busy time)
         self.action_ms: dict[tuple[int, ActionKind], list[float]] = {}  # the last step's, per (stage, kind)
 
@@ -215,7 +216,7 @@ class Executor:
         state = StepState(tuple(microbatches), period=self.steps_done, ahead=following or ())
         self.swaps.new_step()
         halo_before, p2p_before = self._halo_bytes(), self.p2p.bytes_sent
-        posted_before, posting_before_s = self.p2p.posted, self.p2p.posting_s
+        posted_before, messaging_before_s = self.p2p.posted, self._messaging_s
         self.action_ms = {}
         segments, loss_after = self._step_program
         if self.crosses_steps:
@@ -233,7 +234,7 @@ class Executor:
         self.halo_bytes_sent = self._halo_bytes() - halo_before
         self.p2p_bytes_sent = self.p2p.bytes_sent - p2p_before
         posted = self.p2p.posted - posted_before
-        self.post_ms = (self.p2p.posting_s - posting_before_s) / posted * 1e3 if posted else None
+        self.post_ms = (self._messaging_s - messaging_before_s) / posted * 1e3 if posted else None
         self.busy_ms = busy_s * 1e3
         self.steps_done += 1
         return self.loss.mean()
@@ -253,13 +254,15 @@ class Executor:
         busy_s = 0.0
         ahead = ReceivesAhead(segments, self._receives_ahead)
         posted: dict[int, tuple[list[list[Message]], list[InFlight]]] = {}
-        self._post_receives(ahead.due(-1), segments, state, posted)
+        with self._messaging():
+            self._post_receives(ahead.due(-1), segments, state, posted)
         if loss_after == -1:
             self.loss.start(state.losses)
         for index, segment in enumerate(segments):
             if isinstance(segment, tuple):
-                self._communicate(segment, state, posted.pop(index, None), lambda index=index: self._post_receives(
-                    ahead.due(index), segments, state, posted))
+                with self._messaging():
+                    self._communicate(segment, state, posted.pop(index, None), lambda index=index: self._post_receives(
+                        ahead.due(index), segments, state, posted))
             else:
                 began = time.perf_counter()
                 getattr(self, _HANDLERS[segment.kind])(segment, state)
@@ -272,6 +275,14 @@ class Executor:
             if index == loss_after:
                 self.loss.start(state.losses)
         return busy_s
+
+    @contextlib.contextmanager
+    def _messaging(self) -> Iterator[None]:
+        """Count the block's wall time, less what it waited for receives, as the rank's messaging: posting,
+        packing and delivering messages, what ``post_ms`` divides among them."""
+        began, waited_s = time.perf_counter(), self.p2p.waiting_s
+        yield
+        self._messaging_s += time.perf_counter() - began - (self.p2p.waiting_s - waited_s)
 
     def _halo_bytes(self) -> int:
         """Bytes this rank's spatial stages have sent through halo exchanges so far."""

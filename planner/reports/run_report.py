@@ -55,7 +55,8 @@ class RunReport:
     # (F, B, I, W, the optimizer step); the rest of its step it was idle
     rank_busy_ms: tuple[tuple[float, ...], ...] = ()
     # per rank, CPU only: per "stage:kind" (e.g. "1:B") of its compute actions, the median wall time of one;
-    # under "post", the mean wall time of posting one message (a tensor's send or receive)
+    # under "post", per message (a tensor's send or receive) the wall time of the communication runs apart from
+    # their waits: posting, packing and delivering messages
     rank_action_ms: tuple[dict[str, float], ...] = ()
     schema_version: int = REPORT_VERSION
 
