@@ -6,8 +6,9 @@ link measured once and cached) with the stage count, replicas and schedule fixed
 ``tessera run`` (gloo, one thread per rank) with a run report, and compared as ``tessera validate``
 does (planner/reports/compare.py): per rank, the predicted and the measured median step and peak
 memory (the CPU meter: allocations of the profiled last step on top of the model state), the error in
-percent, and the worst of each. ``replay`` is the step's error with the schedule replayed on the run's own
-per-action compute times (``tessera validate``'s "step time on measured compute"): what the model of
+percent, and the worst of each. ``compute`` is the rank's busy time per step (its compute actions)
+against the plan's: how much slower or faster the layers ran than profiled. ``replay`` is the step's error
+with the schedule replayed on the run's own per-action compute times (``tessera validate``'s "step time on measured compute"): what the model of
 transfers, waits and all-reduces misses, apart from the per-layer times (whose error includes the
 machine's drift between profiling and the run: on a shared VM its cores' speed changes by up to 1.5x
 from one minute to the next). Targets: every step within 10%, every peak memory within 5%. Each plan runs
@@ -36,6 +37,7 @@ from cost_models.units import format_bytes, format_ms  # noqa: E402
 from planner.plan import Plan  # noqa: E402
 from planner.reports.compare import checks  # noqa: E402
 from planner.reports.run_report import RunReport  # noqa: E402
+from planner.simulation import simulate_plan  # noqa: E402
 
 GPT = ["examples/models/gpt.py:gpt", "--model-arg", "hidden=128", "--model-arg", "layers=4", "--model-arg", "heads=4",
        "--model-arg", "seq_len=64", "--model-arg", "vocab=2048", "--model-arg", "dropout=0.0",
@@ -97,8 +99,8 @@ def main() -> None:
     cores = usable_cores()
     print(f"load average {os.getloadavg()[0]:.1f} on {cores} cores; {args.runs} runs of {args.steps} steps per "
           f"plan (median of the runs' medians; the spread is their range)")
-    print(f"{'plan':<26} {'rank':>4} {'step pred':>10} {'measured':>10} {'spread':>16} {'error':>8} {'replay':>8} "
-          f"{'peak pred':>11} {'measured':>11} {'error':>8}")
+    print(f"{'plan':<26} {'rank':>4} {'step pred':>10} {'measured':>10} {'spread':>16} {'error':>8} {'compute':>8} "
+          f"{'replay':>8} {'peak pred':>11} {'measured':>11} {'error':>8}")
     worst: dict[tuple[str, bool], tuple[float, str]] = {}  # (metric, on shared cores) -> worst
     for name in [args.only] if args.only else list(PLANS):
         with tempfile.TemporaryDirectory() as tmp:
@@ -109,15 +111,18 @@ def main() -> None:
         runs = [checks(plan, report) for report in reports]
         replays = [next(c for c in found if c.metric == "step time on measured compute") for found in runs]
         replay = statistics.median(c.error_pct for c in replays)
+        predicted_busy_ms = simulate_plan(plan).busy_ms
         for rank in range(plan.layout.world_size):
             steps = [next(c for c in found if c.rank == rank and c.metric == "step time") for found in runs]
             memory = next(c for c in runs[0] if c.rank == rank and c.metric == "peak memory")
             measured = statistics.median(c.measured for c in steps)
             error = 100 * (measured - steps[0].predicted) / steps[0].predicted
             spread = f"{format_ms(min(c.measured for c in steps))}..{format_ms(max(c.measured for c in steps))}"
+            busy_ms = statistics.median(report.rank_median_busy_ms[rank] for report in reports)
+            compute = 100 * (busy_ms / predicted_busy_ms[rank] - 1)
             print(f"{name:<26} {rank:>4} {format_ms(steps[0].predicted):>10} {format_ms(measured):>10} "
-                  f"{spread:>16} {error:>+7.1f}% {replay:>+7.1f}% {format_bytes(memory.predicted):>11} "
-                  f"{format_bytes(memory.measured):>11} {memory.error_pct:>+7.1f}%"
+                  f"{spread:>16} {error:>+7.1f}% {compute:>+7.1f}% {replay:>+7.1f}% "
+                  f"{format_bytes(memory.predicted):>11} {format_bytes(memory.measured):>11} {memory.error_pct:>+7.1f}%"
                   + ("  (ranks share cores)" if shared else ""))
             for metric, value in (("step time", error), ("peak memory", memory.error_pct)):
                 key = (metric, shared)

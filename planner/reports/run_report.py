@@ -76,6 +76,12 @@ class RunReport:
                      for times in self.rank_step_ms)
 
     @property
+    def rank_median_busy_ms(self) -> tuple[float, ...]:
+        """Per rank, the median of its busy time per step (its compute actions) after the warm-up steps (empty
+        if not recorded)."""
+        return tuple(statistics.median(self._after_warmup(busies)) for busies in self.rank_busy_ms if busies)
+
+    @property
     def rank_idle_fraction(self) -> tuple[float, ...]:
         """Per rank, the median over timed steps of its idle share (1 - busy / its step); empty if not
         recorded."""
