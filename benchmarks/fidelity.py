@@ -6,9 +6,10 @@ link measured once and cached) with the stage count, replicas and schedule fixed
 ``tessera run`` (gloo, one thread per rank) with a run report, and compared as ``tessera validate``
 does (planner/reports/compare.py): per rank, the predicted and the measured median step and peak
 memory (the CPU meter: allocations of the profiled last step on top of the model state), the error in
-percent, and the worst of each. ``compute`` is the rank's busy time per step (its compute actions)
-against the plan's: how much slower or faster the layers ran than profiled. ``replay`` is the step's error
-with the schedule replayed on the run's own per-action compute times (``tessera validate``'s "step time on measured compute"): what the model of
+percent, and the worst of each. ``compute`` is the rank's busy time per step (its compute actions) against the
+plan's: how much slower or faster the layers ran than profiled. ``replay`` is the step's error with the
+schedule replayed on the run's own per-action compute times (``tessera validate``'s "step time on measured
+compute"): what the model of
 transfers, waits and all-reduces misses, apart from the per-layer times (whose error includes the
 machine's drift between profiling and the run: on a shared VM its cores' speed changes by up to 1.5x
 from one minute to the next). Targets: every step within 10%, every peak memory within 5%. Each plan runs
