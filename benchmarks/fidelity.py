@@ -9,10 +9,9 @@ memory (the CPU meter: allocations of the profiled last step on top of the model
 percent, and the worst of each. ``compute`` is the rank's busy time per step (its compute actions) against the
 plan's: how much slower or faster the layers ran than profiled. ``replay`` is the step's error with the
 schedule replayed on the run's own per-action compute times (``tessera validate``'s "step time on measured
-compute"): what the model of
-transfers, waits and all-reduces misses, apart from the per-layer times (whose error includes the
-machine's drift between profiling and the run: on a shared VM its cores' speed changes by up to 1.5x
-from one minute to the next). Targets: every step within 10%, every peak memory within 5%. Each plan runs
+compute"): what the model of transfers, waits and all-reduces misses, apart from the per-layer times (whose
+error includes the machine's drift between profiling and the run: on a shared VM its cores' speed changes by
+up to 1.5x from one minute to the next). Targets: every step within 10%, every peak memory within 5%. Each plan runs
 ``--runs`` times (the median of their medians is compared; their range shows how much the machine drifts).
 The machine may have fewer cores than ranks: such rows are marked and their worst case printed apart
 (the cpu device is measured one rank per core; plan() warns when a node has more ranks than cores).
