@@ -121,6 +121,14 @@ def test_the_bubble_is_checked_in_points_against_each_ranks_compute(plan: Plan) 
     assert verdict(checks(plan, measured), 8.0).startswith("rank 1 idle share is off by +10.0 pt")
 
 
+def test_each_ranks_busy_time_is_the_median_after_the_warm_up(plan: Plan) -> None:
+    """RunReport.rank_median_busy_ms: per rank, the median of its busy times past the warm-up step (which is
+    made wildly off); a report without busy times has none."""
+    measured = dataclasses.replace(_measured(plan), rank_busy_ms=((900.0, 3.0, 5.0, 4.0), (900.0, 7.0, 7.0, 1.0)))
+    assert measured.rank_median_busy_ms == (4.0, 7.0)
+    assert _measured(plan).rank_median_busy_ms == ()
+
+
 def test_the_schedule_replayed_on_measured_compute(plan: Plan) -> None:
     """Measured per-action times equal to the plan's own predictions replay to the plan's simulation;
     a slower measured backward on stage 1 shows up in the replayed step (simulate_measured)."""
