@@ -31,6 +31,7 @@ from torch import nn
 from cost_models.comm import ALLREDUCE_BUCKET_BYTES, FIRST_BUCKET_BYTES
 from planner.plan import Layout
 from runtime.comm import wait_for
+from runtime.loss_reduce import STARTS_EARLY
 from runtime.streams import AnyStream, current_stream, new_stream, use_stream
 
 
@@ -50,7 +51,7 @@ class Groups:
 
     data_parallel: Mapping[int, dist.ProcessGroup]  # part -> the group of its copies (my parts only)
     tied: tuple[TiedGroup, ...]  # every tied set (group None where this rank holds no copy)
-    loss: dist.ProcessGroup | None  # every rank, for the step's loss alone (runtime/loss_reduce.py); None: one rank
+    loss: dist.ProcessGroup | None  # the step's loss's (runtime/loss_reduce.py); None: the default group's
 
     @property
     def tied_names(self) -> frozenset[str]:
@@ -76,8 +77,9 @@ def create_groups(layout: Layout, rank: int, stage_params: Mapping[int, set[str]
         ranks = tuple(sorted({r for part in stages for r in layout.part_ranks(part)}))  # a rank may hold several
         group = dist.new_group(list(ranks), timeout=timeout) if len(ranks) > 1 else None
         tied.append(TiedGroup(stages, names, ranks, group if rank in ranks else None))
-    world = list(range(layout.world_size))
-    loss = dist.new_group(world, timeout=timeout) if len(world) > 1 else None
+    # a group of its own for the step's loss where a rank starts it early (NCCL's would be a communicator more)
+    early = STARTS_EARLY.get(str(dist.get_backend()), False) and layout.world_size > 1
+    loss = dist.new_group(list(range(layout.world_size)), timeout=timeout) if early else None
     return Groups(data_parallel, tuple(tied), loss)
 
 

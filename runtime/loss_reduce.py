@@ -9,8 +9,8 @@ core when both ranks start together), the wait 0.04 ms. That holds on gloo, wher
 of the process group. NCCL would run the collective as a kernel that spins on the GPU until every rank has
 joined: there every rank starts it where its step ends (``STARTS_EARLY``).
 
-Its own process group (every rank: runtime/grads.py ``Groups.loss``), so that starting it early cannot
-reorder it against another collective of the step.
+Where it starts early it has a process group of its own (every rank: runtime/grads.py ``Groups.loss``), so
+that it cannot reorder against another collective of the step; where it starts at the end, the default group.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ def start_after(segments: Sequence[Action | tuple[Action, ...]], loss_stages: Co
 
 class LossReduce:
     """One step's global loss: :meth:`start` with the rank's losses (each divided by ``count``, the
-    micro-batches of the global batch), :meth:`mean` waits for their sum over ``group`` (with the timeout)."""
+    micro-batches of the global batch), :meth:`mean` waits for their sum over ``group`` (None: the default
+    group; with the timeout)."""
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device, count: int, timeout_s: float) -> None:
         self.group, self.device, self.count = group, device, count
@@ -58,7 +59,8 @@ class LossReduce:
             total += loss.to(torch.float64)
         total /= self.count
         self._total = total
-        self._work = dist.all_reduce(total, group=self.group, async_op=True) if self.group is not None else None
+        alone = dist.get_world_size(self.group) == 1
+        self._work = None if alone else dist.all_reduce(total, group=self.group, async_op=True)
 
     def mean(self) -> float:
         assert self._total is not None, "the loss all-reduce was not started"
