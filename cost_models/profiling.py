@@ -30,13 +30,13 @@ from cost_models.estimation import CostTable, estimate
 from cost_models.fake_measure import detach_tree
 from cost_models.fake_memo import callee_key
 from cost_models.graph.shapes import tensor_leaves
-from cost_models.loss import training_loss
+from cost_models.loss import TrainingLoss, training_loss
 
 if TYPE_CHECKING:
     from cost_models.graph.ir import LayerGraph
 
-_CACHE_VERSION = 6  # 2: node times scaled to the whole graph's measured pass; 3: from a cold cache; 4: the loss;
-# 5: split backwards; 6: what each backward allocates
+_CACHE_VERSION = 7  # 2: node times scaled to the whole graph's measured pass; 3: from a cold cache; 4: the loss;
+# 5: split backwards; 6: what each backward allocates; 7: interleaved rounds
 _EVICT_BYTES = 64 * 2**20  # written before a pass timed from a cold cache: more than a CPU's last-level cache
 _BACKWARD_LABEL = "tessera.backward:"  # the profiler range of each node's backward whose allocations are measured
 _CO_RUNNER_START_S = 60.0  # for the co-running copies to start (they fork from this process) and to stop
@@ -57,6 +57,62 @@ class NodeTiming:
     bwd_bytes: int | None = None
 
 
+@dataclass(frozen=True)
+class _Sample:
+    """One round's figures of one node: forward and backward milliseconds (None: nothing to differentiate),
+    CUDA's forward peak and backward bytes, and the split backward's I and W milliseconds where timed."""
+
+    fwd_ms: float
+    bwd_ms: float | None
+    fwd_peak_bytes: int | None
+    bwd_bytes: int | None
+    split_ms: tuple[float, float] | None
+
+
+@dataclass(frozen=True)
+class _Loss:
+    """The training loss after a model's output, with targets to time it on."""
+
+    function: TrainingLoss
+    target: torch.Tensor
+
+    @classmethod
+    def after(cls, output: Any) -> _Loss | None:
+        """The loss after ``output``; None when the model does not return one float tensor."""
+        if not isinstance(output, torch.Tensor) or not output.is_floating_point():
+            return None
+        function = training_loss(tuple(output.shape), output.dtype)
+        return cls(function, function.example_target(output.device))
+
+
+@dataclass
+class _NodeSamples:
+    """A node's samples over the profile's rounds (only those kept after the warm-up rounds)."""
+
+    fwd_ms: list[float] = dataclasses.field(default_factory=list)
+    bwd_ms: list[float] = dataclasses.field(default_factory=list)
+    inputs_ms: list[float] = dataclasses.field(default_factory=list)
+    weights_ms: list[float] = dataclasses.field(default_factory=list)
+    last: _Sample | None = None
+
+    def add(self, sample: _Sample, kept: bool, split_kept: bool) -> None:
+        self.last = sample
+        if kept:
+            self.fwd_ms.append(sample.fwd_ms)
+            if sample.bwd_ms is not None:
+                self.bwd_ms.append(sample.bwd_ms)
+        if split_kept and sample.split_ms is not None:
+            self.inputs_ms.append(sample.split_ms[0])
+            self.weights_ms.append(sample.split_ms[1])
+
+    def timing(self) -> NodeTiming:
+        """The medians (a node without a backward: 0 ms), the last round's bytes."""
+        assert self.last is not None and self.fwd_ms, "a node timed in no kept round"
+        split = (statistics.median(self.inputs_ms), statistics.median(self.weights_ms)) if self.inputs_ms else None
+        return NodeTiming(statistics.median(self.fwd_ms), statistics.median(self.bwd_ms) if self.bwd_ms else 0.0,
+                          self.last.fwd_peak_bytes, split, self.last.bwd_bytes)
+
+
 def profile(model: nn.Module, example_inputs: torch.Tensor | Sequence[torch.Tensor],
             device: str = "cpu", *, optimizer: str = "adam", precision: str | None = None,
             warmup: int = 2, repeats: int = 5, cache_dir: str | Path | None = None,
@@ -65,17 +121,18 @@ def profile(model: nn.Module, example_inputs: torch.Tensor | Sequence[torch.Tens
 
     ``device`` is where to measure: ``"cpu"``, ``"cuda"``/``"cuda:N"``, or a GPU preset name
     (measured on the local GPU, labelled with the preset). The model and inputs must already
-    live there. Each node runs ``warmup`` + ``repeats`` times on its real inputs; the median is
-    kept. A node timed alone misses what it costs inside the whole pass (caches, the autograd
-    engine's work between nodes, on CUDA the launch queue instead of a synchronisation per node), so
-    the whole graph's forward and backward are timed too and each node's times are scaled so that
-    they sum to them: the node keeps its share, the total is what a stage really runs. On the CPU the whole
-    graph is timed while ``co_runners`` copies of it train on other cores (:func:`co_running`), as the
-    other ranks of a node do: they share its memory bandwidth and last-level cache. The output node
-    gets the training loss's times (cost_models/loss.py), which the last stage runs after the model. With
-    ``cache_dir`` the timings are stored as JSON keyed by graph fingerprint, device
-    and dtype, and reused unless ``refresh``. Memory columns come from the fake-tensor
-    measurement; on CUDA each node's measured forward peak is recorded too.
+    live there. Each node runs ``warmup`` + ``repeats`` times on its real inputs, once in each of as many
+    rounds over the graph (a slow spell of the machine then touches one or two of a node's samples, not all),
+    and the median of the rounds after the warm-up is kept. A node timed alone misses what it costs inside
+    the whole pass (caches, the autograd engine's work between nodes, on CUDA the launch queue instead of a
+    synchronisation per node), so the whole graph's forward and backward, with the training loss after it,
+    are timed once a round too and each node's times are scaled so that they sum to them: the node keeps its
+    share, the total is what a stage really runs. On the CPU the rounds run while ``co_runners`` copies of
+    the graph train on other cores (:func:`co_running`), as the other ranks of a node do: they share its
+    memory bandwidth and last-level cache. The output node gets the training loss's times
+    (cost_models/loss.py), which the last stage runs after the model. With ``cache_dir`` the timings are
+    stored as JSON keyed by graph fingerprint, device and dtype, and reused unless ``refresh``. Memory
+    columns come from the fake-tensor measurement; on CUDA each node's measured forward peak is recorded too.
 
     Example::
 
@@ -93,7 +150,7 @@ def profile_with_graph(model: nn.Module, example_inputs: torch.Tensor | Sequence
                        device: str = "cpu", *, optimizer: str = "adam", precision: str | None = None,
                        warmup: int = 2, repeats: int = 5, cache_dir: str | Path | None = None,
                        refresh: bool = False, leaf_modules: Sequence[type | str] = (), co_runners: int = 0
-                       ) -> tuple["LayerGraph", CostTable]:
+                       ) -> tuple[LayerGraph, CostTable]:
     """profile() that also returns the traced graph the table describes."""
     from cost_models.graph.tracing import normalise_inputs, trace_module  # planner builds on cost_models
 
@@ -122,7 +179,7 @@ def profile_with_graph(model: nn.Module, example_inputs: torch.Tensor | Sequence
     return graph, dataclasses.replace(table, costs=costs, source="measured")
 
 
-def measured_table(model: nn.Module, graph: "LayerGraph", example_inputs: Sequence[torch.Tensor],
+def measured_table(model: nn.Module, graph: LayerGraph, example_inputs: Sequence[torch.Tensor],
                    batch_size: int, *, optimizer: str, precision: str, co_runners: int = 0,
                    cache_dir: str | Path | None = None, device: DeviceSpec | None = None) -> CostTable:
     """``graph``'s costs at micro-batch ``batch_size`` (estimate()) with every node's forward and backward
@@ -245,7 +302,15 @@ def _model_dtype(model: nn.Module) -> str:
 
 
 class _NodeProfiler:
-    """Times each node in isolation on its real inputs, then scales the times to the whole graph's."""
+    """Times each node on its real inputs, and the whole graph, in interleaved rounds; then scales the node
+    times to the whole graph's.
+
+    A round runs every node once (its forward, its backward, on a round of the first few its split backward) and
+    then the whole graph's forward and backward once; the first ``warmup`` rounds are dropped and each figure is
+    the median over the rest. A node's samples are thus spread over the whole profile instead of taken back to
+    back: a slow spell of the machine (a shared VM's cores slow down by up to 1.7x for a second or more) costs
+    each node at most the one or two samples of the rounds it falls on, where back to back it would have taken
+    every sample of the nodes timed during it, skewing their shares and with them the partition."""
 
     def __init__(self, module: torch.fx.GraphModule, device: torch.device, warmup: int,
                  repeats: int, co_runners: int = 0) -> None:
@@ -254,44 +319,58 @@ class _NodeProfiler:
         self.warmup = warmup
         self.repeats = repeats
         self.co_runners = co_runners
-        self._splits: dict[tuple, tuple[float, float]] = {}  # by _signature: repeated layers timed once
         self._evict = torch.empty(_EVICT_BYTES // 4) if device.type == "cpu" else None  # written to cool the cache
 
     def run(self, inputs: tuple[torch.Tensor, ...]) -> dict[str, NodeTiming]:
         buffers = {name: b.detach().clone() for name, b in self.module.named_buffers()}
         try:
-            alone = self._run(inputs)
+            with co_running(self.module, inputs, self.co_runners):
+                alone, whole_fwd_ms, whole_bwd_ms = self._rounds(inputs)
             # (CUDA's allocator gave each its peak as it was timed; a caller's own profiler session, which a
             # second would end, leaves the backwards' bytes estimated)
             if self.device.type == "cpu" and not torch.autograd.profiler._is_profiler_enabled:
                 allocated = self._cpu_backward_bytes(inputs)
                 alone = {name: dataclasses.replace(t, bwd_bytes=allocated.get(name)) for name, t in alone.items()}
-            with co_running(self.module, inputs, self.co_runners):
-                whole_fwd_ms, whole_bwd_ms = self._whole_graph_ms(inputs)
-            timings = in_context(alone, whole_fwd_ms, whole_bwd_ms)
-            loss = self._loss_timing(inputs)
-            if loss is not None:
-                timings[next(n.name for n in self.module.graph.nodes if n.op == "output")] = loss
-            return timings
+            return in_context(alone, whole_fwd_ms, whole_bwd_ms)
         finally:
             with torch.no_grad():
                 for name, b in self.module.named_buffers():
                     b.copy_(buffers[name])
 
-    def _run(self, inputs: tuple[torch.Tensor, ...]) -> dict[str, NodeTiming]:
-        timings: dict[str, NodeTiming] = {}
+    def _rounds(self, inputs: tuple[torch.Tensor, ...]) -> tuple[dict[str, NodeTiming], float, float]:
+        """Each node's median times over the rounds, and the whole graph's median forward and backward."""
+        samples: dict[str, _NodeSamples] = {}
+        whole_fwd, whole_bwd = [], []
+        output_node = next(node for node in self.module.graph.nodes if node.op == "output")
+        loss: _Loss | None = None  # known from the first round's output
+        split_rounds = min(self.warmup, 1) + min(self.repeats, 3)  # a figure only split backwards' schedules read
+        for index in range(self.warmup + self.repeats):
+            kept = index >= self.warmup
+            splits: dict[tuple, tuple[float, float]] = {}  # by _signature: repeated layers timed once a round
 
-        def timed(node: torch.fx.Node, env: dict[str, Any]) -> Any:
-            output, timings[node.name] = self._time_node(node, env)
-            return output
+            def timed(node: torch.fx.Node, env: dict[str, Any], kept: bool = kept, index: int = index,
+                      splits: dict = splits) -> Any:
+                output, sample = self._time_once(node, env, splits if index < split_rounds else None)
+                record = samples.setdefault(node.name, _NodeSamples())
+                record.add(sample, kept, split_kept=min(self.warmup, 1) <= index < split_rounds)
+                return output
 
-        self._each_node(inputs, timed)
-        return timings
+            output = self._each_node(inputs, timed)
+            loss = _Loss.after(output) if index == 0 else loss
+            if loss is not None:
+                samples.setdefault(output_node.name, _NodeSamples()).add(self._loss_once(output, loss), kept, False)
+            fwd_ms, bwd_ms = self._whole_graph_once(inputs, loss)
+            if kept:
+                whole_fwd.append(fwd_ms)
+                if bwd_ms is not None:
+                    whole_bwd.append(bwd_ms)
+        alone = {name: record.timing() for name, record in samples.items()}
+        return alone, statistics.median(whole_fwd), statistics.median(whole_bwd) if whole_bwd else 0.0
 
     def _each_node(self, inputs: tuple[torch.Tensor, ...],
-                   compute: Callable[[torch.fx.Node, dict[str, Any]], Any]) -> None:
+                   compute: Callable[[torch.fx.Node, dict[str, Any]], Any]) -> Any:
         """Run the graph on ``inputs`` node by node: ``compute(node, env)`` returns each call's output from
-        the values before it (``env``, by node name)."""
+        the values before it (``env``, by node name); returns the graph's output."""
         env: dict[str, Any] = {}
         feed = iter(inputs)
         for node in self.module.graph.nodes:
@@ -299,8 +378,11 @@ class _NodeProfiler:
                 env[node.name] = next(feed)
             elif node.op == "get_attr":
                 env[node.name] = operator.attrgetter(node.target)(self.module)
-            elif node.op != "output":
+            elif node.op == "output":
+                return torch.fx.node.map_arg(node.args[0], lambda n: env[n.name])
+            else:
                 env[node.name] = compute(node, env)
+        return None
 
     def _cpu_backward_bytes(self, inputs: tuple[torch.Tensor, ...]) -> dict[str, int]:
         """Per node with a backward, the most that backward allocates on the CPU: each node's forward and
@@ -320,93 +402,66 @@ class _NodeProfiler:
             self._each_node(inputs, backward_once)
         return peaks_within(run, _BACKWARD_LABEL)
 
-    def _whole_graph_ms(self, inputs: tuple[torch.Tensor, ...]) -> tuple[float, float]:
-        """Median milliseconds of the whole graph's forward and of its backward into the weights, each from
-        a cold CPU cache (in a training step other micro-batches' work runs in between)."""
+    def _whole_graph_once(self, inputs: tuple[torch.Tensor, ...], loss: _Loss | None) -> tuple[float, float | None]:
+        """Milliseconds of the whole graph's forward (with the training ``loss`` after it, if any) and of its
+        backward into the weights (None without one), each from a cold CPU cache (in a training step other
+        micro-batches' work runs in between)."""
         params = [p for p in self.module.parameters() if p.requires_grad]
-        evict = self._evict
-        fwd_samples, bwd_samples = [], []
-        for _ in range(self.warmup + self.repeats):
-            if evict is not None:
-                evict.fill_(1.0)
-            elapsed, output, _ = self._timed(lambda: self.module(*inputs))
-            fwd_samples.append(elapsed)
-            targets = [t for t in tensor_leaves(output) if t.requires_grad and t.is_floating_point()]
-            if targets and params:
-                grads = [torch.ones_like(t) for t in targets]
-                if evict is not None:
-                    evict.fill_(1.0)
-                bwd_samples.append(self._timed(lambda targets=targets, grads=grads: torch.autograd.grad(
-                    targets, params, grads, allow_unused=True))[0])
-        return (statistics.median(fwd_samples[self.warmup:]),
-                statistics.median(bwd_samples[self.warmup:]) if bwd_samples else 0.0)
+        if self._evict is not None:
+            self._evict.fill_(1.0)
+        fwd_ms, output, _ = self._timed(lambda: self.module(*inputs) if loss is None
+                                        else loss.function(self.module(*inputs), loss.target))
+        targets = [t for t in tensor_leaves(output) if t.requires_grad and t.is_floating_point()]
+        if not (targets and params):
+            return fwd_ms, None
+        grads = [torch.ones_like(t) for t in targets]
+        if self._evict is not None:
+            self._evict.fill_(1.0)
+        return fwd_ms, self._timed(lambda: torch.autograd.grad(targets, params, grads, allow_unused=True))[0]
 
-    def _loss_timing(self, inputs: tuple[torch.Tensor, ...]) -> NodeTiming | None:
-        """The training loss after the model (cost_models/loss.py), forward and backward into the output,
-        which the last stage runs per micro-batch; None when the model does not return one float tensor."""
-        with torch.no_grad():
-            output = self.module(*inputs)
-        if not isinstance(output, torch.Tensor) or not output.is_floating_point():
-            return None
-        output = output.detach().requires_grad_(True)
-        loss_fn = training_loss(tuple(output.shape), output.dtype)
-        target = loss_fn.example_target(output.device)
-        fwd_samples, bwd_samples = [], []
-        for _ in range(self.warmup + self.repeats):
-            elapsed, loss, _ = self._timed(lambda: loss_fn(output, target))
-            fwd_samples.append(elapsed)
-            bwd_samples.append(self._timed(lambda loss=loss: torch.autograd.grad(loss, output))[0])
-        return NodeTiming(statistics.median(fwd_samples[self.warmup:]), statistics.median(bwd_samples[self.warmup:]))
+    def _loss_once(self, output: torch.Tensor, loss: _Loss) -> _Sample:
+        """One forward and backward of the training loss on the model's ``output`` (cost_models/loss.py), which
+        the last stage runs after the model on each micro-batch."""
+        logits = output.detach().requires_grad_(True)
+        fwd_ms, value, _ = self._timed(lambda: loss.function(logits, loss.target))
+        return _Sample(fwd_ms, self._timed(lambda: torch.autograd.grad(value, logits))[0], None, None, None)
 
-    def _time_node(self, node: torch.fx.Node, env: dict[str, Any]) -> tuple[Any, NodeTiming]:
+    def _time_once(self, node: torch.fx.Node, env: dict[str, Any],
+                   splits: dict[tuple, tuple[float, float]] | None) -> tuple[Any, _Sample]:
+        """One forward and one backward of ``node`` on its inputs in ``env``; with ``splits`` (this round's, by
+        signature) also its backward split into I and W where it has both inputs and weights to differentiate."""
         function, params = _real_callable(node, self.module)
         args = torch.fx.node.map_arg(node.args, lambda n: env[n.name])
         kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: env[n.name])
-        fwd_samples, peak_bytes = [], None
-        for _ in range(self.warmup + self.repeats):
-            call_args, call_kwargs, leaves = _isolate(args, kwargs)
-            elapsed, output, peak_bytes = self._timed(lambda: function(*call_args, **call_kwargs))
-            fwd_samples.append(elapsed)
+        call_args, call_kwargs, leaves = _isolate(args, kwargs)
+        fwd_ms, output, peak_bytes = self._timed(lambda: function(*call_args, **call_kwargs))
         targets = [t for t in tensor_leaves(output) if t.requires_grad and t.is_floating_point()]
         wrt = leaves + params
-        bwd_samples, split = [0.0], None
-        bwd_bytes = None
-        if targets and wrt:
-            grads = [torch.ones_like(t) for t in targets]
-            bwd_samples = []
-            for _ in range(self.warmup + self.repeats):
-                elapsed, _, bwd_bytes = self._timed(lambda: torch.autograd.grad(
-                    targets, wrt, grads, retain_graph=True, allow_unused=True))
-                bwd_samples.append(elapsed)
-            inputs = [leaf for leaf in leaves if not isinstance(leaf, nn.Parameter)]
-            weights = [leaf for leaf in leaves if isinstance(leaf, nn.Parameter)] + params  # a get_attr's too
-            if inputs and weights:
-                key = _signature(node, self.module, (args, kwargs))
-                split = self._splits.get(key) if key is not None else None
-                if split is None:
-                    split = self._split_ms(targets, grads, inputs, weights)
-                    if key is not None:
-                        self._splits[key] = split
-        timing = NodeTiming(statistics.median(fwd_samples[self.warmup:]),
-                            statistics.median(bwd_samples[self.warmup:] or bwd_samples), peak_bytes, split, bwd_bytes)
-        return detach_tree(output), timing
+        if not (targets and wrt):
+            return detach_tree(output), _Sample(fwd_ms, None, peak_bytes, None, None)
+        grads = [torch.ones_like(t) for t in targets]
+        inputs = [leaf for leaf in leaves if not isinstance(leaf, nn.Parameter)]
+        weights = [leaf for leaf in leaves if isinstance(leaf, nn.Parameter)] + params  # a get_attr's too
+        split = None
+        if splits is not None and inputs and weights:
+            key = _signature(node, self.module, (args, kwargs))
+            split = splits.get(key) if key is not None else None
+            if split is None:
+                split = self._split_once(targets, grads, inputs, weights)
+                if key is not None:
+                    splits[key] = split
+        bwd_ms, _, bwd_bytes = self._timed(lambda: torch.autograd.grad(targets, wrt, grads, allow_unused=True))
+        return detach_tree(output), _Sample(fwd_ms, bwd_ms, peak_bytes, bwd_bytes, split)
 
-    def _split_ms(self, targets: list[torch.Tensor], grads: list[torch.Tensor], inputs: list[torch.Tensor],
-                  weights: list[torch.Tensor]) -> tuple[float, float]:
-        """Median milliseconds of I (into ``inputs``) and of W (into ``weights``), W from a cold CPU cache
-        (one warm-up and at most three samples: a third of the backward's samples' cost, for a figure
-        that only a split backward's schedules read)."""
-        evict = self._evict
-        input_samples, weight_samples = [], []
-        warmup = min(self.warmup, 1)
-        for _ in range(warmup + min(self.repeats, 3)):
-            input_samples.append(self._timed(lambda: torch.autograd.grad(
-                targets, inputs, grads, retain_graph=True, allow_unused=True))[0])
-            if evict is not None:
-                evict.fill_(1.0)
-            weight_samples.append(self._timed(lambda: torch.autograd.grad(
-                targets, weights, grads, retain_graph=True, allow_unused=True))[0])
-        return statistics.median(input_samples[warmup:]), statistics.median(weight_samples[warmup:])
+    def _split_once(self, targets: list[torch.Tensor], grads: list[torch.Tensor], inputs: list[torch.Tensor],
+                    weights: list[torch.Tensor]) -> tuple[float, float]:
+        """Milliseconds of I (into ``inputs``) and of W (into ``weights``), W from a cold CPU cache."""
+        input_ms = self._timed(lambda: torch.autograd.grad(targets, inputs, grads, retain_graph=True,
+                                                           allow_unused=True))[0]
+        if self._evict is not None:
+            self._evict.fill_(1.0)
+        return input_ms, self._timed(lambda: torch.autograd.grad(targets, weights, grads, retain_graph=True,
+                                                                 allow_unused=True))[0]
 
     def _timed(self, work: Callable[[], Any]) -> tuple[float, Any, int | None]:
         if self.device.type != "cuda":

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from cost_models import profile
+from cost_models.errors import ProfileError
 from cost_models.profiling import co_running
 from examples.models.gpt import gpt
 from examples.models.resnet import resnet50
 from examples.models.wrn import wrn
-from cost_models.errors import ProfileError
 
 
 def _whole_model_ms(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], repeats: int = 7) -> float:
@@ -178,3 +178,42 @@ def test_a_split_backward_is_timed_where_inputs_and_weights_both_take_gradients(
 
     functional = profile(FunctionalHead(), (torch.randn(32, 64),), "cpu", warmup=1, repeats=2)
     assert functional["linear"].split_ms is not None and functional["body"].split_ms is None
+
+
+class _Spell:
+    """The machine slowing down for a while: forward calls ``start`` to ``start + length`` take 3x as long."""
+
+    def __init__(self, start: int, length: int) -> None:
+        self.start, self.length, self.calls, self.slowed = start, length, 0, 0
+
+    def factor(self) -> int:
+        self.calls += 1
+        inside = self.start <= self.calls < self.start + self.length
+        self.slowed += inside
+        return 3 if inside else 1
+
+
+class _Layer(torch.nn.Module):
+    """1 ms of work a forward (a sleep: exact, and no load on the machine), 3 ms during the spell."""
+
+    def __init__(self, spell: _Spell) -> None:
+        super().__init__()
+        self.spell, self.linear = spell, torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(1e-3 * self.spell.factor())
+        return self.linear(x)
+
+
+def test_a_slow_spell_of_the_machine_does_not_skew_the_nodes_it_falls_on() -> None:
+    """Twelve identical layers; while they are profiled the machine runs 3x slower for 20 forward calls, three
+    layers' worth of back-to-back samples. The profile samples each node once per round over the graph
+    (and runs the whole graph once after each), so the spell costs a node at most one of its five samples:
+    the layers keep equal times (to 20%), where timing each node's seven samples back to back made those
+    under the spell 2.8x slower than the rest."""
+    spell = _Spell(start=70, length=20)
+    model = torch.nn.Sequential(*(_Layer(spell) for _ in range(12)))
+    table = profile(model, (torch.randn(4, 16),), "cpu", warmup=2, repeats=5, leaf_modules=(_Layer,))
+    times = [table[f"_{index}"].fwd_ms for index in range(12)]
+    assert spell.slowed == 20
+    assert max(times) / min(times) < 1.2, times
