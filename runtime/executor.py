@@ -50,7 +50,7 @@ from runtime.memory import MemoryTracker
 from runtime.microbatch import Microbatch, Targets, split_batch
 from runtime.precision import ScalerOptions
 from runtime.retiling import Retiling
-from runtime.seeding import seeded
+from runtime.seeding import ForwardSeeds
 from runtime.setup import set_up
 from runtime.split_backward import backward_input, backward_weight, covers_every_weight
 from runtime.stages import LocalStage, OptimizerFactory
@@ -109,6 +109,7 @@ class Executor:
         self.rank = dist.get_rank()
         self.device = _resolve(device)
         self.timeout_s = timeout_s
+        self.seeds = ForwardSeeds(seed, self.device)  # each forward's dropout masks
         ready = set_up(plan, model, optimizer_factory, seed=seed, device=self.device,
                        timeout_s=timeout_s, leaf_modules=leaf_modules, loss_scale=loss_scale,
                        nvme_dir=None if nvme_dir is None else Path(nvme_dir))
@@ -252,28 +253,30 @@ class Executor:
         """Run ``segments`` on ``state``, the step's loss all-reduce started after segment ``loss_after`` (-1:
         before the first; None: not at all, a prologue's); returns the seconds spent in compute actions."""
         busy_s = 0.0
-        ahead = ReceivesAhead(segments, self._receives_ahead)
-        posted: dict[int, tuple[list[list[Message]], list[InFlight]]] = {}
-        with self._messaging():
-            self._post_receives(ahead.due(-1), segments, state, posted)
-        if loss_after == -1:
-            self.loss.start(state.losses)
-        for index, segment in enumerate(segments):
-            if isinstance(segment, tuple):
-                with self._messaging():
-                    self._communicate(segment, state, posted.pop(index, None), lambda index=index: self._post_receives(
-                        ahead.due(index), segments, state, posted))
-            else:
-                began = time.perf_counter()
-                getattr(self, _HANDLERS[segment.kind])(segment, state)
-                if segment.kind in _BUSY:
-                    took_s = time.perf_counter() - began
-                    busy_s += took_s
-                    self.action_ms.setdefault((segment.stage, segment.kind), []).append(took_s * 1e3)
-            if self.memory.active:
-                self.memory.sample([*state.held(), *self.p2p.in_flight()])
-            if index == loss_after:
+        with self.seeds.step():  # each forward seeds the generators; the caller's state comes back
+            ahead = ReceivesAhead(segments, self._receives_ahead)
+            posted: dict[int, tuple[list[list[Message]], list[InFlight]]] = {}
+            with self._messaging():
+                self._post_receives(ahead.due(-1), segments, state, posted)
+            if loss_after == -1:
                 self.loss.start(state.losses)
+            for index, segment in enumerate(segments):
+                if isinstance(segment, tuple):
+                    with self._messaging():
+                        self._communicate(segment, state, posted.pop(index, None),
+                                          lambda index=index: self._post_receives(ahead.due(index), segments, state,
+                                                                                  posted))
+                else:
+                    began = time.perf_counter()
+                    getattr(self, _HANDLERS[segment.kind])(segment, state)
+                    if segment.kind in _BUSY:
+                        took_s = time.perf_counter() - began
+                        busy_s += took_s
+                        self.action_ms.setdefault((segment.stage, segment.kind), []).append(took_s * 1e3)
+                if self.memory.active:
+                    self.memory.sample([*state.held(), *self.p2p.in_flight()])
+                if index == loss_after:
+                    self.loss.start(state.losses)
         return busy_s
 
     @contextlib.contextmanager
@@ -321,8 +324,8 @@ class Executor:
         micro.env.update(state.inbox.pop(key, {}))  # received values the loss reads, not the stage
         index = state.index_in_period(action.microbatch)
         global_microbatch = self.replica * self.plan.training.num_microbatches + index
-        with self.memory.saving((action.stage, period, index)), seeded(self.seed, "forward", period, action.stage,
-                                                                       global_microbatch, device=self.device):
+        self.seeds.apply(period, action.stage, global_microbatch)
+        with self.memory.saving((action.stage, period, index)):
             with self.swaps.forward(key), self._params_in_use(stage):
                 module = self.versions.module(stage.index, period)
                 micro.env.update(zip(stage.io.outputs, module(*args)))
