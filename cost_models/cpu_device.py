@@ -106,8 +106,25 @@ def _op_overhead_us() -> float:
 _PING_BYTES = 4 * 2**10  # small enough that its round trip is latency
 _STREAM_BYTES = 16 * 2**20  # large enough that its round trip is bandwidth
 _GLOO_TIMEOUT_S = 60
-_POST_MATMUL = 256  # before a send, six matmuls of this size (about 2 ms) and a pass over _POST_SWEEP_BYTES:
-_POST_SWEEP_BYTES = 4 * 2**20  # the core and its caches as a layer's compute leaves them to the post after it
+_BUSY_MATMUL = 256  # six matmuls of this size (about 2 ms) and a pass over _BUSY_SWEEP_BYTES: the core and
+_BUSY_SWEEP_BYTES = 4 * 2**20  # its caches as a layer's compute leaves them to a post or a step after it
+
+
+def _layer_compute() -> Callable[[], None]:
+    """Work that leaves the core and its caches as a layer's compute does: six 256x256 matmuls (about 2 ms)
+    and a pass over 4 MiB. The calibrations of what a step does between layers (posting a message, the
+    optimizer's step) run it before each timing: after it, such Python-heavy work took 1.4x (an optimizer
+    step's per-tensor cost) to 3-4x (a post) what it takes in a warm loop."""
+    import torch
+
+    weights = torch.randn(_BUSY_MATMUL, _BUSY_MATMUL)
+    sweep = torch.randn(_BUSY_SWEEP_BYTES // 4)
+
+    def compute() -> None:
+        for _ in range(6):
+            torch.tanh(weights @ weights)
+        torch.relu(sweep)
+    return compute
 
 
 def pin_cpu_rank(local_rank: int, local_world_size: int) -> frozenset[int]:
@@ -221,14 +238,7 @@ def _ping_pong(rank: int, store_path: str) -> tuple[float, float, float, float, 
         The mean, not the median: a step pays the sum of its posts, and on a core gloo's threads share,
         some posts wait milliseconds for them."""
         message = torch.zeros(_PING_BYTES // 4)
-        weights = torch.randn(_POST_MATMUL, _POST_MATMUL)
-        sweep = torch.randn(_POST_SWEEP_BYTES // 4)
-
-        def compute() -> None:
-            for _ in range(6):
-                torch.tanh(weights @ weights)
-            torch.relu(sweep)
-
+        compute = _layer_compute()
         samples = []
         for index in range(2 * (repeats + 1)):  # the first of each direction warms it up
             sending = (index % 2 == 0) == (rank == 0)
@@ -316,7 +326,8 @@ def measure_cpu_device(*, threads: int | None = None, link: LinkSpec | None = No
             copy_gb_per_s = _copy_bandwidth_gb_per_s(mem_bytes)
             overhead_us = _op_overhead_us()
         optimizer_steps = measure_optimizer_steps(torch.device("cpu"), CPU_MIX, _COPY_MAX_BYTES,
-                                                  foreach=True)  # as the runtime steps on every device
+                                                  foreach=True,  # as the runtime steps on every device
+                                                  before=_layer_compute())  # after a backward, as it steps
     finally:
         if threads is not None:
             torch.set_num_threads(previous_threads)

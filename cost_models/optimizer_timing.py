@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from cost_models.device_spec import OptimizerStepCost
@@ -24,12 +24,13 @@ _STEPS = 9  # timed steps per measurement (median), after the one that creates t
 
 
 def measure_optimizer_steps(device: Any, mix: Sequence[int], evict_bytes: int, *,
-                            foreach: bool | None = None, names: Sequence[str] | None = None
-                            ) -> dict[str, OptimizerStepCost]:
+                            foreach: bool | None = None, names: Sequence[str] | None = None,
+                            before: Callable[[], None] | None = None) -> dict[str, OptimizerStepCost]:
     """Per optimizer name, its step on ``device`` (a torch.device), from a cache that ``evict_bytes``
-    written before each step have emptied (in a training step the backward has just evicted the state);
-    ``foreach`` as the optimizer's option (None: torch's default for the device); ``names``: only these
-    optimizers (default all)."""
+    written before each step have emptied (in a training step the backward has just evicted the state),
+    after ``before`` (a layer's compute: on the CPU the step's per-tensor work, Python and small ops, costs
+    1.4x as much after it as in a warm loop); ``foreach`` as the optimizer's option (None: torch's default
+    for the device); ``names``: only these optimizers (default all)."""
     import torch
 
     from cost_models.memory import Optimizer
@@ -50,6 +51,8 @@ def measure_optimizer_steps(device: Any, mix: Sequence[int], evict_bytes: int, *
         for _ in range(_STEPS + 1):
             for param in params:
                 param.grad = torch.ones_like(param)
+            if before is not None:
+                before()
             evict.fill_(1.0)
             synchronize()
             start = time.perf_counter()
