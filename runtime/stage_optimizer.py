@@ -168,7 +168,12 @@ class StageOptimizer:
         dropped and the masters copied back (ZeRO-1/2: all-gathered). So the step holds one bucket's copies,
         optimizer temporaries and gathered weights at a time, not every parameter's
         (cost_models.memory.step_transient_bytes and zero_gather_bytes count them). The plain path with an
-        optimizer stepping in place (:func:`steps_in_place`) has none of these and steps once."""
+        optimizer stepping in place (:func:`steps_in_place`) has none of these: the optimizer steps the
+        parameters on their gradients as they are."""
+        if self.plain and unscale is None and steps_in_place(self.optimizer):
+            self.optimizer.step()  # on the parameters' own gradients, in place: nothing to take off or bound
+            self.optimizer.zero_grad(set_to_none=True)
+            return
         self._page_in()
         sizes = [self._grad_bytes(index) for index in range(len(self.masters))]
         # the plain path's optimizer steps the parameters themselves, every one with a gradient: all are taken
