@@ -35,8 +35,8 @@ from cost_models.loss import TrainingLoss, training_loss
 if TYPE_CHECKING:
     from cost_models.graph.ir import LayerGraph
 
-_CACHE_VERSION = 7  # 2: node times scaled to the whole graph's measured pass; 3: from a cold cache; 4: the loss;
-# 5: split backwards; 6: what each backward allocates; 7: interleaved rounds
+_CACHE_VERSION = 8  # 2: node times scaled to the whole graph's measured pass; 3: from a cold cache; 4: the loss;
+# 5: split backwards; 6: what each backward allocates; 7: interleaved rounds; 8: less a backward call's own cost
 _EVICT_BYTES = 64 * 2**20  # written before a pass timed from a cold cache: more than a CPU's last-level cache
 _BACKWARD_LABEL = "tessera.backward:"  # the profiler range of each node's backward whose allocations are measured
 _CO_RUNNER_START_S = 60.0  # for the co-running copies to start (they fork from this process) and to stop
@@ -105,11 +105,15 @@ class _NodeSamples:
             self.inputs_ms.append(sample.split_ms[0])
             self.weights_ms.append(sample.split_ms[1])
 
-    def timing(self) -> NodeTiming:
-        """The medians (a node without a backward: 0 ms), the last round's bytes."""
+    def timing(self, call_ms: float) -> NodeTiming:
+        """The medians (a node without a backward: 0 ms), each backward less ``call_ms``, what starting a
+        backward alone costs (a whole pass pays it once, not per node); the last round's bytes."""
         assert self.last is not None and self.fwd_ms, "a node timed in no kept round"
-        split = (statistics.median(self.inputs_ms), statistics.median(self.weights_ms)) if self.inputs_ms else None
-        return NodeTiming(statistics.median(self.fwd_ms), statistics.median(self.bwd_ms) if self.bwd_ms else 0.0,
+
+        def backward(samples: list[float]) -> float:
+            return max(statistics.median(samples) - call_ms, 0.0)
+        split = (backward(self.inputs_ms), backward(self.weights_ms)) if self.inputs_ms else None
+        return NodeTiming(statistics.median(self.fwd_ms), backward(self.bwd_ms) if self.bwd_ms else 0.0,
                           self.last.fwd_peak_bytes, split, self.last.bwd_bytes)
 
 
@@ -323,6 +327,9 @@ class _NodeProfiler:
 
     def run(self, inputs: tuple[torch.Tensor, ...]) -> dict[str, NodeTiming]:
         buffers = {name: b.detach().clone() for name, b in self.module.named_buffers()}
+        grads = {param: param.grad for param in self.module.parameters()}
+        for param in grads:
+            param.grad = None  # the whole passes' gradients go into fresh ones
         try:
             with co_running(self.module, inputs, self.co_runners):
                 alone, whole_fwd_ms, whole_bwd_ms = self._rounds(inputs)
@@ -336,11 +343,13 @@ class _NodeProfiler:
             with torch.no_grad():
                 for name, b in self.module.named_buffers():
                     b.copy_(buffers[name])
+            for param, grad in grads.items():
+                param.grad = grad
 
     def _rounds(self, inputs: tuple[torch.Tensor, ...]) -> tuple[dict[str, NodeTiming], float, float]:
         """Each node's median times over the rounds, and the whole graph's median forward and backward."""
         samples: dict[str, _NodeSamples] = {}
-        whole_fwd, whole_bwd = [], []
+        whole_fwd, whole_bwd, call_ms = [], [], []
         output_node = next(node for node in self.module.graph.nodes if node.op == "output")
         loss: _Loss | None = None  # known from the first round's output
         split_rounds = min(self.warmup, 1) + min(self.repeats, 3)  # a figure only split backwards' schedules read
@@ -353,6 +362,8 @@ class _NodeProfiler:
                 output, sample = self._time_once(node, env, splits if index < split_rounds else None)
                 record = samples.setdefault(node.name, _NodeSamples())
                 record.add(sample, kept, split_kept=min(self.warmup, 1) <= index < split_rounds)
+                if kept and sample.bwd_ms is not None:  # in the same state as the node's own backward
+                    call_ms.append(self._backward_call_ms())
                 return output
 
             output = self._each_node(inputs, timed)
@@ -364,7 +375,7 @@ class _NodeProfiler:
                 whole_fwd.append(fwd_ms)
                 if bwd_ms is not None:
                     whole_bwd.append(bwd_ms)
-        alone = {name: record.timing() for name, record in samples.items()}
+        alone = {name: record.timing(statistics.median(call_ms)) for name, record in samples.items()}
         return alone, statistics.median(whole_fwd), statistics.median(whole_bwd) if whole_bwd else 0.0
 
     def _each_node(self, inputs: tuple[torch.Tensor, ...],
@@ -417,7 +428,17 @@ class _NodeProfiler:
         grads = [torch.ones_like(t) for t in targets]
         if self._evict is not None:
             self._evict.fill_(1.0)
-        return fwd_ms, self._timed(lambda: torch.autograd.grad(targets, params, grads, allow_unused=True))[0]
+        # into the weights' .grad, as a stage's backward adds each micro-batch's (run() puts theirs back)
+        return fwd_ms, self._timed(lambda: torch.autograd.backward(targets, grads, inputs=params))[0]
+
+    def _backward_call_ms(self) -> float:
+        """What a backward started alone costs before and after its work: one through a view, whose own
+        work is next to none (on the CPU 20-30 us, against 1-3 us a node inside a whole pass; in a GPT's
+        profile it made up a quarter of the nodes' backward times, and more of the stages with many small
+        nodes: their share of the step came out too large)."""
+        leaf = torch.zeros(16, device=self.device, requires_grad=True)
+        view, grad = leaf.view(4, 4), torch.ones(4, 4, device=self.device)
+        return self._timed(lambda: torch.autograd.grad(view, leaf, grad))[0]
 
     def _loss_once(self, output: torch.Tensor, loss: _Loss) -> _Sample:
         """One forward and backward of the training loss on the model's ``output`` (cost_models/loss.py), which
