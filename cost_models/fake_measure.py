@@ -22,7 +22,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 from cost_models.fake_memo import (Recording, ReplayedTensor, build_replayed, flatten_values,
                                    node_key, rebuild_output, record)
 from cost_models.graph.ir import TensorMeta
-from cost_models.graph.shapes import (VALUE_DEPENDENT, concrete_copy, dtype_name, fake_like,
+from cost_models.graph.shapes import (VALUE_DEPENDENT, concrete_copy, crosses_boundary, dtype_name, fake_like,
                                       named_state, tensor_leaves, tensor_metas)
 
 
@@ -38,6 +38,7 @@ class NodeMeasurement:
     saved_bytes_by_dtype: tuple[tuple[str, int], ...]
     released_bytes_by_dtype: tuple[tuple[str, int], ...] = ()
     freed_bytes_by_dtype: tuple[tuple[str, int], ...] = ()
+    crosses: bool = True  # the value can cross a stage boundary (shapes.crosses_boundary)
 
 
 def storage_key(tensor: torch.Tensor | ReplayedTensor) -> int:
@@ -146,7 +147,8 @@ def measure_graph(module: torch.fx.GraphModule,
         flops = runner.run(example_inputs)
     made, last, first = (ledger.saved_bytes(by) for by in ("producer", "last", "first"))
     return {name: NodeMeasurement(outputs, fwd, bwd, *(tuple(sorted(ledger_of.get(name, {}).items()))
-                                                       for ledger_of in (made, last, first)))
+                                                       for ledger_of in (made, last, first)),
+                                  crosses=name not in runner.staying)
             for name, (outputs, fwd, bwd) in flops.items()}
 
 
@@ -166,6 +168,7 @@ class _FakeRunner:
         self.state_ids = {id(tensor) for _, tensor in named_state(module)}
         self.state: dict[int, torch.Tensor] = {}  # id() of a parameter or buffer -> its fake
         self.memo: dict[Any, Recording] = {}
+        self.staying: set[str] = set()  # nodes whose values cannot cross a stage boundary (after run())
 
     def run(self, example_inputs: tuple[torch.Tensor, ...]) -> dict[str, tuple]:
         """Every node's (output TensorMetas, forward FLOPs, backward FLOPs)."""
@@ -181,6 +184,9 @@ class _FakeRunner:
                 value = None
             else:
                 env[node.name], results[node.name] = self._call(node, env)
+                value = env[node.name]  # a replayed node's tensors are ReplayedTensors
+                if not (isinstance(value, ReplayedTensor) or crosses_boundary(value)):
+                    self.staying.add(node.name)
                 continue
             env[node.name] = value
             results[node.name] = (tensor_metas(value), 0, 0)

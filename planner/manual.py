@@ -33,7 +33,7 @@ from planner.schedules import Schedule, format_programs, generate, lower, max_in
 from planner.schedules.swaps import insert_swaps
 from planner.search.evaluate import evaluate
 from planner.search.ilp import SolveStatus
-from planner.search.problem import group_units, part_allreduces
+from planner.search.problem import group_units, part_allreduces, staying_values
 from planner.search.search import Candidate, Config, Search, SearchResult
 from planner.simulation import sim_costs
 
@@ -192,4 +192,11 @@ def _starts(graph: LayerGraph, stage_starts: Sequence[str]) -> list[int]:
     if starts != sorted(set(starts)) or (starts and starts[0] == 0):  # none: one stage
         raise InvalidArgument(f"stage_starts must be distinct nodes after the first, in graph order; "
                               f"got {list(stage_starts)} at positions {starts}")
+    staying = staying_values(graph)
+    for start in starts:
+        if staying[start - 1] is not None:
+            value = staying[start - 1]
+            raise InvalidArgument(f"stage_starts {graph.nodes[start].name!r} cuts while {value!r}'s value (not a "
+                                  f"tensor: it cannot cross a stage boundary) is still read; start the stage at "
+                                  f"{value!r} or after its last reader {graph.users[value][-1]!r}")
     return starts

@@ -144,6 +144,7 @@ class LayerNode:
     geometry: Geometry | None = None
     spatially_splittable: bool = False
     work: NodeWork = field(default_factory=NodeWork)
+    crosses: bool = True  # its value can cross a stage boundary (shapes.crosses_boundary): no cut while it lives
 
     @property
     def output_bytes(self) -> int:
@@ -160,7 +161,8 @@ class LayerNode:
                 "outputs": [meta.to_dict() for meta in self.outputs],
                 "param_names": list(self.param_names),
                 "geometry": self.geometry.to_dict() if self.geometry else None,
-                "spatially_splittable": self.spatially_splittable, "work": self.work.to_dict()}
+                "spatially_splittable": self.spatially_splittable, "work": self.work.to_dict(),
+                "crosses": self.crosses}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "LayerNode":
@@ -168,7 +170,7 @@ class LayerNode:
         return cls(data["name"], NodeKind(data["kind"]), data["target"], data["op_type"],
                    tuple(data["inputs"]), tuple(TensorMeta.from_dict(m) for m in data["outputs"]),
                    tuple(data["param_names"]), geometry, data["spatially_splittable"],
-                   NodeWork.from_dict(data["work"]))
+                   NodeWork.from_dict(data["work"]), bool(data.get("crosses", True)))
 
 
 @dataclass(frozen=True)

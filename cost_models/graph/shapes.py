@@ -52,6 +52,18 @@ SCALAR_WIRE_DTYPES: dict[type, torch.dtype] = {bool: torch.bool, int: torch.int6
 stage boundary as (runtime/values.py sends them so; the cost model counts their bytes from it)."""
 
 
+def crosses_boundary(value: Any) -> bool:
+    """Whether a node's value can cross a stage boundary as the runtime sends values (runtime/values.py): a
+    tensor, a Python scalar, a tuple of ints, None, a device or a dtype; not a tuple of tensors (a split's),
+    a list, a dict or any other object, which only the stage that makes it may read.
+
+    >>> crosses_boundary(torch.empty(2)), crosses_boundary((2, 3)), crosses_boundary((torch.empty(2),) * 2)
+    (True, True, False)
+    """
+    return (isinstance(value, (torch.Tensor, bool, int, float, torch.device, torch.dtype)) or value is None
+            or (isinstance(value, tuple) and all(type(v) is int for v in value)))
+
+
 def tensor_metas(value: Any) -> tuple[TensorMeta, ...]:
     """Shape, dtype, logical size and requires_grad of every tensor inside ``value``; a Python scalar or a
     tuple of ints (a value that can cross a stage boundary) as the tensor it travels as."""

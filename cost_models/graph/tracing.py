@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Collection, Mapping, Sequence
 
 import torch
 import torch.fx
@@ -13,7 +13,7 @@ from cost_models.graph import node_info
 from cost_models.graph.capture import Capture, LeafSpec, capture
 from cost_models.errors import InvalidArgument, TraceError
 from cost_models.graph.ir import LayerGraph, LayerNode, NodeKind, NodeWork, ParamInfo, TensorMeta
-from cost_models.graph.shapes import dtype_name, node_outputs, propagate
+from cost_models.graph.shapes import crosses_boundary, dtype_name, node_outputs, propagate
 
 
 def trace(model: nn.Module, example_inputs: torch.Tensor | Sequence[torch.Tensor], *,
@@ -45,7 +45,8 @@ def trace_module(model: nn.Module, inputs: tuple[torch.Tensor, ...],
     work = {name: NodeWork(m.fwd_flops, m.bwd_flops, m.saved_bytes_by_dtype, m.released_bytes_by_dtype,
                              m.freed_bytes_by_dtype)
             for name, m in measured.items()}
-    return build_graph(captured, outputs, work), captured.module
+    staying = {name for name, m in measured.items() if not m.crosses}
+    return build_graph(captured, outputs, work, staying), captured.module
 
 
 def rebuild_graph(model: nn.Module, inputs: tuple[torch.Tensor, ...],
@@ -65,7 +66,8 @@ def rebuild_graph(model: nn.Module, inputs: tuple[torch.Tensor, ...],
         values = propagate(captured.module, inputs)
     except Exception as error:  # noqa: BLE001 - report which model failed and how to fix it
         raise _fake_run_failed(model, captured, inputs, error) from error
-    return build_graph(captured, node_outputs(captured.module, values)), captured.module
+    staying = {name for name, value in values.items() if not crosses_boundary(value)}
+    return build_graph(captured, node_outputs(captured.module, values), staying=staying), captured.module
 
 
 def _fake_run_failed(model: nn.Module, captured: Capture, inputs: tuple[torch.Tensor, ...],
@@ -87,10 +89,11 @@ def normalise_inputs(example_inputs: torch.Tensor | Sequence[torch.Tensor]) -> t
 
 
 def build_graph(captured: Capture, outputs: Mapping[str, tuple[TensorMeta, ...]],
-                work: Mapping[str, NodeWork] | None = None) -> LayerGraph:
+                work: Mapping[str, NodeWork] | None = None, staying: Collection[str] = ()) -> LayerGraph:
     """Turn a captured GraphModule, each node's output tensors and (if measured) work into the IR.
 
-    Nodes missing from ``work`` (all of them when it is None) get a zero NodeWork.
+    Nodes missing from ``work`` (all of them when it is None) get a zero NodeWork; nodes in ``staying`` make
+    values that cannot cross a stage boundary (LayerNode.crosses).
     """
     module = captured.module
     canonical = _canonical_names(module)
@@ -98,14 +101,14 @@ def build_graph(captured: Capture, outputs: Mapping[str, tuple[TensorMeta, ...]]
     shapes = {name: (metas[0].shape if metas else ()) for name, metas in outputs.items()}
     work = work or {}
     nodes = tuple(_layer_node(node, module, outputs[node.name], work.get(node.name, NodeWork()),
-                              canonical, state_under, shapes)
+                              canonical, state_under, shapes, crosses=node.name not in staying)
                   for node in module.graph.nodes)
     return LayerGraph(nodes, _param_infos(module, nodes, canonical), captured.tracer)
 
 
 def _layer_node(node: torch.fx.Node, module: torch.fx.GraphModule, outputs: tuple[TensorMeta, ...],
                 work: NodeWork, canonical: dict[str, str], state_under: dict[str, list[str]],
-                shapes: node_info.Shapes) -> LayerNode:
+                shapes: node_info.Shapes, *, crosses: bool) -> LayerNode:
     window = node_info.geometry(node, module, shapes)
     return LayerNode(
         name=node.name,
@@ -118,6 +121,7 @@ def _layer_node(node: torch.fx.Node, module: torch.fx.GraphModule, outputs: tupl
         geometry=window,
         spatially_splittable=node_info.spatially_splittable(node, module, window, outputs),
         work=work,
+        crosses=crosses,
     )
 
 

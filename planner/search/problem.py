@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING
@@ -338,10 +338,25 @@ def part_allreduces(device: DeviceSpec, layout: Layout, gpus_per_node: int) -> t
 
 def coarsen(graph: LayerGraph, table: CostTable, precision: Precision, optimizer: Optimizer,
             max_units: int) -> Coarsening:
-    """Group nodes into at most ``max_units`` units of similar time, cutting where few bytes cross."""
+    """Group nodes into at most ``max_units`` units of similar time, cutting where few bytes cross and never
+    while a value that cannot cross a stage boundary lives (LayerNode.crosses: a split's tuple of tensors)."""
     crossing = _crossing_bytes(graph, table)
     times = [table[node.name].fwd_ms + table[node.name].bwd_ms for node in graph]
-    return group_units(graph, table, precision, optimizer, _computing(graph, _choose_cuts(times, crossing, max_units)))
+    cuts = _choose_cuts(times, crossing, max_units, staying_values(graph))
+    return group_units(graph, table, precision, optimizer, _computing(graph, cuts))
+
+
+def staying_values(graph: LayerGraph) -> list[str | None]:
+    """Per node position p, a value that cannot cross a stage boundary (LayerNode.crosses) made at or before
+    node p and read after it, which forbids a cut between nodes p and p + 1; None where a cut may go."""
+    position = {node.name: index for index, node in enumerate(graph)}
+    staying: list[str | None] = [None] * len(graph)
+    for node in graph:
+        readers = graph.users[node.name]
+        if not node.crosses and readers:
+            for index in range(position[node.name], position[readers[-1]]):
+                staying[index] = node.name
+    return staying
 
 
 def _computing(graph: LayerGraph, cuts: list[int]) -> list[int]:
@@ -416,12 +431,13 @@ def crossing_bytes(graph: LayerGraph, bytes_of: Callable[[str], float]) -> list[
     return crossing
 
 
-def _choose_cuts(times: list[float], crossing: list[int], max_units: int) -> list[int]:
+def _choose_cuts(times: list[float], crossing: list[int], max_units: int,
+                 staying: Sequence[str | None] | None = None) -> list[int]:
     """Cut indices (a cut at c separates node c-1 from node c) for about ``max_units`` units.
 
     Walk the nodes accumulating time; once a unit has about total/max_units of it, cut at the
     position with the fewest crossing bytes among those that keep the unit between half and
-    one and a half of the target.
+    one and a half of the target and that no value ``staying`` spans (none there: the unit grows on).
     """
     total = sum(times) or float(len(times))
     weights = times if sum(times) > 0 else [1.0] * len(times)
@@ -431,11 +447,12 @@ def _choose_cuts(times: list[float], crossing: list[int], max_units: int) -> lis
     while index < len(weights) - 1:
         accumulated += weights[index]
         if accumulated >= target:
-            window = _window(weights, index, target)
-            best = min(window, key=lambda p: (crossing[p], abs(p - index)))
-            cuts.append(best + 1)
-            index, accumulated = best + 1, 0.0
-            continue
+            window = [p for p in _window(weights, index, target) if staying is None or staying[p] is None]
+            if window:
+                best = min(window, key=lambda p: (crossing[p], abs(p - index)))
+                cuts.append(best + 1)
+                index, accumulated = best + 1, 0.0
+                continue
         index += 1
     return [cut for cut in cuts if 0 < cut < len(weights)]
 

@@ -199,3 +199,33 @@ def test_every_unit_computes_something_so_that_every_stage_can_be_built(max_unit
     assert all(any(graph.node(name).kind not in idle for name in unit.nodes) for unit in units)
     assert units[-1].nodes[-1] == "output" and len(units[-1].nodes) > 1
     assert [name for unit in units for name in unit.nodes] == [node.name for node in graph]
+
+
+@pytest.mark.parametrize("max_units", [8, 1000])
+def test_no_unit_boundary_cuts_a_value_that_cannot_cross_a_stage_boundary(max_units: int) -> None:
+    """Attention splits its projection into a tuple (q, k, v), which the runtime cannot send between stages;
+    after a profile made the cut behind ``split`` the cheapest, a 2-stage GPT plan could not run. Units
+    never end between a tuple-making node and its last reader, however fine they are (the cheapest
+    crossing there or not); a manual stage start there is a one-line error naming where to start instead."""
+    from cost_models import estimate
+    from cost_models.graph.shapes import crosses_boundary
+    from planner.manual import plan_with_split
+    from planner.search.problem import coarsen, staying_values
+
+    model, tokens = gpt_tiny(), torch.zeros(2, 32, dtype=torch.long)
+    graph = trace(model, tokens)
+    splits = [node.name for node in graph if not node.crosses]
+    assert splits and all(node.target.endswith("split") for node in graph if node.name in splits)
+    assert crosses_boundary((2, 3)) and crosses_boundary(torch.ones(1)) and crosses_boundary(None)
+    assert not crosses_boundary((torch.ones(1), torch.ones(1))) and not crosses_boundary([torch.ones(1)])
+    table = estimate(graph, "A100-40GB", "momentum", "fp32")
+    units = coarsen(graph, table, get_precision("fp32"), Optimizer.MOMENTUM, max_units).units
+    staying = staying_values(graph)
+    position = {node.name: index for index, node in enumerate(graph)}
+    ends = [position[unit.nodes[-1]] for unit in units[:-1]]
+    assert ends and all(staying[end] is None for end in ends)
+    spans = [(position[name], position[graph.users[name][-1]]) for name in splits]
+    assert all(staying[index] == name for name, (first, last) in zip(splits, spans) for index in range(first, last))
+    inside = graph.nodes[spans[0][0] + 1].name  # the first getitem of the first split
+    with pytest.raises(ValueError, match=f"stage_starts '{inside}' cuts while '{splits[0]}'"):
+        plan_with_split(model, example_inputs=tokens, stage_starts=[inside], batch_size=4, micro_batch_size=2)
