@@ -35,8 +35,9 @@ from cost_models.loss import TrainingLoss, training_loss
 if TYPE_CHECKING:
     from cost_models.graph.ir import LayerGraph
 
-_CACHE_VERSION = 8  # 2: node times scaled to the whole graph's measured pass; 3: from a cold cache; 4: the loss;
-# 5: split backwards; 6: what each backward allocates; 7: interleaved rounds; 8: less a backward call's own cost
+_CACHE_VERSION = 9  # 2: node times scaled to the whole graph's measured pass; 3: from a cold cache; 4: the loss;
+# 5: split backwards; 6: what each backward allocates; 7: interleaved rounds; 8: less a backward call's own cost;
+# 9: that call through a clone, as a node's isolated input
 _EVICT_BYTES = 64 * 2**20  # written before a pass timed from a cold cache: more than a CPU's last-level cache
 _BACKWARD_LABEL = "tessera.backward:"  # the profiler range of each node's backward whose allocations are measured
 _CO_RUNNER_START_S = 60.0  # for the co-running copies to start (they fork from this process) and to stop
@@ -432,12 +433,12 @@ class _NodeProfiler:
         return fwd_ms, self._timed(lambda: torch.autograd.backward(targets, grads, inputs=params))[0]
 
     def _backward_call_ms(self) -> float:
-        """What a backward started alone costs before and after its work: one through a view, whose own
-        work is next to none (on the CPU 20-30 us, against 1-3 us a node inside a whole pass; in a GPT's
-        profile it made up a quarter of the nodes' backward times, and more of the stages with many small
-        nodes: their share of the step came out too large)."""
+        """What a node's backward started alone costs beyond its own work: one through a view of a clone of a leaf
+        (a node's isolated input, :func:`_isolate`), whose work is next to none (on the CPU 15-30 us, against 1-3
+        us a node inside a whole pass; in a GPT's profile it made up a quarter of the nodes' backward times, and
+        more of the stages with many small nodes: their share of the step came out too large)."""
         leaf = torch.zeros(16, device=self.device, requires_grad=True)
-        view, grad = leaf.view(4, 4), torch.ones(4, 4, device=self.device)
+        view, grad = leaf.clone().view(4, 4), torch.ones(4, 4, device=self.device)  # a node's input: _isolate's
         return self._timed(lambda: torch.autograd.grad(view, leaf, grad))[0]
 
     def _loss_once(self, output: torch.Tensor, loss: _Loss) -> _Sample:
