@@ -8,6 +8,9 @@ from collections.abc import Iterator
 
 import torch
 
+_SEED_BITS = 2**63 - 1  # a generator's seed: 63 bits
+_WORD = 2**64 - 1
+
 
 def derive_seed(seed: int, *key: object) -> int:
     """A 63-bit seed for ``key`` under ``seed``; equal in every process and on every run.
@@ -16,7 +19,7 @@ def derive_seed(seed: int, *key: object) -> int:
     True
     """
     text = "\x1f".join(str(part) for part in (seed, *key))
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") & (2**63 - 1)
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") & _SEED_BITS
 
 
 def generator(seed: int, *key: object) -> torch.Generator:
@@ -35,10 +38,6 @@ def seeded(seed: int, *key: object, device: torch.device | None = None) -> Itera
         for index in cuda:
             torch.cuda.default_generators[index].manual_seed(value)
         yield
-
-
-_SEED_BITS = 2**63 - 1
-_WORD = 2**64 - 1
 
 
 def mix_seed(seed: int, number: int) -> int:
