@@ -17,7 +17,7 @@ import torch
 import torch.fx
 
 from cost_models.errors import RuntimeSetupError
-from cost_models.graph.shapes import SCALAR_WIRE_DTYPES, propagate
+from cost_models.graph.shapes import SCALAR_WIRE_DTYPES, crosses_boundary, propagate
 
 
 class ValueKind(str, Enum):
@@ -99,6 +99,8 @@ def value_specs(module: torch.fx.GraphModule, inputs: Sequence[tuple[tuple[int, 
 
 
 def describe(name: str, value: Any) -> ValueSpec:
+    if not crosses_boundary(value):  # the planner cuts by the same rule (LayerNode.crosses)
+        return ValueSpec(name, ValueKind.OTHER, constant=type(value).__name__)
     if isinstance(value, torch.Tensor):
         return ValueSpec(name, ValueKind.TENSOR, tuple(value.shape), value.dtype,
                          value.requires_grad and value.is_floating_point())
@@ -110,9 +112,7 @@ def describe(name: str, value: Any) -> ValueSpec:
         return ValueSpec(name, ValueKind.FLOAT)
     if isinstance(value, tuple) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         return ValueSpec(name, ValueKind.INTS, (len(value),))
-    if value is None or isinstance(value, (torch.device, torch.dtype)):
-        return ValueSpec(name, ValueKind.CONSTANT, constant=value)
-    return ValueSpec(name, ValueKind.OTHER, constant=type(value).__name__)
+    return ValueSpec(name, ValueKind.CONSTANT, constant=value)  # None, a device or a dtype
 
 
 def check_travels(spec: ValueSpec, src_stage: int, dst_stage: int) -> None:
