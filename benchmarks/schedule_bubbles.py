@@ -2,41 +2,48 @@
 
 One GPT cut into equal-layer parts (4, or 8 for interleaved 1F1B with 2 virtual stages per rank),
 scheduled by every synchronous family (``planner.manual.reschedule``), run by the runtime on 4 gloo
-processes (``python -m planner run ... --report``) and compared as ``tessera validate`` does:
+processes, every family's executor built side by side in the same processes and their steps alternating
+(each family's step starting on every rank together), so that the machine's drifts in speed reach the
+families alike; each family's steps make a run report as ``tessera run --report`` does, compared as
+``tessera validate`` does:
   predicted   the simulator on the plan's predicted costs (node times measured on this CPU, one thread);
   replayed    the simulator on the compute times the run measured per action and the time it measured
               posting a message took (run report's ``rank_action_ms``), transfers as predicted: the
               schedule's own bubble;
   measured    1 - (busy time of every rank) / (sum of their steps), the runtime timing each compute action.
-Every family runs ``--rounds`` times, the families alternating, so that the machine's drift reaches
-them alike; the summary takes each family's median. Target: measured within 5 points of replayed,
-and the families' measured order by step the predicted one (neighbours measured the other way are
-listed with how far apart they were predicted and whether their measured ranges overlap).
-``post pred/meas``: what posting one message costs a rank, as the cpu device measured it (the plan's)
-and as the run did (mean over ranks). The machine may have fewer cores than ranks: note the load
-average printed.
+Targets: measured within 5 points of replayed, and the families' measured order by step the predicted one.
+The measured order is by each family's median step over the predicted-fastest family's step next to it
+(paired steps: a drift divides out); families predicted within ``--tie`` percent of each other are tied
+(no order predicted between them), and every pair measured the other way is listed with how far apart
+both put them. ``post pred/meas``: what posting one message costs a rank, as the cpu device measured it
+(the plan's) and as the run did (mean over ranks). The machine may have fewer cores than ranks: note
+the load average printed.
 
-Run: python benchmarks/schedule_bubbles.py [--steps 8] [--ranks 4] [--rounds 2]
+Run: python benchmarks/schedule_bubbles.py [--steps 31] [--ranks 4] [--tie 1]
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import itertools
+import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
+import time
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from plan_quality import equal_layer_starts  # noqa: E402
+from runtime_vs_pipelining import spawned  # noqa: E402
 
 from cost_models.comm import p2p_post_ms  # noqa: E402
 from cost_models.device_spec import LinkSpec  # noqa: E402
@@ -46,6 +53,8 @@ from planner.manual import plan_with_split, reschedule  # noqa: E402
 from planner.plan import Plan  # noqa: E402
 from planner.reports.run_report import RunReport  # noqa: E402
 from planner.simulation import simulate_measured  # noqa: E402
+from runtime.report import gather_report  # noqa: E402
+from runtime.train import RunOptions, StepTimings, prepare, step_microbatches  # noqa: E402
 
 BUILDER = "examples/models/gpt.py:gpt"
 MODEL = {"hidden": 128, "layers": 8, "heads": 4, "seq_len": 64, "vocab": 2048, "dropout": 0.0,
@@ -75,61 +84,103 @@ def plans(ranks: int) -> dict[str, Plan]:
     return made
 
 
-def run(plan: Plan, steps: int, folder: Path) -> RunReport:
-    plan_path, report_path = folder / "plan.json", folder / "run.json"
-    plan.save(plan_path)
-    result = subprocess.run([sys.executable, "-m", "planner", "run", str(plan_path), "--steps", str(steps), "--",
-                             "--report", str(report_path)], cwd=ROOT, capture_output=True, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=900)
-    if result.returncode:
-        raise RuntimeError(f"the run failed: {result.stderr[-2000:]}")
-    return RunReport.load(report_path)
+def _rank(rank: int, init_file: str, world: int, texts: dict[str, str], steps: int, results: Any) -> None:
+    """One rank: every family's executor built side by side, their steps alternating (each between barriers
+    so that they start together), then one run report per family, as ``tessera run --report`` writes it."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    device = torch.device("cpu")
+    made = {name: Plan.from_dict(json.loads(text)) for name, text in texts.items()}
+    options = RunOptions(plan=Path("-"), steps=steps, timeout_s=300)
+    prepared = {name: prepare(plan, options, device) for name, plan in made.items()}
+    timings = {name: StepTimings() for name in made}
+    losses: dict[str, list[float]] = {name: [] for name in made}
+    for step in range(steps):
+        for name, (executor, data) in prepared.items():
+            microbatches = step_microbatches(executor, data, step)
+            dist.barrier()
+            began = time.perf_counter()
+            losses[name].append(executor.run(microbatches))
+            timings[name].add(executor, (time.perf_counter() - began) * 1e3)
+    reports = {name: gather_report(timings[name].step_ms, losses[name], executor.memory.peak_bytes,
+                                   executor.memory.held_bytes, fingerprint=made[name].model.fingerprint,
+                                   device=device, global_batch_size=made[name].training.global_batch_size,
+                                   start_step=0, busy_ms=timings[name].busy_ms, action_ms=timings[name].summary())
+               for name, (executor, _) in prepared.items()}
+    if rank == 0:
+        results.put({name: report.to_dict() for name, report in reports.items()})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure(made: dict[str, Plan], ranks: int, steps: int) -> dict[str, RunReport]:
+    """Every family's run report, their steps alternating in one set of ``ranks`` processes."""
+    texts = {name: plan.to_json() for name, plan in made.items()}
+    answers = spawned(_rank, ranks, ranks, texts, steps)
+    return {name: RunReport.from_dict(answer) for name, answer in answers.items()}
+
+
+def paired_ratio(report: RunReport, reference: RunReport) -> float:
+    """The median over timed steps of this family's step over the reference family's same-index step: they
+    ran next to each other, so a drift of the machine's speed divides out."""
+    return statistics.median(mine / theirs for mine, theirs in zip(report.timed_ms, reference.timed_ms))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=31, help="steps per family, the first warming up (default 31)")
     parser.add_argument("--ranks", type=int, default=4, help="CPU ranks (default 4; 2 on a 2-core machine keeps "
                                                              "one core per rank)")
-    parser.add_argument("--rounds", type=int, default=2, help="runs of every family, alternating (default 2)")
+    parser.add_argument("--tie", type=float, default=1.0, help="families predicted within this many percent of "
+                                                                "each other are tied: no order between them is "
+                                                                "predicted (default 1)")
+    parser.add_argument("--save", type=Path, help="a folder to write each family's plan and run report to (for "
+                                                  "tessera validate)")
     args = parser.parse_args()
     print(f"GPT {MODEL}, batch {BATCH} in micro-batches of {MICRO}, {args.ranks} gloo CPU ranks x 1 thread on "
-          f"{os.cpu_count()} cores, {args.rounds} rounds of the families alternating, "
-          f"{args.steps} steps a run (the first warms up); load average {os.getloadavg()[0]:.1f} at the start")
-    print(f"{'round family':<24} {'predicted':>9} {'replayed':>9} {'measured':>9} {'meas-repl':>9} "
-          f"{'pred. step':>10} {'meas. step':>10} {'post pred/meas':>15}")
+          f"{os.cpu_count()} cores, the families' steps alternating, {args.steps} steps each (the first warms "
+          f"up); load average {os.getloadavg()[0]:.1f} at the start")
     made = plans(args.ranks)
-    gaps: dict[str, list[float]] = {name: [] for name in made}  # measured - replayed bubble, per round
-    steps: dict[str, list[float]] = {name: [] for name in made}  # measured median step, per round
-    with tempfile.TemporaryDirectory() as tmp:
-        for round_index in range(args.rounds):
-            for name, plan in made.items():
-                report = run(plan, args.steps, Path(tmp))
-                replayed = simulate_measured(plan, report.rank_action_ms)
-                measured = report.bubble_fraction or 0.0
-                gaps[name].append((measured - replayed.bubble_fraction) * 100)
-                steps[name].append(report.median_step_ms)
-                posts = [ranks["post"] for ranks in report.rank_action_ms if "post" in ranks]
-                planned_post_ms = p2p_post_ms(LinkSpec.from_dict(plan.cluster.device["intra_node"]))
-                print(f"{round_index + 1} {name:<22} {plan.predicted.bubble_fraction:>9.1%} "
-                      f"{replayed.bubble_fraction:>9.1%} {measured:>9.1%} {gaps[name][-1]:>+8.1f}pt "
-                      f"{plan.predicted.step_ms:>8.1f}ms {report.median_step_ms:>8.1f}ms "
-                      f"{planned_post_ms:>6.2f}/{sum(posts) / max(1, len(posts)):.2f}ms", flush=True)
-    print(f"\n{'family':<22} {'meas-repl (median)':>18} {'pred. step':>10} {'meas. step median (range)':>28}")
+    reports = measure(made, args.ranks, args.steps)
+    if args.save:
+        args.save.mkdir(parents=True, exist_ok=True)
+        for name, plan in made.items():
+            stem = name.split()[0]
+            plan.save(args.save / f"{stem}.plan.json")
+            reports[name].save(args.save / f"{stem}.run.json")
+    fastest = min(made, key=lambda name: made[name].predicted.step_ms)
+    print(f"{'family':<22} {'predicted':>9} {'replayed':>9} {'measured':>9} {'meas-repl':>9} "
+          f"{'pred. step':>10} {'meas. step (quartiles)':>26} {'/ ' + fastest:>22} {'post pred/meas':>15}")
     for name, plan in made.items():
-        print(f"{name:<22} {statistics.median(gaps[name]):>+16.1f}pt {plan.predicted.step_ms:>8.1f}ms "
-              f"{statistics.median(steps[name]):>10.1f}ms ({min(steps[name]):.1f}..{max(steps[name]):.1f})")
+        report = reports[name]
+        replayed = simulate_measured(plan, report.rank_action_ms)
+        measured = report.bubble_fraction or 0.0
+        posts = [ranks["post"] for ranks in report.rank_action_ms if "post" in ranks]
+        planned_post_ms = p2p_post_ms(LinkSpec.from_dict(plan.cluster.device["intra_node"]))
+        quartiles = statistics.quantiles(report.timed_ms, n=4)
+        predicted_ratio = plan.predicted.step_ms / made[fastest].predicted.step_ms
+        print(f"{name:<22} {plan.predicted.bubble_fraction:>9.1%} {replayed.bubble_fraction:>9.1%} "
+              f"{measured:>9.1%} {(measured - replayed.bubble_fraction) * 100:>+8.1f}pt "
+              f"{plan.predicted.step_ms:>8.1f}ms {report.median_step_ms:>8.1f}ms "
+              f"({quartiles[0]:.1f}..{quartiles[2]:.1f}) "
+              f"{predicted_ratio:>9.3f} pred {paired_ratio(report, reports[fastest]):.3f} meas "
+              f"{planned_post_ms:>6.2f}/{sum(posts) / max(1, len(posts)):.2f}ms", flush=True)
     predicted_order = sorted(made, key=lambda name: made[name].predicted.step_ms)
-    measured_order = sorted(made, key=lambda name: statistics.median(steps[name]))
+    measured_order = sorted(made, key=lambda name: paired_ratio(reports[name], reports[fastest]))
     print(f"fastest first, predicted: {', '.join(predicted_order)}")
-    print(f"fastest first, measured:  {', '.join(measured_order)}")
-    print(f"orders match: {predicted_order == measured_order}")
-    for first, second in itertools.pairwise(predicted_order):  # neighbours the run put the other way
-        if statistics.median(steps[first]) > statistics.median(steps[second]):
-            apart = made[second].predicted.step_ms / made[first].predicted.step_ms - 1
-            overlap = min(steps[first]) <= max(steps[second])
-            print(f"  {first} before {second}: predicted {apart:.1%} apart; measured the other way, "
-                  f"{'their ranges overlapping' if overlap else 'their ranges apart'}")
+    print(f"fastest first, measured:  {', '.join(measured_order)} (by the median of paired step ratios)")
+    contrary = []
+    for first, second in itertools.combinations(predicted_order, 2):  # every pair the run put the other way
+        apart = made[second].predicted.step_ms / made[first].predicted.step_ms - 1
+        measured_apart = paired_ratio(reports[second], reports[first]) - 1
+        if measured_apart < 0:
+            tied = apart * 100 < args.tie
+            contrary.append(not tied)
+            print(f"  {first} before {second}: predicted {apart:.1%} apart"
+                  f"{' (tied)' if tied else ''}; measured {-measured_apart:.1%} the other way")
+    print(f"orders match: {measured_order == predicted_order}; "
+          f"apart from ties within {args.tie:g}%: {not any(contrary)}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -52,6 +52,43 @@ def run(plan: Plan, options: RunOptions, device: torch.device) -> RunReport:
                                 f"need the stashed weight version of the first group); run without "
                                 f"--checkpoint-dir, or re-plan without --allow-stale-weights")
     start = _resume_step(plan, options)
+    executor, data = prepare(plan, options, device)
+    if start:
+        assert options.checkpoint_dir is not None
+        checkpoint.restore(executor, options.checkpoint_dir, start)
+    crossing = executor.crosses_steps
+    measured = options.steps - 1 - (crossing and options.steps - start >= 2)  # the step whose memory is measured
+    timings, losses = StepTimings(), []
+    p2p_bytes_sent = 0
+    for step in range(start, options.steps):
+        if options.fail_at_step == step and executor.rank == options.fail_rank:
+            raise RuntimeError(f"injected failure on rank {executor.rank} before step {step} "
+                               f"(--fail-at-step)")
+        profiled = device.type == "cpu" and step == measured  # memory peak (runtime/memory.py)
+        microbatches = step_microbatches(executor, data, step)
+        following = step_microbatches(executor, data, step + 1) if crossing and step + 1 < options.steps else None
+        began = time.perf_counter()
+        losses.append(executor.run(microbatches, profile_memory=profiled, next_microbatches=following))
+        if step == measured:
+            p2p_bytes_sent = executor.p2p_bytes_sent  # a steady step's (a flush sends less)
+        elapsed_ms = (time.perf_counter() - began) * 1e3
+        if not profiled or step == start:  # the profiler slows its step down: not timed
+            timings.add(executor, elapsed_ms)
+        _log(executor, step, options.steps, losses[-1], elapsed_ms)
+        if options.checkpoint_dir and _checkpoint_due(step + 1, options):
+            checkpoint.save(executor, options.checkpoint_dir, step + 1)
+    states = [stage.state for stage in executor.stages.values() if stage.state is not None]
+    return gather_report(timings.step_ms, losses, executor.memory.peak_bytes, executor.memory.held_bytes,
+                         fingerprint=plan.model.fingerprint, device=device,
+                         global_batch_size=plan.training.global_batch_size, start_step=start,
+                         host_swap_bytes=executor.swaps.step_bytes, halo_bytes_sent=executor.halo_bytes_sent,
+                         p2p_bytes_sent=p2p_bytes_sent, busy_ms=timings.busy_ms, action_ms=timings.summary(),
+                         optimizer_bytes=(sum(s.host_bytes for s in states), sum(s.nvme_bytes for s in states)))
+
+
+def prepare(plan: Plan, options: RunOptions, device: torch.device) -> tuple[Executor, SyntheticData]:
+    """This rank's executor of ``plan`` (collective: every rank builds its own) and the synthetic data it
+    trains on, its loss bound to the model's output."""
     model = rebuild_model(plan, Path.cwd())
     executor = Executor(plan, model, _unbound_loss, optimizer_factory(plan.training.optimizer, options.lr),
                         seed=options.seed, device=device, timeout_s=options.timeout_s,
@@ -60,60 +97,37 @@ def run(plan: Plan, options: RunOptions, device: torch.device) -> RunReport:
     data = SyntheticData(input_specs(executor.traced, dict(executor.flow.specs)), synthetic_task(output),
                          options.seed)
     executor.loss_fn = data.task
-    if start:
-        assert options.checkpoint_dir is not None
-        checkpoint.restore(executor, options.checkpoint_dir, start)
-    crossing = executor.crosses_steps
-    measured = options.steps - 1 - (crossing and options.steps - start >= 2)  # the step whose memory is measured
-    step_ms, busy_ms, losses = [], [], []
-    p2p_bytes_sent = 0
-    action_ms: list[dict[tuple[int, ActionKind], list[float]]] = []  # per timed step (Executor.action_ms)
-    post_ms: list[float | None] = []  # per timed step, the mean post of one message (Executor.post_ms)
-    for step in range(start, options.steps):
-        if options.fail_at_step == step and executor.rank == options.fail_rank:
-            raise RuntimeError(f"injected failure on rank {executor.rank} before step {step} "
-                               f"(--fail-at-step)")
-        profiled = device.type == "cpu" and step == measured  # memory peak (runtime/memory.py)
-        microbatches = _microbatches(executor, data, step)
-        following = _microbatches(executor, data, step + 1) if crossing and step + 1 < options.steps else None
-        began = time.perf_counter()
-        losses.append(executor.run(microbatches, profile_memory=profiled, next_microbatches=following))
-        if step == measured:
-            p2p_bytes_sent = executor.p2p_bytes_sent  # a steady step's (a flush sends less)
-        elapsed_ms = (time.perf_counter() - began) * 1e3
-        if not profiled or step == start:  # the profiler slows its step down: not timed
-            step_ms.append(elapsed_ms)
-            busy_ms.append(executor.busy_ms)
-            action_ms.append(executor.action_ms)
-            post_ms.append(executor.post_ms)
-        _log(executor, step, options.steps, losses[-1], elapsed_ms)
-        if options.checkpoint_dir and _checkpoint_due(step + 1, options):
-            checkpoint.save(executor, options.checkpoint_dir, step + 1)
-    states = [stage.state for stage in executor.stages.values() if stage.state is not None]
-    return gather_report(step_ms, losses, executor.memory.peak_bytes, executor.memory.held_bytes,
-                         fingerprint=plan.model.fingerprint, device=device,
-                         global_batch_size=plan.training.global_batch_size, start_step=start,
-                         host_swap_bytes=executor.swaps.step_bytes, halo_bytes_sent=executor.halo_bytes_sent,
-                         p2p_bytes_sent=p2p_bytes_sent,
-                         busy_ms=busy_ms, action_ms={**_median_actions(action_ms), **_mean_post(post_ms)},
-                         optimizer_bytes=(sum(s.host_bytes for s in states), sum(s.nvme_bytes for s in states)))
+    return executor, data
 
 
-def _median_actions(steps: list[dict[tuple[int, ActionKind], list[float]]]) -> dict[str, float]:
-    """Per "stage:kind", the median time of one action over the timed steps after the first (which warms
-    up, as the run report's warm-up step; all of them if there is only one)."""
-    every: dict[str, list[float]] = {}
-    for actions in steps[1:] or steps:
-        for (stage, kind), took in actions.items():
-            every.setdefault(f"{stage}:{kind.value}", []).extend(took)
-    return {key: statistics.median(took) for key, took in every.items()}
+@dataclass
+class StepTimings:
+    """What one rank's executor measured over its timed steps, for the run report."""
 
+    step_ms: list[float] = field(default_factory=list)  # wall time of each step
+    busy_ms: list[float] = field(default_factory=list)  # per step, its compute actions (Executor.busy_ms)
+    action_ms: list[dict[tuple[int, ActionKind], list[float]]] = field(default_factory=list)  # Executor.action_ms
+    post_ms: list[float | None] = field(default_factory=list)  # per step, the mean post of one message
 
-def _mean_post(steps: list[float | None]) -> dict[str, float]:
-    """{"post": the mean wall time of posting one message} over the timed steps after the first (all if
-    there is one), or nothing where none posted. The mean: a step pays the sum of its posts."""
-    posts = [ms for ms in steps[1:] or steps if ms is not None]
-    return {"post": statistics.mean(posts)} if posts else {}
+    def add(self, executor: Executor, elapsed_ms: float) -> None:
+        """Record the step ``executor`` just ran, which took ``elapsed_ms``."""
+        self.step_ms.append(elapsed_ms)
+        self.busy_ms.append(executor.busy_ms)
+        self.action_ms.append(executor.action_ms)
+        self.post_ms.append(executor.post_ms)
+
+    def summary(self) -> dict[str, float]:
+        """The run report's ``action_ms``: per "stage:kind", the median time of one action, and under "post"
+        the mean wall time of posting one message (a step pays the sum of its posts), where any posted; over
+        the timed steps after the first (which warms up, as the run report's warm-up step; all of them if
+        there is only one)."""
+        every: dict[str, list[float]] = {}
+        for actions in self.action_ms[1:] or self.action_ms:
+            for (stage, kind), took in actions.items():
+                every.setdefault(f"{stage}:{kind.value}", []).extend(took)
+        summary = {key: statistics.median(took) for key, took in every.items()}
+        posts = [ms for ms in self.post_ms[1:] or self.post_ms if ms is not None]
+        return {**summary, "post": statistics.mean(posts)} if posts else summary
 
 
 def _resume_step(plan: Plan, options: RunOptions) -> int:
@@ -135,7 +149,8 @@ def _unbound_loss(output: object, target: object) -> torch.Tensor:
     raise AssertionError("the synthetic loss is bound once the model output is known")
 
 
-def _microbatches(executor: Executor, data: SyntheticData, step: int) -> list[Microbatch]:
+def step_microbatches(executor: Executor, data: SyntheticData, step: int) -> list[Microbatch]:
+    """This rank's micro-batches of ``step`` (its replica's share of the global batch)."""
     count = executor.plan.training.num_microbatches
     return [data.microbatch(step, executor.replica * count + m, inputs=executor.needs_inputs,
                             targets=executor.needs_targets) for m in range(count)]
