@@ -105,6 +105,7 @@ def _op_overhead_us() -> float:
 
 _PING_BYTES = 4 * 2**10  # small enough that its round trip is latency
 _STREAM_BYTES = 16 * 2**20  # large enough that its round trip is bandwidth
+_STREAM_PIECES = 16  # the large all-reduce's gradients: a bucket of 1 MiB tensors
 _GLOO_TIMEOUT_S = 60
 _BUSY_MATMUL = 256  # six matmuls of this size (about 2 ms) and a pass over _BUSY_SWEEP_BYTES: the core and
 _BUSY_SWEEP_BYTES = 4 * 2**20  # its caches as a layer's compute leaves them to a post or a step after it
@@ -154,8 +155,9 @@ def measure_gloo_links() -> tuple[LinkSpec, LinkSpec]:
       adds beyond it; posting a message costs the posting rank's own core time (``post_us``: gloo's
       ``isend``/``irecv`` calls, measured as the runtime posts them: receives ahead, sends after compute);
     * all-reduce: the link a two-rank ring all-reduce behaves as (its time is 2 alpha + bytes / beta,
-      cost_models.comm), fitted to a small and a large gloo all-reduce; gloo's all-reduce also sums on
-      the CPU, so it is slower than its messages alone.
+      cost_models.comm), fitted to a small gloo all-reduce (latency) and a large one run as the runtime
+      sums a bucket of gradients after a backward (bandwidth); gloo's all-reduce also sums on the CPU, so
+      it is slower than its messages alone.
 
     Two fresh interpreters (``python -m cost_models.cpu_device``, so nothing re-imports the caller's
     script), a few seconds, most of it their start."""
@@ -220,12 +222,33 @@ def _ping_pong(rank: int, store_path: str) -> tuple[float, float, float, float, 
         return statistics.median(samples[1:])
 
     def all_reduce_s(nbytes: int, repeats: int) -> float:
+        """A small all-reduce between idle ranks: its time is latency."""
         values = torch.ones(nbytes // 4)
         samples = []
         for _ in range(repeats + 1):
             dist.barrier()
             start = time.perf_counter()
             dist.all_reduce(values)
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples[1:])
+
+    def bucket_all_reduce_s(nbytes: int, pieces: int, repeats: int) -> float:
+        """A large all-reduce as the runtime sums a bucket of gradients (runtime/grads.py): ``pieces``
+        tensors flattened into a new buffer, summed and copied back, after a layer's compute as a backward
+        leaves the core (the ranks then meet: their computes end apart). The copies and the new buffer's
+        first touch took a third of a 16 MiB bucket's time, and a 4 MiB stage's all-reduce inside a step
+        twice what a warm sum in place takes."""
+        grads = [torch.ones(nbytes // 4 // pieces) for _ in range(pieces)]
+        compute = _layer_compute()
+        samples = []
+        for _ in range(repeats + 1):
+            compute()
+            dist.barrier()
+            start = time.perf_counter()
+            flat = torch.cat(grads)
+            dist.all_reduce(flat)
+            for grad, summed in zip(grads, flat.split(grads[0].numel())):
+                grad.copy_(summed)
             samples.append(time.perf_counter() - start)
         return statistics.median(samples[1:])
 
@@ -257,7 +280,7 @@ def _ping_pong(rank: int, store_path: str) -> tuple[float, float, float, float, 
 
     try:
         return (round_trip_s(_PING_BYTES, 20), round_trip_s(_STREAM_BYTES, 5), all_reduce_s(_PING_BYTES, 20),
-                all_reduce_s(_STREAM_BYTES, 5), post_s(60))
+                bucket_all_reduce_s(_STREAM_BYTES, _STREAM_PIECES, 7), post_s(60))
     finally:
         dist.destroy_process_group()
 
