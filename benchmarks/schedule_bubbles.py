@@ -13,7 +13,8 @@ families alike; each family's steps make a run report as ``tessera run --report`
   measured    1 - (busy time of every rank) / (sum of their steps), the runtime timing each compute action.
 Targets: measured within 5 points of replayed, and the families' measured order by step the predicted one.
 The measured order is by each family's median step over the predicted-fastest family's step next to it
-(paired steps: a drift divides out); families predicted within ``--tie`` percent of each other are tied
+(paired steps: a drift divides out), and that ratio's error against the predicted ratio is printed (how far
+the model misjudges one family against another, whatever the machine's speed); families predicted within ``--tie`` percent of each other are tied
 (no order predicted between them), and every pair measured the other way is listed with how far apart
 both put them. ``post pred/meas``: what posting one message costs a rank, as the cpu device measured it
 (the plan's) and as the run did (mean over ranks). The machine may have fewer cores than ranks: note
@@ -53,6 +54,7 @@ from planner.manual import plan_with_split, reschedule  # noqa: E402
 from planner.plan import Plan  # noqa: E402
 from planner.reports.run_report import RunReport  # noqa: E402
 from planner.simulation import simulate_measured  # noqa: E402
+from runtime.launch import settle_cpu_rank  # noqa: E402
 from runtime.report import gather_report  # noqa: E402
 from runtime.train import RunOptions, StepTimings, prepare, step_microbatches  # noqa: E402
 
@@ -88,6 +90,7 @@ def _rank(rank: int, init_file: str, world: int, texts: dict[str, str], steps: i
     """One rank: every family's executor built side by side, their steps alternating (each between barriers
     so that they start together), then one run report per family, as ``tessera run --report`` writes it."""
     torch.set_num_threads(1)
+    settle_cpu_rank(rank, world)  # as `tessera run`'s CPU ranks are
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
     device = torch.device("cpu")
@@ -151,7 +154,8 @@ def main() -> None:
             reports[name].save(args.save / f"{stem}.run.json")
     fastest = min(made, key=lambda name: made[name].predicted.step_ms)
     print(f"{'family':<22} {'predicted':>9} {'replayed':>9} {'measured':>9} {'meas-repl':>9} "
-          f"{'pred. step':>10} {'meas. step (quartiles)':>26} {'/ ' + fastest:>22} {'post pred/meas':>15}")
+          f"{'pred. step':>10} {'meas. step (quartiles)':>26} {'step / ' + fastest + ' pred, meas, error':>38} "
+          f"{'post pred/meas':>15}")
     for name, plan in made.items():
         report = reports[name]
         replayed = simulate_measured(plan, report.rank_action_ms)
@@ -160,11 +164,12 @@ def main() -> None:
         planned_post_ms = p2p_post_ms(LinkSpec.from_dict(plan.cluster.device["intra_node"]))
         quartiles = statistics.quantiles(report.timed_ms, n=4)
         predicted_ratio = plan.predicted.step_ms / made[fastest].predicted.step_ms
+        measured_ratio = paired_ratio(report, reports[fastest])
         print(f"{name:<22} {plan.predicted.bubble_fraction:>9.1%} {replayed.bubble_fraction:>9.1%} "
               f"{measured:>9.1%} {(measured - replayed.bubble_fraction) * 100:>+8.1f}pt "
               f"{plan.predicted.step_ms:>8.1f}ms {report.median_step_ms:>8.1f}ms "
               f"({quartiles[0]:.1f}..{quartiles[2]:.1f}) "
-              f"{predicted_ratio:>9.3f} pred {paired_ratio(report, reports[fastest]):.3f} meas "
+              f"{predicted_ratio:>20.3f} {measured_ratio:.3f} {measured_ratio / predicted_ratio - 1:>+7.1%} "
               f"{planned_post_ms:>6.2f}/{sum(posts) / max(1, len(posts)):.2f}ms", flush=True)
     predicted_order = sorted(made, key=lambda name: made[name].predicted.step_ms)
     measured_order = sorted(made, key=lambda name: paired_ratio(reports[name], reports[fastest]))

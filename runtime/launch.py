@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from cost_models.cpu_device import pin_cpu_rank, rank_threads
 from cost_models.errors import RuntimeSetupError
+from runtime.host_allocator import keep_freed_memory
 
 _REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -60,11 +61,18 @@ def init_group(env: RankEnv, device_choice: str, timeout_s: float) -> torch.devi
         # default of one thread per rank would make that step many times slower than costed
         torch.set_num_threads(rank_threads(local_ranks))
     else:
-        pin_cpu_rank(env.local_rank, local_ranks)
+        settle_cpu_rank(env.local_rank, local_ranks)
     dist.init_process_group("nccl" if use_cuda else "gloo", rank=env.rank, world_size=env.world_size,
                             timeout=datetime.timedelta(seconds=timeout_s),
                             device_id=device if use_cuda else None)
     return device
+
+
+def settle_cpu_rank(local_rank: int, local_ranks: int) -> None:
+    """A CPU rank's process before it joins: bound to its share of the cores (one intra-op thread each where
+    torchrun sets it) and keeping the memory it frees for its next step (runtime/host_allocator.py)."""
+    pin_cpu_rank(local_rank, local_ranks)
+    keep_freed_memory()
 
 
 def join_group(device_choice: str, timeout_s: float) -> torch.device:
