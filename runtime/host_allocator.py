@@ -4,7 +4,7 @@ PyTorch allocates CPU tensors with the C library's allocator. glibc's hands a bl
 threshold back to the operating system when it is freed, and trims the free top of its heap; the next
 step's tensors then fault their pages in afresh (the kernel zeroes each one). A rank that holds many
 micro-batches at once pays that every step: on a 2-rank GPT pipeline (``benchmarks/schedule_bubbles.py``),
-GPipe's last stage faulted 2,600 pages a step, where 1F1B's, which reuses one micro-batch's memory for the
+GPipe's stages faulted 2,500-4,800 pages a step, where 1F1B's, which reuse one micro-batch's memory for the
 next, faulted none, and GPipe's forwards and backwards ran 6-16% slower than 1F1B's same actions. With
 glibc told to serve blocks up to its ceiling from the heap and never to trim it, both fault none after
 the first step and run alike. torch has no CPU caching allocator to turn on; glibc's ``mallopt`` is the
