@@ -14,6 +14,7 @@ from typing import Any
 
 from cost_models.device_spec import BYTES_PER_GB, DeviceSpec, LinkSpec
 from cost_models.errors import InvalidArgument
+from cost_models.host_allocator import keep_freed_memory
 from cost_models.optimizer_timing import CPU_MIX, measure_optimizer_steps
 from cost_models.presets import NVME_GEN3_X4
 
@@ -148,6 +149,14 @@ def pin_cpu_rank(local_rank: int, local_world_size: int) -> frozenset[int]:
     return frozenset(os.sched_getaffinity(0))
 
 
+def settle_cpu_rank(local_rank: int, local_ranks: int) -> None:
+    """A CPU rank's process as the runtime starts it (runtime/launch.py), and the processes that measure
+    gloo for it: bound to its share of the cores (:func:`pin_cpu_rank`) and keeping the memory it frees
+    for its next step (cost_models/host_allocator.py)."""
+    pin_cpu_rank(local_rank, local_ranks)
+    keep_freed_memory()
+
+
 def measure_gloo_links() -> tuple[LinkSpec, LinkSpec]:
     """Two processes of this machine talking through gloo (TCP loopback), as the runtime's CPU ranks do:
 
@@ -155,9 +164,11 @@ def measure_gloo_links() -> tuple[LinkSpec, LinkSpec]:
       adds beyond it; posting a message costs the posting rank's own core time (``post_us``: gloo's
       ``isend``/``irecv`` calls, measured as the runtime posts them: receives ahead, sends after compute);
     * all-reduce: the link a two-rank ring all-reduce behaves as (its time is 2 alpha + bytes / beta,
-      cost_models.comm), fitted to a small gloo all-reduce (latency) and a large one run as the runtime
-      sums a bucket of gradients after a backward (bandwidth); gloo's all-reduce also sums on the CPU, so
-      it is slower than its messages alone.
+      cost_models.comm): each of its two steps a message's latency (a small all-reduce between idle ranks
+      is no steadier a measure: on a 2-core VM ten in a row took 0.3-0.4 ms in some seconds and 3-3.5 ms in
+      others), its bandwidth what a large all-reduce adds beyond them, run as the runtime sums a bucket of
+      gradients after a backward; gloo's all-reduce also sums on the CPU, so it is slower than its
+      messages alone.
 
     Two fresh interpreters (``python -m cost_models.cpu_device``, so nothing re-imports the caller's
     script), a few seconds, most of it their start."""
@@ -183,27 +194,27 @@ def measure_gloo_links() -> tuple[LinkSpec, LinkSpec]:
     if failed:
         raise InvalidArgument(f"measuring gloo between two local processes failed ({failed[0][1][0][:200]}); "
                               f"describe the CPU as a JSON device file instead (see DeviceSpec.to_dict)")
-    ping_s, stream_s, small_sum_s, large_sum_s, post_s = (float(value) for value in outputs[0][0].split())
+    ping_s, stream_s, large_sum_s, post_s = (float(value) for value in outputs[0][0].split())
     latency_s = ping_s / 2
     per_byte_s = max(stream_s / 2 - latency_s, 1e-9) / _STREAM_BYTES
-    sum_latency_s = small_sum_s / 2  # a two-rank ring: 2 (n - 1) = 2 steps
-    sum_per_byte_s = max(large_sum_s - small_sum_s, 1e-9) / (_STREAM_BYTES - _PING_BYTES)  # 2 (n - 1) / n = 1
+    # a two-rank ring: 2 (n - 1) = 2 steps, each a message's latency; 2 (n - 1) / n = 1 pass over the bytes
+    sum_per_byte_s = max(large_sum_s - 2 * latency_s, 1e-9) / _STREAM_BYTES
     return (LinkSpec(name="gloo TCP loopback (measured)", bandwidth_gb_per_s=1 / per_byte_s / BYTES_PER_GB,
                      latency_us=latency_s * 1e6, post_us=post_s * 1e6),
             LinkSpec(name="gloo all-reduce on TCP loopback (measured)",
-                     bandwidth_gb_per_s=1 / sum_per_byte_s / BYTES_PER_GB, latency_us=sum_latency_s * 1e6))
+                     bandwidth_gb_per_s=1 / sum_per_byte_s / BYTES_PER_GB, latency_us=latency_s * 1e6))
 
 
-def _ping_pong(rank: int, store_path: str) -> tuple[float, float, float, float, float]:
+def _ping_pong(rank: int, store_path: str) -> tuple[float, float, float, float]:
     """One of the two processes of :func:`measure_gloo_links`: median round trips of a small and a large
-    message, median times of a small and a large all-reduce, and what posting a message costs."""
+    message, the median time of a large all-reduce as the runtime runs one, and what posting a message costs."""
     import datetime
 
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    pin_cpu_rank(rank, 2)  # as the runtime binds its ranks: gloo's threads share the rank's core
+    settle_cpu_rank(rank, 2)  # as the runtime starts its ranks: gloo's threads share the rank's core
     store = dist.FileStore(store_path, 2)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=_GLOO_TIMEOUT_S))
@@ -221,23 +232,12 @@ def _ping_pong(rank: int, store_path: str) -> tuple[float, float, float, float, 
             samples.append(time.perf_counter() - start)
         return statistics.median(samples[1:])
 
-    def all_reduce_s(nbytes: int, repeats: int) -> float:
-        """A small all-reduce between idle ranks: its time is latency."""
-        values = torch.ones(nbytes // 4)
-        samples = []
-        for _ in range(repeats + 1):
-            dist.barrier()
-            start = time.perf_counter()
-            dist.all_reduce(values)
-            samples.append(time.perf_counter() - start)
-        return statistics.median(samples[1:])
-
     def bucket_all_reduce_s(nbytes: int, pieces: int, repeats: int) -> float:
         """A large all-reduce as the runtime sums a bucket of gradients (runtime/grads.py): ``pieces``
         tensors flattened into a new buffer, summed and copied back, after a layer's compute as a backward
-        leaves the core (the ranks then meet: their computes end apart). The copies and the new buffer's
-        first touch took a third of a 16 MiB bucket's time, and a 4 MiB stage's all-reduce inside a step
-        twice what a warm sum in place takes."""
+        leaves the core (the ranks then meet: their computes end apart). A 16 MiB bucket so took 1.6-1.9x a
+        sum in place (its copies a fifth of it), and a 4 MiB stage's all-reduce inside a step twice what a
+        calibration on sums in place had predicted."""
         grads = [torch.ones(nbytes // 4 // pieces) for _ in range(pieces)]
         compute = _layer_compute()
         samples = []
@@ -279,7 +279,7 @@ def _ping_pong(rank: int, store_path: str) -> tuple[float, float, float, float, 
         return statistics.mean(samples[2:])
 
     try:
-        return (round_trip_s(_PING_BYTES, 20), round_trip_s(_STREAM_BYTES, 5), all_reduce_s(_PING_BYTES, 20),
+        return (round_trip_s(_PING_BYTES, 20), round_trip_s(_STREAM_BYTES, 5),
                 bucket_all_reduce_s(_STREAM_BYTES, _STREAM_PIECES, 7), post_s(60))
     finally:
         dist.destroy_process_group()

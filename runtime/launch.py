@@ -15,9 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from cost_models.cpu_device import pin_cpu_rank, rank_threads
+from cost_models.cpu_device import rank_threads, settle_cpu_rank
 from cost_models.errors import RuntimeSetupError
-from runtime.host_allocator import keep_freed_memory
 
 _REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -66,13 +65,6 @@ def init_group(env: RankEnv, device_choice: str, timeout_s: float) -> torch.devi
                             timeout=datetime.timedelta(seconds=timeout_s),
                             device_id=device if use_cuda else None)
     return device
-
-
-def settle_cpu_rank(local_rank: int, local_ranks: int) -> None:
-    """A CPU rank's process before it joins: bound to its share of the cores (one intra-op thread each where
-    torchrun sets it) and keeping the memory it frees for its next step (runtime/host_allocator.py)."""
-    pin_cpu_rank(local_rank, local_ranks)
-    keep_freed_memory()
 
 
 def join_group(device_choice: str, timeout_s: float) -> torch.device:

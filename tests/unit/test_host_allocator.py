@@ -1,4 +1,4 @@
-"""A CPU rank keeps the memory it frees (runtime/host_allocator.py): a GPipe-like step, every micro-batch's
+"""A CPU rank keeps the memory it frees (cost_models/host_allocator.py): a GPipe-like step, every micro-batch's
 forward then their backwards, faults its activations' pages in again each step under glibc's defaults, and
 only in its first steps once the rank keeps them."""
 
@@ -13,7 +13,7 @@ import resource, sys, torch
 from torch import nn
 torch.set_num_threads(1)
 if sys.argv[1] == "keep":
-    from runtime.host_allocator import keep_freed_memory
+    from cost_models.host_allocator import keep_freed_memory
     assert keep_freed_memory()
 torch.manual_seed(0)
 model = nn.Sequential(*[nn.Sequential(nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 128)) for _ in range(4)])

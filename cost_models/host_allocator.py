@@ -8,7 +8,8 @@ GPipe's stages faulted 2,500-4,800 pages a step, where 1F1B's, which reuse one m
 next, faulted none, and GPipe's forwards and backwards ran 6-16% slower than 1F1B's same actions. With
 glibc told to serve blocks up to its ceiling from the heap and never to trim it, both fault none after
 the first step and run alike. torch has no CPU caching allocator to turn on; glibc's ``mallopt`` is the
-knob. The run's processes hold their peak from then on (as a GPU's cached blocks do).
+knob. The run's processes hold their peak from then on (as a GPU's cached blocks do). The runtime's CPU
+ranks and the processes that measure gloo for the cpu device both start so (``cpu_device.settle_cpu_rank``).
 """
 
 from __future__ import annotations
