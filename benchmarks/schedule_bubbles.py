@@ -18,7 +18,8 @@ model misjudges one family against another, whatever the machine's speed). Famil
 ``--tie`` percent of each other are tied (no order predicted between them); every pair measured the other
 way is listed with how far apart both put them, and the widest predicted gap among them closes the table
 (pairs the model put further apart all ran in its order). ``post pred/meas``: what posting one message costs
-a rank, as the cpu device measured it (the plan's) and as the run did (mean over ranks). The machine may
+a rank, as the cpu device measured it (the plan's) and as the run did (mean over ranks); ``worst peak``: the
+rank's peak memory furthest from its prediction (one more step of each family, profiled). The machine may
 have fewer cores than ranks: note the load average printed.
 
 Run: python benchmarks/schedule_bubbles.py [--steps 31] [--ranks 4] [--tie 1]
@@ -89,7 +90,8 @@ def plans(ranks: int) -> dict[str, Plan]:
 
 def _rank(rank: int, init_file: str, world: int, texts: dict[str, str], steps: int, results: Any) -> None:
     """One rank: every family's executor built side by side, their steps alternating (each between barriers
-    so that they start together), then one run report per family, as ``tessera run --report`` writes it."""
+    so that they start together), then one step more of each with its memory profiled, and one run report
+    per family, as ``tessera run --report`` writes it."""
     torch.set_num_threads(1)
     settle_cpu_rank(rank, world)  # as `tessera run`'s CPU ranks are
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
@@ -107,10 +109,14 @@ def _rank(rank: int, init_file: str, world: int, texts: dict[str, str], steps: i
             began = time.perf_counter()
             losses[name].append(executor.run(microbatches))
             timings[name].add(executor, (time.perf_counter() - began) * 1e3)
+    sent = {name: executor.p2p_bytes_sent for name, (executor, _) in prepared.items()}  # a steady step's
+    for name, (executor, data) in prepared.items():  # one step more, its memory profiled (not timed)
+        executor.run(step_microbatches(executor, data, steps), profile_memory=True)
     reports = {name: gather_report(timings[name].step_ms, losses[name], executor.memory.peak_bytes,
                                    executor.memory.held_bytes, fingerprint=made[name].model.fingerprint,
                                    device=device, global_batch_size=made[name].training.global_batch_size,
-                                   start_step=0, busy_ms=timings[name].busy_ms, action_ms=timings[name].summary())
+                                   start_step=0, p2p_bytes_sent=sent[name], busy_ms=timings[name].busy_ms,
+                                   action_ms=timings[name].summary())
                for name, (executor, _) in prepared.items()}
     if rank == 0:
         results.put({name: report.to_dict() for name, report in reports.items()})
@@ -156,7 +162,7 @@ def main() -> None:
     fastest = min(made, key=lambda name: made[name].predicted.step_ms)
     print(f"{'family':<22} {'predicted':>9} {'replayed':>9} {'measured':>9} {'meas-repl':>9} "
           f"{'pred. step':>10} {'meas. step (quartiles)':>26} {'step / ' + fastest + ' pred, meas, error':>38} "
-          f"{'post pred/meas':>15}")
+          f"{'post pred/meas':>15} {'worst peak':>10}")
     for name, plan in made.items():
         report = reports[name]
         replayed = simulate_measured(plan, report.rank_action_ms)
@@ -166,12 +172,14 @@ def main() -> None:
         quartiles = statistics.quantiles(report.timed_ms, n=4)
         predicted_ratio = plan.predicted.step_ms / made[fastest].predicted.step_ms
         measured_ratio = paired_ratio(report, reports[fastest])
+        peak_error = max((measured / predicted - 1 for measured, predicted in
+                          zip(report.peak_mem_bytes, plan.predicted.peak_mem_bytes)), key=abs)
         print(f"{name:<22} {plan.predicted.bubble_fraction:>9.1%} {replayed.bubble_fraction:>9.1%} "
               f"{measured:>9.1%} {(measured - replayed.bubble_fraction) * 100:>+8.1f}pt "
               f"{plan.predicted.step_ms:>8.1f}ms {report.median_step_ms:>8.1f}ms "
               f"({quartiles[0]:.1f}..{quartiles[2]:.1f}) "
               f"{predicted_ratio:>20.3f} {measured_ratio:.3f} {measured_ratio / predicted_ratio - 1:>+7.1%} "
-              f"{planned_post_ms:>6.2f}/{sum(posts) / max(1, len(posts)):.2f}ms", flush=True)
+              f"{planned_post_ms:>6.2f}/{sum(posts) / max(1, len(posts)):.2f}ms {peak_error:>+10.1%}", flush=True)
     predicted_order = sorted(made, key=lambda name: made[name].predicted.step_ms)
     measured_order = sorted(made, key=lambda name: paired_ratio(reports[name], reports[fastest]))
     print(f"fastest first, predicted: {', '.join(predicted_order)}")

@@ -220,6 +220,32 @@ def test_held_bytes_count_saved_activations_until_their_backward() -> None:
     assert not tracker.saved
 
 
+def test_the_memory_meter_keeps_no_split_backwards_graph_alive() -> None:
+    """A profiled step's saved-tensor hooks must not tie a graph into a cycle: ZB-H1's I runs only part of
+    the graph with the graph kept, its W another part, and what neither ran is freed by reference counts
+    alone, which a node holding its own saved output (tanh's) through the hook would defeat."""
+    import gc
+    import weakref
+
+    from runtime.split_backward import backward_input, backward_weight
+
+    first, second = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+    weights = [*first.parameters(), *second.parameters()]
+    tracker = MemoryTracker(torch.device("cpu"), lambda: weights)
+    with tracker.profiling():
+        received = torch.randn(4, 16, requires_grad=True)  # a stage's input from the stage before
+        with tracker.saving((0, 0)):
+            hidden = torch.tanh(first(received))  # tanh saves its own output
+            loss = second(hidden).square().sum()
+        saved = weakref.ref(hidden)
+        backward_weight(weights, backward_input([loss], [None], [received], weights))
+        tracker.release((0, 0))
+        del hidden, loss
+        gc.collect()
+        assert saved() is None, "the step's graph outlived its backward"
+    assert all(weight.grad is not None for weight in weights) and received.grad is not None
+
+
 def test_actions_the_runtime_does_not_run_yet_are_named() -> None:
     assert ActionKind.RECOMPUTE not in checks.SUPPORTED  # recomputation runs inside B, not as an action
     assert {ActionKind.SWAP_OUT, ActionKind.SWAP_IN} <= checks.SUPPORTED
