@@ -1,4 +1,4 @@
-"""Each schedule family's bubble, measured on 4 CPU ranks, against the simulator's.
+"""Each schedule family's bubble and step, measured on CPU ranks, against the simulator's.
 
 One GPT cut into equal-layer parts (4, or 8 for interleaved 1F1B with 2 virtual stages per rank),
 scheduled by every synchronous family (``planner.manual.reschedule``), run by the runtime on 4 gloo

@@ -44,7 +44,7 @@ def cached_cpu_device(cache_dir: str | os.PathLike[str] | None = None,
     # v5: optimizer steps timed on a mix of tensor sizes; v6: its backend (gloo); v7: the steps multi-tensor;
     # v8: the host tier's Adam rate, its own measured step's (the host is this CPU); v10: gloo's post cost;
     # v11: the post cost after compute, as the runtime posts; v12: the optimizer's step after compute too;
-    # v14: the all-reduce's bandwidth as the runtime sums a bucket (flattened, summed, copied back) after
+    # v13-v14: the all-reduce's bandwidth as the runtime sums a bucket (flattened, summed, copied back) after
     # compute, in processes keeping freed memory as the runtime's; its latency the messages'
     machine = f"v14|{platform.node()}|{platform.machine()}|{os.cpu_count()}|{torch.__version__}"
     path = root / f"cpu-{hashlib.sha256(machine.encode()).hexdigest()[:16]}.json"
