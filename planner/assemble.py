@@ -209,7 +209,8 @@ def _stage_plan(best: Candidate, index: int, nodes: tuple[str, ...], graph: Laye
         part.allreduce_ms, part.optimizer_ms, part.swap_bytes, part.swap_ms, part.host_bytes, part.nvme_bytes,
         part.weight_grad_ms, part.grad_bytes if best.setup.config.state.zero_stage < 2 else 0,  # ZeRO-2/3: shards
         part.step_excess_bytes, part.tied_excess_bytes, part.accumulate_excess_bytes, part.split_extra_ms,
-        first_backward_bytes),
+        first_backward_bytes, part.split_kept_bytes,
+        part.split_relief_bytes if best.setup.config.schedule.splits_backward and index > 0 else 0),
         spatial=_spatial(best, index, nodes, graph, offload), offload=offload)
 
 

@@ -22,7 +22,7 @@ def sim_costs(layout: Layout, parts: Sequence[StagePlan], transfers: Sequence[Tr
                              p.optimizer_ms, p.swap_bytes, p.swap_ms, p.weight_grad_ms,
                              p.allreduce_overlap(part.offload, part.index in stale or kind.splits_backward, backend),
                              p.grad_bytes, p.step_bytes, p.tied_bytes, p.accumulate_bytes, p.split_extra_ms,
-                             p.first_backward_bytes)
+                             p.first_backward_bytes, p.split_kept_bytes, p.split_relief_bytes)
                   for part in stages for p in [part.predicted])
     return SimCosts(costs, {(t.src_stage, t.dst_stage): t.ms for t in transfers},
                     {(t.src_stage, t.dst_stage): t.post_ms for t in transfers})

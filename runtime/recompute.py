@@ -21,7 +21,7 @@ same order as in the forward.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -48,18 +48,24 @@ class Checkpointed(nn.Module):
 
     def _contexts(self) -> tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]:
         """(around the forward, around the recomputation)."""
-        return contextlib.nullcontext(), buffers_restored(self.region)
+        return contextlib.nullcontext(), BuffersRestored(self.region)
 
 
-@contextlib.contextmanager
-def buffers_restored(module: nn.Module) -> Iterator[None]:
-    """Run the block, then put every buffer of ``module`` back as it was (in place, same tensors)."""
-    before = [(buffer, buffer.detach().clone()) for buffer in module.buffers()]
-    try:
-        yield
-    finally:
+class BuffersRestored:
+    """Around each recomputation of a region: on leaving, every buffer of ``module`` is put back as it was on
+    entering (in place, same tensors). Re-enterable, unlike a generator's context: a split backward (ZB-H1)
+    recomputes a region twice, in its I and in its W, with the one context its forward made."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.saved: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+
+    def __enter__(self) -> None:
+        self.saved.append([(buffer, buffer.detach().clone()) for buffer in self.module.buffers()])
+
+    def __exit__(self, *exc: object) -> None:
         with torch.no_grad():
-            for buffer, value in before:
+            for buffer, value in self.saved.pop():
                 buffer.copy_(value)
 
 

@@ -1,9 +1,9 @@
-"""A split backward (ZB-H1's I and W) that computes each half once, with torch.distributed.pipelining's own
-functions (private, as torch's zero-bubble schedules use them).
+"""A split backward (ZB-H1's I and W) that computes each half once.
 
 I computes the gradients of the stage's received inputs and keeps, per group of weights, the gradients
-that flow into the ops joining those weights to the inputs' path (``stage_backward_input``); W computes
-the weights' gradients from them (``stage_backward_weight``) without backpropagating through the
+that flow into the ops joining those weights to the inputs' path (torch.distributed.pipelining's
+``stage_backward_input``, private, as torch's zero-bubble schedules use it). W computes every weight's
+gradient from them in one backward (:func:`backward_weight`) without backpropagating through the
 activation path a second time. A weight that never joins the path from the received inputs (the first
 stage's inputs carry no gradient; a weight used only on values that carry none) would be missed, so a
 stage whose weights the groups do not all cover runs W as a backward from its outputs into the weights
@@ -18,12 +18,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.autograd.graph import GradientEdge
 from torch.distributed.pipelining._backward import (
     _get_grad_fn_or_grad_acc,
     construct_reverse_graph,
     get_param_groups,
     stage_backward_input,
-    stage_backward_weight,
 )
 
 ParamGroups = list[dict[str, Any]]
@@ -52,5 +52,37 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor |
 
 
 def backward_weight(weights: Sequence[torch.Tensor], groups: ParamGroups) -> None:
-    """W: the weights' gradients, accumulated into their ``.grad``, from what I kept."""
-    stage_backward_weight(iter(weights), groups)
+    """W: the weights' gradients, accumulated into their ``.grad``, from what I kept, in one backward.
+
+    torch's ``stage_backward_weight`` runs one backward per group, each freeing the graph it crossed: two
+    groups reaching one node (a weight used twice, as a shared layer is) fail on the second, and a
+    checkpointed region is recomputed once per group reading it. One backward from every group's kept
+    gradients crosses each node once. Each op I kept gradients at is given exactly those (a pre-hook), so
+    what reaches it from another kept op downstream is not counted twice."""
+    weight_of = {_get_grad_fn_or_grad_acc(weight): weight for weight in weights}
+    roots: list[GradientEdge] = []
+    root_grads: list[torch.Tensor] = []
+    nodes: dict[Any, torch.Tensor] = {}  # a weight's gradient accumulator -> the weight
+    handles = []
+    try:
+        for group in groups:
+            for kept, op in zip(group.pop("grads", None) or (), group.pop("intermediates")):
+                if kept is None:  # nothing reached that op in I
+                    continue
+                handles.append(op.register_prehook(lambda _, kept=kept: kept))
+                for index, grad in enumerate(kept):
+                    if grad is not None:
+                        roots.append(GradientEdge(op, index))
+                        root_grads.append(grad)
+            nodes.update((node, weight_of[node]) for node in group["params"])
+        if not roots:
+            return
+        grads = torch.autograd.grad(roots, [GradientEdge(node, 0) for node in nodes], grad_outputs=root_grads)
+    finally:
+        for handle in handles:
+            handle.remove()
+    for weight, grad in zip(nodes.values(), grads):
+        if weight.grad is None:
+            weight.grad = grad
+        else:
+            weight.grad += grad

@@ -225,6 +225,10 @@ class StagePrediction:
     split_extra_ms: float = 0.0  # a split backward's I and W beyond bwd_ms, measured (I takes bwd - W + this)
     first_backward_bytes: int = 0  # in the step's first backward: what its node-by-node working set and the
     # gradients made so far add above static_bytes, less the gradients (planner/search/working.py)
+    split_kept_bytes: int = 0  # per micro-batch, from a split backward's I to its W: what I keeps for W (the
+    # output gradients of the nodes computing with weights)
+    split_relief_bytes: int = 0  # what static_bytes holds beyond a split backward's W's working set (its largest
+    # transient less a node's new weight gradients): gone from an I's end until the rank's next forward or I
 
     def allreduce_overlap(self, offload: OffloadSpec, after_backward: bool, backend: str) -> float:
         """The share of ``allreduce_ms`` that runs during the stage's last backward (as DDP's: buckets start
@@ -244,10 +248,12 @@ class StagePrediction:
             "host_bytes": codec.integer, "nvme_bytes": codec.integer, "weight_grad_ms": codec.number,
             "grad_bytes": codec.integer, "step_bytes": codec.integer, "tied_bytes": codec.integer,
             "accumulate_bytes": codec.integer, "split_extra_ms": codec.number,
-            "first_backward_bytes": codec.integer},
+            "first_backward_bytes": codec.integer, "split_kept_bytes": codec.integer,
+            "split_relief_bytes": codec.integer},
             optional=frozenset({"optimizer_ms", "swap_bytes", "swap_ms", "host_bytes", "nvme_bytes",
                                 "weight_grad_ms", "grad_bytes", "step_bytes", "tied_bytes", "accumulate_bytes",
-                                "split_extra_ms", "first_backward_bytes"}))
+                                "split_extra_ms", "first_backward_bytes", "split_kept_bytes",
+                                "split_relief_bytes"}))
 
 
 @dataclass(frozen=True)

@@ -344,6 +344,28 @@ def accumulating_in_flight(schedule: Schedule) -> tuple[int, ...]:
     return tuple(peak)
 
 
+def weight_grads_waiting(schedule: Schedule) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per stage, the most micro-batches whose input gradient ran but whose weight gradient waits (a split
+    backward's I then W: what I keeps for W is held between them): at once at any moment, and at the start
+    of an F or an I (the moments that may hold the stage's largest transient, the loss's). 0 where no
+    backward is split.
+
+    >>> weight_grads_waiting(zb_h1(3, 6)), weight_grads_waiting(one_f_one_b(2, 4))
+    (((1, 2, 3), (0, 1, 2)), ((0, 0), (0, 0)))
+    """
+    open_, most, at_start = ([0] * schedule.num_stages for _ in range(3))
+    for program in schedule.programs:
+        for action in program:
+            if action.kind in (ActionKind.F, ActionKind.I):
+                at_start[action.stage] = max(at_start[action.stage], open_[action.stage])
+            if action.kind is ActionKind.I:
+                open_[action.stage] += 1
+                most[action.stage] = max(most[action.stage], open_[action.stage])
+            elif action.kind is ActionKind.W:
+                open_[action.stage] -= 1
+    return tuple(most), tuple(at_start)
+
+
 def swapped_resident(schedule: Schedule) -> tuple[int, ...]:
     """Per stage, the most micro-batches whose swapped activations are back on the device at once when the
     stage swaps (planner/schedules/swaps.py): the one in its backward, the one prefetched for the next,
@@ -353,15 +375,7 @@ def swapped_resident(schedule: Schedule) -> tuple[int, ...]:
     >>> swapped_resident(one_f_one_b(2, 4)), swapped_resident(zb_h1(3, 6))
     ((2, 2), (2, 3, 4))
     """
-    open_, peak = [0] * schedule.num_stages, [0] * schedule.num_stages
-    for program in schedule.programs:
-        for action in program:
-            if action.kind is ActionKind.I:
-                open_[action.stage] += 1
-                peak[action.stage] = max(peak[action.stage], open_[action.stage])
-            elif action.kind is ActionKind.W:
-                open_[action.stage] -= 1
-    return tuple(2 + max(0, waiting - 1) for waiting in peak)
+    return tuple(2 + max(0, waiting - 1) for waiting in weight_grads_waiting(schedule)[0])
 
 
 def in_flight_profiles(schedule: Schedule) -> tuple[tuple[tuple[int, ...], ...], ...]:

@@ -21,7 +21,9 @@ A message between stages of different slots travels from every rank of the sende
 of the receiver (spatial tiles join and split), each at the edge's cost, and the receive waits
 for all of them. Memory per rank is the static bytes of its stages plus ``activation_bytes`` for
 each micro-batch from the start of its F to the end of its B (or W: the weight gradient reads the
-saved inputs, so a split backward frees the micro-batch only after both halves). A micro-batch whose F
+saved inputs, so a split backward frees the micro-batch only after both halves; what its I keeps for its W,
+``split_kept_bytes``, is held from I's end to W's end, and from an I's end until the rank's next F or I the
+stage's largest transient is not, a W's working set in its place: ``split_relief_bytes``). A micro-batch whose F
 ran in the previous step (a carried forward, planner/schedules/periods.py) is held from the step's
 start; one whose F runs ahead for the next step, until its end. A stage's ``grad_bytes`` (part of its
 static bytes) exist from the end of its first B (or W) of the step, whose activations go as its gradients
@@ -78,6 +80,9 @@ class StageCosts:
     split_extra_ms: float = 0.0  # what a split backward's I and W take beyond bwd_ms (measured: W runs cold)
     first_backward_bytes: int = 0  # during the step's first backward: the gradients made so far, and what its
     # worst node works in beyond the transient (its activations not yet gone)
+    split_kept_bytes: int = 0  # per micro-batch, from a split backward's I's end to its W's end: what I kept for W
+    split_relief_bytes: int = 0  # of static_bytes, the largest transient less a W's working set: not held from
+    # an I's end until the rank's next F or I (counted back for the spikes at a W's start)
 
 
 @dataclass(frozen=True)
@@ -167,6 +172,7 @@ class _Clocks:
         self.memory = [[(0.0, self._activation_bytes(stage)) for stage in self.layout.stages_of_rank(rank)
                         for _ in self.periods.carried_on(stage)] for rank in ranks]  # (time, change) after static
         self.grads_made: set[tuple[int, int]] = set()  # (rank, stage): this step's backward allocated them
+        self.relieved = [0 for _ in ranks]  # per rank: the transient an I's end let go (split_relief_bytes)
 
     def _activation_bytes(self, stage: int) -> int:
         """What a stage holds for one micro-batch from its F until its backward ends."""
@@ -231,10 +237,14 @@ class _Clocks:
             self.last_backward_ms[rank, action.stage] = (start, end)
         self.clock_ms[rank] = end
         activation = self._activation_bytes(action.stage)
+        if self.relieved[rank] and action.kind is not ActionKind.W:  # the largest transient may be back
+            self._change_memory(rank, start, self.relieved[rank])
+            self.relieved[rank] = 0
         if action.kind in (ActionKind.B, ActionKind.W):  # a backward's worst moment, at its start
             made = (rank, action.stage) in self.grads_made  # then added into the gradients; else making them
             extra = stage.accumulate_bytes if made else stage.first_backward_bytes
-            if extra:
+            if extra:  # (above the static bytes with their transient)
+                extra += self.relieved[rank]
                 self._change_memory(rank, start, extra)
                 self._change_memory(rank, start, -extra)
         if action.kind is ActionKind.F:
@@ -243,6 +253,11 @@ class _Clocks:
                 self._copy(rank, "out", action, start, stage.swap_ms)
         elif action.kind.ends_backward:
             self._change_memory(rank, end, -activation)
+        if action.kind is ActionKind.I:  # kept for its W; the loss's transient gone
+            self._change_memory(rank, end, stage.split_kept_bytes - stage.split_relief_bytes)
+            self.relieved[rank] = stage.split_relief_bytes
+        elif action.kind is ActionKind.W:
+            self._change_memory(rank, end, -stage.split_kept_bytes)
         if action.kind in (ActionKind.B, ActionKind.W) and (rank, action.stage) not in self.grads_made:
             self.grads_made.add((rank, action.stage))  # it frees activations as it writes gradients: both at its end
             self._change_memory(rank, end, stage.grad_bytes)

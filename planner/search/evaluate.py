@@ -144,6 +144,8 @@ class PartSummary:
     split_extra_ms: float = 0.0  # a split backward's I and W beyond bwd_ms (I takes bwd - W + this)
     region_transient_bytes: int = 0  # a node's working set alone (the loss's excluded): at a region's backward
     summing_transient_bytes: int = 0  # the working set of a node summing tied weights' partial gradients
+    split_kept_bytes: int = 0  # per micro-batch whose split backward's W waits: what its I kept for it
+    weight_grad_working_bytes: int = 0  # a W's working set: the most new weight gradients one node makes
 
     @property
     def compute_ms(self) -> float:
@@ -172,6 +174,14 @@ class PartSummary:
         counts it."""
         kept = self.static_bytes - self.transient_bytes  # model state, send and receive buffers
         return max(0, kept + self.summing_transient_bytes + self.recompute_bytes + self.tied_bytes - self.held_bytes)
+
+    @property
+    def split_relief_bytes(self) -> int:
+        """What :attr:`held_bytes` holds beyond a split backward's W's working set (and a recomputed region's
+        activations, which a W reads): the largest transient, gone once the I ended, less a node's new weight
+        gradients; the simulator's split events, as the memory row's "split" moment counts it."""
+        kept = self.static_bytes - self.transient_bytes + self.weight_grad_working_bytes + self.recompute_bytes
+        return max(0, self.held_bytes - kept)
 
     @property
     def accumulate_excess_bytes(self) -> int:
@@ -277,4 +287,5 @@ def _summary(model: CostModel, part: int, first: int, last: int, decisions: Deci
                        round(values["state_bytes"]), round(values["step_bytes"]), round(values["tied_bytes"]),
                        round(values["accumulate_bytes"]), round(values["transient_bytes"]),
                        values["split_extra_ms"], round(values["region_transient_bytes"]),
-                       round(values["summing_transient_bytes"]))
+                       round(values["summing_transient_bytes"]), round(values["split_kept_bytes"]),
+                       round(values["weight_grad_working_bytes"]))

@@ -462,6 +462,7 @@ def _memory(lp: pulp.LpProblem, variables: _Variables, costs: CostModel) -> dict
         label = f"slot {row.slot}" + {"compute": "", "recompute": " in a recomputed region's backward",
                                       "backward": " at a backward's end (tied gradients summed)",
                                       "accumulate": f" in a backward of part {part} adding into its gradients",
+                                      "split": " after a split backward's I (its W waiting)",
                                       "step": f" at part {part}'s optimizer step"}[row.moment]
         constraints[label] = lp.get_constraint_by_name(name)
     return constraints

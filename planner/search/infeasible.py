@@ -37,6 +37,15 @@ class StageMemory:
     tied_bytes: float = 0.0  # at a backward's end: tied weights' partial gradients and their sum
     accumulating_bytes: float = 0.0  # working set of a backward adding into existing gradients
     accumulating_in_flight: int = 0  # micro-batches held then (0: no such backward)
+    split_kept_bytes: float = 0.0  # per micro-batch whose split backward's W waits: what its I kept for it
+    waiting: int = 0  # micro-batches whose W waits, at most at once (after an I)
+    waiting_at_transient: int = 0  # of those, the most when a forward or an I starts
+    weight_grad_working_bytes: float = 0.0  # a W's working set: one node's new weight gradients
+
+    @property
+    def held_bytes(self) -> float:
+        """The micro-batches' activations in flight, and what split backwards' I keep for their W."""
+        return self.in_flight * self.activation_bytes + self.waiting * self.split_kept_bytes
 
     @property
     def working_bytes(self) -> float:
@@ -45,12 +54,22 @@ class StageMemory:
     @property
     def compute_bytes(self) -> float:
         """The peak of the forwards and backwards."""
-        return self.state_bytes + self.working_bytes + self.in_flight * self.activation_bytes
+        return (self.state_bytes + self.working_bytes + self.in_flight * self.activation_bytes
+                + self.waiting_at_transient * self.split_kept_bytes)
+
+    @property
+    def split_bytes(self) -> float:
+        """Once a split backward's I ended: every W waiting, a W's working set in place of the transient."""
+        if not self.waiting:
+            return 0.0
+        return self.state_bytes + self.send_bytes + self.weight_grad_working_bytes + self.held_bytes
 
     @property
     def summing_bytes(self) -> float:
         """At a backward's end: its micro-batch's activations gone, tied gradients being summed."""
-        return self.compute_bytes + self.tied_bytes - (self.activation_bytes if self.tied_bytes else 0.0)
+        if not self.tied_bytes:
+            return 0.0
+        return self.state_bytes + self.working_bytes + self.held_bytes + self.tied_bytes - self.activation_bytes
 
     @property
     def adding_bytes(self) -> float:
@@ -58,11 +77,12 @@ class StageMemory:
         if not self.accumulating_in_flight:
             return 0.0
         return (self.state_bytes + self.send_bytes + self.accumulating_bytes
-                + self.accumulating_in_flight * self.activation_bytes)
+                + self.accumulating_in_flight * self.activation_bytes + self.waiting * self.split_kept_bytes)
 
     @property
     def total_bytes(self) -> float:
-        return max(self.compute_bytes, self.summing_bytes, self.adding_bytes, self.state_bytes + self.step_bytes)
+        return max(self.compute_bytes, self.summing_bytes, self.adding_bytes, self.split_bytes,
+                   self.state_bytes + self.step_bytes)
 
     def describe(self) -> str:
         text = (f"{format_bytes(self.state_bytes)} of model state (weights, gradients, optimizer state, "
@@ -72,9 +92,17 @@ class StageMemory:
                 f"{format_bytes(self.in_flight * self.activation_bytes)} of activations "
                 f"({plural(self.in_flight, 'micro-batch', 'micro-batches')} in flight x "
                 f"{format_bytes(self.activation_bytes)})")
-        if self.state_bytes + self.step_bytes > max(self.compute_bytes, self.summing_bytes, self.adding_bytes):
+        if self.waiting and self.split_kept_bytes:
+            text += (f", {format_bytes(self.waiting * self.split_kept_bytes)} of output gradients a split backward "
+                     f"keeps for its weight gradients ({plural(self.waiting, 'micro-batch', 'micro-batches')} "
+                     f"waiting x {format_bytes(self.split_kept_bytes)})")
+        moments = (self.compute_bytes, self.summing_bytes, self.adding_bytes, self.split_bytes)
+        if self.state_bytes + self.step_bytes > max(moments):
             text += (f"; its peak is the optimizer step, which adds {format_bytes(self.step_bytes)} (a bucket of "
                      f"gradients in the masters' dtype and the optimizer's temporaries) to the model state")
+        elif self.split_bytes > max(self.compute_bytes, self.summing_bytes, self.adding_bytes):
+            text += (f"; its peak follows a split backward's input gradient, with every weight gradient waiting "
+                     f"(a W's working set {format_bytes(self.weight_grad_working_bytes)} in place of the transient)")
         elif self.summing_bytes > max(self.compute_bytes, self.adding_bytes):
             text += (f"; its peak is the end of a backward, where tied weights' partial gradients and their sum "
                      f"({format_bytes(self.tied_bytes)} beyond the gradient) are held with one micro-batch fewer")
@@ -87,7 +115,7 @@ class StageMemory:
     def fix(self) -> str:
         """What to change, by the kind of memory that dominates."""
         kinds = {"state": self.state_bytes, "working": self.working_bytes,
-                 "activations": self.in_flight * self.activation_bytes}
+                 "activations": self.held_bytes}
         largest = max(kinds, key=lambda kind: kinds[kind])
         if largest == "state":
             return "more GPUs (more pipeline stages split the model state)"
@@ -111,7 +139,19 @@ def stage_memory(setup: Setup, part: int, stage: int, first: int, last: int) -> 
                                   first, last) - value["held"],
                        term_value(costs, costs.parts[part]["tied_bytes"], first, last),
                        term_value(costs, costs.parts[part]["accumulate_bytes"], first, last),
-                       setup.problem.accumulating[stage] if setup.problem.accumulating else 0)
+                       setup.problem.accumulating[stage] if setup.problem.accumulating else 0,
+                       *_split(setup, part, stage, first, last))
+
+
+def _split(setup: Setup, part: int, stage: int, first: int, last: int) -> tuple[float, int, int, float]:
+    """A stage splitting its backward: what its I keeps for its W per micro-batch, the Ws waiting at most and
+    when a forward or an I starts, a W's working set (all 0 elsewhere and on the first part: memory rows)."""
+    problem, terms = setup.problem, setup.costs.parts[part]
+    if not (problem.waiting and problem.waiting[stage] and part > 0):
+        return 0.0, 0, 0, 0.0
+    return (term_value(setup.costs, terms["split_kept_bytes"], first, last), problem.waiting[stage],
+            problem.waiting_at_transient[stage], term_value(setup.costs, terms["weight_grad_working_bytes"], first,
+                                                            last))
 
 
 def infeasible_error(setup: Setup, budget: str, gpus: int, device_name: str,

@@ -59,6 +59,9 @@ class Unit:
     input_bytes: int = 0  # what a checkpoint of this unit keeps: the activations alive where it starts
     weight_grad_ms: float = 0.0  # what a split backward's W takes (its parameters' gradients; NodeCost)
     split_extra_ms: float = 0.0  # what splitting its backward costs beyond bwd_ms (NodeCost: measured)
+    split_kept_bytes: int = 0  # what a split backward's I keeps for its W: its weighted nodes' output gradients
+    weight_grad_working_bytes: int = 0  # the most a W of it allocates at once: one node's new weight gradients,
+    # before they are added into the stage's
     param_tensors: int = 0  # parameter tensors among them (an optimizer step pays a fixed time per tensor)
     largest_param_numel: int = 0  # of its parameters and the shared ones it uses, the largest's elements
     tied_grad_bytes: int = 0  # gradients of its parameters that several of its nodes use (tied weights)
@@ -297,6 +300,8 @@ class PipelineProblem:
     swapped_resident: tuple[int, ...] = ()  # per stage: micro-batches of swapped bytes on the device (() = 2)
     backend: str = "nccl"  # the device's (DeviceSpec.backend): what hides an all-reduce, which receives post early
     accumulating: tuple[int, ...] = ()  # per stage: micro-batches held when a backward adds into its gradients
+    waiting: tuple[int, ...] = ()  # per stage: micro-batches whose split backward's W waits after its I, at once
+    waiting_at_transient: tuple[int, ...] = ()  # of those, the most when an F or an I starts (beside the transient)
 
     def __post_init__(self) -> None:
         assert len(self.boundary_bytes) == len(self.units) - 1
@@ -487,6 +492,13 @@ def _shared_param(name: str, state: _ParamState) -> SharedParam:
                        state.numel, state.tensors)
 
 
+def _trains(graph: LayerGraph, name: str) -> bool:
+    """Whether node ``name`` computes with a trainable parameter (a split backward's W then needs its output's
+    gradient, which its I keeps: runtime/split_backward.py)."""
+    node = graph.node(name)
+    return node.kind is not NodeKind.PARAM and any(not graph.parameter(p).is_buffer for p in node.param_names)
+
+
 def _param_state(graph: LayerGraph, name: str, precision: Precision, optimizer: Optimizer) -> _ParamState:
     info = graph.parameter(name)
     if info.is_buffer:
@@ -536,6 +548,8 @@ def _unit(graph: LayerGraph, table: CostTable, names: list[str], precision: Prec
         input_bytes=min(released, crossing_before),
         weight_grad_ms=sum(c.weight_grad_ms for c in costs),
         split_extra_ms=sum(c.split_extra_ms for c in costs),
+        split_kept_bytes=sum(c.output_bytes for name, c in zip(names, costs) if _trains(graph, name)),
+        weight_grad_working_bytes=max((c.grad_bytes for c in costs), default=0),
         param_tensors=sum(p.tensors for p in state),
         largest_param_numel=max((graph.parameter(p).numel for p in params if not graph.parameter(p).is_buffer),
                                 default=0),

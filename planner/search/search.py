@@ -36,6 +36,7 @@ from planner.schedules.generate import (
     generate,
     max_in_flight,
     swapped_resident,
+    weight_grads_waiting,
 )
 from planner.search.configs import Config, SearchSpace, configurations, gpu_counts
 from planner.search.evaluate import Decisions, Evaluation, evaluate
@@ -167,8 +168,8 @@ class Search:
         self._setups: dict[Config, Setup] = {}
         self._min_peaks: dict[tuple[Config, bool], OracleResult | None] = {}
         self._schedules: dict[tuple, Schedule] = {}
-        # per schedule key, per part: micro-batches in flight, swapped ones resident, accumulating
-        self._held: dict[tuple, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = {}
+        # per schedule key, per stage: micro-batches in flight, swapped ones resident, accumulating, W waiting
+        self._held: dict[tuple, tuple] = {}
         self._balanced: dict[tuple, BalancedStep] = {}
         self._geometries: dict[SpatialChoice, TileGeometry] = {}
         self._fused: dict[SpatialChoice, FusedHalos] = {}  # each geometry's fused-halo costing (memoised walks)
@@ -196,7 +197,7 @@ class Search:
         spatial_units = config.spatial and self._spatial_units(config.micro_batch_size, config.spatial)
         units = coarse or spatial_units or default
         schedule = self.schedule(config)
-        in_flight, resident, accumulating = self._held[_schedule_key(config)]
+        in_flight, resident, accumulating, (waiting, waiting_at_transient) = self._held[_schedule_key(config)]
         layout, per_node = schedule.layout, self.space.gpus_per_node
         problem = PipelineProblem(
             units.units, units.boundary_bytes, units.shared, layout, config.schedule, config.num_microbatches,
@@ -205,7 +206,7 @@ class Search:
             memory_tiers(self.device, self.space, config.state, activations=False),
             tuple(self._spatial_part(choice, config.micro_batch_size, units, None if coarse else config.spatial)
                   for choice in config.spatial), self.balanced(config, units), resident,
-            self.device.backend, accumulating)
+            self.device.backend, accumulating, waiting, waiting_at_transient)
         decided = None
         if {Offload.RECOMPUTE, Offload.SWAP} & self.space.offload:
             tiers = memory_tiers(self.device, self.space, config.state, activations=True)
@@ -220,13 +221,14 @@ class Search:
 
     def schedule(self, config: Config) -> Schedule:
         """``config``'s generated programs and layout (cached: alike for every state mode), and what its
-        programs hold per part (in flight, swapped ones resident, accumulating: ``_held``)."""
+        programs hold per stage (in flight, swapped ones resident, accumulating, W waiting: ``_held``)."""
         key = _schedule_key(config)
         if key not in self._schedules:
             schedule = generate(config.schedule, config.num_stages, config.num_microbatches,
                                 data_parallel=config.data_parallel, **_shape(config))
             self._schedules[key] = schedule
-            self._held[key] = (max_in_flight(schedule), swapped_resident(schedule), accumulating_in_flight(schedule))
+            self._held[key] = (max_in_flight(schedule), swapped_resident(schedule), accumulating_in_flight(schedule),
+                               weight_grads_waiting(schedule))
         return self._schedules[key]
 
     def balanced(self, config: Config, units: Coarsening) -> BalancedStep | None:

@@ -200,8 +200,8 @@ class MemoryRow:
     slot: int
     members: tuple[tuple[int, Term], ...]  # (part, term)
     moment: str = "compute"  # "compute" (forwards and backwards), "recompute" (a recomputed region's
-    # backward), "backward" (a backward's end), "accumulate" (a backward adding into the gradients), "step"
-    # (the optimizer step)
+    # backward), "backward" (a backward's end), "accumulate" (a backward adding into the gradients), "split"
+    # (after a split backward's I: every W waiting), "step" (the optimizer step)
 
 
 @dataclass(frozen=True)
@@ -216,7 +216,8 @@ class CapacityRow:
 BREAKDOWN = ("fwd_ms", "bwd_ms", "weight_grad_ms", "split_extra_ms", "send_ms", "allreduce_ms", "optimizer_ms",
              "swap_ms", "grad_bytes", "static_bytes", "activation_bytes", "swap_bytes", "recompute_bytes",
              "host_bytes", "nvme_bytes", "state_bytes", "step_bytes", "tied_bytes", "accumulate_bytes",
-             "transient_bytes", "region_transient_bytes", "summing_transient_bytes")
+             "transient_bytes", "region_transient_bytes", "summing_transient_bytes", "split_kept_bytes",
+             "weight_grad_working_bytes")
 """The per-part terms every evaluation reports (planner/search/evaluate.py: PartSummary)."""
 
 
@@ -313,6 +314,9 @@ def cost_model(problem: PipelineProblem) -> CostModel:
     the next run, posted a run ahead: an input and a gradient's worth), two micro-batches' swapped bytes,
     and in-flight(t) x (kept saved activations + received inputs); on the last part the activations
     include what the loss keeps (added to the unit holding the graph's output in planner/search/problem.py).
+    A split backward (ZB-H1) also holds, per micro-batch whose W waits after its I (``problem.waiting``),
+    what I kept for W: the output gradients of the part's nodes that compute with weights (none on the
+    first part, whose W is the whole backward).
     Other moments have rows of their own (:func:`_memory_rows`): a recomputed region's backward, where its
     activations exist again beside a node's working set in place of the largest transient (a language
     model's is the loss's, whose backward ran first); a backward's end, where a stage holding both uses of a
@@ -340,8 +344,17 @@ def _shared_terms(problem: PipelineProblem, units: tuple[Unit, ...],
         "fwd_ms": Term(per_unit=tuple(u.fwd_ms for u in units)),
         "bwd_ms": Term(per_unit=tuple(u.bwd_ms for u in units),
                        per_recompute=tuple(u.fwd_ms for u in units) if recompute else ()),
-        "weight_grad_ms": Term(per_unit=tuple(u.weight_grad_ms for u in units)),  # a split backward's W
-        "split_extra_ms": Term(per_unit=tuple(u.split_extra_ms for u in units)),  # its I and W beyond bwd_ms
+        # a split backward's W, and its I and W beyond bwd_ms: a recomputed unit runs its forward in both
+        # (runtime/split_backward.py: each half backpropagates through the region, which checkpoint recomputes)
+        "weight_grad_ms": Term(per_unit=tuple(u.weight_grad_ms for u in units),
+                               per_recompute=tuple(u.fwd_ms for u in units) if recompute else ()),
+        "split_extra_ms": Term(per_unit=tuple(u.split_extra_ms for u in units),
+                               per_recompute=tuple(u.fwd_ms for u in units) if recompute else ()),
+        # what its I keeps for its W (the weighted nodes' output gradients), per micro-batch whose W waits
+        "split_kept_bytes": Term(per_unit=tuple(float(u.split_kept_bytes) for u in units)),
+        # and once its I ended, the working set of its W: a node's new weight gradients, not the largest transient
+        "weight_grad_working_bytes": Term(unit_max=tuple(float(u.weight_grad_working_bytes) for u in units),
+                                          max_name="weight_grad_working"),
         "grad_bytes": Term(per_unit=tuple(float(u.grad_bytes) for u in units),
                            per_shared=tuple(float(p.grad_bytes) for p in shared)),
         "transient_bytes": Term(unit_max=tuple(float(u.transient_bytes) for u in units), max_name="transient"),
@@ -527,12 +540,12 @@ def _part_terms(problem: PipelineProblem, part: int, shared: dict[str, Term],
     boundary = problem.boundary_bytes
     allreduce = problem.allreduce[part]
     terms: dict[str, Term] = {name: shared[name] for name in (
-        "fwd_ms", "bwd_ms", "weight_grad_ms", "split_extra_ms", "compute_ms", "grad_bytes", "swap_bytes", "swap_ms",
-        "recompute_bytes", "tied_bytes", "accumulate_bytes", "transient_bytes", "region_transient_bytes",
-        "summing_transient_bytes")}
+        "fwd_ms", "bwd_ms", "weight_grad_ms", "split_extra_ms", "split_kept_bytes", "weight_grad_working_bytes",
+        "compute_ms", "grad_bytes", "swap_bytes", "swap_ms", "recompute_bytes", "tied_bytes", "accumulate_bytes",
+        "transient_bytes", "region_transient_bytes", "summing_transient_bytes")}
     if is_first:  # its inputs are data, carrying no gradient: a split backward's I has nothing to do, W all of it
         terms["weight_grad_ms"] = dataclasses.replace(shared["bwd_ms"], family="weight_grad_ms")
-        terms["split_extra_ms"] = Term()  # (the runtime's W there is one whole backward)
+        terms["split_extra_ms"] = terms["split_kept_bytes"] = Term()  # (the runtime's W there is one whole backward)
     copies = len(problem.layout.part_ranks(part))
     if copies not in states:
         states[copies] = _state_terms(problem, copies)
@@ -633,8 +646,11 @@ def _memory_rows(problem: PipelineProblem, parts: tuple[dict[str, Term], ...]) -
     tied weights' partial gradients are summed after the micro-batch's activations went (one micro-batch
     fewer in flight); at the start of each of its stages' backwards that add into its gradients (not the
     step's first, which makes them): the largest node's new weight gradient, with the micro-batches the stage
-    holds then (``problem.accumulating``); and at each of its stages' optimizer steps: that stage's model
-    state and step buffers,
+    holds then (``problem.accumulating``); where a stage splits its backward (ZB-H1), once an I ended: every
+    micro-batch whose W waits holds what its I kept (``split_kept_bytes``) beside a W's working set (a node's
+    new weight gradients) in place of the largest transient, and the forwards' and I's starts hold the largest
+    transient beside the W waiting then (``problem.waiting_at_transient``: one fewer in ZB-H1's programs); and
+    at each of its stages' optimizer steps: that stage's model state and step buffers,
     the slot's other stages' static bytes, and no activations but those of forwards a stale-weight (WPipe)
     stage runs ahead of the step (counted as all its micro-batches in flight: an upper bound)."""
     layout = problem.layout
@@ -647,6 +663,8 @@ def _memory_rows(problem: PipelineProblem, parts: tuple[dict[str, Term], ...]) -
         # the working set of the node summing them (the earliest user's backward: the others' are gone)
         computing: list[tuple[int, Term]] = []  # at the largest transient (the loss's): no region rematerialised
         recomputing: list[tuple[int, Term]] = []  # in a recomputed region's backward: a node's working set
+        splitting: list[tuple[int, Term]] = []  # once a split backward's I ended: every W waiting, a node's
+        # working set in place of the largest transient
         for stage in layout.stages_on_slot(slot):
             part = layout.part(stage)
             terms = parts[part]
@@ -655,6 +673,18 @@ def _memory_rows(problem: PipelineProblem, parts: tuple[dict[str, Term], ...]) -
                 resident = problem.swapped_resident[stage] if problem.swapped_resident else 2
                 activations = activations.plus(terms["swap_bytes"], float(resident))
             computing += [(part, terms["static_bytes"]), (part, activations)]
+            waiting = problem.waiting[stage] if problem.waiting and part > 0 else 0  # (the first part's W is
+            # its whole backward, the loss's too on one part: it keeps nothing and its transient stays)
+            if waiting:  # the largest transient beside the W waiting when an F or an I starts
+                computing.append((part, terms["split_kept_bytes"].scaled(float(problem.waiting_at_transient[stage]))))
+                splitting += [(part, terms["kept_bytes"].plus(terms["split_kept_bytes"], float(waiting))),
+                              (part, terms["weight_grad_working_bytes"]),  # once an I ended: a W's working set
+                              (part, activations)]
+                if problem.tiers.recompute:  # a W reads a recomputed region's activations
+                    splitting.append((part, terms["recompute_bytes"]))
+                activations = activations.plus(terms["split_kept_bytes"], float(waiting))  # in the rows below
+            else:
+                splitting += [(part, terms["static_bytes"]), (part, activations)]
             working = terms["kept_bytes"].plus(terms["region_transient_bytes"])  # a node's, the loss's gone
             if problem.tiers.recompute:
                 activations = activations.plus(terms["recompute_bytes"])
@@ -665,6 +695,9 @@ def _memory_rows(problem: PipelineProblem, parts: tuple[dict[str, Term], ...]) -
             summing += [(part, summed_by.plus(terms["tied_bytes"])),
                         (part, activations.plus(terms["activation_bytes"], -1.0))]
         rows.append(MemoryRow(slot, tuple(computing)))
+        if problem.waiting and any(problem.waiting[stage] and layout.part(stage) > 0
+                                   for stage in layout.stages_on_slot(slot)):
+            rows.append(MemoryRow(slot, tuple(splitting), "split"))
         if recomputing:
             rows.append(MemoryRow(slot, tuple(recomputing), "recompute"))
         if any(parts[part]["tied_bytes"].upper_bound() > 0 for part, _ in static):

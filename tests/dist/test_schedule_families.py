@@ -6,13 +6,14 @@ embedding (first stage) to the LM head (last stage), and the cuts below start a 
 ``blocks_0_mlp_proj`` after two short ones, so the residual stream skips from the stage holding
 ``add_1`` over two stages (across ranks) to the one adding it back. Losses, every gradient and every
 final weight are compared at rtol 1e-10, on 2 and on 4 ranks, for interleaved-1f1b (v = 2 and 3),
-zb-h1 and gems-master.
+zb-h1 (on 2 ranks also with a recomputed region on its second stage) and gems-master.
 """
 
 from __future__ import annotations
 
 import pytest
 
+from planner.plan import OffloadSpec
 from tests.dist.harness import run_ranks
 from tests.dist.runtime_cases import Case, run_cases
 from tests.dist.test_runtime import _check
@@ -29,9 +30,15 @@ GPT_12 = ["blocks_0_ln_1", "blocks_0_attn_qkv", "blocks_0_attn_proj", "blocks_0_
           "blocks_1_mlp_fc"]  # add_1: stage 3 -> 6
 
 
-def _case(builder: str, starts: list[str], kind: str, microbatches: int, **options: object) -> Case:
+# the second stage recomputes its last block's MLP: a split backward's I and W each backpropagate through it
+MLP_RECOMPUTED = [OffloadSpec(),
+                  OffloadSpec(recompute=(("blocks_1_mlp_fc", "blocks_1_mlp_gelu", "blocks_1_mlp_proj"),))]
+
+
+def _case(builder: str, starts: list[str], kind: str, microbatches: int, offload: list[OffloadSpec] | None = None,
+          **options: object) -> Case:
     return Case(scheduled(make_plan(builder, starts, schedule="gpipe", microbatches=microbatches,
-                                    micro_batch_size=1), kind, **options), steps=2)
+                                    micro_batch_size=1, offload=offload), kind, **options), steps=2)
 
 
 def _run(cases: list[Case], ranks: int) -> None:
@@ -44,6 +51,7 @@ def test_two_ranks() -> None:
     _run([_case(GPT, GPT_4, "interleaved-1f1b", 2, virtual_stages=2),
           _case(GPT, GPT_6, "interleaved-1f1b", 2, virtual_stages=3),
           _case(GPT, ["blocks_1_ln_1"], "zb-h1", 3),
+          _case(GPT, ["blocks_1_ln_1"], "zb-h1", 3, offload=MLP_RECOMPUTED),
           _case(GPT, ["blocks_1_ln_1"], "gems-master", 4)], 2)
 
 

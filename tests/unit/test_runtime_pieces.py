@@ -246,6 +246,37 @@ def test_the_memory_meter_keeps_no_split_backwards_graph_alive() -> None:
     assert all(weight.grad is not None for weight in weights) and received.grad is not None
 
 
+def test_what_the_plan_says_a_split_backward_keeps_is_what_the_runtimes_input_gradient_keeps() -> None:
+    """The plan's split_kept_bytes of a later stage (the output gradients of its nodes computing with
+    weights, planner/search/problem.py) against the runtime: the bytes of the gradients its I hands to its W
+    (runtime/split_backward.py) for one micro-batch of the planned size, on the stage the runtime builds."""
+    from runtime.build import split_stages
+    from runtime.split_backward import backward_input
+
+    plan = Plan.from_dict(json.loads(make_plan(GPT, ["blocks_1_ln_1"], schedule="zb-h1", micro_batch_size=3)))
+    model = rebuild_model(plan)
+    modules = split_stages(trace_checked(model, plan), model, plan)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            tensor.copy_(torch.randn_like(tensor.double()) * 0.1 if tensor.is_floating_point() else 0)
+    tokens = torch.zeros(plan.training.micro_batch_size, 32, dtype=torch.long)
+    (hidden,) = _as_tuple(modules[0](tokens))
+    received = hidden.detach().requires_grad_()
+    tied = model.wte.weight  # the head reads the embedding's weight: the stage's second input
+    logits = _as_tuple(modules[1](received, tied))[0]
+    loss = logits.square().mean()
+    groups = backward_input([loss], [None], [received], [*modules[1].parameters(), tied])
+    kept = {grad.untyped_storage().data_ptr(): grad.untyped_storage().nbytes()
+            for group in groups for grads in group["grads"] for grad in grads if grad is not None}
+    assert plan.stages[0].predicted.split_kept_bytes == 0  # its W is its whole backward
+    assert plan.stages[1].predicted.split_kept_bytes == sum(kept.values()) > 0
+
+
+def _as_tuple(value: object) -> tuple:
+    return value if isinstance(value, tuple) else (value,)
+
+
 def test_actions_the_runtime_does_not_run_yet_are_named() -> None:
     assert ActionKind.RECOMPUTE not in checks.SUPPORTED  # recomputation runs inside B, not as an action
     assert {ActionKind.SWAP_OUT, ActionKind.SWAP_IN} <= checks.SUPPORTED

@@ -6,7 +6,7 @@ import pytest
 
 from planner.plan import Layout
 from planner.schedules.actions import parse_programs
-from planner.schedules.generate import generate, max_in_flight
+from planner.schedules.generate import generate, max_in_flight, weight_grads_waiting
 from planner.schedules.lower import lower
 from planner.schedules.simulate import SimCosts, SimResult, StageCosts, simulate
 from planner.schedules.validate import ScheduleError
@@ -125,6 +125,30 @@ def test_gradients_exist_from_the_first_backward_to_the_optimizer_step(kind: str
         expected = STATIC + w * ACT if refills else max(STATIC - grads + w * ACT, STATIC + (w - 1) * ACT)
         assert result.peak_mem_bytes[stage] == expected
         assert timeline[0] == (0.0, STATIC - grads) and timeline[-1][1] == STATIC - grads
+
+
+@pytest.mark.parametrize(("num_stages", "num_microbatches"), [(2, 2), (2, 8), (3, 6), (4, 8)])
+@pytest.mark.parametrize("relief", [0, 300])
+def test_a_split_backward_holds_what_its_input_gradient_kept_until_its_weight_gradient(
+        num_stages: int, num_microbatches: int, relief: int) -> None:
+    """ZB-H1: a later stage's I keeps K bytes per micro-batch for its W, from I's end to W's end, and from
+    an I's end until the rank's next F or I its largest transient (R of its static bytes) is not held. By
+    hand, with h the micro-batches it holds at most and w the Ws waiting at most (ZB-H1 reaches both at
+    once, after an I; a forward runs with one W fewer waiting): the peak is max(S + h A + (w - 1) K,
+    S - R + h A + w K). The first stage keeps nothing (its W is its whole backward)."""
+    kept = 700
+    stages = tuple(StageCosts(1.5, 3.0, ACT, STATIC, weight_grad_ms=1.0,
+                              split_kept_bytes=kept if stage else 0, split_relief_bytes=relief if stage else 0)
+                   for stage in range(num_stages))
+    result = _run("zb-h1", stages, num_microbatches)
+    schedule = generate("zb-h1", num_stages, num_microbatches)
+    held, (waiting, _) = max_in_flight(schedule), weight_grads_waiting(schedule)
+    for stage, timeline in enumerate(result.memory_timeline):
+        h, w = held[stage], waiting[stage]
+        expected = STATIC + h * ACT if stage == 0 else max(STATIC + h * ACT + (w - 1) * kept,
+                                                           STATIC - relief + h * ACT + w * kept)
+        assert result.peak_mem_bytes[stage] == expected
+        assert timeline[-1][1] == STATIC
 
 
 def test_every_tile_rank_of_a_spatial_stage_allocates_and_frees_its_own_gradients() -> None:
