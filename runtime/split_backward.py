@@ -1,15 +1,17 @@
 """A split backward (ZB-H1's I and W) that computes each half once.
 
 I computes the gradients of the stage's received inputs and keeps, per group of weights, the gradients
-that flow into the ops joining those weights to the inputs' path (torch.distributed.pipelining's
-``stage_backward_input``, private, as torch's zero-bubble schedules use it). W computes every weight's
-gradient from them in one backward (:func:`backward_weight`) without backpropagating through the
-activation path a second time. A weight that never joins the path from the received inputs (the first
-stage's inputs carry no gradient; a weight used only on values that carry none) would be missed, so a
-stage whose weights the groups do not all cover runs W as a backward from its outputs into the weights
-(the graph I kept): torch's schedules do the same for their first stage. That is decided once per stage,
+that flow into the ops joining those weights to the inputs' path; W computes the weights' gradients from
+them without backpropagating through the activation path a second time (torch.distributed.pipelining's
+``stage_backward_input`` and ``stage_backward_weight``, private, as torch's zero-bubble schedules use them).
+A weight that never joins the path from the received inputs (the first stage's inputs carry no gradient; a
+weight used only on values that carry none) would be missed, so a stage whose weights the groups do not all
+cover runs W as a backward from its outputs into the weights (the graph I kept): torch's schedules do the
+same for their first stage. That is decided once per stage,
 on its first micro-batch (a stage's graph is the same every step). Between I and W the groups hold their
-captured gradients, beside the saved activations W still reads.
+captured gradients, beside the saved activations W still reads. A checkpointed region is recomputed in I
+and again in each W group reading it (a backward recomputes it once): the planner does not recompute under
+a split backward.
 """
 
 from __future__ import annotations
@@ -18,12 +20,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.autograd.graph import GradientEdge
 from torch.distributed.pipelining._backward import (
     _get_grad_fn_or_grad_acc,
     construct_reverse_graph,
     get_param_groups,
     stage_backward_input,
+    stage_backward_weight,
 )
 
 ParamGroups = list[dict[str, Any]]
@@ -52,37 +54,9 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor |
 
 
 def backward_weight(weights: Sequence[torch.Tensor], groups: ParamGroups) -> None:
-    """W: the weights' gradients, accumulated into their ``.grad``, from what I kept, in one backward.
-
-    torch's ``stage_backward_weight`` runs one backward per group, each freeing the graph it crossed: two
-    groups reaching one node (a weight used twice, as a shared layer is) fail on the second, and a
-    checkpointed region is recomputed once per group reading it. One backward from every group's kept
-    gradients crosses each node once. Each op I kept gradients at is given exactly those (a pre-hook), so
-    what reaches it from another kept op downstream is not counted twice."""
-    weight_of = {_get_grad_fn_or_grad_acc(weight): weight for weight in weights}
-    roots: list[GradientEdge] = []
-    root_grads: list[torch.Tensor] = []
-    nodes: dict[Any, torch.Tensor] = {}  # a weight's gradient accumulator -> the weight
-    handles = []
-    try:
-        for group in groups:
-            for kept, op in zip(group.pop("grads", None) or (), group.pop("intermediates")):
-                if kept is None:  # nothing reached that op in I
-                    continue
-                handles.append(op.register_prehook(lambda _, kept=kept: kept))
-                for index, grad in enumerate(kept):
-                    if grad is not None:
-                        roots.append(GradientEdge(op, index))
-                        root_grads.append(grad)
-            nodes.update((node, weight_of[node]) for node in group["params"])
-        if not roots:
-            return
-        grads = torch.autograd.grad(roots, [GradientEdge(node, 0) for node in nodes], grad_outputs=root_grads)
-    finally:
-        for handle in handles:
-            handle.remove()
-    for weight, grad in zip(nodes.values(), grads):
-        if weight.grad is None:
-            weight.grad = grad
-        else:
-            weight.grad += grad
+    """W: the weights' gradients, accumulated into their ``.grad``, from what I kept: one backward per group,
+    each from its kept gradients to its own weights only (the activation path is not crossed again). Every
+    backward but the last keeps the graph: two groups may reach one node (a weight used twice in the
+    stage), which a backward freeing what it crossed would leave the next without."""
+    for index, group in enumerate(groups):
+        stage_backward_weight(iter(weights), [group], retain_graph=index < len(groups) - 1)

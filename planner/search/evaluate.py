@@ -177,10 +177,10 @@ class PartSummary:
 
     @property
     def split_relief_bytes(self) -> int:
-        """What :attr:`held_bytes` holds beyond a split backward's W's working set (and a recomputed region's
-        activations, which a W reads): the largest transient, gone once the I ended, less a node's new weight
-        gradients; the simulator's split events, as the memory row's "split" moment counts it."""
-        kept = self.static_bytes - self.transient_bytes + self.weight_grad_working_bytes + self.recompute_bytes
+        """What :attr:`held_bytes` holds beyond a split backward's W's working set: the largest transient, gone
+        once the I ended, less a node's new weight gradients; the simulator's split events, as the memory
+        row's "split" moment counts it (a split backward does not recompute: planner/search/search.py)."""
+        kept = self.static_bytes - self.transient_bytes + self.weight_grad_working_bytes
         return max(0, self.held_bytes - kept)
 
     @property

@@ -212,6 +212,8 @@ class Search:
             tiers = memory_tiers(self.device, self.space, config.state, activations=True)
             if config.schedule.stale_weights:  # WPipe carries micro-batches across steps: it does not swap yet
                 tiers = dataclasses.replace(tiers, swap=False)
+            if config.schedule.splits_backward:  # a region would be recomputed in I and again per W group
+                tiers = dataclasses.replace(tiers, recompute=False)  # (runtime/split_backward.py)
             if tiers.recompute or tiers.swap:
                 decided = dataclasses.replace(problem, tiers=tiers)
         setup = Setup(config, schedule, problem, cost_model(problem), units, table, decided)

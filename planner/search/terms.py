@@ -344,12 +344,8 @@ def _shared_terms(problem: PipelineProblem, units: tuple[Unit, ...],
         "fwd_ms": Term(per_unit=tuple(u.fwd_ms for u in units)),
         "bwd_ms": Term(per_unit=tuple(u.bwd_ms for u in units),
                        per_recompute=tuple(u.fwd_ms for u in units) if recompute else ()),
-        # a split backward's W, and its I and W beyond bwd_ms: a recomputed unit runs its forward in both
-        # (runtime/split_backward.py: each half backpropagates through the region, which checkpoint recomputes)
-        "weight_grad_ms": Term(per_unit=tuple(u.weight_grad_ms for u in units),
-                               per_recompute=tuple(u.fwd_ms for u in units) if recompute else ()),
-        "split_extra_ms": Term(per_unit=tuple(u.split_extra_ms for u in units),
-                               per_recompute=tuple(u.fwd_ms for u in units) if recompute else ()),
+        "weight_grad_ms": Term(per_unit=tuple(u.weight_grad_ms for u in units)),  # a split backward's W
+        "split_extra_ms": Term(per_unit=tuple(u.split_extra_ms for u in units)),  # its I and W beyond bwd_ms
         # what its I keeps for its W (the weighted nodes' output gradients), per micro-batch whose W waits
         "split_kept_bytes": Term(per_unit=tuple(float(u.split_kept_bytes) for u in units)),
         # and once its I ended, the working set of its W: a node's new weight gradients, not the largest transient
@@ -680,8 +676,6 @@ def _memory_rows(problem: PipelineProblem, parts: tuple[dict[str, Term], ...]) -
                 splitting += [(part, terms["kept_bytes"].plus(terms["split_kept_bytes"], float(waiting))),
                               (part, terms["weight_grad_working_bytes"]),  # once an I ended: a W's working set
                               (part, activations)]
-                if problem.tiers.recompute:  # a W reads a recomputed region's activations
-                    splitting.append((part, terms["recompute_bytes"]))
                 activations = activations.plus(terms["split_kept_bytes"], float(waiting))  # in the rows below
             else:
                 splitting += [(part, terms["static_bytes"]), (part, activations)]

@@ -152,6 +152,8 @@ def test_under_a_tight_budget_every_rank_of_a_family_plan_fits_as_simulated(kind
         tight = _gpt(offload=("recompute", "swap"), mem=int(share * need), **common)
         assert tight.schedule.kind is kind
         assert max(tight.predicted.peak_mem_bytes) <= int(share * need), share
+        if kind.splits_backward:  # its W would recompute a region once per weight group: it swaps instead
+            assert not any(stage.offload.recompute for stage in tight.stages)
         if any(stage.offload.recompute or stage.offload.swap for stage in tight.stages):
             return
     raise AssertionError(f"no budget down to 65% of {need} bytes made the search recompute or swap")

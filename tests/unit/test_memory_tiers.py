@@ -26,7 +26,6 @@ from cost_models.memory import Optimizer, Precision
 from examples.models.gpt import gpt, gpt_tiny
 from planner import plan, trace
 from planner.plan import Layout, OffloadSpec, Plan, ScheduleKind, StateTier
-from planner.schedules.balanced import family_step
 from planner.schedules.generate import gpipe
 from planner.schedules.lower import lower
 from planner.schedules.simulate import SimCosts, StageCosts, simulate
@@ -234,24 +233,6 @@ def test_recompute_adds_the_forward_and_keeps_only_the_inputs() -> None:
     assert kept.parts[0].activation_bytes - recomputed.parts[0].activation_bytes == 800
     # 3 micro-batches in flight x 800 bytes fewer, and the recomputed unit's 1000 bytes while its backward runs
     assert kept.slot_peak_bytes[0] - recomputed.slot_peak_bytes[0] == 3 * 800
-
-
-def test_a_split_backward_recomputes_a_region_in_its_input_and_in_its_weight_gradient() -> None:
-    """ZB-H1: a recomputed unit's forward runs again in I and again in W (each backpropagates through the
-    region: tests/unit/test_split_backward.py), so both halves take it on, I's through split_extra_ms."""
-    unit = dataclasses.replace(Unit(("a",), 2.0, 3.0, 100, 10, 1000, 10, (), 0, 0, 0, 1000, 200),
-                               weight_grad_ms=1.0)
-    links = (LinearCost(0.0, 0.0),) * 2
-    problem = PipelineProblem((unit, unit), (50,), (), Layout.pipeline(2), ScheduleKind.ZB_H1, 3, (2, 1),
-                              links[:1], links, 10**6, _tiers(), balanced=family_step(ScheduleKind.ZB_H1, 2, 3, 1, 2),
-                              waiting=(1, 1), waiting_at_transient=(0, 0))
-    costs = cost_model(problem)
-    kept, recomputed = (evaluate(costs, (0,), Decisions((0.0, r), (0.0, 0.0))).parts[1] for r in (0.0, 1.0))
-    assert recomputed.bwd_ms - kept.bwd_ms == 2.0
-    assert recomputed.weight_grad_ms - kept.weight_grad_ms == 2.0  # W: the forward again
-    assert recomputed.split_extra_ms - kept.split_extra_ms == 2.0  # I = bwd - W + extra: the forward too
-    i_ms = [part.bwd_ms - part.weight_grad_ms + part.split_extra_ms for part in (kept, recomputed)]
-    assert i_ms[1] - i_ms[0] == 2.0
 
 
 @pytest.mark.parametrize(("loss_node_transient", "peaks"), [
