@@ -2,8 +2,9 @@
 
 I computes the gradients of the stage's received inputs and keeps, per group of weights, the gradients
 that flow into the ops joining those weights to the inputs' path; W computes the weights' gradients from
-them without backpropagating through the activation path a second time (torch.distributed.pipelining's
-``stage_backward_input`` and ``stage_backward_weight``, private, as torch's zero-bubble schedules use them).
+them without backpropagating through the activation path a second time (I is torch.distributed.pipelining's
+``stage_backward_input``, private, as torch's zero-bubble schedules use it; W runs its groups as torch's
+``stage_backward_weight`` does, with the changes :func:`backward_weight` gives).
 A weight that never joins the path from the received inputs (the first stage's inputs carry no gradient; a
 weight used only on values that carry none) would be missed, so a stage whose weights the groups do not all
 cover runs W as a backward from its outputs into the weights (the graph I kept): torch's schedules do the
@@ -20,12 +21,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.autograd.graph import GradientEdge
 from torch.distributed.pipelining._backward import (
     _get_grad_fn_or_grad_acc,
     construct_reverse_graph,
     get_param_groups,
     stage_backward_input,
-    stage_backward_weight,
 )
 
 ParamGroups = list[dict[str, Any]]
@@ -55,8 +56,33 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor |
 
 def backward_weight(weights: Sequence[torch.Tensor], groups: ParamGroups) -> None:
     """W: the weights' gradients, accumulated into their ``.grad``, from what I kept: one backward per group,
-    each from its kept gradients to its own weights only (the activation path is not crossed again). Every
-    backward but the last keeps the graph: two groups may reach one node (a weight used twice in the
-    stage), which a backward freeing what it crossed would leave the next without."""
+    from its kept gradients to its own weights only (the activation path is not crossed again), as torch's
+    ``stage_backward_weight`` runs them, with two differences. Every backward but the last keeps the graph:
+    two groups may reach one node (a weight used twice in the stage), which a backward freeing what it crossed
+    would leave the next without. And each weight's gradient accumulator is looked up once, not once per
+    group (each lookup makes a view: with tens of groups that was milliseconds a W)."""
+    weight_of = {_get_grad_fn_or_grad_acc(weight): weight for weight in weights}
+    last = len(groups) - 1
     for index, group in enumerate(groups):
-        stage_backward_weight(iter(weights), [group], retain_graph=index < len(groups) - 1)
+        kept, ops = group.pop("grads", None) or (), group.pop("intermediates")
+        roots = [(GradientEdge(op, slot), grad) for saved, op in zip(kept, ops) if saved is not None
+                 for slot, grad in enumerate(saved) if grad is not None]
+        if not roots:
+            continue
+        handles = []
+        if len(ops) > 1:  # each op gets its own kept gradients, not what another kept op downstream adds
+            handles = [op.register_prehook(lambda _, saved=saved: saved)
+                       for saved, op in zip(kept, ops) if saved is not None]
+        try:
+            nodes = list(group["params"])
+            grads = torch.autograd.grad([edge for edge, _ in roots], [GradientEdge(node, 0) for node in nodes],
+                                        grad_outputs=[grad for _, grad in roots], retain_graph=index < last)
+        finally:
+            for handle in handles:
+                handle.remove()
+        for node, grad in zip(nodes, grads):
+            weight = weight_of[node]
+            if weight.grad is None:
+                weight.grad = grad
+            else:
+                weight.grad += grad
