@@ -20,6 +20,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx
 from torch import nn
+from torch.distributed.pipelining._backward import (
+    _get_grad_fn_or_grad_acc,
+    construct_reverse_graph,
+    stage_backward_input,
+    stage_backward_weight,
+)
 from torch.utils import _pytree as pytree
 
 from cost_models.allocations import peaks_within
@@ -35,9 +41,10 @@ from cost_models.loss import TrainingLoss, training_loss
 if TYPE_CHECKING:
     from cost_models.graph.ir import LayerGraph
 
-_CACHE_VERSION = 9  # 2: node times scaled to the whole graph's measured pass; 3: from a cold cache; 4: the loss;
+_CACHE_VERSION = 11  # 2: node times scaled to the whole graph's measured pass; 3: from a cold cache; 4: the loss;
 # 5: split backwards; 6: what each backward allocates; 7: interleaved rounds; 8: less a backward call's own cost;
-# 9: that call through a clone, as a node's isolated input
+# 9: that call through a clone, as a node's isolated input; 10: split halves scaled to a whole split backward;
+# 11: a node's split halves timed warm
 _EVICT_BYTES = 64 * 2**20  # written before a pass timed from a cold cache: more than a CPU's last-level cache
 _BACKWARD_LABEL = "tessera.backward:"  # the profiler range of each node's backward whose allocations are measured
 _CO_RUNNER_START_S = 60.0  # for the co-running copies to start (they fork from this process) and to stop
@@ -48,8 +55,7 @@ class NodeTiming:
     """Median forward and backward milliseconds of one node, its CUDA forward peak, the most its backward
     allocates (its inputs' and weights' gradients, the kernel's workspace: oneDNN's convolution takes
     two more inputs' worth), and for a node with both weights and inputs that carry a gradient, its
-    backward split in two as ZB-H1 runs it: I (the inputs' gradients) then W (the weights', from a cold
-    cache: W runs later, after other work)."""
+    backward split in two as ZB-H1 runs it: I (the inputs' gradients) then W (the weights')."""
 
     fwd_ms: float
     bwd_ms: float
@@ -333,13 +339,13 @@ class _NodeProfiler:
             param.grad = None  # the whole passes' gradients go into fresh ones
         try:
             with co_running(self.module, inputs, self.co_runners):
-                alone, whole_fwd_ms, whole_bwd_ms = self._rounds(inputs)
+                alone, whole_fwd_ms, whole_bwd_ms, whole_split = self._rounds(inputs)
             # (CUDA's allocator gave each its peak as it was timed; a caller's own profiler session, which a
             # second would end, leaves the backwards' bytes estimated)
             if self.device.type == "cpu" and not torch.autograd.profiler._is_profiler_enabled:
                 allocated = self._cpu_backward_bytes(inputs)
                 alone = {name: dataclasses.replace(t, bwd_bytes=allocated.get(name)) for name, t in alone.items()}
-            return in_context(alone, whole_fwd_ms, whole_bwd_ms)
+            return in_context(alone, whole_fwd_ms, whole_bwd_ms, whole_split)
         finally:
             with torch.no_grad():
                 for name, b in self.module.named_buffers():
@@ -347,10 +353,13 @@ class _NodeProfiler:
             for param, grad in grads.items():
                 param.grad = grad
 
-    def _rounds(self, inputs: tuple[torch.Tensor, ...]) -> tuple[dict[str, NodeTiming], float, float]:
-        """Each node's median times over the rounds, and the whole graph's median forward and backward."""
+    def _rounds(self, inputs: tuple[torch.Tensor, ...]
+                ) -> tuple[dict[str, NodeTiming], float, float, WholeSplit | None]:
+        """Each node's median times over the rounds, the whole graph's median forward and backward, and its
+        split backward's (where one was timed)."""
         samples: dict[str, _NodeSamples] = {}
         whole_fwd, whole_bwd, call_ms = [], [], []
+        splits_ms: list[WholeSplit] = []
         output_node = next(node for node in self.module.graph.nodes if node.op == "output")
         loss: _Loss | None = None  # known from the first round's output
         split_rounds = min(self.warmup, 1) + min(self.repeats, 3)  # a figure only split backwards' schedules read
@@ -376,8 +385,17 @@ class _NodeProfiler:
                 whole_fwd.append(fwd_ms)
                 if bwd_ms is not None:
                     whole_bwd.append(bwd_ms)
+            if min(self.warmup, 1) <= index < split_rounds:
+                split = self._whole_split_once(inputs, loss)
+                splits_ms += [split] if split is not None else []
         alone = {name: record.timing(statistics.median(call_ms)) for name, record in samples.items()}
-        return alone, statistics.median(whole_fwd), statistics.median(whole_bwd) if whole_bwd else 0.0
+        whole_split = None
+        if splits_ms:
+            first = splits_ms[0]
+            whole_split = dataclasses.replace(first, input_ms=statistics.median(s.input_ms for s in splits_ms),
+                                              weight_ms=statistics.median(s.weight_ms for s in splits_ms))
+        return (alone, statistics.median(whole_fwd), statistics.median(whole_bwd) if whole_bwd else 0.0,
+                whole_split)
 
     def _each_node(self, inputs: tuple[torch.Tensor, ...],
                    compute: Callable[[torch.fx.Node, dict[str, Any]], Any]) -> Any:
@@ -432,6 +450,47 @@ class _NodeProfiler:
         # into the weights' .grad, as a stage's backward adds each micro-batch's (run() puts theirs back)
         return fwd_ms, self._timed(lambda: torch.autograd.backward(targets, grads, inputs=params))[0]
 
+    def _whole_split_once(self, inputs: tuple[torch.Tensor, ...], loss: _Loss | None) -> WholeSplit | None:
+        """The graph after its first node as a later pipeline stage splits its backward (ZB-H1): the first
+        node's output received as a leaf, the forward run on, then I (the leaf's gradient, keeping what each
+        weight group needs) and W (the weights' gradients, group by group) timed with torch's functions, as
+        the runtime runs them (runtime/split_backward.py), each from a cold CPU cache. None where no
+        floating value leaves a first node, or the groups its gradient reaches miss a weight after it."""
+        cut: dict[str, torch.Tensor] = {}
+
+        class Received(torch.fx.Interpreter):
+            def run_node(self, node: torch.fx.Node) -> Any:
+                output = super().run_node(node)
+                if (not cut and node.op.startswith("call_") and isinstance(output, torch.Tensor)
+                        and output.is_floating_point()):
+                    cut[node.name] = output = output.detach().requires_grad_(True)
+                return output
+
+        output = Received(self.module).run(*inputs)
+        if loss is not None:
+            output = loss.function(output, loss.target)
+        targets = [t for t in tensor_leaves(output) if t.requires_grad and t.is_floating_point()]
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        if not (cut and targets and params):
+            return None
+        (first, leaf), = cut.items()
+        roots = [t.clone() for t in targets]  # stage_backward_input detaches its roots in place
+        reverse = construct_reverse_graph([root.grad_fn for root in roots])
+        reached = {node for node in map(_get_grad_fn_or_grad_acc, params) if node in reverse}
+        grads = None if loss is not None else [torch.ones_like(t) for t in targets]
+        if self._evict is not None:
+            self._evict.fill_(1.0)
+        try:
+            input_ms, (_, groups), _ = self._timed(lambda: stage_backward_input(roots, grads, [leaf], iter(params)))
+        except RuntimeError:  # a graph torch's split cannot take: the halves keep the backward's scale
+            return None
+        if not groups or reached - set().union(*(group["params"] for group in groups)):
+            return None  # a weight the leaf's groups miss: what follows the first node is no stage's graph
+        if self._evict is not None:
+            self._evict.fill_(1.0)
+        weight_ms = self._timed(lambda: stage_backward_weight(iter(params), groups, retain_graph=True))[0]
+        return WholeSplit(first, input_ms, weight_ms)
+
     def _backward_call_ms(self) -> float:
         """What a node's backward started alone costs beyond its own work: one through a view of a clone of a leaf
         (a node's isolated input, :func:`_isolate`), whose work is next to none (on the CPU 15-30 us, against 1-3
@@ -477,11 +536,11 @@ class _NodeProfiler:
 
     def _split_once(self, targets: list[torch.Tensor], grads: list[torch.Tensor], inputs: list[torch.Tensor],
                     weights: list[torch.Tensor]) -> tuple[float, float]:
-        """Milliseconds of I (into ``inputs``) and of W (into ``weights``), W from a cold CPU cache."""
+        """Milliseconds of I (into ``inputs``) and of W (into ``weights``), warm as the node's other times: the
+        graph's own split backward, timed from a cold cache, scales them (:func:`in_context`; a node's W alone
+        from a cold cache came out 3x its I, where the graph's W is about its I)."""
         input_ms = self._timed(lambda: torch.autograd.grad(targets, inputs, grads, retain_graph=True,
                                                            allow_unused=True))[0]
-        if self._evict is not None:
-            self._evict.fill_(1.0)
         return input_ms, self._timed(lambda: torch.autograd.grad(targets, weights, grads, retain_graph=True,
                                                                  allow_unused=True))[0]
 
@@ -551,9 +610,24 @@ def _train_until(module: nn.Module, inputs: tuple[torch.Tensor, ...], stop: Any,
         os._exit(0)  # a fork of the profiler: nothing of the parent's to clean up
 
 
-def in_context(alone: dict[str, NodeTiming], whole_fwd_ms: float, whole_bwd_ms: float) -> dict[str, NodeTiming]:
+@dataclass(frozen=True)
+class WholeSplit:
+    """A split backward of the graph after its first node ``cut`` (whose output a later stage would receive):
+    its I's and its W's milliseconds."""
+
+    cut: str
+    input_ms: float
+    weight_ms: float
+
+
+def in_context(alone: dict[str, NodeTiming], whole_fwd_ms: float, whole_bwd_ms: float,
+               whole_split: WholeSplit | None = None) -> dict[str, NodeTiming]:
     """Node times measured alone, scaled so that they sum to the whole graph's measured forward and
-    backward (each node keeps its share of each; a split backward's halves scale as the backward).
+    backward (each node keeps its share of each). A split backward's halves scale as the backward; given the
+    graph's own split backward after its first node, its halves are scaled apart to sum to it as a stage's
+    I and W compute them (in ``alone``'s order, the nodes after ``whole_split.cut``): W the split nodes'
+    weight halves, I their input halves beside the whole backwards of the nodes without a split (the loss's
+    among them).
 
     >>> scaled = in_context({"a": NodeTiming(1.0, 2.0), "b": NodeTiming(3.0, 0.0)}, 8.0, 1.0)
     >>> scaled["a"].fwd_ms, scaled["b"].fwd_ms, scaled["a"].bwd_ms, scaled["b"].bwd_ms
@@ -563,9 +637,20 @@ def in_context(alone: dict[str, NodeTiming], whole_fwd_ms: float, whole_bwd_ms: 
     bwd_total = sum(t.bwd_ms for t in alone.values())
     fwd_scale = whole_fwd_ms / fwd_total if fwd_total > 0 else 1.0
     bwd_scale = whole_bwd_ms / bwd_total if bwd_total > 0 and whole_bwd_ms > 0 else 1.0
+    input_scale = weight_scale = bwd_scale
+    if whole_split is not None and whole_split.cut in alone:
+        names = list(alone)
+        after = [alone[name] for name in names[names.index(whole_split.cut) + 1:]]
+        split = [t.split_ms for t in after if t.split_ms is not None]
+        whole = sum(t.bwd_ms for t in after if t.split_ms is None) * bwd_scale  # no weights, or unreachable ones
+        input_total, weight_total = sum(i for i, _ in split), sum(w for _, w in split)
+        if input_total > 0 and whole_split.input_ms > whole:
+            input_scale = (whole_split.input_ms - whole) / input_total
+        if weight_total > 0:
+            weight_scale = whole_split.weight_ms / weight_total
     return {name: dataclasses.replace(t, fwd_ms=t.fwd_ms * fwd_scale, bwd_ms=t.bwd_ms * bwd_scale,
-                                      split_ms=None if t.split_ms is None else (t.split_ms[0] * bwd_scale,
-                                                                                t.split_ms[1] * bwd_scale))
+                                      split_ms=None if t.split_ms is None else (t.split_ms[0] * input_scale,
+                                                                                t.split_ms[1] * weight_scale))
             for name, t in alone.items()}
 
 

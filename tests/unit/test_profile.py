@@ -152,6 +152,22 @@ def test_node_times_are_scaled_to_the_whole_graph_keeping_each_nodes_share() -> 
     assert in_context({"a": NodeTiming(1.0, 2.0)}, 1.0, 0.0) == {"a": NodeTiming(1.0, 2.0)}
 
 
+def test_split_halves_are_scaled_to_the_graphs_own_split_backward_after_its_first_node() -> None:
+    """The graph after its first node (emb) split its backward into I 5 ms and W 1.5 ms. Of the nodes after
+    emb, lin alone took I 1 and W 3, act (no weights) and out (the loss) 2 and 1 of backward, which stay (the
+    whole backward is 9 ms, as alone): so lin's I becomes 5 - 3 = 2 ms and its W 1.5 ms, and the stage after
+    emb is predicted I = 2 + 2 + 1 = 5 ms and W = 1.5 ms, what it measured. Without that split's cut among
+    the nodes, the halves scale as the backward."""
+    from cost_models.profiling import NodeTiming, WholeSplit, in_context
+
+    alone = {"emb": NodeTiming(1.0, 2.0), "lin": NodeTiming(1.0, 4.0, split_ms=(1.0, 3.0)),
+             "act": NodeTiming(1.0, 2.0), "out": NodeTiming(0.0, 1.0)}
+    scaled = in_context(alone, 3.0, 9.0, WholeSplit("emb", input_ms=5.0, weight_ms=1.5))
+    assert scaled["lin"] == NodeTiming(1.0, 4.0, split_ms=(2.0, 1.5))
+    assert {name: scaled[name] for name in ("emb", "act", "out")} == {name: alone[name] for name in ("emb", "act", "out")}
+    assert in_context(alone, 3.0, 18.0, WholeSplit("elsewhere", 5.0, 1.5))["lin"].split_ms == (2.0, 6.0)
+
+
 def test_a_split_backward_is_timed_where_inputs_and_weights_both_take_gradients() -> None:
     """ZB-H1 runs a backward as I (into the inputs) and, later, W (into the weights). Both are timed for a
     node with weights whose inputs carry a gradient; a first layer (its input is data) and a node without
