@@ -73,7 +73,7 @@ def _check_offloaded(case: Case, by_rank: list[Outcome]) -> None:
     """Each rank ran its stages' checkpoint regions checkpointed and swapped bytes iff they swap."""
     plan = Plan.from_dict(json.loads(case.plan_json))
     for rank, outcome in enumerate(by_rank):
-        specs = [plan.stages[stage].offload for stage in plan.layout.stages_of_rank(rank)]
+        specs = [plan.stages[plan.layout.part(stage)].offload for stage in plan.layout.stages_of_rank(rank)]
         assert outcome.checkpointed == sum(len(spec.recompute) for spec in specs), f"rank {rank}"
         assert (outcome.swapped_bytes > 0) == any(spec.swap for spec in specs), f"rank {rank}"
 

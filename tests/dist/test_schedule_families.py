@@ -6,7 +6,8 @@ embedding (first stage) to the LM head (last stage), and the cuts below start a 
 ``blocks_0_mlp_proj`` after two short ones, so the residual stream skips from the stage holding
 ``add_1`` over two stages (across ranks) to the one adding it back. Losses, every gradient and every
 final weight are compared at rtol 1e-10, on 2 and on 4 ranks, for interleaved-1f1b (v = 2 and 3),
-zb-h1 (on 2 ranks also with a recomputed region on its second stage) and gems-master.
+zb-h1 (on 2 ranks also with a recomputed region, and with swapped activations, on its second stage) and
+gems-master.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 from planner.plan import OffloadSpec
 from tests.dist.harness import run_ranks
 from tests.dist.runtime_cases import Case, run_cases
-from tests.dist.test_runtime import _check
+from tests.dist.test_runtime import _check, _check_offloaded
 from tests.runtime_plans import GPT, make_plan, scheduled
 
 pytestmark = pytest.mark.dist
@@ -30,9 +31,11 @@ GPT_12 = ["blocks_0_ln_1", "blocks_0_attn_qkv", "blocks_0_attn_proj", "blocks_0_
           "blocks_1_mlp_fc"]  # add_1: stage 3 -> 6
 
 
-# the second stage recomputes its last block's MLP: a split backward's I and W each backpropagate through it
+# the second stage recomputes its last block's MLP (a split backward's I and W each backpropagate through
+# it), or swaps what its MLP saves (held on the device from its SWAP_IN until its W, not its I)
 MLP_RECOMPUTED = [OffloadSpec(),
                   OffloadSpec(recompute=(("blocks_1_mlp_fc", "blocks_1_mlp_gelu", "blocks_1_mlp_proj"),))]
+MLP_SWAPPED = [OffloadSpec(), OffloadSpec(swap=("blocks_1_mlp_fc", "blocks_1_mlp_gelu", "blocks_1_mlp_proj"))]
 
 
 def _case(builder: str, starts: list[str], kind: str, microbatches: int, offload: list[OffloadSpec] | None = None,
@@ -45,6 +48,7 @@ def _run(cases: list[Case], ranks: int) -> None:
     outcomes = run_ranks(run_cases, ranks, cases, timeout_s=240)
     for index, case in enumerate(cases):
         _check(case, [outcomes[rank][index] for rank in range(ranks)])
+        _check_offloaded(case, [outcomes[rank][index] for rank in range(ranks)])  # regions ran, bytes swapped
 
 
 def test_two_ranks() -> None:
@@ -52,6 +56,7 @@ def test_two_ranks() -> None:
           _case(GPT, GPT_6, "interleaved-1f1b", 2, virtual_stages=3),
           _case(GPT, ["blocks_1_ln_1"], "zb-h1", 3),
           _case(GPT, ["blocks_1_ln_1"], "zb-h1", 3, offload=MLP_RECOMPUTED),
+          _case(GPT, ["blocks_1_ln_1"], "zb-h1", 3, offload=MLP_SWAPPED),
           _case(GPT, ["blocks_1_ln_1"], "gems-master", 4)], 2)
 
 
