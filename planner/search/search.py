@@ -425,8 +425,7 @@ class Search:
             solved.insert(0, untiled)
         family_best = [min(family, key=lambda c: c.objective_ms) for kind in self.space.schedules
                        for family in [[c for c in solved if c.setup.config.schedule is kind]] if family]
-        close = [c for c in solved[:FINALISTS] if c.objective_ms <= (1 + FAMILY_SLACK) * solved[0].objective_ms]
-        finalists = tuple({id(c): c for c in close + family_best}.values())
+        finalists = tuple({id(c): c for c in _close(solved) + family_best}.values())
         fits_on_gpu = {True} if on_gpu is not None else {self._kept_fit(c) for c in ranked if c.state == ON_GPU}
         on_gpu_fits = True if True in fits_on_gpu else None if None in fits_on_gpu else False
         return SearchResult(solved[0], solved[1] if len(solved) > 1 else None, len(configs),
@@ -728,6 +727,23 @@ SHARED_SLOT_SOLVE_S = 3.0
 
 DECISION_ROUNDS = 3
 """How many times the window of the ILP with memory decisions moves after the best plan's cuts."""
+
+
+def _close(solved: Sequence[Candidate]) -> list[Candidate]:
+    """Of ``solved`` (the best first), the first FINALISTS plans within FAMILY_SLACK of the best, each once: a
+    configuration's ILP with memory decisions may return the plan its ILP keeping every activation found
+    (same cuts, same step), which would otherwise take a second finalist's place."""
+    close: list[Candidate] = []
+    seen: set[tuple] = set()
+    for candidate in solved:
+        key = (candidate.setup.config, candidate.evaluation.cuts, round(candidate.objective_ms, 9))
+        if candidate.objective_ms > (1 + FAMILY_SLACK) * solved[0].objective_ms or key in seen:
+            continue
+        seen.add(key)
+        close.append(candidate)
+        if len(close) == FINALISTS:
+            break
+    return close
 
 
 def _schedule_key(config: Config) -> tuple:

@@ -10,6 +10,7 @@ simulates fastest and names the runner-up family.
 from __future__ import annotations
 
 import itertools
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from planner.plan import Plan
 from planner.plan.kinds import ScheduleKind
 from planner.schedules.balanced import balanced_step, family_step
 from planner.schedules.generate import gems_master, generate, interleaved_one_f_one_b, one_f_one_b, zb_h1
-from planner.search.search import FAMILY_SLACK
+from planner.search.search import FAMILY_SLACK, FINALISTS, _close
 
 FAMILIES = [kind for kind in ScheduleKind if not kind.closed_form]
 
@@ -167,3 +168,20 @@ def test_a_split_backward_on_the_first_stage_is_all_weight_gradient() -> None:
     first, second = (stage.predicted for stage in result.stages[:2])
     assert first.weight_grad_ms == pytest.approx(first.bwd_ms)
     assert 0 < second.weight_grad_ms < second.bwd_ms
+
+
+def test_the_finalists_hold_each_plan_once() -> None:
+    """A configuration's ILP with memory decisions may return the plan its ILP keeping every activation found:
+    the same cuts at the same step, solved twice. The simulator's finalists (the first FINALISTS plans within
+    FAMILY_SLACK of the best) take it once, so the next plan gets the place (AmoebaNet-D at 1.5 GB: its 13th
+    plan, ZB-H1 on 2 stages, simulated fastest)."""
+    def candidate(config: str, cuts: tuple[int, ...], objective_ms: float) -> SimpleNamespace:
+        return SimpleNamespace(setup=SimpleNamespace(config=config), evaluation=SimpleNamespace(cuts=cuts),
+                               objective_ms=objective_ms)
+
+    twice = [candidate("a", (3,), 100.0), candidate("a", (3,), 100.0)]
+    others = [candidate(f"c{index}", (index,), 101.0 + index * 0.1) for index in range(FINALISTS)]
+    beyond = candidate("slow", (1,), 111.0)  # more than FAMILY_SLACK (10%) above the best
+    close = _close([*twice, *others, beyond])
+    assert close == [twice[0], *others[:FINALISTS - 1]]
+    assert _close([twice[0], candidate("a", (4,), 100.0), beyond]) == [twice[0], candidate("a", (4,), 100.0)]
