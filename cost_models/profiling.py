@@ -359,7 +359,7 @@ class _NodeProfiler:
         split backward's (where one was timed)."""
         samples: dict[str, _NodeSamples] = {}
         whole_fwd, whole_bwd, call_ms = [], [], []
-        splits_ms: list[WholeSplit] = []
+        whole_splits: list[WholeSplit] = []
         output_node = next(node for node in self.module.graph.nodes if node.op == "output")
         loss: _Loss | None = None  # known from the first round's output
         split_rounds = min(self.warmup, 1) + min(self.repeats, 3)  # a figure only split backwards' schedules read
@@ -387,13 +387,13 @@ class _NodeProfiler:
                     whole_bwd.append(bwd_ms)
             if min(self.warmup, 1) <= index < split_rounds:
                 split = self._whole_split_once(inputs, loss)
-                splits_ms += [split] if split is not None else []
+                whole_splits += [split] if split is not None else []
         alone = {name: record.timing(statistics.median(call_ms)) for name, record in samples.items()}
         whole_split = None
-        if splits_ms:
-            first = splits_ms[0]
-            whole_split = dataclasses.replace(first, input_ms=statistics.median(s.input_ms for s in splits_ms),
-                                              weight_ms=statistics.median(s.weight_ms for s in splits_ms))
+        if whole_splits:
+            whole_split = dataclasses.replace(
+                whole_splits[0], input_ms=statistics.median(split.input_ms for split in whole_splits),
+                weight_ms=statistics.median(split.weight_ms for split in whole_splits))
         return (alone, statistics.median(whole_fwd), statistics.median(whole_bwd) if whole_bwd else 0.0,
                 whole_split)
 

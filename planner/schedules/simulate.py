@@ -253,7 +253,7 @@ class _Clocks:
                 self._copy(rank, "out", action, start, stage.swap_ms)
         elif action.kind.ends_backward:
             self._change_memory(rank, end, -activation)
-        if action.kind is ActionKind.I:  # kept for its W; the loss's transient gone
+        if action.kind is ActionKind.I:  # what it keeps for its W; its largest transient gone
             self._change_memory(rank, end, stage.split_kept_bytes - stage.split_relief_bytes)
             self.relieved[rank] = stage.split_relief_bytes
         elif action.kind is ActionKind.W:

@@ -164,7 +164,8 @@ def test_split_halves_are_scaled_to_the_graphs_own_split_backward_after_its_firs
              "act": NodeTiming(1.0, 2.0), "out": NodeTiming(0.0, 1.0)}
     scaled = in_context(alone, 3.0, 9.0, WholeSplit("emb", input_ms=5.0, weight_ms=1.5))
     assert scaled["lin"] == NodeTiming(1.0, 4.0, split_ms=(2.0, 1.5))
-    assert {name: scaled[name] for name in ("emb", "act", "out")} == {name: alone[name] for name in ("emb", "act", "out")}
+    for name in ("emb", "act", "out"):  # the backward's scale is 1: as measured alone
+        assert scaled[name] == alone[name]
     assert in_context(alone, 3.0, 18.0, WholeSplit("elsewhere", 5.0, 1.5))["lin"].split_ms == (2.0, 6.0)
 
 
