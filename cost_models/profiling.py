@@ -453,8 +453,9 @@ class _NodeProfiler:
     def _whole_split_once(self, inputs: tuple[torch.Tensor, ...], loss: _Loss | None) -> WholeSplit | None:
         """The graph after its first node as a later pipeline stage splits its backward (ZB-H1): the first
         node's output received as a leaf, the forward run on, then I (the leaf's gradient, keeping what each
-        weight group needs) and W (the weights' gradients, group by group) timed with torch's functions, as
-        the runtime runs them (runtime/split_backward.py), each from a cold CPU cache. None where no
+        weight group needs) and W (the weights' gradients, group by group) timed with torch's functions,
+        each from a cold CPU cache: the runtime's W (runtime/split_backward.py, not imported by the cost
+        models) runs the same per-group backwards, keeping the graph between groups as this does. None where no
         floating value leaves a first node, or the groups its gradient reaches miss a weight after it."""
         cut: dict[str, torch.Tensor] = {}
 

@@ -8,11 +8,10 @@ them without backpropagating through the activation path a second time (I is tor
 A weight that never joins the path from the received inputs (the first stage's inputs carry no gradient; a
 weight used only on values that carry none) would be missed, so a stage whose weights the groups do not all
 cover runs W as a backward from its outputs into the weights (the graph I kept): torch's schedules do the
-same for their first stage. That is decided once per stage,
-on its first micro-batch (a stage's graph is the same every step). Between I and W the groups hold their
-captured gradients, beside the saved activations W still reads. A checkpointed region is recomputed in I
-and again in each W group reading it (a backward recomputes it once): the planner does not recompute under
-a split backward.
+same for their first stage. That is decided once per stage, on its first micro-batch (a stage's graph is the
+same every step). Between I and W the groups hold their captured gradients, beside the saved activations W
+still reads. A checkpointed region is recomputed in I and again in each W group reading it (a backward
+recomputes it once): the planner does not recompute under a split backward.
 """
 
 from __future__ import annotations

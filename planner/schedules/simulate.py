@@ -77,7 +77,7 @@ class StageCosts:
     step_bytes: int = 0  # during its optimizer step: its buffers, above static_bytes
     tied_bytes: int = 0  # at each backward's end, after its micro-batch's activations went: tied partial gradients
     accumulate_bytes: int = 0  # at the start of a backward adding into its gradients: a node's new weight gradient
-    split_extra_ms: float = 0.0  # what a split backward's I and W take beyond bwd_ms (measured: W runs cold)
+    split_extra_ms: float = 0.0  # what a split backward's I and W take beyond bwd_ms (measured)
     first_backward_bytes: int = 0  # during the step's first backward: the gradients made so far, and what its
     # worst node works in beyond the transient (its activations not yet gone)
     split_kept_bytes: int = 0  # per micro-batch, from a split backward's I's end to its W's end: what I kept for W
