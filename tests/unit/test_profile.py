@@ -169,6 +169,24 @@ def test_split_halves_are_scaled_to_the_graphs_own_split_backward_after_its_firs
     assert in_context(alone, 3.0, 18.0, WholeSplit("elsewhere", 5.0, 1.5))["lin"].split_ms == (2.0, 6.0)
 
 
+def test_a_split_backwards_weight_groups_each_pay_a_fixed_cost_beside_their_nodes_share() -> None:
+    """W runs one backward per weight group. After emb, a head (W alone 3 ms) and a norm (W alone 0 ms: its
+    work is under what starting a backward costs) split their backward; the whole backward scales by 2 (4 ms
+    alone, 8 ms whole) and the whole split's W took 10 ms: 2 x 3 = 6 ms of it the head's weight half in
+    context, the other 4 ms two groups' own calls, 2 ms each. So the head's W is 6 + 2 = 8 ms and the norm's
+    2 ms, where scaling both by 10 / 3 would give the head all 10 and the norm none. A whole W under the
+    weight halves in context scales them alone."""
+    from cost_models.profiling import NodeTiming, WholeSplit, in_context
+
+    alone = {"emb": NodeTiming(1.0, 1.0), "head": NodeTiming(1.0, 3.0, split_ms=(1.0, 3.0)),
+             "norm": NodeTiming(1.0, 0.0, split_ms=(0.5, 0.0))}
+    scaled = in_context(alone, 3.0, 8.0, WholeSplit("emb", input_ms=3.0, weight_ms=10.0))
+    assert scaled["head"].split_ms[1] == pytest.approx(8.0) and scaled["norm"].split_ms[1] == pytest.approx(2.0)
+    assert sum(scaled[name].split_ms[1] for name in ("head", "norm")) == pytest.approx(10.0)
+    quick = in_context(alone, 3.0, 8.0, WholeSplit("emb", input_ms=3.0, weight_ms=4.5))
+    assert (quick["head"].split_ms[1], quick["norm"].split_ms[1]) == pytest.approx((4.5, 0.0))
+
+
 def test_a_split_backward_is_timed_where_inputs_and_weights_both_take_gradients() -> None:
     """ZB-H1 runs a backward as I (into the inputs) and, later, W (into the weights). Both are timed for a
     node with weights whose inputs carry a gradient; a first layer (its input is data) and a node without
