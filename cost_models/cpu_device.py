@@ -8,7 +8,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -129,12 +129,26 @@ def _layer_compute() -> Callable[[], None]:
     return compute
 
 
+def rank_cores(cores: Sequence[int], local_rank: int, local_world_size: int) -> tuple[int, ...] | None:
+    """The share of ``cores`` (sorted) that local rank ``local_rank`` of ``local_world_size`` runs on: an equal
+    run of consecutive cores each; None where there are fewer cores than ranks (nothing is bound).
+
+    >>> rank_cores(range(16), 2, 4), rank_cores(range(2), 1, 2), rank_cores(range(2), 0, 3)
+    ((8, 9, 10, 11), (1,), None)
+    """
+    share = len(cores) // local_world_size if local_world_size > 0 else 0
+    if share < 1 or not 0 <= local_rank < local_world_size:
+        return None
+    return tuple(sorted(cores)[local_rank * share:(local_rank + 1) * share])
+
+
 def pin_cpu_rank(local_rank: int, local_world_size: int) -> frozenset[int]:
     """Bind this CPU rank (and the threads it starts later: gloo's) to its own share of the cores it may
-    use, when every local rank can have at least one: a rank's compute then stays on its core and its
-    communication threads are not moved between cores; with more ranks than cores nothing is bound
-    (the scheduler shares the cores). The runtime's CPU ranks are bound so, and so are the two processes
-    that measure gloo for them (:func:`measure_gloo_links`). Returns the cores it runs on.
+    use (:func:`rank_cores`), when every local rank can have at least one: a rank's compute then stays on its
+    cores and its communication threads are not moved between cores; with more ranks than cores nothing is
+    bound (the scheduler shares the cores). The runtime's CPU ranks are bound so, and so are the two
+    processes that measure gloo for them (:func:`measure_gloo_links`) and the profile's copies training
+    beside it (cost_models.profiling.co_running). Returns the cores it runs on.
 
     >>> cores = sorted(os.sched_getaffinity(0))
     >>> pin_cpu_rank(0, len(cores) + 1) == frozenset(cores)  # more ranks than cores: unchanged
@@ -142,10 +156,9 @@ def pin_cpu_rank(local_rank: int, local_world_size: int) -> frozenset[int]:
     """
     if not hasattr(os, "sched_setaffinity"):  # an OS without CPU affinity (macOS): nothing to bind
         return frozenset(range(os.cpu_count() or 1))
-    cores = sorted(os.sched_getaffinity(0))
-    share = len(cores) // local_world_size if local_world_size > 0 else 0
-    if share >= 1 and 0 <= local_rank < local_world_size:
-        os.sched_setaffinity(0, cores[local_rank * share:(local_rank + 1) * share])
+    share = rank_cores(sorted(os.sched_getaffinity(0)), local_rank, local_world_size)
+    if share is not None:
+        os.sched_setaffinity(0, share)
     return frozenset(os.sched_getaffinity(0))
 
 

@@ -29,6 +29,7 @@ from torch.distributed.pipelining._backward import (
 from torch.utils import _pytree as pytree
 
 from cost_models.allocations import peaks_within
+from cost_models.cpu_device import rank_cores
 from cost_models.device_spec import CALIBRATED
 from cost_models.devices import DeviceSpec, cache_root, get_device
 from cost_models.errors import ProfileError
@@ -44,7 +45,8 @@ if TYPE_CHECKING:
 _CACHE_VERSION = 12  # 2: node times scaled to the whole graph's measured pass; 3: from a cold cache; 4: the loss;
 # 5: split backwards; 6: what each backward allocates; 7: interleaved rounds; 8: less a backward call's own cost;
 # 9: that call through a clone, as a node's isolated input; 10: split halves scaled to a whole split backward;
-# 11: a node's split halves timed warm; 12: a split backward's W pays a fixed cost per weight group
+# 11: a node's split halves timed warm; 12: a split backward's W pays a fixed cost per weight group, and
+# the copies training beside the profile sit where the run's ranks do
 _EVICT_BYTES = 64 * 2**20  # written before a pass timed from a cold cache: more than a CPU's last-level cache
 _BACKWARD_LABEL = "tessera.backward:"  # the profiler range of each node's backward whose allocations are measured
 _CO_RUNNER_START_S = 60.0  # for the co-running copies to start (they fork from this process) and to stop
@@ -562,21 +564,23 @@ class _NodeProfiler:
 
 @contextlib.contextmanager
 def co_running(module: nn.Module, inputs: tuple[torch.Tensor, ...], copies: int) -> Iterator[list[int]]:
-    """``copies`` forked processes, each bound to its own core other than this process's, training
-    ``module`` on ``inputs`` (forward, backward into the weights) until the block ends; yields their pids.
-    Where the machine has fewer cores than that, the copies share what there is (as the ranks would)."""
+    """``copies`` forked processes training ``module`` on ``inputs`` (forward, backward into the weights) until
+    the block ends; yields their pids. They and this process sit where the runtime binds ``copies + 1`` local
+    ranks (cost_models.cpu_device.rank_cores): this process on rank 0's share of the cores, copy i on rank
+    i + 1's, so that the profile shares caches, memory channels and any sibling cores as the run's ranks will
+    (copies on the cores next to this one were a placement no run has: 4 ranks on 16 cores run on cores
+    0-3, 4-7, 8-11 and 12-15). Where the machine has fewer cores than that, the copies share what there is
+    (as the ranks would)."""
     if copies <= 0:
         yield []
         return
     context = multiprocessing.get_context("fork")
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    mine = set(cores)
-    if len(cores) > copies:
-        mine = {cores[0]}
-        os.sched_setaffinity(0, mine)
+    shares = [rank_cores(cores, rank, copies + 1) for rank in range(copies + 1)]
+    if shares[0] is not None:
+        os.sched_setaffinity(0, shares[0])
     stop, started = context.Event(), context.Barrier(copies + 1)
-    runners = [context.Process(target=_train_until, args=(module, inputs, stop, started,
-                                                          cores[1 + index] if len(cores) > copies else None),
+    runners = [context.Process(target=_train_until, args=(module, inputs, stop, started, shares[1 + index]),
                                daemon=True) for index in range(copies)]
     try:
         for runner in runners:
@@ -595,11 +599,11 @@ def co_running(module: nn.Module, inputs: tuple[torch.Tensor, ...], copies: int)
 
 
 def _train_until(module: nn.Module, inputs: tuple[torch.Tensor, ...], stop: Any, started: Any,
-                 core: int | None) -> None:
-    """A co-runner: this process's copy of the module, forward and backward until ``stop``."""
+                 cores: Sequence[int] | None) -> None:
+    """A co-runner: this process's copy of the module, forward and backward until ``stop``, on ``cores``."""
     try:
-        if core is not None:
-            os.sched_setaffinity(0, {core})
+        if cores is not None:
+            os.sched_setaffinity(0, cores)
         torch.set_num_threads(1)
         params = [p for p in module.parameters() if p.requires_grad]
         started.wait(timeout=_CO_RUNNER_START_S)

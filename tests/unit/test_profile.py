@@ -76,12 +76,17 @@ def _cpu_seconds(pid: int) -> float:
 @pytest.mark.skipif(not Path("/proc/self/stat").exists() or len(os.sched_getaffinity(0)) < 2,
                     reason="needs /proc and two cores")
 def test_co_runners_train_on_their_own_cores_while_the_whole_graph_is_timed_and_are_gone_after() -> None:
+    """The profiling process and its copy sit on the shares of the cores that the runtime binds two local ranks
+    to (cost_models.cpu_device.rank_cores: on 16 cores, 0-7 and 8-15), not on two neighbouring cores."""
+    from cost_models.cpu_device import rank_cores
+
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
     cores = os.sched_getaffinity(0)
     with co_running(model, (torch.randn(64, 256),), 1) as pids:
         assert len(pids) == 1
         mine, theirs = os.sched_getaffinity(0), os.sched_getaffinity(pids[0])
-        assert len(mine) == len(theirs) == 1 and not mine & theirs
+        assert mine == set(rank_cores(sorted(cores), 0, 2)) and theirs == set(rank_cores(sorted(cores), 1, 2))
+        assert not mine & theirs
         before = _cpu_seconds(pids[0])
         time.sleep(0.5)
         assert _cpu_seconds(pids[0]) - before > 0.2  # it computes, it does not wait
