@@ -100,6 +100,8 @@ class Candidate:
     binding: str
     local: bool = False  # memory decisions optimised with each cut in a window, not over every partition
     seed: bool = False  # the search's first plan (Search.seed), not from an ILP
+    refined_from_ms: float | None = None  # the simulated step of the solver's partition, where the simulator
+    # moved its cuts (planner/assemble.py: refined)
 
 
 @dataclass(frozen=True)

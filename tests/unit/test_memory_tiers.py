@@ -386,7 +386,7 @@ def test_the_search_keeps_the_optimizer_on_the_host_when_model_state_does_not_fi
 
 
 def test_schema_2_offload_maps_upgrade_to_regions_and_swaps() -> None:
-    plan_2 = json.loads(_tiny("1GB", offload=False).to_json())
+    plan_2 = json.loads(_tiny("1GB", offload=False, data_parallel=(2,)).to_json())  # one stage: every node
     plan_2["schema_version"] = 2
     nodes = plan_2["stages"][0]["nodes"]
     for stage in plan_2["stages"]:

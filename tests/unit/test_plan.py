@@ -416,7 +416,7 @@ def test_the_memory_by_kind_adds_up_to_the_stage_peak() -> None:
 
 
 def test_the_printed_plan_labels_what_it_shows() -> None:
-    one_stage = str(_tiny(mem="1GB"))  # 1 stage x 2 replicas: its idle share is the all-reduce
+    one_stage = str(_tiny(mem="1GB", data_parallel=(2,)))  # 1 stage x 2 replicas: its idle share is the all-reduce
     title = one_stage.splitlines()[0]
     assert title.startswith("plan: 1 stage x 2 data-parallel") and "1 stages" not in one_stage
     assert "batch 8 = 2 replicas x 1 micro-batch x 4 samples" in title
