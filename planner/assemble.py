@@ -138,8 +138,8 @@ class Simulations:
 
 REFINE_TRIALS = 24
 """How many partitions next to a family's fastest finalist :func:`refined` simulates at most, per family
-costed from its replayed programs: about 1-7 s of planning for AmoebaNet-D, BERT-large and GPT-8.3B on 16
-GPUs (their partitions take 20-270 ms each to lower and simulate)."""
+costed from its replayed programs: a partition of AmoebaNet-D, BERT-large or GPT-8.3B on 16 GPUs takes 20-270 ms
+to lower and simulate, so up to about 6 s of planning a family (AmoebaNet-D's two refined families took 2 s)."""
 
 
 REFINE_MUST_GAIN = 0.01
@@ -204,8 +204,8 @@ def refined(candidate: Candidate, step_ms: Callable[[Candidate], float], trials:
                     evaluation = evaluate(costs, tuple(cuts))
                     if not (evaluation.fits(costs.problem.mem_bytes) and evaluation.capacity_fits):
                         continue
-                    trial = dataclasses.replace(best, evaluation=evaluation, refined_from_ms=start_ms)  # (the
-                    # solver's objective stays: it ranked the configuration)
+                    # (the solver's objective stays: it ranked the configuration)
+                    trial = dataclasses.replace(best, evaluation=evaluation, refined_from_ms=start_ms)
                     tried += 1
                     if step_ms(trial) < best_ms * (1 - 1e-9):
                         best, best_ms, moved = trial, step_ms(trial), True
