@@ -635,8 +635,8 @@ def in_context(alone: dict[str, NodeTiming], whole_fwd_ms: float, whole_bwd_ms: 
     per weight group, each paying a fixed cost its node's weight half alone does not show (a GPT block's six
     groups took 0.1-0.16 ms each on one CPU thread), so each split node's W is its weight half in context
     as the backward plus an equal share of what the whole split's W takes beyond them (scaled alone where it
-    takes less): a head stage's W, one large node, was predicted at twice the whole split's scale of its
-    weight half (2.78 ms) where it measured 1.65-1.92 ms, and 1.66 ms this way.
+    takes less): a head stage's W, one large node, measured 1.65-1.92 ms; its weight half times the whole split's
+    W over all weight halves (2.1x) predicted 2.78 ms, this way 1.66 ms.
 
     >>> scaled = in_context({"a": NodeTiming(1.0, 2.0), "b": NodeTiming(3.0, 0.0)}, 8.0, 1.0)
     >>> scaled["a"].fwd_ms, scaled["b"].fwd_ms, scaled["a"].bwd_ms, scaled["b"].bwd_ms
