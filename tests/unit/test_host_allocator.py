@@ -39,6 +39,7 @@ def _faults_after_two_steps(mode: str) -> int:
 @pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
                     reason="mallopt is glibc's")
 def test_freed_host_memory_is_reused_without_faulting_its_pages_in_again() -> None:
-    default = _faults_after_two_steps("default")  # measured 29,000-38,000 (4 KiB pages) over four steps
+    default = _faults_after_two_steps("default")  # measured 29,000-38,000 (4 KiB pages) over four steps, once
+    # 8,641 (glibc moves its mmap threshold up after a free: how much comes back from the heap varies by run)
     kept = _faults_after_two_steps("keep")  # measured 0-450
-    assert default > 10_000 and kept < default / 10, (default, kept)
+    assert default > 2_000 and kept < default / 10, (default, kept)
