@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import importlib
 import importlib.util
@@ -111,8 +112,10 @@ def load_builder(spec: str, search_root: Path | None = None) -> Callable[..., An
     if not callable(builder):
         available = sorted(n for n, v in vars(module).items()
                            if inspect.isfunction(v) and not n.startswith("_") and v.__module__ == module.__name__)
-        raise ModelSpecError(f"{location} has no builder function {name!r}; it defines "
-                             f"{', '.join(available) or 'no public functions'}")
+        close = difflib.get_close_matches(name, [n for n in dir(module) if not n.startswith("_")], n=3)
+        defines = ", ".join(available) or "none (give a model class with a config_class, e.g. transformers:GPT2LMHeadModel)"
+        raise ModelSpecError(f"{location} has no builder function {name!r}; it defines {defines}"
+                             + (f"; did you mean {', '.join(close)}?" if close else ""))
     return builder
 
 
@@ -162,8 +165,14 @@ def build_model(builder: Callable[..., Any], kwargs: Mapping[str, Any], device: 
     from cost_models.graph.config_models import build_from_config, is_config_model
 
     if is_config_model(builder):
-        with torch.device(device):
-            return build_from_config(builder, kwargs)
+        try:
+            with torch.device(device):
+                return build_from_config(builder, kwargs)
+        except ModelSpecError:
+            raise
+        except Exception as error:  # the model's own check of its configuration (a user's value): one line
+            raise ModelSpecError(f"{builder.__name__}({_describe(kwargs)}) failed: {type(error).__name__}: "
+                                 f"{_first_line(error)}; change the --model-arg values") from error
     parameters = inspect.signature(builder).parameters
     takes_device = "device" in parameters or any(
         p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
@@ -174,9 +183,17 @@ def build_model(builder: Callable[..., Any], kwargs: Mapping[str, Any], device: 
     except TypeError as error:
         raise ModelSpecError(f"{builder.__name__}({_describe(kwargs)}) failed: {error}; valid "
                              f"arguments: {', '.join(parameters) or 'none'}") from error
+    except Exception as error:  # the builder's own failure: named in one line, its traceback kept as the cause
+        raise ModelSpecError(f"{builder.__name__}({_describe(kwargs)}) failed: {type(error).__name__}: "
+                             f"{_first_line(error)}; fix the builder or its --model-arg values") from error
     if not isinstance(model, torch.nn.Module):
         raise ModelSpecError(f"{builder.__name__} returned {type(model).__name__}, not an nn.Module")
     return model
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0].rstrip(".") if lines else "(no message)"
 
 
 def _describe(kwargs: Mapping[str, Any]) -> str:

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Collection, Mapping, Sequence
+import contextlib
+import logging
+from collections.abc import Collection, Iterator, Mapping, Sequence
 
 import torch
 import torch.fx
 from torch import nn
 
+from cost_models.errors import InvalidArgument, TraceError
 from cost_models.fake_measure import measure_graph
 from cost_models.graph import node_info
 from cost_models.graph.capture import Capture, LeafSpec, capture
-from cost_models.errors import InvalidArgument, TraceError
 from cost_models.graph.ir import LayerGraph, LayerNode, NodeKind, NodeWork, ParamInfo, TensorMeta
 from cost_models.graph.shapes import crosses_boundary, dtype_name, node_outputs, propagate
 
@@ -38,7 +40,8 @@ def trace_module(model: nn.Module, inputs: tuple[torch.Tensor, ...],
     """trace() that also returns the captured GraphModule (for profiling and splitting)."""
     captured = capture(model, inputs, leaf_modules)
     try:
-        measured = measure_graph(captured.module, inputs)
+        with _fake_errors_unlogged():
+            measured = measure_graph(captured.module, inputs)
     except Exception as error:  # noqa: BLE001 - report which model failed and how to fix it
         raise _fake_run_failed(model, captured, inputs, error) from error
     outputs = {name: m.outputs for name, m in measured.items()}
@@ -63,18 +66,33 @@ def rebuild_graph(model: nn.Module, inputs: tuple[torch.Tensor, ...],
     """
     captured = capture(model, inputs, leaf_modules)
     try:
-        values = propagate(captured.module, inputs)
+        with _fake_errors_unlogged():
+            values = propagate(captured.module, inputs)
     except Exception as error:  # noqa: BLE001 - report which model failed and how to fix it
         raise _fake_run_failed(model, captured, inputs, error) from error
     staying = {name for name, value in values.items() if not crosses_boundary(value)}
     return build_graph(captured, node_outputs(captured.module, values), staying=staying), captured.module
 
 
+@contextlib.contextmanager
+def _fake_errors_unlogged() -> Iterator[None]:
+    """torch's fake tensors log an op's failure with its whole traceback before raising it; the error
+    :func:`_fake_run_failed` makes of it says what failed in one line."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def _fake_run_failed(model: nn.Module, captured: Capture, inputs: tuple[torch.Tensor, ...],
                      error: Exception) -> TraceError:
+    lines = str(error).strip().splitlines()
     return TraceError(f"{type(model).__name__} was captured by {captured.tracer} but running it "
                       f"on fake tensors of shapes {[tuple(x.shape) for x in inputs]} failed: "
-                      f"{type(error).__name__}: {error}. Check that the example inputs match "
+                      f"{type(error).__name__}: {(lines[0] if lines else '').rstrip('.')}. Check that the example inputs match "
                       f"what forward() expects, or mark the failing submodule as a leaf.")
 
 

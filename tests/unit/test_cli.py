@@ -61,6 +61,29 @@ def test_bad_input_is_one_line_and_exit_code_2(capsys, args: list[str], message:
     assert captured.err.count("\n") == 1 and captured.err.startswith("tessera: error: ")
 
 
+def test_a_builder_that_raises_and_inputs_the_model_refuses_are_one_line(capfd, tmp_path: Path) -> None:
+    """The builder's own error (a model checking its arguments) and an op failing on the example's shape
+    each come as one line naming what failed, with nothing of torch's logging before it."""
+    (tmp_path / "models.py").write_text("from torch import nn\n"
+                                        "def raises(width=8):\n"
+                                        "    raise ValueError('width must be even.')\n"
+                                        "def mlp(width=8):\n"
+                                        "    return nn.Sequential(nn.Linear(16, width), nn.ReLU())\n")
+    raised = "raises() failed: ValueError: width must be even; fix the builder or its --model-arg values"
+    for spec, shape, message in ((f"{tmp_path}/models.py:raises", "16", raised),
+                                 (f"{tmp_path}/models.py:mlp", "17", "a and b must have same reduction dim")):
+        assert main(["profile", spec, "--input", shape, "--batch-size", "1", "--device", "V100-16GB"]) == 2
+        captured = capfd.readouterr()
+        assert message in captured.err, captured.err
+        assert captured.err.count("\n") == 1 and captured.err.startswith("tessera: error: ")
+
+
+def test_a_name_a_module_lacks_suggests_the_closest_it_has(capsys) -> None:
+    assert main(["profile", "torch.nn:Linaer", "--input", "16", "--batch-size", "1", "--device", "V100-16GB"]) == 2
+    err = capsys.readouterr().err
+    assert "torch.nn has no builder function 'Linaer'" in err and "did you mean Linear" in err and err.count("\n") == 1
+
+
 def test_console_script_errors_have_no_traceback() -> None:
     result = subprocess.run([sys.executable, "-m", "planner", "profile", "examples/models/resnet.py:resnet50",
                              "--input", "3x32x32", "--batch-size", "1", "--device", "nope"],
