@@ -188,6 +188,12 @@ def validate_space(gpus: int, mem: str | int, batch_size: int, device: str | Dev
     spec = get_device(device)
     mem_bytes, kept = parse_mem_bytes(mem), parse_reserve(reserve)
     usable = usable_bytes(mem_bytes, kept)
+    host_mem_bytes = None if host_mem is None else parse_mem_bytes(host_mem)
+    nvme_bytes = None if nvme is None else parse_mem_bytes(nvme)
+    if spec.name == CPU_NAME:  # one memory and one disk: the ranks' budgets and the host tier share the machine's
+        if host_mem_bytes is None:
+            host_mem_bytes = max(0, spec.host_mem_bytes - per_node * mem_bytes)
+        nvme_bytes = spec.nvme_bytes if nvme_bytes is None else nvme_bytes
     space = SearchSpace(gpus, per_node, usable, batch_size, get_optimizer(optimizer),
                         get_precision(precision), searched,
                         tuple(micro_batch_sizes) if micro_batch_sizes else None,
@@ -195,8 +201,7 @@ def validate_space(gpus: int, mem: str | int, batch_size: int, device: str | Dev
                         reserve=kept, reserve_bytes=mem_bytes - usable,
                         data_parallel=tuple(data_parallel) if data_parallel else None,
                         offload=Offload.parse(offload),
-                        host_mem_bytes=None if host_mem is None else parse_mem_bytes(host_mem),
-                        nvme_bytes=None if nvme is None else parse_mem_bytes(nvme), spatial=spatial)
+                        host_mem_bytes=host_mem_bytes, nvme_bytes=nvme_bytes, spatial=spatial)
     return space, spec
 
 
@@ -237,6 +242,12 @@ def _warn_above_device(space: SearchSpace, device: DeviceSpec) -> None:
         warnings.warn(TesseraWarning(
             f"the budget {format_bytes(mem_bytes)} per GPU exceeds the {device.name}'s "
             f"{format_bytes(device.mem_bytes)}; planning for it anyway (is --mem right?)"), stacklevel=3)
+    ranks_bytes = space.gpus_per_node * mem_bytes
+    if device.name == CPU_NAME and space.gpus_per_node > 1 and ranks_bytes > device.mem_bytes:
+        warnings.warn(TesseraWarning(
+            f"{space.gpus_per_node} CPU ranks of {format_bytes(mem_bytes)} each need {format_bytes(ranks_bytes)}, "
+            f"more than this machine's {format_bytes(device.mem_bytes)} they share; planning for it anyway "
+            f"(give --mem at most {format_bytes(device.mem_bytes // space.gpus_per_node)})"), stacklevel=3)
     cores = usable_cores()
     if device.name == CPU_NAME and space.gpus_per_node > cores:
         warnings.warn(TesseraWarning(

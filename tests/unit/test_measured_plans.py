@@ -103,6 +103,35 @@ def test_planning_more_cpu_ranks_than_cores_warns_in_one_line(cache: Path) -> No
             assert f"--gpus {cores}" in shared[0] and "\n" not in shared[0]
 
 
+def test_cpu_ranks_share_the_machines_memory_with_the_host_tier(cache: Path) -> None:
+    """On the cpu device the ranks' budgets and the host tier are one memory: a node's host memory is what the
+    ranks' budgets leave of it (not the machine's memory once per rank), NVMe is the disk once, and budgets
+    that add up to more than the machine has are planned for with one warning line naming the most that fits."""
+    import warnings
+
+    from cost_models.devices import get_device
+    from cost_models.errors import TesseraWarning
+    from planner.api import validate_space
+
+    machine = get_device("cpu")
+    quarter = machine.mem_bytes // 4
+    space, _ = validate_space(2, quarter, 8, "cpu", None, "momentum", "fp32", None, None, 60.0, reserve=0)
+    assert space.host_mem_bytes == machine.host_mem_bytes - 2 * quarter and space.nvme_bytes == machine.nvme_bytes
+    given, _ = validate_space(2, quarter, 8, "cpu", None, "momentum", "fp32", None, None, 60.0, host_mem="1GB")
+    assert given.host_mem_bytes == 2**30
+    for mem, warns in ((3 * quarter, True), (quarter, False)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            made = plan(gpt_tiny(), 2, mem, batch_size=8, example_inputs=torch.zeros((1, 32), dtype=torch.int64),
+                        device="cpu", optimizer="momentum", reserve=0, profile=False)
+        shared = [str(w.message) for w in caught if w.category is TesseraWarning and "share" in str(w.message)]
+        assert len(shared) == warns, shared
+        if warns:
+            assert "more than this machine's" in shared[0] and "give --mem at most" in shared[0]
+            assert "\n" not in shared[0]
+        assert made.cluster.host_mem_bytes == max(0, machine.host_mem_bytes - 2 * mem)
+
+
 def test_a_plan_for_a_gpu_this_machine_has_is_costed_from_times_measured_on_it(
         cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The GPU path's plumbing, with this CPU standing in for the local GPU (tests/gpu runs it on one):
