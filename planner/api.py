@@ -186,10 +186,11 @@ def validate_space(gpus: int, mem: str | int, batch_size: int, device: str | Dev
         _check_divisors("num_stages", num_stages, gpus)  # with stage 0 on P tiles, S need not divide the GPUs
     _check_divisors("data_parallel", data_parallel, gpus)
     spec = get_device(device)
-    mem_bytes, kept = parse_mem_bytes(mem), parse_reserve(reserve)
+    # text needs its unit, as on the command line ("16" is far more likely a slip than 16 bytes); an int is bytes
+    mem_bytes, kept = parse_mem_bytes(mem, unit_required=True), parse_reserve(reserve)
     usable = usable_bytes(mem_bytes, kept)
-    host_mem_bytes = None if host_mem is None else parse_mem_bytes(host_mem)
-    nvme_bytes = None if nvme is None else parse_mem_bytes(nvme)
+    host_mem_bytes = None if host_mem is None else parse_mem_bytes(host_mem, unit_required=True)
+    nvme_bytes = None if nvme is None else parse_mem_bytes(nvme, unit_required=True)
     if spec.name == CPU_NAME:  # one memory and one disk: the ranks' budgets and the host tier share the machine's
         if host_mem_bytes is None:
             host_mem_bytes = max(0, spec.host_mem_bytes - per_node * mem_bytes)

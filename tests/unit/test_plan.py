@@ -110,6 +110,8 @@ def _tiny(**overrides):
     ({"mem": "lots"}, InvalidArgument, "cannot parse memory size 'lots'"),
     ({"mem": "-4GB"}, InvalidArgument, "memory size .-4GB. must be positive"),
     ({"mem": 0}, InvalidArgument, "must be positive"),
+    ({"mem": "16"}, InvalidArgument, "memory size '16' has no unit"),  # 16 bytes is an int: 16
+    ({"host_mem": "64"}, InvalidArgument, "memory size '64' has no unit"),
     ({"device": "TPU-v9"}, UnknownDevice, "TPU-v9"),
     ({"batch_size": 8, "micro_batch_sizes": (3,)}, InvalidArgument, "batch size 8 cannot be split"),
     ({"batch_size": 0}, InvalidArgument, "batch_size must be"),
