@@ -27,8 +27,8 @@ SUPPORTED = frozenset({ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W, A
 def check_world_size(plan: Plan, world_size: int) -> None:
     if world_size != plan.layout.world_size:
         raise RuntimeSetupError(
-            f"the plan is for {plan.layout.world_size} processes ({plan.num_stages} stages x "
-            f"{plan.data_parallel} data-parallel replicas) but {world_size} were launched; run "
+            f"the plan is for {plan.layout.world_size} processes ({plan.layout.describe()}) but {world_size} "
+            f"were launched; run "
             f"`torchrun --nproc-per-node {plan.layout.world_size} -m runtime PLAN` (or `tessera run "
             f"PLAN`), or re-plan for {world_size} GPUs")
 

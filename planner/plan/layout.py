@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import TypeVar
 
+from cost_models.units import plural
 from planner.plan import codec
 
 P = TypeVar("P")  # one slot's program, in whatever form
@@ -231,6 +232,24 @@ class Layout:
         if len(texts) > 4 and single and flat == list(range(flat[0], flat[-1] + 1)):
             return f"{flat[0]}..{flat[-1]}"
         return ("," if single else "|").join(texts)
+
+    def describe(self) -> str:
+        """How the ranks hold the model, in counts that multiply to the world size.
+
+        >>> Layout.pipeline(2, data_parallel=4).describe()
+        '2 stages x 4 data-parallel'
+        >>> Layout.replicated((0, 1, 0, 1), data_parallel=2).describe()  # interleaved: two stages a rank
+        '4 stages on 2 ranks x 2 data-parallel'
+        >>> Layout.mirrored(2, data_parallel=8).describe()  # GEMS-MASTER: two copies of 2 parts
+        '4 stages of 2 parts on 2 ranks x 8 data-parallel'
+        """
+        ranks = sum(len(slot) for slot in self.slot_ranks[0])  # a replica's
+        shape = plural(self.num_stages, "stage")
+        if self.num_parts != self.num_stages:
+            shape += f" of {plural(self.num_parts, 'part')}"
+        if ranks != self.num_stages:
+            shape += f" on {plural(ranks, 'rank')}"
+        return f"{shape} x {self.data_parallel} data-parallel"
 
     # ------------------------------------------------------------- internals
     def _stage(self, stage: int) -> int:

@@ -87,7 +87,7 @@ def _memory_decisions(cluster: ClusterSpec, parts: tuple[StagePlan, ...], layout
 
 def _title(model: ModelRef, cluster: ClusterSpec, training: TrainingSpec, schedule: ScheduleSpec,
            layout: Layout) -> str:
-    return (f"plan: {plural(layout.num_stages, 'stage')} x {layout.data_parallel} data-parallel on "
+    return (f"plan: {layout.describe()} on "
             f"{_gpus(cluster)} x {cluster.device_name} ({_budget(cluster)}), "
             f"{schedule.kind.value}, batch {training.global_batch_size} = "
             f"{plural(layout.data_parallel, 'replica')} x "

@@ -109,7 +109,7 @@ def test_a_signal_to_tessera_run_stops_every_rank_and_says_one_line(
 
 # ------------------------------------------------------------------ refusals
 @pytest.mark.parametrize(("plan", "args", "message"), [
-    ("gpt2", ["--nproc", "1"], "the plan is for 2 processes (2 stages x 1 data-parallel replicas) but "
+    ("gpt2", ["--nproc", "1"], "the plan is for 2 processes (2 stages x 1 data-parallel) but "
                                "--nproc 1 x 1 node(s) launches 1; run with --nproc 2"),
     ("changed", [], "the rebuilt model's graph fingerprint"),
     ("inconsistent", [], "plan field training.global_batch_size is 7, but micro_batch_size 2 x "

@@ -232,6 +232,7 @@ def test_wpipe_needs_allow_stale_weights_and_the_plan_says_what_is_stale() -> No
     result = tessera(*TINY, "--mem", "16GB", "--schedule", "wpipe", "--allow-stale-weights")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0].startswith("plan: 4 stages x 1 data-parallel on 2 x V100-16GB") and ", wpipe, " in lines[0]
+    assert lines[0].startswith("plan: 4 stages on 2 ranks x 1 data-parallel on 2 x V100-16GB")
+    assert ", wpipe, " in lines[0]
     assert "stale weights (wpipe, allowed by allow_stale_weights): stages 0-1 compute each step on their weights " \
            "from before the previous update (one update late); stages 2-3 update as usual" in lines
