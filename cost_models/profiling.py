@@ -12,7 +12,7 @@ import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,11 +42,11 @@ from cost_models.loss import TrainingLoss, training_loss
 if TYPE_CHECKING:
     from cost_models.graph.ir import LayerGraph
 
-_CACHE_VERSION = 12  # 2: node times scaled to the whole graph's measured pass; 3: from a cold cache; 4: the loss;
+_CACHE_VERSION = 13  # 2: node times scaled to the whole graph's measured pass; 3: from a cold cache; 4: the loss;
 # 5: split backwards; 6: what each backward allocates; 7: interleaved rounds; 8: less a backward call's own cost;
 # 9: that call through a clone, as a node's isolated input; 10: split halves scaled to a whole split backward;
 # 11: a node's split halves timed warm; 12: a split backward's W pays a fixed cost per weight group, and
-# the copies training beside the profile sit where the run's ranks do
+# the copies training beside the profile sit where the run's ranks do; 13: nodes of one signature pool their samples
 _EVICT_BYTES = 64 * 2**20  # written before a pass timed from a cold cache: more than a CPU's last-level cache
 _BACKWARD_LABEL = "tessera.backward:"  # the profiler range of each node's backward whose allocations are measured
 _CO_RUNNER_START_S = 60.0  # for the co-running copies to start (they fork from this process) and to stop
@@ -113,6 +113,14 @@ class _NodeSamples:
         if split_kept and sample.split_ms is not None:
             self.inputs_ms.append(sample.split_ms[0])
             self.weights_ms.append(sample.split_ms[1])
+
+    def pooled(self, others: Sequence[_NodeSamples]) -> _NodeSamples:
+        """These samples with those of ``others`` (nodes of the same signature: the same call on the same
+        shapes), this node's last sample kept for its bytes."""
+        every = [self, *others]
+        return _NodeSamples([t for n in every for t in n.fwd_ms], [t for n in every for t in n.bwd_ms],
+                            [t for n in every for t in n.inputs_ms], [t for n in every for t in n.weights_ms],
+                            self.last)
 
     def timing(self, call_ms: float) -> NodeTiming:
         """The medians (a node without a backward: 0 ms), each backward less ``call_ms``, what starting a
@@ -360,6 +368,7 @@ class _NodeProfiler:
         """Each node's median times over the rounds, the whole graph's median forward and backward, and its
         split backward's (where one was timed)."""
         samples: dict[str, _NodeSamples] = {}
+        signatures: dict[str, tuple | None] = {}  # what each node's times depend on (_signature)
         whole_fwd, whole_bwd, call_ms = [], [], []
         whole_splits: list[WholeSplit] = []
         output_node = next(node for node in self.module.graph.nodes if node.op == "output")
@@ -371,6 +380,9 @@ class _NodeProfiler:
 
             def timed(node: torch.fx.Node, env: dict[str, Any], kept: bool = kept, index: int = index,
                       splits: dict = splits) -> Any:
+                if node.name not in signatures:
+                    arguments = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: env[n.name])
+                    signatures[node.name] = _signature(node, self.module, arguments)
                 output, sample = self._time_once(node, env, splits if index < split_rounds else None)
                 record = samples.setdefault(node.name, _NodeSamples())
                 record.add(sample, kept, split_kept=min(self.warmup, 1) <= index < split_rounds)
@@ -390,7 +402,8 @@ class _NodeProfiler:
             if min(self.warmup, 1) <= index < split_rounds:
                 split = self._whole_split_once(inputs, loss)
                 whole_splits += [split] if split is not None else []
-        alone = {name: record.timing(statistics.median(call_ms)) for name, record in samples.items()}
+        call = statistics.median(call_ms)
+        alone = {name: record.timing(call) for name, record in _pooled(samples, signatures).items()}
         whole_split = None
         if whole_splits:
             whole_split = dataclasses.replace(
@@ -664,6 +677,21 @@ def in_context(alone: dict[str, NodeTiming], whole_fwd_ms: float, whole_bwd_ms: 
                                       split_ms=None if t.split_ms is None else (
                                           t.split_ms[0] * input_scale, t.split_ms[1] * weight_scale + group_ms))
             for name, t in alone.items()}
+
+
+def _pooled(samples: dict[str, _NodeSamples], signatures: Mapping[str, tuple | None]) -> dict[str, _NodeSamples]:
+    """Each node's samples with those of every node of its signature (a model's repeated layers): a slow spell of
+    the machine over one node's rounds is then outvoted by its copies' (a GPT-2's first attention's backward,
+    timed while another process ran on its core, came out 40x its second's, and the stage cut after it)."""
+    groups: dict[tuple, list[str]] = {}
+    for name, signature in signatures.items():
+        if signature is not None and name in samples:
+            groups.setdefault(signature, []).append(name)
+    pooled = dict(samples)
+    for names in groups.values():
+        for name in names if len(names) > 1 else ():
+            pooled[name] = samples[name].pooled([samples[other] for other in names if other != name])
+    return pooled
 
 
 def _signature(node: torch.fx.Node, module: torch.fx.GraphModule, arguments: Any) -> tuple | None:

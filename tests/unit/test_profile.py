@@ -192,6 +192,29 @@ def test_a_split_backwards_weight_groups_each_pay_a_fixed_cost_beside_their_node
     assert (quick["head"].split_ms[1], quick["norm"].split_ms[1]) == pytest.approx((4.5, 0.0))
 
 
+def test_nodes_of_one_signature_pool_their_samples_so_a_slow_spell_over_one_is_outvoted() -> None:
+    """A node timed while another process took its core for most of its rounds (a GPT-2's first attention's
+    backward came out 40x its second's, and the plan cut after it) gets the median of every node of its
+    signature; a node of its own, or one whose signature cannot be told, keeps its own samples."""
+    from cost_models.profiling import _NodeSamples, _pooled, _Sample
+
+    def node(bwd_ms: list[float]) -> _NodeSamples:
+        samples = _NodeSamples()
+        for value in bwd_ms:
+            samples.add(_Sample(1.0, value, None, None, None), kept=True, split_kept=False)
+        return samples
+    samples = {"attn": node([9.0, 9.5, 1.0, 8.0, 1.1]), "attn_1": node([1.0, 1.2, 0.9, 1.1, 1.0]),
+               "attn_2": node([1.1, 0.9, 1.0, 1.2, 1.0]), "head": node([2.0, 9.0, 8.0, 9.0, 2.0]),
+               "user": node([5.0, 5.0, 6.0])}
+    signatures = {"attn": ("sdpa", (4, 32)), "attn_1": ("sdpa", (4, 32)), "attn_2": ("sdpa", (4, 32)),
+                  "head": ("linear", (4, 512)), "user": None}
+    pooled = {name: record.timing(0.0).bwd_ms for name, record in _pooled(samples, signatures).items()}
+    assert statistics.median([9.0, 9.5, 1.0, 8.0, 1.1]) == 8.0  # alone, the slow spell wins
+    assert pooled["attn"] == pooled["attn_1"] == pooled["attn_2"] == statistics.median(
+        [9.0, 9.5, 1.0, 8.0, 1.1, 1.0, 1.2, 0.9, 1.1, 1.0, 1.1, 0.9, 1.0, 1.2, 1.0]) == 1.1
+    assert (pooled["head"], pooled["user"]) == (8.0, 5.0)
+
+
 def test_a_split_backward_is_timed_where_inputs_and_weights_both_take_gradients() -> None:
     """ZB-H1 runs a backward as I (into the inputs) and, later, W (into the weights). Both are timed for a
     node with weights whose inputs carry a gradient; a first layer (its input is data) and a node without
