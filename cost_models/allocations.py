@@ -9,7 +9,19 @@ The runtime measures a step's peak this way (runtime/memory.py), the profiler ea
 from __future__ import annotations
 
 import bisect
+import os
 from typing import Any
+
+
+def allocation_profiler() -> Any:
+    """A ``torch.profiler.profile`` of the CPU recording allocations, as both measurements run it. Its library's
+    own log is silenced unless ``KINETO_LOG_LEVEL`` says otherwise: libkineto prints a line as each profiler
+    starts and stops (a ``USDT:`` line per rank and profiled step of a run, and per profile), and reads the
+    level when the first one starts."""
+    import torch
+
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # past its last level: none of its lines
+    return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
 
 
 def _cpu_allocations(profile: Any) -> list[tuple[int, int]]:

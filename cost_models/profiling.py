@@ -28,7 +28,7 @@ from torch.distributed.pipelining._backward import (
 )
 from torch.utils import _pytree as pytree
 
-from cost_models.allocations import peaks_within
+from cost_models.allocations import allocation_profiler, peaks_within
 from cost_models.cpu_device import rank_cores
 from cost_models.device_spec import CALIBRATED
 from cost_models.devices import DeviceSpec, cache_root, get_device
@@ -443,7 +443,7 @@ class _NodeProfiler:
                     torch.autograd.grad(targets, leaves + params, grads, allow_unused=True)
             return detach_tree(output)
 
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as run:
+        with allocation_profiler() as run:
             self._each_node(inputs, backward_once)
         return peaks_within(run, _BACKWARD_LABEL)
 

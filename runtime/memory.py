@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from cost_models.allocations import allocated_peak_bytes
+from cost_models.allocations import allocated_peak_bytes, allocation_profiler
 
 Key = Any  # (stage, micro-batch)
 
@@ -125,8 +125,7 @@ class MemoryTracker:
         baseline = self.model_state_bytes()
         self.active, self._state_bytes = True, None
         try:
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                        profile_memory=True) as profile:
+            with allocation_profiler() as profile:
                 yield
         finally:
             self.active = False

@@ -67,6 +67,23 @@ def test_the_allocation_peak_of_a_profiled_block_and_of_each_range_in_it() -> No
     assert allocated_peak_bytes(run) == 4000
 
 
+def test_the_allocation_profiler_prints_nothing_of_its_own() -> None:
+    """libkineto printed a 'USDT: ... profiler_start' and a 'profiler_stop' line per profiled step and rank of a
+    run and per profile; the level it reads when its first profiler starts, so in a fresh process."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch\n"
+            "from cost_models.allocations import allocated_peak_bytes, allocation_profiler\n"
+            "with allocation_profiler() as run:\n"
+            "    kept = torch.empty(1000)\n"
+            "print(allocated_peak_bytes(run))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
+                            env={k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"})
+    assert result.stdout.strip() == "4000" and "profiler_st" not in result.stderr, result.stderr
+
+
 def test_the_profile_measures_what_a_nodes_backward_allocates() -> None:
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32))
     table = profile(model, torch.randn(8, 64), "cpu", optimizer="momentum", cache_dir=None)
