@@ -21,8 +21,10 @@ class Reserve:
 
     def __post_init__(self) -> None:
         if self.nbytes < 0 or not 0.0 <= self.fraction < 1.0:
-            raise InvalidArgument(f"a reserve is a size >= 0 or a percentage in [0%, 100%), got "
-                                  f"{self.nbytes} bytes and {self.fraction:.0%}")
+            given = f"{self.fraction:.0%}" if self.fraction else f"{self.nbytes} bytes"
+            given += f" and {self.nbytes} bytes" if self.fraction and self.nbytes else ""
+            raise InvalidArgument(f"a reserve is a size >= 0 or a percentage in [0%, 100%), got {given}; "
+                                  f"give e.g. --reserve 5% or --reserve 1GB (plan(reserve=...))")
 
     def bytes_of(self, mem_bytes: int) -> int:
         """The bytes kept free out of a budget of ``mem_bytes``."""

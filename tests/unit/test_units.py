@@ -43,3 +43,13 @@ def test_a_reserve_is_a_share_or_a_size_and_mem_for_inverts_it(text: str, usable
     assert usable_bytes(2**30, reserve) == usable
     assert reserve.mem_for(usable) == 2**30
     assert usable_bytes(reserve.mem_for(usable + 1), reserve) >= usable + 1
+
+
+@pytest.mark.parametrize(("text", "said"), [("150%", "got 150%;"), ("-5%", "got -5%;")])
+def test_a_reserve_out_of_range_names_what_was_given_and_the_fix(text: str, said: str) -> None:
+    from planner.budget import parse_reserve
+
+    with pytest.raises(InvalidArgument) as refused:
+        parse_reserve(text)
+    assert said in str(refused.value) and "give e.g. --reserve 5%" in str(refused.value)
+    assert "0 bytes" not in str(refused.value)
