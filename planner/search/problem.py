@@ -22,6 +22,7 @@ from cost_models.comm import (
     ring_allreduce_coefficients,
     same_node,
 )
+from cost_models.cpu_device import CPU_NAME
 from cost_models.device_spec import BYTES_PER_GB, OptimizerStepCost
 from cost_models.devices import DeviceSpec
 from cost_models.errors import InvalidArgument
@@ -181,6 +182,7 @@ class MemoryTiers:
     gpus_per_node: int
     host_master_bytes_per_param: int = 0  # a master copy the host step needs where the precision has none
     device_step: OptimizerStepCost | None = None  # measured on the device: replaces the per-byte estimate
+    host_step: OptimizerStepCost | None = None  # measured on the host's cores (the cpu device: they are its own)
     precision: Precision | None = None  # with the optimizer, what the step's own buffers are costed by
     optimizer: Optimizer | None = None  # (None: a bare problem, whose step costs nothing)
 
@@ -571,6 +573,8 @@ def memory_tiers(device: DeviceSpec, space: SearchSpace, state: StateMode, *, ac
         host_step_ms_per_param=1e3 / device.host_optimizer_params_per_s,
         device_step_ms_per_byte=device_ms_per_byte,
         device_step=device.optimizer_step(space.optimizer.value),
+        # on the cpu device the host is the device: its optimizer step is the one measured there, per tensor too
+        host_step=device.optimizer_step(space.optimizer.value) if device.name == CPU_NAME else None,
         host_grad_bytes_per_param=space.precision.state_itemsize,
         host_master_bytes_per_param=0 if space.precision.master_weights else space.precision.state_itemsize,
         host_mem_bytes=space.host_mem_bytes if space.host_mem_bytes is not None else device.host_mem_bytes * per_node,

@@ -497,7 +497,11 @@ def _mode_terms(tiers: MemoryTiers, mode: StateMode, copies: int,
     # the gradient down and the weight up cross the link in the masters' dtype (runtime/stage_optimizer.py
     # casts on the GPU: casting on the host would be a pass over every parameter on the CPU)
     link_ms_per_param = 2 * tiers.host_grad_bytes_per_param * link.ms_per_byte
-    on_host = per_parameter(lambda a: share * a.param_numel * (link_ms_per_param + tiers.host_step_ms_per_param))
+    def host_step_ms(a: Any) -> float:  # (per parameter at the host's rate, where it was not measured)
+        if tiers.host_step is None:
+            return share * a.param_numel * tiers.host_step_ms_per_param
+        return tiers.host_step.ms(a.param_tensors, share * a.param_numel)
+    on_host = per_parameter(lambda a: share * a.param_numel * link_ms_per_param + host_step_ms(a))
     on_host = on_host.plus(Term(constant=2 * link.fixed_ms))
     # off the device the step updates a master copy: fp32/fp64 training has none in optimizer_bytes
     optimizer_state = per_parameter(lambda a: share * (a.optimizer_bytes

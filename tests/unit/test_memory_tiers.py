@@ -327,6 +327,27 @@ def test_host_optimizer_state_per_parameter_by_hand() -> None:
     bf16 = Unit(("a",), 1.0, 1.0, 16_000, 2000, 0, 0, (), 2000, 12_000, 1000, 0, 0)
     assert evaluate(cost_model(dataclasses.replace(host, units=(bf16,))), ()).parts[0].optimizer_ms == \
         pytest.approx(16.0 + 1.0)
+    # where the host's own step was measured (the cpu device: the host is the device), per tensor too: 3
+    # tensors at 20 us and 1000 parameters at 10 ns, not 1000 at the host's default rate
+    measured = dataclasses.replace(host, units=(dataclasses.replace(unit, param_tensors=3),),
+                                   tiers=dataclasses.replace(host.tiers, host_step=OptimizerStepCost(20.0, 10.0)))
+    assert evaluate(cost_model(measured), ()).parts[0].optimizer_ms == pytest.approx(16.0 + 0.06 + 0.01)
+
+
+def test_on_the_cpu_device_the_host_steps_as_the_device_does() -> None:
+    """The cpu device's host is itself: an optimizer on the host steps at the device's measured per-tensor and
+    per-parameter costs (plans on CPU ranks put the optimizer on the host where its flat rate, 1.01-1.15x,
+    made it look faster than the same step on the device); a GPU preset's host keeps its rate."""
+    from cost_models.devices import get_device
+    from planner.api import validate_space
+    from planner.search.problem import memory_tiers
+
+    for name in ("cpu", "V100-16GB"):
+        space, spec = validate_space(2, "1GB", 8, name, None, "adam", "fp32", None, None, 60.0)
+        device = get_device(spec)
+        tiers = memory_tiers(device, space, StateMode(0, StateTier.HOST), activations=False)
+        assert tiers.host_step == (device.optimizer_step("adam") if name == "cpu" else None)
+        assert tiers.host_step is None or tiers.host_step == tiers.device_step
 
 
 def test_device_optimizer_step_from_its_bytes_or_from_the_measured_step() -> None:
