@@ -90,3 +90,9 @@ class CheckpointError(TesseraError):
     def __init__(self, message: str, *, same_on_every_rank: bool = False) -> None:
         super().__init__(message)
         self.same_on_every_rank = same_on_every_rank
+
+
+def describe_error(error: BaseException) -> str:
+    """``"ValueError: its message's first line"`` (no closing full stop): how a one-line error quotes another."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0].rstrip('.') if lines else ''}"

@@ -15,7 +15,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from cost_models.errors import TraceError
+from cost_models.errors import TraceError, describe_error
 
 LeafSpec = type | str
 """A leaf module: a class, a class name (``"MyBlock"``) or a qualified submodule name (``"encoder.3"``)."""
@@ -264,16 +264,11 @@ def _captured_torch_output() -> Iterator[io.StringIO]:
             handler.setStream(stream)
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"
-
-
 def _both_failed_message(model: nn.Module, fx_error: BaseException,
                          export_error: BaseException) -> str:
     name = type(model).__name__
-    return (f"cannot trace {name}: torch.fx symbolic tracing failed ({_first_line(fx_error)}) "
-            f"and the torch.export fallback failed ({_first_line(export_error)}). "
+    return (f"cannot trace {name}: torch.fx symbolic tracing failed ({describe_error(fx_error)}) "
+            f"and the torch.export fallback failed ({describe_error(export_error)}). "
             f"Python control flow that depends on tensor values cannot be captured. Fix: mark the "
             f"submodule that contains it as a leaf, e.g. trace(model, inputs, "
             f"leaf_modules=[MyBlock]) or leaf_modules=['encoder.block3'] (CLI: --leaf MyBlock), "

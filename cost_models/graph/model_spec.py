@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cost_models.errors import InvalidArgument, ModelSpecError, TesseraWarning
+from cost_models.errors import InvalidArgument, ModelSpecError, TesseraWarning, describe_error
 
 _DTYPES = {"float32": "float32", "float": "float32", "fp32": "float32", "float64": "float64",
            "double": "float64", "float16": "float16", "half": "float16", "bfloat16": "bfloat16",
@@ -113,7 +113,8 @@ def load_builder(spec: str, search_root: Path | None = None) -> Callable[..., An
         available = sorted(n for n, v in vars(module).items()
                            if inspect.isfunction(v) and not n.startswith("_") and v.__module__ == module.__name__)
         close = difflib.get_close_matches(name, [n for n in dir(module) if not n.startswith("_")], n=3)
-        defines = ", ".join(available) or "none (give a model class with a config_class, e.g. transformers:GPT2LMHeadModel)"
+        defines = ", ".join(available) or ("none (give a model class with a config_class, e.g. "
+                                           "transformers:GPT2LMHeadModel)")
         raise ModelSpecError(f"{location} has no builder function {name!r}; it defines {defines}"
                              + (f"; did you mean {', '.join(close)}?" if close else ""))
     return builder
@@ -171,8 +172,8 @@ def build_model(builder: Callable[..., Any], kwargs: Mapping[str, Any], device: 
         except ModelSpecError:
             raise
         except Exception as error:  # the model's own check of its configuration (a user's value): one line
-            raise ModelSpecError(f"{builder.__name__}({_describe(kwargs)}) failed: {type(error).__name__}: "
-                                 f"{_first_line(error)}; change the --model-arg values") from error
+            raise ModelSpecError(f"{builder.__name__}({_describe(kwargs)}) failed: "
+                                 f"{describe_error(error)}; change the --model-arg values") from error
     parameters = inspect.signature(builder).parameters
     takes_device = "device" in parameters or any(
         p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
@@ -184,16 +185,11 @@ def build_model(builder: Callable[..., Any], kwargs: Mapping[str, Any], device: 
         raise ModelSpecError(f"{builder.__name__}({_describe(kwargs)}) failed: {error}; valid "
                              f"arguments: {', '.join(parameters) or 'none'}") from error
     except Exception as error:  # the builder's own failure: named in one line, its traceback kept as the cause
-        raise ModelSpecError(f"{builder.__name__}({_describe(kwargs)}) failed: {type(error).__name__}: "
-                             f"{_first_line(error)}; fix the builder or its --model-arg values") from error
+        raise ModelSpecError(f"{builder.__name__}({_describe(kwargs)}) failed: "
+                             f"{describe_error(error)}; fix the builder or its --model-arg values") from error
     if not isinstance(model, torch.nn.Module):
         raise ModelSpecError(f"{builder.__name__} returned {type(model).__name__}, not an nn.Module")
     return model
-
-
-def _first_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return lines[0].rstrip(".") if lines else "(no message)"
 
 
 def _describe(kwargs: Mapping[str, Any]) -> str:

@@ -10,7 +10,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from cost_models.errors import InvalidArgument, TraceError
+from cost_models.errors import InvalidArgument, TraceError, describe_error
 from cost_models.fake_measure import measure_graph
 from cost_models.graph import node_info
 from cost_models.graph.capture import Capture, LeafSpec, capture
@@ -89,10 +89,9 @@ def _fake_errors_unlogged() -> Iterator[None]:
 
 def _fake_run_failed(model: nn.Module, captured: Capture, inputs: tuple[torch.Tensor, ...],
                      error: Exception) -> TraceError:
-    lines = str(error).strip().splitlines()
     return TraceError(f"{type(model).__name__} was captured by {captured.tracer} but running it "
                       f"on fake tensors of shapes {[tuple(x.shape) for x in inputs]} failed: "
-                      f"{type(error).__name__}: {(lines[0] if lines else '').rstrip('.')}. Check that the example inputs match "
+                      f"{describe_error(error)}. Check that the example inputs match "
                       f"what forward() expects, or mark the failing submodule as a leaf.")
 
 
