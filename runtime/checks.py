@@ -28,9 +28,8 @@ def check_world_size(plan: Plan, world_size: int) -> None:
     if world_size != plan.layout.world_size:
         raise RuntimeSetupError(
             f"the plan is for {plan.layout.world_size} processes ({plan.layout.describe()}) but {world_size} "
-            f"were launched; run "
-            f"`torchrun --nproc-per-node {plan.layout.world_size} -m runtime PLAN` (or `tessera run "
-            f"PLAN`), or re-plan for {world_size} GPUs")
+            f"were launched; run `torchrun --nproc-per-node {plan.layout.world_size} -m runtime PLAN` (or "
+            f"`tessera run PLAN`), or re-plan for {world_size} GPUs")
 
 
 def check_executable(plan: Plan) -> None:

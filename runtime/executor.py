@@ -646,7 +646,7 @@ class Executor:
     def _sync_tied(self) -> None:
         """Sum tied parameters' gradients over every copy (all ranks, one fixed order). Its wall time is not the
         optimizer step's compute (a GPT-2's embedding tied to its head across two stages: the step measured
-        4.7-7.4 ms for 0.4-1.2 ms of work, the rest waiting for the other rank's last backward)."""
+        4.7-7.4 ms for 1.0-1.9 ms of work, the rest waiting for the other rank's last backward)."""
         began = time.perf_counter()
         mine = {name: p for stage in self.stages.values() for name, p in stage.params.items()}
         for group in self.groups.tied:

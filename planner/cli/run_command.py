@@ -134,9 +134,8 @@ def check_before_launch(plan: Plan, request: RunRequest, nproc: int) -> None:
         per_node = plan.layout.world_size / request.nodes.count
         fix = f"--nproc {int(per_node)}" if per_node.is_integer() else "other --nproc/--nnodes"
         raise RuntimeSetupError(f"the plan is for {plan.layout.world_size} processes ({plan.layout.describe()}) "
-                                f"but --nproc {nproc} "
-                                f"x {request.nodes.count} node(s) launches {launched}; run with {fix}, or "
-                                f"re-plan for {launched} GPUs")
+                                f"but --nproc {nproc} x {request.nodes.count} node(s) launches {launched}; run "
+                                f"with {fix}, or re-plan for {launched} GPUs")
     from planner.preflight import check_plan, rebuild_model, trace_checked  # imports torch
 
     check_plan(plan)
