@@ -59,6 +59,11 @@ def checks(plan: Plan, report: RunReport) -> tuple[Check, ...]:
     if report.plan_fingerprint != plan.model.fingerprint:
         raise PlanFileError(f"the run report is of model {report.plan_fingerprint[:12]}... but the "
                             f"plan is of {plan.model.fingerprint[:12]}...; give the plan that was run")
+    ran = (report.world_size, report.global_batch_size)
+    if ran != (plan.layout.world_size, plan.training.global_batch_size):
+        raise PlanFileError(f"the run report is of {report.world_size} ranks at batch {report.global_batch_size} "
+                            f"but the plan runs {plan.layout.world_size} at batch {plan.training.global_batch_size}; "
+                            f"give the plan that was run")
     found = [Check("step time (slowest rank)", None, plan.predicted.step_ms, report.median_step_ms,
                    format_ms),
              Check("samples/s", None, plan.predicted.samples_per_s, report.samples_per_s, _per_second)]

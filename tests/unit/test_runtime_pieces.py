@@ -136,6 +136,11 @@ def test_validate_puts_predictions_beside_measurements(plan: Plan, tmp_path: Pat
     assert text.count("peak memory") == 4 and "step time" in text and "%" in text
     with pytest.raises(PlanFileError, match="plan that was run"):
         compare(plan, _report(plan, plan_fingerprint="0" * 64))
+    for changed in ({"world_size": 2, "peak_mem_bytes": (100, 100), "held_mem_bytes": (90, 90)},
+                    {"global_batch_size": 8}):  # the same model, run by another plan
+        with pytest.raises(PlanFileError, match=r"the run report is of \d ranks at batch \d+ but the plan runs 4 at "
+                                                r"batch 16; give the plan that was run"):
+            compare(plan, _report(plan, **changed))
     plan.save(tmp_path / "plan.json")
     _report(plan).save(tmp_path / "run.json")
     assert main(["validate", str(tmp_path / "plan.json"), str(tmp_path / "run.json")]) == 0
