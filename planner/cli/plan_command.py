@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,6 +76,12 @@ def _plan_and_save(request: PlanRequest, search_root: Path | None, progress: Pro
     if request.output is not None and not request.output.parent.resolve().is_dir():
         raise InvalidArgument(f"cannot write the plan to {str(request.output)!r}: folder "
                               f"{str(request.output.parent)!r} does not exist")
+    if request.output is not None and request.output.is_dir():
+        raise InvalidArgument(f"cannot write the plan to {str(request.output)!r}: it is a folder; give a file "
+                              f"name, e.g. -o {request.output / 'plan.json'}")
+    if request.output is not None and not os.access(request.output.parent.resolve(), os.W_OK):
+        raise InvalidArgument(f"cannot write the plan to {str(request.output)!r}: folder "
+                              f"{str(request.output.parent)!r} is not writable; give another -o")
     builder = load_builder(request.model, search_root)
     device = get_device(request.device)
     measured = device.name == CPU_NAME if request.profile is None else request.profile

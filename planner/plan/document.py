@@ -99,12 +99,20 @@ class Plan:
     def save(self, path: str | Path) -> None:
         """Write atomically: a failure never leaves a half-written or clobbered plan file."""
         target = Path(path)
-        handle, tmp = tempfile.mkstemp(dir=target.parent or Path("."), prefix=f".{target.name}.")
+        try:
+            handle, tmp = tempfile.mkstemp(dir=target.parent or Path("."), prefix=f".{target.name}.")
+        except OSError as error:
+            raise PlanFileError(f"cannot write the plan to {str(path)!r}: {error.strerror} in its folder; "
+                                f"give a path in a writable folder") from error
         try:
             with os.fdopen(handle, "w") as out:
                 out.write(self.to_json())
             os.chmod(tmp, 0o666 & ~_umask())
             os.replace(tmp, target)
+        except OSError as error:
+            Path(tmp).unlink(missing_ok=True)
+            raise PlanFileError(f"cannot write the plan to {str(path)!r}: {error.strerror}; give a file path "
+                                f"in a writable folder") from error
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise

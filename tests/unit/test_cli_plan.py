@@ -59,6 +59,22 @@ def test_the_reserve_is_subtracted_and_shown() -> None:
     assert "leaves nothing" in _one_error_line(tessera(*TINY, "--mem", "1GB", "--reserve", "2GB"))
 
 
+def test_an_output_path_that_cannot_be_written_is_one_line(tmp_path: Path) -> None:
+    """A folder given as -o is refused before the search; a plan saved where it cannot be written says where, in
+    one line (it was a traceback naming the temporary file)."""
+    from cost_models.errors import PlanFileError
+    from planner.plan import Plan
+
+    said = _one_error_line(tessera(*TINY, "--mem", "1GB", "-o", str(tmp_path)))
+    assert f"cannot write the plan to {str(tmp_path)!r}: it is a folder; give a file name" in said
+    made = tessera(*TINY, "--mem", "1GB", "-o", str(tmp_path / "plan.json"))
+    assert made.returncode == 0, made.stderr
+    plan = Plan.load(tmp_path / "plan.json")
+    with pytest.raises(PlanFileError, match=f"cannot write the plan to {str(tmp_path)!r}: Is a directory"):
+        plan.save(tmp_path)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["plan.json"]  # no temporary file left
+
+
 @pytest.mark.parametrize("limit", ["0", "-5"])
 def test_non_positive_time_limits_are_refused(limit: str) -> None:
     message = _one_error_line(tessera(*TINY, "--mem", "1GB", "--time-limit", limit))
