@@ -202,7 +202,8 @@ def profile_with_graph(model: nn.Module, example_inputs: torch.Tensor | Sequence
 
 def measured_table(model: nn.Module, graph: LayerGraph, example_inputs: Sequence[torch.Tensor],
                    batch_size: int, *, optimizer: str, precision: str, co_runners: int = 0,
-                   cache_dir: str | Path | None = None, device: DeviceSpec | None = None) -> CostTable:
+                   cache_dir: str | Path | None = None, device: DeviceSpec | None = None,
+                   leaf_modules: Sequence[type | str] = ()) -> CostTable:
     """``graph``'s costs at micro-batch ``batch_size`` (estimate()) with every node's forward and backward
     time measured where ``model`` is, at that batch (profile(), cached): what plan() costs a measured plan with.
 
@@ -212,7 +213,8 @@ def measured_table(model: nn.Module, graph: LayerGraph, example_inputs: Sequence
     ``co_runners`` copies training on other cores (the node's other ranks: profile()); the model is
     already in the dtype the runtime computes in (:func:`in_compute_dtype`). ``device`` is
     the spec the rest of the table is costed for (memory, transfers; default: the measured device's).
-    ``cache_dir`` defaults to the ``profiles`` folder of :func:`cost_models.devices.cache_root`."""
+    ``cache_dir`` defaults to the ``profiles`` folder of :func:`cost_models.devices.cache_root`; ``leaf_modules``
+    are the ones ``graph`` was traced with."""
     where = next(iter(model.parameters())).device
     model_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     # floats enter a 16-bit model in 16 bits, as the runtime casts them (on a GPU always in the model's)
@@ -228,7 +230,8 @@ def measured_table(model: nn.Module, graph: LayerGraph, example_inputs: Sequence
     try:
         _, measured = profile_with_graph(model, inputs, "cpu" if where.type == "cpu" else str(where),
                                          optimizer=optimizer, precision=precision,
-                                         cache_dir=cache_dir or cache_root() / "profiles", co_runners=co_runners)
+                                         cache_dir=cache_dir or cache_root() / "profiles", co_runners=co_runners,
+                                         leaf_modules=leaf_modules)
     except torch.cuda.OutOfMemoryError as error:
         raise ProfileError(f"timing the whole model at micro-batch {batch_size} ran out of {where}'s memory; "
                            f"plan with profile=False (--no-profile: roofline costs), or with smaller "
@@ -240,7 +243,8 @@ def measured_table(model: nn.Module, graph: LayerGraph, example_inputs: Sequence
     unmatched = [cost.name for cost in table.costs if cost.name not in times]
     if unmatched:
         raise ProfileError(f"the profiled graph at batch {batch_size} has no node {unmatched[0]!r} of the "
-                           f"planned graph ({len(unmatched)} missing); plan with profile=False (roofline costs)")
+                           f"planned graph ({len(unmatched)} missing); plan with profile=False (--no-profile: "
+                           f"roofline costs)")
     return dataclasses.replace(table, costs=tuple(
         dataclasses.replace(cost, fwd_ms=times[cost.name].fwd_ms, bwd_ms=times[cost.name].bwd_ms,
                             split_ms=times[cost.name].split_ms, measured_bwd_bytes=times[cost.name].measured_bwd_bytes)

@@ -94,7 +94,7 @@ def plan(model: nn.Module, gpus: int, mem: str | int, *, batch_size: int,
         report(ProgressEvent(Phase.TRACING, detail=type(model).__name__))
         graph = trace(model, inputs, leaf_modules=leaf_modules)
     space = dataclasses.replace(space, precision=mode or model_precision(graph))
-    measure = node_measure(model, graph, inputs, space, spec) if measures(model, spec, profile) else None
+    measure = node_measure(model, graph, inputs, space, spec, leaf_modules) if measures(model, spec, profile) else None
     result = Search(graph, spec, space, progress, measure).run()
     report(ProgressEvent(Phase.ASSEMBLING, detail="lowering, validating and simulating the winner"))
     return build_plan(graph, spec, space, result,
@@ -129,8 +129,9 @@ def check_measurable(device: DeviceSpec) -> None:
 
 
 def node_measure(model: nn.Module, graph: LayerGraph, inputs: tuple[torch.Tensor, ...], space: SearchSpace,
-                 device: DeviceSpec) -> Callable[[int], CostTable]:
-    """The graph's costs at a micro-batch size with node times measured here (measured_table).
+                 device: DeviceSpec, leaf_modules: Sequence[type | str] = ()) -> Callable[[int], CostTable]:
+    """The graph's costs at a micro-batch size with node times measured here (measured_table), the model
+    traced with the ``leaf_modules`` it was planned with.
 
     The model is timed in the dtype the runtime computes in (a 16-bit plan: a 16-bit copy; one copy for
     every micro-batch size). On the CPU, copies train on the other cores while the graph is timed, as the
@@ -140,11 +141,12 @@ def node_measure(model: nn.Module, graph: LayerGraph, inputs: tuple[torch.Tensor
         ranks = min(space.gpus_per_node, space.gpus, usable_cores())
         return functools.partial(measured_table, in_compute_dtype(model, torch.device("cpu"), dtype), graph, inputs,
                                  optimizer=space.optimizer.value, precision=space.precision.value,
-                                 co_runners=ranks - 1)
+                                 co_runners=ranks - 1, leaf_modules=leaf_modules)
     gpu = local_gpu(device)
     assert gpu is not None, "measures() said this machine has the device"
     return functools.partial(measured_table, in_compute_dtype(model, gpu, dtype), graph, inputs,
-                             optimizer=space.optimizer.value, precision=space.precision.value, device=device)
+                             optimizer=space.optimizer.value, precision=space.precision.value, device=device,
+                             leaf_modules=leaf_modules)
 
 
 def model_ref(graph: LayerGraph, inputs: tuple[torch.Tensor, ...], space: SearchSpace,

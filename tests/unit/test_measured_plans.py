@@ -103,6 +103,20 @@ def test_planning_more_cpu_ranks_than_cores_warns_in_one_line(cache: Path) -> No
             assert f"--gpus {cores}" in shared[0] and "\n" not in shared[0]
 
 
+def test_a_model_planned_with_leaf_modules_is_profiled_with_them(cache: Path) -> None:
+    """A module kept whole (a leaf: its forward branches on values, which no tracer captures) is one node of the
+    planned graph and of the profiled one (the profile traced without it and found no node 'gate')."""
+    class Gate(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x if x.sum() > 0 else -x
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), Gate(), torch.nn.Linear(16, 4))
+    made = plan(model, 2, "1GB", batch_size=8, example_inputs=torch.zeros(1, 16), device="cpu", optimizer="sgd",
+                reserve=0, leaf_modules=[Gate])
+    rows = {row.name: row for row in made.layers}
+    assert "_1" in rows and rows["_1"].fwd_ms > 0  # the gate, timed as one node
+
+
 def test_cpu_ranks_share_the_machines_memory_with_the_host_tier(cache: Path) -> None:
     """On the cpu device the ranks' budgets and the host tier are one memory: a node's host memory is what the
     ranks' budgets leave of it (not the machine's memory once per rank), NVMe is the disk once, and budgets
