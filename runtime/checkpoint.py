@@ -56,6 +56,18 @@ def split_digest(plan: Plan) -> str:
     return hashlib.sha256(json.dumps(sorted(plan.part_of().items())).encode()).hexdigest()[:16]
 
 
+def check_writable(directory: Path) -> None:
+    """Refuse, before any step, a ``--checkpoint-dir`` that cannot be made or written (a read-only file system, a
+    path under a file): found at the first checkpoint it cost the steps before it, in a traceback per rank."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".tessera-write-test-"):
+            pass
+    except OSError as error:
+        raise CheckpointError(f"--checkpoint-dir {directory} cannot be written ({error.strerror}); give a "
+                              f"writable folder", same_on_every_rank=True) from error
+
+
 def save(executor: Executor, directory: Path, step: int) -> None:
     """Write this rank's stage files for ``step`` (collective: every rank calls it)."""
     folder = directory / f"step-{step:08d}"

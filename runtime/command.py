@@ -98,7 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         options, device_choice = parse_args(argv)
         from planner.nvme_dir import check_nvme_dir
         from planner.plan import Plan
-        from runtime import checks, train
+        from runtime import checkpoint, checks, train
 
         env = RankEnv.from_environ()
         plan = Plan.load(options.plan)
@@ -107,6 +107,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         checks.check_world_size(plan, env.world_size)
         check_nvme_dir(plan, options.nvme_dir, plan.layout.parts_of_rank(env.rank),
                        printer_parts=plan.layout.parts_of_rank(0))
+        if options.checkpoint_dir is not None:
+            checkpoint.check_writable(options.checkpoint_dir)
         device = init_group(env, _device_kind(plan, device_choice), options.timeout_s)
         report = train.run(plan, options, device)
         if env.rank == 0 and options.report is not None:

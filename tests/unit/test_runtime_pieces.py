@@ -18,7 +18,7 @@ from planner.reports.run_report import RunReport
 from planner.schedules.actions import Action, ActionKind
 from runtime import checks
 from runtime.build import rebuild_model, trace_checked
-from runtime.checkpoint import Latest, check_resumable, split_digest
+from runtime.checkpoint import Latest, check_resumable, check_writable, split_digest
 from runtime.command import parse_args
 from runtime.data import SyntheticData, TensorSpec, input_specs, synthetic_task
 from runtime.launch import RankEnv
@@ -192,6 +192,19 @@ def test_runtime_flags_and_the_environment(monkeypatch: pytest.MonkeyPatch) -> N
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(RuntimeSetupError, match="torchrun"):
         RankEnv.from_environ()
+
+
+def test_a_checkpoint_folder_that_cannot_be_written_is_refused_before_any_step(tmp_path: Path) -> None:
+    """Found at the first checkpoint, it cost the steps before it and printed a traceback per rank."""
+    from cost_models.errors import CheckpointError
+
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(CheckpointError, match=r"--checkpoint-dir .*a-file/ck cannot be written \(Not a directory\); "
+                                              r"give a writable folder") as refused:
+        check_writable(tmp_path / "a-file" / "ck")
+    assert refused.value.same_on_every_rank  # rank 0 says it once
+    check_writable(tmp_path / "new" / "ck")  # made, and nothing left in it
+    assert list((tmp_path / "new" / "ck").iterdir()) == []
 
 
 def test_a_checkpoint_is_resumable_only_by_its_model_and_cut_and_with_steps_left(plan: Plan) -> None:
