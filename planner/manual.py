@@ -152,12 +152,15 @@ def _relaid(plan: Plan, schedule: Schedule, stages: tuple[StagePlan, ...], what:
     costs = sim_costs(layout, stages, transfers, schedule.kind, plan.cluster.backend)
     simulated = simulate(programs, layout, costs)
     batch = plan.training.global_batch_size
+    # the search's why, runner-up and binding were of the plan before: what was done to it now says instead
+    solver = dataclasses.replace(plan.solver, why=f"{what} set by hand (planner.manual) on the plan's split, its "
+                                 f"step simulated on the same stage costs; not searched", binding="", runner_up=None)
     relaid = dataclasses.replace(
         plan, layout=layout, stages=stages, transfers=transfers, programs=format_programs(programs),
         schedule=ScheduleSpec(schedule.kind, max_in_flight(schedule)),
         cluster=dataclasses.replace(plan.cluster, gpus=layout.world_size, gpus_available=layout.world_size),
         predicted=Prediction(simulated.step_ms, batch / simulated.step_ms * 1e3, simulated.bubble_fraction,
-                             simulated.peak_mem_bytes))
+                             simulated.peak_mem_bytes), solver=solver)
     try:
         check_invariants(relaid)
     except PlanFileError as error:

@@ -349,6 +349,10 @@ def test_reschedule_makes_a_checked_plan_of_every_family(kind: str, options: dic
     assert plan.schedule.kind.value == kind and plan.layout.world_size == world == plan.cluster.gpus
     assert Plan.from_dict(plan.to_dict()) == plan
     assert plan.predicted.step_ms == pytest.approx(simulate_plan(plan).step_ms)
+    # its why-line says what was done, not the first plan's reason (a rescheduled plan printed "gpipe has the
+    # lowest step" beside its own step)
+    assert plan.solver.why.startswith(f"schedule {kind} set by hand") and plan.solver.runner_up is None
+    assert "gpipe" not in plan.solver.why and not plan.solver.binding
 
 
 @pytest.mark.parametrize(("kind", "options", "message"), [
