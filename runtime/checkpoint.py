@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cost_models.errors import CheckpointError
+from cost_models.errors import CheckpointError, describe_error
 from planner.plan import Plan
 from runtime.executor import Executor
 from runtime.stages import stage_state_tensors
@@ -174,7 +174,14 @@ def load_stage_state(executor: Executor, stage: int, saved: dict[str, Any]) -> N
         for name, tensor in tensors.items():
             tensor.copy_(saved["model"][name])
         if state is not None:  # the masters follow the loaded parameters or the saved fp32 masters
-            state.restore(saved["optimizer"], masters)  # (collective under ZeRO-3)
+            try:
+                state.restore(saved["optimizer"], masters)  # (collective under ZeRO-3)
+            except ValueError as error:  # torch's: its optimizer steps other parameters than the saved one
+                raise CheckpointError(
+                    f"stage {stage}'s optimizer state was written for another plan ({describe_error(error)}): "
+                    f"this one places the stage's weights otherwise (e.g. a tied weight on a rank holding two "
+                    f"of its stages); resume with the plan that wrote it, or use another --checkpoint-dir",
+                    same_on_every_rank=False) from error
 
 
 def _load(path: Path, device: torch.device) -> dict[str, Any]:
