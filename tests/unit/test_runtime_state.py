@@ -152,7 +152,8 @@ def test_validate_shows_the_optimizer_state_off_the_device(nvme_plan: Plan) -> N
     from planner.reports.compare import compare
 
     ranks = nvme_plan.layout.world_size
-    report = RunReport(nvme_plan.model.fingerprint, ranks, "cpu", 8, 0, (1.0,), (2.0,), (10,) * ranks, "test",
+    report = RunReport(nvme_plan.model.fingerprint, ranks, "cpu", nvme_plan.training.global_batch_size, 0, (1.0,),
+                       (2.0,), (10,) * ranks, "test",
                        optimizer_host_bytes=(64,) * ranks, optimizer_nvme_bytes=(2**20,) * ranks)
     table = compare(nvme_plan, report)
     assert f"rank 3 optimizer state off the device: {format_bytes(64)} in host memory, " \
