@@ -56,6 +56,10 @@ class _Model:
     variables: _Variables
 
 
+_STRICT_MIP_FEASIBILITY = 1e-9
+"""HiGHS's mip_feasibility_tolerance for a second solve after it rejected its own incumbent (default 1e-6)."""
+
+
 class InterruptibleHiGHS(pulp.HiGHS):
     """pulp's HiGHS solving in a worker thread, so that Ctrl-C stops it at once.
 
@@ -70,7 +74,19 @@ class InterruptibleHiGHS(pulp.HiGHS):
 
     def callSolver(self, lp: pulp.LpProblem) -> None:
         highs = lp.solverModel
+        import highspy  # present whenever pulp lists HiGHS as available
+
         highs.HandleUserInterrupt = True
+        self._solve(highs)
+        if highs.getModelStatus() == highspy.HighsModelStatus.kSolveError:
+            # HiGHS rejects its own incumbent when a heuristic's point breaks a row by the MIP tolerance
+            # (1e-6) and then reports no solution at all; solved again with a tolerance that the
+            # heuristics' points must meet, the same model solves (a 6-unit, 3-stage problem did)
+            highs.setOptionValue("mip_feasibility_tolerance", _STRICT_MIP_FEASIBILITY)
+            self._solve(highs)
+
+    @staticmethod
+    def _solve(highs: Any) -> None:
         highs.startSolve()
         try:
             _wait(highs)
