@@ -145,7 +145,7 @@ class PartSummary:
     region_transient_bytes: int = 0  # a node's working set alone (the loss's excluded): at a region's backward
     summing_transient_bytes: int = 0  # the working set of a node summing tied weights' partial gradients
     split_kept_bytes: int = 0  # per micro-batch whose split backward's W waits: what its I kept for it
-    weight_grad_working_bytes: int = 0  # a W's working set: the most new weight gradients one node makes
+    weight_grad_working_bytes: int = 0  # a W's working set: the most one weighted node's W allocates
 
     @property
     def compute_ms(self) -> float:
@@ -178,8 +178,8 @@ class PartSummary:
     @property
     def split_relief_bytes(self) -> int:
         """What :attr:`held_bytes` holds beyond a split backward's W's working set: the largest transient, gone
-        once the I ended, less a node's new weight gradients; the simulator's split events, as the memory
-        row's "split" moment counts it (a split backward does not recompute: planner/search/search.py)."""
+        once the I ended, less the most a weighted node's W allocates; the simulator's split events, as
+        the memory row's "split" moment counts it (a split backward does not recompute: planner/search/search.py)."""
         kept = self.static_bytes - self.transient_bytes + self.weight_grad_working_bytes
         return max(0, self.held_bytes - kept)
 

@@ -40,7 +40,7 @@ class StageMemory:
     split_kept_bytes: float = 0.0  # per micro-batch whose split backward's W waits: what its I kept for it
     waiting: int = 0  # micro-batches whose W waits, at most at once (after an I)
     waiting_at_transient: int = 0  # of those, the most when a forward or an I starts
-    weight_grad_working_bytes: float = 0.0  # a W's working set: one node's new weight gradients
+    weight_grad_working_bytes: float = 0.0  # a W's working set: the most one weighted node's W allocates
 
     @property
     def held_bytes(self) -> float:

@@ -61,8 +61,9 @@ class Unit:
     weight_grad_ms: float = 0.0  # what a split backward's W takes (its parameters' gradients; NodeCost)
     split_extra_ms: float = 0.0  # what splitting its backward costs beyond bwd_ms (NodeCost: measured)
     split_kept_bytes: int = 0  # what a split backward's I keeps for its W: its weighted nodes' output gradients
-    weight_grad_working_bytes: int = 0  # the most a W of it allocates at once: one node's new weight gradients,
-    # before they are added into the stage's
+    weight_grad_working_bytes: int = 0  # the most a W of it allocates at once: of the nodes computing with
+    # weights, the most one's W allocates (its new weight gradients and the kernel's workspace:
+    # planner/search/working.py NodeWorking.weight_grad)
     param_tensors: int = 0  # parameter tensors among them (an optimizer step pays a fixed time per tensor)
     largest_param_numel: int = 0  # of its parameters and the shared ones it uses, the largest's elements
     tied_grad_bytes: int = 0  # gradients of its parameters that several of its nodes use (tied weights)
@@ -551,7 +552,7 @@ def _unit(graph: LayerGraph, table: CostTable, names: list[str], precision: Prec
         weight_grad_ms=sum(c.weight_grad_ms for c in costs),
         split_extra_ms=sum(c.split_extra_ms for c in costs),
         split_kept_bytes=sum(c.output_bytes for name, c in zip(names, costs) if _trains(graph, name)),
-        weight_grad_working_bytes=max((c.grad_bytes for c in costs), default=0),
+        weight_grad_working_bytes=max((works[name].weight_grad for name in names if _trains(graph, name)), default=0),
         param_tensors=sum(p.tensors for p in state),
         largest_param_numel=max((graph.parameter(p).numel for p in params if not graph.parameter(p).is_buffer),
                                 default=0),

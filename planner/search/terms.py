@@ -348,7 +348,8 @@ def _shared_terms(problem: PipelineProblem, units: tuple[Unit, ...],
         "split_extra_ms": Term(per_unit=tuple(u.split_extra_ms for u in units)),  # its I and W beyond bwd_ms
         # what its I keeps for its W (the weighted nodes' output gradients), per micro-batch whose W waits
         "split_kept_bytes": Term(per_unit=tuple(float(u.split_kept_bytes) for u in units)),
-        # and once its I ended, the working set of its W: a node's new weight gradients, not the largest transient
+        # and once its I ended, the working set of its W: the most a weighted node's W allocates, not the
+        # largest transient (which may be the loss's, or a node's without weights)
         "weight_grad_working_bytes": Term(unit_max=tuple(float(u.weight_grad_working_bytes) for u in units),
                                           max_name="weight_grad_working"),
         "grad_bytes": Term(per_unit=tuple(float(u.grad_bytes) for u in units),
@@ -647,8 +648,8 @@ def _memory_rows(problem: PipelineProblem, parts: tuple[dict[str, Term], ...]) -
     fewer in flight); at the start of each of its stages' backwards that add into its gradients (not the
     step's first, which makes them): the largest node's new weight gradient, with the micro-batches the stage
     holds then (``problem.accumulating``); where a stage splits its backward (ZB-H1), once an I ended: every
-    micro-batch whose W waits holds what its I kept (``split_kept_bytes``) beside a W's working set (a node's
-    new weight gradients) in place of the largest transient, and the forwards' and I's starts hold the largest
+    micro-batch whose W waits holds what its I kept (``split_kept_bytes``) beside a W's working set (the most a
+    weighted node's W allocates) in place of the largest transient, and the forwards' and I's starts hold the largest
     transient beside the W waiting then (``problem.waiting_at_transient``: one fewer in ZB-H1's programs); and
     at each of its stages' optimizer steps: that stage's model state and step buffers,
     the slot's other stages' static bytes, and no activations but those of forwards a stale-weight (WPipe)

@@ -36,10 +36,13 @@ from cost_models.memory import Optimizer, Precision, model_state_bytes
 @dataclass(frozen=True)
 class NodeWorking:
     """One computing node's working set (bytes) in the step's first backward (``working``, its forward's is
-    no larger) and in a backward adding into existing gradients (``accumulating``)."""
+    no larger), in a backward adding into existing gradients (``accumulating``), and in a split backward's W
+    (``weight_grad``: its parameters' new gradients and the kernel's workspace, not its inputs' gradients,
+    which the I made)."""
 
     working: int
     accumulating: int
+    weight_grad: int
 
 
 @dataclass(frozen=True)
@@ -59,11 +62,14 @@ def node_working(graph: LayerGraph, table: CostTable, name: str, precision: Prec
     """Node ``name``'s working sets (module docstring); its parameters' gradients each time it is used."""
     cost = table[name]
     grads = _gradient_bytes(graph, graph.node(name).param_names, precision, optimizer)
-    if cost.measured_bwd_bytes is None:  # the input's gradient as large as the output
+    if cost.measured_bwd_bytes is None:  # the input's gradient as large as the output; W's workspace too
         working = 2 * cost.output_bytes
-        return NodeWorking(working, max(working, cost.output_bytes + grads))
+        return NodeWorking(working, max(working, cost.output_bytes + grads), max(cost.output_bytes, grads))
     accumulating = cost.output_bytes + cost.measured_bwd_bytes
-    return NodeWorking(max(cost.output_bytes, accumulating - grads), accumulating)
+    inputs_grads = sum(table[source].output_bytes for source in graph.node(name).inputs
+                       if graph.node(source).kind is not NodeKind.PARAM)
+    return NodeWorking(max(cost.output_bytes, accumulating - grads), accumulating,
+                       max(grads, cost.measured_bwd_bytes - inputs_grads))
 
 
 def _gradient_bytes(graph: LayerGraph, params: Iterable[str], precision: Precision, optimizer: Optimizer) -> int:
