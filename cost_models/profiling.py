@@ -20,12 +20,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx
 from torch import nn
-from torch.distributed.pipelining._backward import (
-    _get_grad_fn_or_grad_acc,
-    construct_reverse_graph,
-    stage_backward_input,
-    stage_backward_weight,
-)
 from torch.utils import _pytree as pytree
 
 from cost_models.allocations import allocation_profiler, peaks_within
@@ -476,6 +470,15 @@ class _NodeProfiler:
         each from a cold CPU cache: the runtime's W (runtime/split_backward.py, not imported by the cost
         models) runs the same per-group backwards, keeping the graph between groups as this does. None where no
         floating value leaves a first node, or the groups its gradient reaches miss a weight after it."""
+        # imported here: torch.distributed.pipelining imports dynamo, about 2 s that every `tessera` command
+        # and `import planner` paid, profiling or not
+        from torch.distributed.pipelining._backward import (
+            _get_grad_fn_or_grad_acc,
+            construct_reverse_graph,
+            stage_backward_input,
+            stage_backward_weight,
+        )
+
         cut: dict[str, torch.Tensor] = {}
 
         class Received(torch.fx.Interpreter):

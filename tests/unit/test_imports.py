@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -226,3 +228,12 @@ def test_type_checking_imports_do_not_count_and_their_else_branch_does() -> None
               "importlib.import_module('runtime.d')\n")
     found = imports_in(source, "cost_models.m", False, {"runtime.b"})
     assert [(record.imported, record.line) for record in found] == [("runtime.b", 5), ("runtime.d", 8)]
+
+
+def test_the_planner_and_its_command_line_start_without_torchs_compiler() -> None:
+    """torch.distributed.pipelining imports dynamo (about 2 s of every `tessera` command's start, profiling or
+    not): only the profiler's split-backward timing and the runtime need it, and import it themselves."""
+    probe = ("import sys, planner, planner.api, planner.cli.parser; "
+             "print(sorted(m for m in sys.modules if m.startswith(('torch._dynamo', 'torch.distributed.pipelining'))))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert result.stdout.strip() == "[]", result.stdout
