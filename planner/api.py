@@ -97,8 +97,9 @@ def plan(model: nn.Module, gpus: int, mem: str | int, *, batch_size: int,
     measure = node_measure(model, graph, inputs, space, spec, leaf_modules) if measures(model, spec, profile) else None
     result = Search(graph, spec, space, progress, measure).run()
     report(ProgressEvent(Phase.ASSEMBLING, detail="lowering, validating and simulating the winner"))
-    return build_plan(graph, spec, space, result,
-                      model_ref(graph, inputs, space, builder, builder_kwargs))
+    made = build_plan(graph, spec, space, result, model_ref(graph, inputs, space, builder, builder_kwargs))
+    _warn_shared_cores(made)
+    return made
 
 
 def measures(model: nn.Module, device: DeviceSpec, profile: bool | None) -> bool:
@@ -251,9 +252,14 @@ def _warn_above_device(space: SearchSpace, device: DeviceSpec) -> None:
             f"{space.gpus_per_node} CPU ranks of {format_bytes(mem_bytes)} each need {format_bytes(ranks_bytes)}, "
             f"more than this machine's {format_bytes(device.mem_bytes)} they share; planning for it anyway "
             f"(give --mem at most {format_bytes(device.mem_bytes // space.gpus_per_node)})"), stacklevel=3)
-    cores = usable_cores()
-    if device.name == CPU_NAME and space.gpus_per_node > cores:
+
+
+def _warn_shared_cores(made: Plan) -> None:
+    """A cpu plan whose ranks on a node outnumber this machine's cores (those it uses: a batch smaller than the
+    GPUs given uses fewer)."""
+    cores, ranks = usable_cores(), min(made.cluster.gpus, made.cluster.gpus_per_node)
+    if made.cluster.device_name == CPU_NAME and ranks > cores:
         warnings.warn(TesseraWarning(
-            f"{space.gpus_per_node} CPU ranks per node on this machine's {cores} cores: the cpu device is "
+            f"{ranks} CPU ranks per node on this machine's {cores} cores: the cpu device is "
             f"measured one rank per core, so a plan whose ranks share cores runs slower than predicted "
             f"(use --gpus {cores}, or plan for a machine with more cores)"), stacklevel=3)

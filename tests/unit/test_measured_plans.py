@@ -84,20 +84,22 @@ def test_profile_refuses_what_it_cannot_measure(cache: Path) -> None:
 
 def test_planning_more_cpu_ranks_than_cores_warns_in_one_line(cache: Path) -> None:
     """The cpu device is measured one rank per core: a plan for more ranks per node than this machine has
-    cores says so (and names the rank count that fits); one within the cores does not."""
+    cores says so (and names the rank count that fits); one within the cores does not, nor one given more GPUs
+    than its batch has samples, which uses at most as many ranks as samples (it warned of the GPUs given)."""
     import warnings
 
     from cost_models.cpu_device import usable_cores
     from cost_models.errors import TesseraWarning
 
     cores = usable_cores()
-    for gpus, warns in ((cores + 1, True), (min(cores, 2), False)):
+    for gpus, batch_size, warns in ((cores + 1, 8, True), (min(cores, 2), 8, False), (cores + 2, min(cores, 2), False)):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            plan(gpt_tiny(), gpus, "8GB", batch_size=8, example_inputs=torch.zeros((1, 32), dtype=torch.int64),
-                 device="cpu", optimizer="momentum", reserve=0, profile=False)
+            made = plan(gpt_tiny(), gpus, "8GB", batch_size=batch_size, device="cpu", optimizer="momentum",
+                        example_inputs=torch.zeros((1, 32), dtype=torch.int64), reserve=0, profile=False)
         shared = [str(w.message) for w in caught if w.category is TesseraWarning and "cores" in str(w.message)]
         assert len(shared) == warns, shared
+        assert made.cluster.gpus <= batch_size
         if warns:
             assert f"{cores + 1} CPU ranks per node on this machine's {cores} cores" in shared[0]
             assert f"--gpus {cores}" in shared[0] and "\n" not in shared[0]
@@ -140,6 +142,7 @@ def test_cpu_ranks_share_the_machines_memory_with_the_host_tier(cache: Path) -> 
                         device="cpu", optimizer="momentum", reserve=0, profile=False)
         shared = [str(w.message) for w in caught if w.category is TesseraWarning and "share" in str(w.message)]
         assert len(shared) == warns, shared
+        assert made.cluster.gpus <= batch_size
         if warns:
             assert "more than this machine's" in shared[0] and "give --mem at most" in shared[0]
             assert "\n" not in shared[0]
