@@ -142,7 +142,6 @@ def test_cpu_ranks_share_the_machines_memory_with_the_host_tier(cache: Path) -> 
                         device="cpu", optimizer="momentum", reserve=0, profile=False)
         shared = [str(w.message) for w in caught if w.category is TesseraWarning and "share" in str(w.message)]
         assert len(shared) == warns, shared
-        assert made.cluster.gpus <= batch_size
         if warns:
             assert "more than this machine's" in shared[0] and "give --mem at most" in shared[0]
             assert "\n" not in shared[0]
