@@ -46,7 +46,7 @@ from planner.search.ilp import solve_partition  # noqa: E402
 from planner.search.oracle import min_peak_partition  # noqa: E402
 from planner.search.problem import StateMode  # noqa: E402
 from planner.search.search import Search  # noqa: E402
-from planner.search.terms import Aggregate, CapacityRow, CostModel, Drain, MemoryRow, Term  # noqa: E402
+from planner.search.terms import Aggregate, CapacityRow, CostModel, Drain, Term  # noqa: E402
 
 # name: (model factory, one input sample, global batch, GPUs, device, memory per GPU, precision)
 CASES: dict[str, tuple[Callable[[], torch.nn.Module], torch.Tensor, int, int, str, str, str]] = {
@@ -77,7 +77,7 @@ def _fixed(costs: CostModel) -> CostModel:
     pieces = tuple(dataclasses.replace(piece, flow=_pairs(piece.flow), pace=_pairs(piece.pace), tail=_pairs(piece.tail))
                    if isinstance(piece, Drain) else dataclasses.replace(piece, members=_pairs(piece.members))
                    for piece in costs.objective)
-    memory = tuple(MemoryRow(row.slot, _pairs(row.members)) for row in costs.memory)
+    memory = tuple(dataclasses.replace(row, members=_pairs(row.members)) for row in costs.memory)  # its moment kept
     capacity = tuple(CapacityRow(row.name, row.capacity_bytes, tuple((p, w, _recompute_all(t)) for p, w, t in row.members))
                      for row in costs.capacity)
     parts = tuple({name: _recompute_all(term) for name, term in part.items()} for part in costs.parts)

@@ -1,7 +1,8 @@
 """Predicted step time of tessera's plan against two standard splits with the same layout.
 
-Each model is planned as a pure pipeline over all its GPUs (so there is a split to compare).
-Baselines use the stage count, data-parallel degree, micro-batching and schedule tessera chose:
+Each model is planned with as many parts as GPUs (so there is a split to compare: a pipeline over all its
+GPUs, or, for a family holding several parts per rank, "4/2r" four parts on two ranks per replica).
+Baselines use the part count, ranks, data-parallel degree, micro-batching and schedule tessera chose:
   equal-layer       every stage gets the same number of graph nodes;
   param-balanced    every stage gets about the same parameter bytes (the default policy of
                     torch.distributed.pipelining's split_into_equal_size).
@@ -41,7 +42,7 @@ from examples.models.resnet import resnet152  # noqa: E402
 from examples.models.unet import unet  # noqa: E402
 from planner import LayerGraph, NodeKind, plan, trace  # noqa: E402
 from planner.manual import plan_with_split  # noqa: E402
-from planner.plan import Plan, StateTier  # noqa: E402
+from planner.plan import Plan, ScheduleKind, StateTier  # noqa: E402
 
 # name: (model factory, one input sample, global batch, GPUs, device, memory per GPU)
 CASES: dict[str, tuple[Callable[[], torch.nn.Module], torch.Tensor, int, int, str, str]] = {
@@ -195,8 +196,10 @@ def main(names: list[str]) -> None:
         graph = trace(model, x)
         best = plan(model, gpus=gpus, mem=mem, batch_size=batch, example_inputs=x, device=device,
                     graph=graph, num_stages=(gpus,))
-        layout = (f"{best.num_stages}x{best.data_parallel} mb {best.training.micro_batch_size} "
-                  f"{best.schedule.kind.value}")
+        ranks = best.cluster.gpus // best.data_parallel  # of a replica's pipeline
+        per_rank, interleaved = best.num_parts // ranks, best.schedule.kind is ScheduleKind.INTERLEAVED_1F1B
+        layout = (f"{best.num_stages}{f'/{ranks}r' if per_rank > 1 else ''}x{best.data_parallel} "
+                  f"mb {best.training.micro_batch_size} {best.schedule.kind.value}")
         row = [f"{name:<20} {layout:<28} {best.predicted.step_ms:>10.1f}"]
         for policy in (equal_layer_starts, param_balanced_starts):
             if best.num_stages == 1:
@@ -205,7 +208,9 @@ def main(names: list[str]) -> None:
             baseline = plan_with_split(model, example_inputs=x, graph=graph, device=device, mem=mem,
                                        stage_starts=policy(graph, best.num_stages), batch_size=batch,
                                        micro_batch_size=best.training.micro_batch_size,
-                                       data_parallel=best.data_parallel, schedule=best.schedule.kind.value)
+                                       data_parallel=best.data_parallel, schedule=best.schedule.kind.value,
+                                       virtual_stages=per_rank if interleaved else None)
+            assert baseline.cluster.gpus == best.cluster.gpus, (baseline.cluster.gpus, best.cluster.gpus)
             peak = max(baseline.predicted.peak_mem_bytes)
             over = " OOM" if peak > best.cluster.mem_bytes else ""
             ratio = baseline.predicted.step_ms / best.predicted.step_ms

@@ -47,7 +47,8 @@ def plan_with_split(model: nn.Module, *, example_inputs: torch.Tensor | Sequence
                     builder_kwargs: Mapping[str, Any] | None = None,
                     graph: LayerGraph | None = None,
                     offload: Sequence[OffloadSpec] | None = None,
-                    spatial: Mapping[int, SpatialSpec] | None = None, profile: bool | None = None) -> Plan:
+                    spatial: Mapping[int, SpatialSpec] | None = None, profile: bool | None = None,
+                    virtual_stages: int | None = None) -> Plan:
     """A plan whose stage s + 1 begins at node ``stage_starts[s]`` (stage 0 at the first node).
 
     Costs, programs and predictions are made exactly as for a solved plan, so a manual split
@@ -59,7 +60,9 @@ def plan_with_split(model: nn.Module, *, example_inputs: torch.Tensor | Sequence
     rank (the plan needs that many more GPUs); the predictions stay those of the non-spatial split,
     one rank per stage (the cost of tiles and halos is not modelled here yet). ``profile`` as in
     :func:`planner.plan`: on ``device="cpu"`` a model with real weights is costed from node times
-    measured on this CPU.
+    measured on this CPU. A family holding several parts per rank puts ``virtual_stages`` of them on each:
+    interleaved 1F1B as many as given (default 2), WPipe 2 (one of each group), every other family 1; the plan
+    then uses (parts / virtual_stages) x ``data_parallel`` GPUs.
 
     Example::
 
@@ -72,11 +75,16 @@ def plan_with_split(model: nn.Module, *, example_inputs: torch.Tensor | Sequence
     if batch_size % (data_parallel * micro_batch_size):
         raise InvalidArgument(f"batch size {batch_size} is not a multiple of data_parallel "
                               f"{data_parallel} x micro_batch_size {micro_batch_size}")
-    space, spec = validate_space(num_stages * data_parallel, mem, batch_size, device, gpus_per_node,
+    try:
+        kind = ScheduleKind.parse(schedule)
+    except ValueError as error:
+        raise InvalidArgument(str(error)) from None
+    per_rank = _parts_per_rank(kind, num_stages, virtual_stages)
+    space, spec = validate_space(num_stages // per_rank * data_parallel, mem, batch_size, device, gpus_per_node,
                                  optimizer, precision or model_precision(graph), (schedule,),
                                  (micro_batch_size,), time_limit_s=60.0)  # unused: nothing is searched
     config = Config(num_stages, data_parallel, micro_batch_size,
-                    batch_size // (data_parallel * micro_batch_size), space.schedules[0])
+                    batch_size // (data_parallel * micro_batch_size), space.schedules[0], virtual_stages=per_rank)
     measure = node_measure(model, graph, inputs, space, spec) if measures(model, spec, profile) else None
     search = Search(graph, spec, space, measure=measure)
     table, _ = search.costs(micro_batch_size)
@@ -95,14 +103,29 @@ def plan_with_split(model: nn.Module, *, example_inputs: torch.Tensor | Sequence
     return _tiled(made, spatial) if spatial else made
 
 
+def _parts_per_rank(kind: ScheduleKind, num_parts: int, virtual_stages: int | None) -> int:
+    """The parts each pipeline rank of ``kind`` holds (its virtual stages), checked against ``num_parts``."""
+    fixed = {ScheduleKind.INTERLEAVED_1F1B: None, ScheduleKind.WPIPE: 2}.get(kind, 1)
+    per_rank = virtual_stages or fixed or 2
+    if fixed is not None and per_rank != fixed:
+        raise InvalidArgument(f"virtual_stages={virtual_stages}: {kind.value} holds {fixed} part(s) per rank; "
+                              f"give virtual_stages only with interleaved-1f1b")
+    interleaved = kind is ScheduleKind.INTERLEAVED_1F1B
+    if per_rank < 1 or num_parts % per_rank or (interleaved and (per_rank < 2 or num_parts // per_rank < 2)):
+        raise InvalidArgument(f"{num_parts} parts cannot be held {per_rank} per rank by {kind.value}: give "
+                              f"virtual_stages >= 2 (interleaved-1f1b, on 2+ ranks) dividing the parts, or "
+                              f"stage_starts for a multiple of it")
+    return per_rank
+
+
 def reschedule(plan: Plan, kind: str | ScheduleKind | Schedule, **options: Any) -> Plan:
     """``plan``'s parts under another schedule family, from its generator (planner/schedules/generate.py:
     e.g. ``virtual_stages=2`` for ``interleaved-1f1b``) or as a given Schedule (compute programs as
     data and their layout), lowered, validated and re-simulated on the plan's own stage costs; the
     runtime executes it like any plan.
 
-    For the families the search does not cost yet (interleaved-1f1b, zb-h1, gems-master): take a
-    plan of one stage per part, without spatial tiles, and re-schedule it. Example::
+    It takes a plan of one stage per part, without spatial tiles (the search chooses among the families itself;
+    this runs a given plan's split under another). Example::
 
         p = reschedule(plan_with_split(model, example_inputs=x, stage_starts=starts, batch_size=8,
                                        micro_batch_size=2, schedule="gpipe"), "interleaved-1f1b",

@@ -246,3 +246,29 @@ def test_a_zb_h1_plan_at_the_smallest_budget_the_search_accepts_is_predicted_wit
     made = plan(model, 4, smallest, **arguments)
     assert made.schedule.kind is ScheduleKind.ZB_H1
     assert max(made.predicted.peak_mem_bytes) <= smallest
+
+
+def test_a_hand_made_interleaved_split_holds_its_virtual_stages_per_rank_as_the_searched_plan_does() -> None:
+    """plan_with_split put one part per rank whatever the family: an interleaved 1F1B split of 4 parts took 4
+    GPUs where the search's took 2 (benchmarks/plan_quality.py compared baselines on twice tessera's GPUs).
+    Given the searched plan's own stage starts, it is the searched plan: same ranks, layout and step."""
+    from planner.manual import plan_with_split
+
+    model, tokens = gpt_tiny(), torch.zeros((1, 32), dtype=torch.int64)
+    arguments = {"example_inputs": tokens, "batch_size": 8, "device": "A100-40GB", "optimizer": "momentum"}
+    searched = plan(model, 2, "8GB", schedules=["interleaved-1f1b"], micro_batch_sizes=[1], spatial=False,
+                    offload=False, reserve=0, **arguments)
+    parts_per_rank = searched.num_parts // 2
+    assert parts_per_rank >= 2
+    starts = [stage.nodes[0] for stage in searched.stages[1:]]
+    made = plan_with_split(model, stage_starts=starts, micro_batch_size=1, schedule="interleaved-1f1b",
+                           virtual_stages=parts_per_rank, mem="8GB", **arguments)
+    assert made.cluster.gpus == searched.cluster.gpus == 2
+    assert made.layout == searched.layout and made.programs == searched.programs
+    assert made.predicted.step_ms == pytest.approx(searched.predicted.step_ms, rel=1e-9)
+    default = plan_with_split(model, stage_starts=starts[:3], micro_batch_size=1, schedule="interleaved-1f1b",
+                              **arguments)
+    assert default.cluster.gpus == 2 and default.num_parts == 4  # two parts per rank unless told
+    with pytest.raises(InvalidArgument, match="zb-h1 holds 1 part"):
+        plan_with_split(model, stage_starts=starts[:1], micro_batch_size=1, schedule="zb-h1", virtual_stages=2,
+                        **arguments)
