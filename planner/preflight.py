@@ -106,3 +106,18 @@ def trace_checked(model: nn.Module, plan: Plan,
         raise RuntimeSetupError(f"nodes {missing[:5]} of the model are in no stage of the plan; "
                                 f"re-create the plan with `tessera plan`")
     return traced
+
+
+def check_one_output(traced: torch.fx.GraphModule) -> None:
+    """`tessera run` trains on synthetic data with the loss after the model's output (cost_models/loss.py),
+    which must be one tensor: a model returning several values trains from the user's own script."""
+    output = next(node for node in traced.graph.nodes if node.op == "output")
+    returned = output.args[0]
+    if isinstance(returned, torch.fx.Node):
+        return
+    count = f"{len(returned)} values" if isinstance(returned, (tuple, list, dict)) else repr(returned)
+    raise RuntimeSetupError(f"the runtime trains on synthetic data with a loss after the model's one output tensor, but this "
+                            f"model returns a {type(returned).__name__} of {count}; train it from your own script "
+                            f"with runtime.Executor and a loss taking that {type(returned).__name__}, or return "
+                            f"one tensor")
+

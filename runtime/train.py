@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from cost_models.errors import RuntimeSetupError
 from planner.plan import Plan
+from planner.preflight import check_one_output
 from planner.schedules import ActionKind
 from runtime import checkpoint
 from runtime.build import rebuild_model
@@ -93,6 +94,7 @@ def prepare(plan: Plan, options: RunOptions, device: torch.device) -> tuple[Exec
     executor = Executor(plan, model, _unbound_loss, optimizer_factory(plan.training.optimizer, options.lr),
                         seed=options.seed, device=device, timeout_s=options.timeout_s,
                         leaf_modules=options.leaf_modules, nvme_dir=options.nvme_dir)
+    check_one_output(executor.traced)
     output = executor.flow.specs[executor.flow.output_names[0]]
     data = SyntheticData(input_specs(executor.traced, dict(executor.flow.specs)), synthetic_task(output),
                          options.seed)

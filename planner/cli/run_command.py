@@ -128,7 +128,8 @@ def processes_per_node(plan: Plan, request: RunRequest) -> int:
 
 
 def check_before_launch(plan: Plan, request: RunRequest, nproc: int) -> None:
-    """What the ranks would refuse, found here in one process: world size, plan, builder, fingerprint."""
+    """What the ranks would refuse, found here in one process: world size, plan, builder, fingerprint, and a
+    model returning more than the one tensor the synthetic loss takes."""
     launched = nproc * request.nodes.count
     if launched != plan.layout.world_size:
         per_node = plan.layout.world_size / request.nodes.count
@@ -136,13 +137,13 @@ def check_before_launch(plan: Plan, request: RunRequest, nproc: int) -> None:
         raise RuntimeSetupError(f"the plan is for {plan.layout.world_size} processes ({plan.layout.describe()}) "
                                 f"but --nproc {nproc} x {request.nodes.count} node(s) launches {launched}; run "
                                 f"with {fix}, or re-plan for {launched} GPUs")
-    from planner.preflight import check_plan, rebuild_model, trace_checked  # imports torch
+    from planner.preflight import check_one_output, check_plan, rebuild_model, trace_checked  # imports torch
 
     check_plan(plan)
     from planner.nvme_dir import check_nvme_dir
 
     check_nvme_dir(plan, _nvme_dir(request.runtime_args), range(plan.num_parts))
-    trace_checked(rebuild_model(plan, Path.cwd()), plan, _leaf_modules(request.runtime_args))
+    check_one_output(trace_checked(rebuild_model(plan, Path.cwd()), plan, _leaf_modules(request.runtime_args)))
 
 
 def _leaf_modules(runtime_args: Sequence[str]) -> tuple[str, ...]:

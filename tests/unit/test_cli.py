@@ -167,3 +167,17 @@ def test_calibrate_what_cannot_be_measured_here_is_one_line(capsys, device: str,
     assert main(["calibrate", "--device", device]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err
+
+
+def test_a_model_returning_a_tuple_is_refused_by_tessera_run_in_one_line_before_launch(tmp_path: Path) -> None:
+    """It planned, then every rank crashed in the synthetic loss ('tuple' object has no attribute 'dim')."""
+    (tmp_path / "tupled.py").write_text(
+        "import torch\n\n\nclass Tupled(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)\n\n    def forward(self, x):\n"
+        "        h = self.a(x)\n        return self.b(h), h.mean()\n\n\ndef tupled():\n    return Tupled()\n")
+    planned = _tessera("plan", "tupled.py:tupled", "--input", "8", "--batch-size", "4", "--gpus", "1", "--mem", "1GB",
+                       "--device", "V100-16GB", "-o", "plan.json", "-q", cwd=tmp_path)
+    assert planned.returncode == 0, planned.stderr
+    ran = _tessera("run", "plan.json", "--steps", "1", cwd=tmp_path)
+    assert ran.returncode == 2 and ran.stderr.count("\n") == 1, ran.stderr
+    assert "returns a tuple of 2 values" in ran.stderr and "runtime.Executor" in ran.stderr
