@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from cost_models.errors import PlanInfeasible
 from cost_models.units import format_bytes, plural
 from planner.budget import Reserve
-from planner.search.evaluate import capacity_value, row_value, segments, split_term, term_value
+from planner.search.evaluate import Evaluation, row_value, segments, split_term, term_value
 from planner.search.oracle import min_peak_partition
 
 if TYPE_CHECKING:
@@ -178,18 +178,20 @@ def infeasible_error(setup: Setup, budget: str, gpus: int, device_name: str,
     return PlanInfeasible(message, min_mem_bytes=give, binding=f"stage {stage} ({nodes[0]})")
 
 
-def capacity_error(setup: Setup, cuts: tuple[int, ...], gpu_bytes: int) -> PlanInfeasible:
-    """The error when the GPUs could hold the most frugal plan but a node's host memory or NVMe cannot
-    (its optimizer state, gradients on the host and swapped activations), naming the fullest of them."""
-    costs = setup.costs
-    ranges = segments(costs.num_units, cuts)
-    used = {row.name: (capacity_value(costs, row, ranges), row.capacity_bytes) for row in costs.capacity}
+def capacity_error(setup: Setup, frugal: Evaluation, kept_bytes: int) -> PlanInfeasible:
+    """The error when the GPUs could hold the most frugal plan (``frugal``: its partition, every activation kept
+    or, where the GPUs need ``kept_bytes`` for that beyond the budget, with memory decisions) but a node's host
+    memory or NVMe cannot (its optimizer state, gradients on the host and swapped activations), naming the
+    fullest of them."""
+    used = {name: (need, have) for name, need, have in frugal.capacity_bytes}
     name = max(used, key=lambda row: used[row][0] / max(1, used[row][1]))
     need, have = used[name]
     what, flag = ("host memory", "--host-mem (plan(host_mem=))") if name.startswith("host") else (
         "NVMe", "--nvme (plan(nvme=))")
     node = name.rsplit("_", 1)[-1]
-    message = (f"no plan fits: the GPUs could hold {setup.config.describe()}, but node {node} would need "
+    held = (f"{setup.config.describe()}, if it recomputes or swaps activations (it needs {format_bytes(kept_bytes)} "
+            f"per GPU keeping them all)," if frugal.decisions is not None else setup.config.describe())
+    message = (f"no plan fits: the GPUs could hold {held}, but node {node} would need "
                f"{format_bytes(need)} of {what} for optimizer state and offloaded activations and has "
                f"{format_bytes(have)}; give {flag} >= {format_bytes(need)}, allow another tier, or use more GPUs")
-    return PlanInfeasible(message, min_mem_bytes=gpu_bytes, binding=f"{what} of node {node}")
+    return PlanInfeasible(message, min_mem_bytes=frugal.peak_mem_bytes, binding=f"{what} of node {node}")

@@ -683,8 +683,25 @@ class Search:
         setup = self.setup(frugal)
         lowest = min_peak_partition(setup.costs)
         if lowest.peak_bytes <= self.space.mem_bytes:  # the GPUs would fit it: host memory or NVMe do not
-            return capacity_error(setup, lowest.cuts, lowest.peak_bytes)
+            return capacity_error(setup, evaluate(setup.costs, lowest.cuts), lowest.peak_bytes)
+        decided = self._fits_but_for_capacity(setup)
+        if decided is not None:  # with memory decisions the GPUs would fit it: host memory or NVMe do not
+            return capacity_error(setup, decided, lowest.peak_bytes)
         return infeasible_error(setup, self._budget(), self.space.gpus, self.device.name, self.space.reserve)
+
+    def _fits_but_for_capacity(self, setup: Setup) -> Evaluation | None:
+        """``setup``'s fastest plan with memory decisions were each node's host memory and NVMe unbounded,
+        where it fits the GPUs but not the real host memory or NVMe (what they must grow to); else None."""
+        problem = setup.decided_problem
+        if problem is None:
+            return None
+        unbounded = dataclasses.replace(problem.tiers, host_mem_bytes=UNBOUNDED_BYTES, nvme_bytes=UNBOUNDED_BYTES)
+        result = solve_partition(cost_model(dataclasses.replace(problem, tiers=unbounded)),
+                                 time_limit_s=DECISION_SOLVE_S)
+        if result.cuts is None:
+            return None
+        evaluation = evaluate(setup.decided, result.cuts, whole_units(result.decisions))
+        return None if evaluation.capacity_fits or not evaluation.fits(self.space.mem_bytes) else evaluation
 
     def _shared_slots_infeasible(self, configs: Sequence[Config]) -> PlanInfeasible:
         """Only families holding several parts per rank were asked for and none fits: what the most frugal
@@ -724,6 +741,9 @@ cost of one halo exchange per layer beyond its latency."""
 DECIDE_WHEN_MEMORY_AT = 0.97
 """Recompute and swap are decided for a configuration whose best plan keeping every activation uses at
 least this share of the budget (or has none): below it, they cannot buy a faster plan."""
+
+UNBOUNDED_BYTES = 2**62
+"""Host memory or NVMe without limit: what a node would need, asked of a plan that fits the GPUs otherwise."""
 
 DECISION_SOLVE_S = 2.0
 """Time limit of one ILP with memory decisions (its best plan then may be unproven, and says so)."""

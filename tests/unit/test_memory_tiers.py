@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import re
 from collections.abc import Iterator
 
 import numpy as np
@@ -487,3 +488,24 @@ def test_the_why_line_says_fit_only_when_nothing_on_the_gpu_fits(on_gpu_fits: bo
         config=SimpleNamespace(state=state)))
     result = SearchResult(best, None, 3, 1, 0.1, on_gpu_fits=on_gpu_fits)  # type: ignore[arg-type]
     assert result.offload_note().startswith(said)
+
+
+def test_a_budget_only_memory_decisions_fit_names_the_host_memory_they_need_not_a_larger_gpu() -> None:
+    """Keeping every activation the GPUs need more than the budget, recomputing they fit, and host memory holds
+    the optimizer: the error named the GPU budget that keeps every activation (which the host memory did not
+    fit either) where the host memory was short. It names what host memory the plan needs, and that fits."""
+    from examples.models.gpt import gpt
+
+    model = gpt(hidden=64, layers=4, heads=4, seq_len=512, vocab=512, dropout=0.0)
+    arguments = {"gpus": 2, "batch_size": 8, "device": "V100-16GB", "reserve": 0,
+                 "example_inputs": torch.empty(1, 512, dtype=torch.long, device="meta")}
+    with pytest.raises(PlanInfeasible) as kept:
+        plan(model, mem=1, offload=("host",), **arguments)
+    mem = int(0.6 * kept.value.min_mem_bytes)
+    with pytest.raises(PlanInfeasible, match=r"if it recomputes or swaps activations .* node 0 would need .* of host "
+                                             r"memory .* has 1\.0 KiB; give --host-mem") as short:
+        plan(model, mem=mem, offload=("host", "recompute"), host_mem="1KB", **arguments)
+    assert short.value.binding == "host memory of node 0" and short.value.min_mem_bytes <= mem
+    need_mib = float(re.search(r"would need ([\d.]+) MiB", str(short.value)).group(1))
+    made = plan(model, mem=mem, offload=("host", "recompute"), host_mem=f"{need_mib + 0.1}MB", **arguments)
+    assert max(made.predicted.peak_mem_bytes) <= mem
