@@ -155,7 +155,7 @@ def by_simulation(result: SearchResult, simulations: Simulations) -> SearchResul
     between them, and it moves the cuts of each other family's fastest finalist within FAMILY_SLACK of the
     fastest (:func:`refined`); one that offloads or tiles where the search's winner does not must beat it by
     the search's margins for that. The runner-up is the best plan of another schedule family when there is
-    one."""
+    one, else of another configuration."""
     finalists = [candidate for candidate in (result.runner_up, result.best_on_gpu, result.best_untiled,
                                              *result.finalists) if candidate is not None]
     step_ms = simulations.step_ms
@@ -169,10 +169,9 @@ def by_simulation(result: SearchResult, simulations: Simulations) -> SearchResul
         if step_ms(candidate) < (1 - _must_gain(candidate, best)) * step_ms(best) - 1e-9:
             best = candidate
     others = [c for c in finalists if c.setup.config.schedule is not best.setup.config.schedule]
-    runner_up = min(others, key=step_ms, default=None)
-    if runner_up is None:
-        runner_up = result.best if best is not result.best else result.runner_up
-    return dataclasses.replace(result, best=best, runner_up=runner_up)
+    if not others:  # one family among the finalists: its best other configuration (not the winner's own
+        others = [c for c in finalists if c.setup.config != best.setup.config]  # partition before refining)
+    return dataclasses.replace(result, best=best, runner_up=min(others, key=step_ms, default=None))
 
 
 def refined(candidate: Candidate, step_ms: Callable[[Candidate], float], trials: int = REFINE_TRIALS) -> Candidate:
@@ -412,9 +411,12 @@ def _unproven(best: Candidate, result: SearchResult, space: SearchSpace) -> str:
                        f"{plural(result.configs_unexamined, 'configuration')} that might have won "
                        f"unexamined")
     fix = "; raise --time-limit" if reasons else ""
-    reasons += [_LOCAL] if best.local else []
+    if best.local:
+        reasons.append(_LOCAL_DECISIONS if best.evaluation.decisions is not None else _LOCAL_CUTS)
     return f"; NOT PROVEN OPTIMAL: {' and '.join(reasons)}{fix}" if reasons else ""
 
 
-_LOCAL = ("its recompute and swap were chosen with each cut within a window of units around the best "
-          "plan keeping every activation (planner/search/search.py: Search._decide)")
+_LOCAL_DECISIONS = ("its recompute and swap were chosen with each cut within a window of units around the best "
+                    "plan keeping every activation (planner/search/search.py: Search._decide)")
+_LOCAL_CUTS = ("its ranks hold several parts each, whose cuts were chosen within a window of units around even cuts "
+               "(planner/search/search.py: _shared_slot_window)")

@@ -118,12 +118,21 @@ def _stage_row(stage: int, layout: Layout, parts: tuple[StagePlan, ...], schedul
             f"{format_bytes(peak)} ({peak / budget:.0%})")
 
 
+def _status(solver: SolverReport) -> str:
+    """The winner's ILP status, and whether the plan is proven the best (the why-line says why not)."""
+    if solver.proven_optimal:
+        return solver.status
+    if solver.status == "optimal" and solver.decisions_local and not solver.configs_unexamined:
+        return "optimal within a window of cuts (NOT PROVEN OPTIMAL)"
+    return f"{solver.status} (NOT PROVEN OPTIMAL)"
+
+
 def _summary(predicted: Prediction, solver: SolverReport, budget: int, num_stages: int) -> list[str]:
     lines = [
         f"step: {format_ms(predicted.step_ms)}   samples/s: {predicted.samples_per_s:.1f}   "
         f"{idle_label(num_stages)}: {predicted.bubble_fraction:.1%}   peak memory: "
         f"{_peak(max(predicted.peak_mem_bytes), budget)}",
-        f"solver: {solver.name} {solver.status}{'' if solver.proven_optimal else ' (NOT PROVEN OPTIMAL)'} "
+        f"solver: {solver.name} {_status(solver)} "
         f"in {solver.wall_s:.2f} s, {plural(solver.configs_tried, 'configuration')} considered; "
         f"ILP objective {format_ms(solver.objective)} (ranks configurations; the step above is simulated)",
         f"why: {solver.why}",

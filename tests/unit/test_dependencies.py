@@ -39,6 +39,8 @@ HIGHS_SINCE = {
     "wait": (1, 8),
     "cancelSolve": (1, 8),
     "HandleUserInterrupt": (1, 8),
+    "getModelStatus": (1, 8),  # a solve error, solved again with a stricter tolerance (pulp's HiGHS API calls
+    "setOptionValue": (1, 8),  # both, as every highspy it supports has them)
 }
 """Every attribute planner/search/ilp.py uses on highspy's Highs model, and the release that has it."""
 

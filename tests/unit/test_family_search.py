@@ -10,6 +10,7 @@ simulates fastest and names the runner-up family.
 from __future__ import annotations
 
 import itertools
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -272,3 +273,19 @@ def test_a_hand_made_interleaved_split_holds_its_virtual_stages_per_rank_as_the_
     with pytest.raises(InvalidArgument, match="zb-h1 holds 1 part"):
         plan_with_split(model, stage_starts=starts[:1], micro_batch_size=1, schedule="zb-h1", virtual_stages=2,
                         **arguments)
+
+
+def test_a_plan_of_one_family_names_another_configuration_as_runner_up_and_why_it_is_not_proven() -> None:
+    """With one family asked for, the runner-up was the winner itself before the simulator moved its cuts, and
+    an interleaved plan with nothing recomputed was 'not proven' because 'its recompute and swap were chosen
+    within a window'; its cuts were, its ranks holding several parts."""
+    made = plan(gpt_tiny(), 2, "1GB", batch_size=8, example_inputs=torch.zeros((1, 32), dtype=torch.int64),
+                device="cpu", profile=False, schedules=["interleaved-1f1b"], reserve=0)
+    assert "its cuts moved by the simulator" in made.solver.why
+    assert made.solver.runner_up is not None and made.solver.decisions_local
+    winner = made.solver.why.split(" has the lowest")[0]
+    runner = re.search(r"runner-up (.*?) at [\d.]+ ms", made.solver.why).group(1)
+    assert runner != winner, made.solver.why
+    assert all(stage.offload.recompute == () and stage.offload.swap == () for stage in made.stages)
+    assert "ranks hold several parts each" in made.solver.why and "recompute and swap" not in made.solver.why
+    assert "optimal within a window of cuts (NOT PROVEN OPTIMAL)" in str(made)
