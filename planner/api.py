@@ -97,7 +97,8 @@ def plan(model: nn.Module, gpus: int, mem: str | int, *, batch_size: int,
     measure = node_measure(model, graph, inputs, space, spec, leaf_modules) if measures(model, spec, profile) else None
     result = Search(graph, spec, space, progress, measure).run()
     report(ProgressEvent(Phase.ASSEMBLING, detail="lowering, validating and simulating the winner"))
-    made = build_plan(graph, spec, space, result, model_ref(graph, inputs, space, builder, builder_kwargs))
+    made = build_plan(graph, spec, space, result,
+                      model_ref(graph, inputs, space, builder, builder_kwargs, leaf_modules))
     _warn_shared_cores(made)
     return made
 
@@ -151,13 +152,16 @@ def node_measure(model: nn.Module, graph: LayerGraph, inputs: tuple[torch.Tensor
 
 
 def model_ref(graph: LayerGraph, inputs: tuple[torch.Tensor, ...], space: SearchSpace,
-              builder: str | None, builder_kwargs: Mapping[str, Any] | None) -> ModelRef:
+              builder: str | None, builder_kwargs: Mapping[str, Any] | None,
+              leaf_modules: Sequence[type | str] = ()) -> ModelRef:
     """A relative model file (``path/file.py:builder``) is stored absolute, and as given (relative to
-    the current directory) for a copy of the project elsewhere."""
+    the current directory) for a copy of the project elsewhere; leaf modules by name (a class by its name),
+    so the runtime traces the model as it was planned."""
     absolute, relative = builder_forms(builder, Path.cwd()) if builder else (None, None)
+    leaves = tuple(dict.fromkeys(spec if isinstance(spec, str) else spec.__name__ for spec in leaf_modules))
     return ModelRef(absolute, freeze(dict(builder_kwargs or {})), graph.fingerprint,
                     tuple(InputMeta(tuple(x.shape), str(x.dtype).removeprefix("torch."))
-                          for x in inputs), space.precision, relative)
+                          for x in inputs), space.precision, relative, leaves)
 
 
 def validate_space(gpus: int, mem: str | int, batch_size: int, device: str | DeviceSpec,

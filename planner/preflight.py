@@ -89,9 +89,11 @@ def meta_inputs(plan: Plan) -> tuple[torch.Tensor, ...]:
 
 def trace_checked(model: nn.Module, plan: Plan,
                   leaf_modules: Sequence[LeafSpec] = ()) -> torch.fx.GraphModule:
-    """Capture as the planner did and check the fingerprint (nothing is costed); returns the GraphModule."""
+    """Capture as the planner did (with the plan's leaf modules and any given) and check the fingerprint
+    (nothing is costed); returns the GraphModule."""
     from cost_models.graph.tracing import rebuild_graph
 
+    leaf_modules = tuple(dict.fromkeys((*plan.model.leaf_modules, *leaf_modules)))
     graph, traced = rebuild_graph(model, meta_inputs(plan), leaf_modules)
     if graph.fingerprint != plan.model.fingerprint:
         raise RuntimeSetupError(

@@ -58,6 +58,7 @@ class ModelRef:
     example_inputs: tuple[InputMeta, ...]
     precision: Precision
     builder_relative: str | None = None  # absent in older files
+    leaf_modules: tuple[str, ...] = ()  # the modules traced whole (class or submodule names); absent in older files
 
     @property
     def builder_specs(self) -> tuple[str, ...]:
@@ -69,8 +70,9 @@ class ModelRef:
         return codec.fields(cls, data, path, {
             "builder": codec.optional(codec.string), "builder_kwargs": codec.json_object,
             "fingerprint": codec.string, "example_inputs": codec.tuple_of(InputMeta.from_dict),
-            "precision": codec.enum_of(Precision), "builder_relative": codec.optional(codec.string)},
-            optional=frozenset({"builder_relative"}))
+            "precision": codec.enum_of(Precision), "builder_relative": codec.optional(codec.string),
+            "leaf_modules": codec.tuple_of(codec.string)},
+            optional=frozenset({"builder_relative", "leaf_modules"}))
 
 
 @dataclass(frozen=True)

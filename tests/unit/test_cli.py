@@ -181,3 +181,23 @@ def test_a_model_returning_a_tuple_is_refused_by_tessera_run_in_one_line_before_
     ran = _tessera("run", "plan.json", "--steps", "1", cwd=tmp_path)
     assert ran.returncode == 2 and ran.stderr.count("\n") == 1, ran.stderr
     assert "returns a tuple of 2 values" in ran.stderr and "runtime.Executor" in ran.stderr
+
+
+def test_a_plan_made_with_leaf_modules_records_them_and_its_model_rebuilds_without_them_given(
+        tmp_path: Path) -> None:
+    """`tessera run` of a plan made with --leaf refused its model ('graph fingerprint differs ... re-plan it')
+    unless the run was given `-- --leaf` again: the plan file now records them and the runtime traces with them."""
+    from planner.plan import Plan
+    from planner.preflight import rebuild_model, trace_checked
+
+    (tmp_path / "gated.py").write_text(
+        "import torch\n\n\nclass Gate(torch.nn.Module):\n    def forward(self, x):\n"
+        "        return x if x.sum() > 0 else -x\n\n\ndef gated():\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(8, 8), Gate(), torch.nn.Linear(8, 4))\n")
+    planned = _tessera("plan", "gated.py:gated", "--input", "8", "--batch-size", "4", "--gpus", "1", "--mem", "1GB",
+                       "--device", "V100-16GB", "--leaf", "Gate", "-o", "plan.json", "-q", cwd=tmp_path)
+    assert planned.returncode == 0, planned.stderr
+    made = Plan.load(tmp_path / "plan.json")
+    assert made.model.leaf_modules == ("Gate",)
+    traced = trace_checked(rebuild_model(made, tmp_path), made)  # no leaf modules given: the plan's
+    assert any(node.op == "call_module" and node.target == "1" for node in traced.graph.nodes)
