@@ -6,7 +6,7 @@ import re
 
 from cost_models.errors import InvalidArgument
 
-_MEMORY_PATTERN = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*([kmgtp]?i?b?)?\s*$", re.IGNORECASE)
+_MEMORY_PATTERN = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(b|[kmgt]i?b)?\s*$", re.IGNORECASE)  # MEMORY_UNITS
 MEMORY_UNITS = ("B", "KB", "MB", "GB", "TB", "KiB", "MiB", "GiB", "TiB")
 """Units a memory size may carry ("KB" and "KiB" both mean 1024 bytes, as GPU memory is sold)."""
 
@@ -32,15 +32,17 @@ def parse_mem_bytes(value: str | int | float, *, unit_required: bool = False) ->
 def _parse_mem_text(text: str, unit_required: bool) -> int:
     match = _MEMORY_PATTERN.match(text)
     if not match:
-        raise InvalidArgument(f"cannot parse memory size {text!r}; write e.g. '16GB', "
-                              f"'16GiB', '512MB' or a number of bytes")
+        raise InvalidArgument(f"cannot parse memory size {text!r}; write a number with one of "
+                              f"{', '.join(MEMORY_UNITS)}, e.g. '16GB', '16GiB' or '512MB'")
     number, unit = float(match.group(1)), (match.group(2) or "").lower()
+    if number <= 0:
+        raise InvalidArgument(f"memory size {text!r} must be positive; give e.g. '16GB'")
     if unit_required and not unit:
         raise InvalidArgument(f"memory size {text!r} has no unit; write it with one of "
                               f"{', '.join(MEMORY_UNITS)}, e.g. '{match.group(1)}GB' "
                               f"('{match.group(1)}B' for bytes)")
-    prefix = unit[:1] if unit and unit[0] in "kmgtp" else ""
-    scale = 1024 ** ("kmgtp".index(prefix) + 1) if prefix else 1
+    prefix = unit[:1] if unit and unit[0] in "kmgt" else ""
+    scale = 1024 ** ("kmgt".index(prefix) + 1) if prefix else 1
     return int(number * scale)
 
 

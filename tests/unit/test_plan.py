@@ -112,6 +112,10 @@ def _tiny(**overrides):
     ({"mem": 0}, InvalidArgument, "must be positive"),
     ({"mem": "16"}, InvalidArgument, "memory size '16' has no unit"),  # 16 bytes is an int: 16
     ({"host_mem": "64"}, InvalidArgument, "memory size '64' has no unit"),
+    ({"mem": "16i"}, InvalidArgument, "cannot parse memory size '16i'; write a number with one of B, KB"),  # it
+    ({"mem": "16PB"}, InvalidArgument, "cannot parse memory size '16PB'"),  # was 16 bytes; an unlisted unit
+    ({"mem": "16k"}, InvalidArgument, "cannot parse memory size '16k'"),
+    ({"reserve": "-1"}, InvalidArgument, "memory size '-1' must be positive"),  # it said: write e.g. '-1GB'
     ({"device": "TPU-v9"}, UnknownDevice, "TPU-v9"),
     ({"batch_size": 8, "micro_batch_sizes": (3,)}, InvalidArgument, "batch size 8 cannot be split"),
     ({"batch_size": 0}, InvalidArgument, "batch_size must be"),
