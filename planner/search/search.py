@@ -286,6 +286,10 @@ class Search:
             return ()
         counts = sorted({parts for gpus in gpu_counts(self.space) for parts in range(2, gpus)
                          if gpus % parts == 0 or parts & (parts - 1) == 0})
+        if not counts:
+            self.spatial_note = ("no plan tiles the image: tiles need 3+ GPUs (stage 0 on 2+ tiles "
+                                 "and an ordinary stage after it)")
+            return ()
         choices = []
         errors = []
         for parts in counts:
