@@ -230,7 +230,7 @@ def test_an_untileable_first_layer_or_image_falls_back_and_says_why() -> None:
                 example_inputs=torch.empty(1, 3, 1, 1))
     assert all(stage.spatial is None for stage in tiny.stages)
     assert "no plan tiles the image: cannot split 1 pixels into 2 tiles" in tiny.solver.why
-    two = plan(_TwoConvs(1), gpus=2, mem="16GB", batch_size=4, offload=False, example_inputs=torch.empty(1, 3, 16, 16))
+    two = plan(_TwoConvs(16), gpus=2, mem="16GB", batch_size=4, offload=False, example_inputs=torch.empty(1, 3, 16, 16))
     assert "no plan tiles the image: tiles need 3+ GPUs" in two.solver.why  # (it said nothing)
 
 
