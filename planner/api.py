@@ -88,7 +88,7 @@ def plan(model: nn.Module, gpus: int, mem: str | int, *, batch_size: int,
                                  mode or Precision.FP32, schedules, micro_batch_sizes, time_limit_s, num_stages,
                                  reserve, data_parallel=data_parallel, offload=offload, host_mem=host_mem,
                                  nvme=nvme, spatial=spatial, allow_stale_weights=allow_stale_weights)
-    _warn_above_device(space, spec)
+    warn_about_budget(space, spec)
     report = progress or (lambda event: None)
     if graph is None:
         report(ProgressEvent(Phase.TRACING, detail=type(model).__name__))
@@ -99,7 +99,7 @@ def plan(model: nn.Module, gpus: int, mem: str | int, *, batch_size: int,
     report(ProgressEvent(Phase.ASSEMBLING, detail="lowering, validating and simulating the winner"))
     made = build_plan(graph, spec, space, result,
                       model_ref(graph, inputs, space, builder, builder_kwargs, leaf_modules))
-    _warn_shared_cores(made)
+    warn_shared_cores(made)
     return made
 
 
@@ -244,7 +244,7 @@ def _check_divisors(name: str, values: Sequence[int] | None, gpus: int) -> None:
                               f"choose from {divisors(gpus)}")
 
 
-def _warn_above_device(space: SearchSpace, device: DeviceSpec) -> None:
+def warn_about_budget(space: SearchSpace, device: DeviceSpec) -> None:
     mem_bytes = space.mem_bytes + space.reserve_bytes
     if mem_bytes > device.mem_bytes:
         warnings.warn(TesseraWarning(
@@ -255,10 +255,10 @@ def _warn_above_device(space: SearchSpace, device: DeviceSpec) -> None:
         warnings.warn(TesseraWarning(
             f"{space.gpus_per_node} CPU ranks of {format_bytes(mem_bytes)} each need {format_bytes(ranks_bytes)}, "
             f"more than this machine's {format_bytes(device.mem_bytes)} they share; planning for it anyway "
-            f"(give --mem at most {format_bytes(device.mem_bytes // space.gpus_per_node)})"), stacklevel=3)
+            f"(give mem, --mem, at most {format_bytes(device.mem_bytes // space.gpus_per_node)})"), stacklevel=3)
 
 
-def _warn_shared_cores(made: Plan) -> None:
+def warn_shared_cores(made: Plan) -> None:
     """A cpu plan whose ranks on a node outnumber this machine's cores (those it uses: a batch smaller than the
     GPUs given uses fewer)."""
     cores, ranks = usable_cores(), min(made.cluster.gpus, made.cluster.gpus_per_node)
@@ -266,4 +266,4 @@ def _warn_shared_cores(made: Plan) -> None:
         warnings.warn(TesseraWarning(
             f"{ranks} CPU ranks per node on this machine's {cores} cores: the cpu device is "
             f"measured one rank per core, so a plan whose ranks share cores runs slower than predicted "
-            f"(use --gpus {cores}, or plan for a machine with more cores)"), stacklevel=3)
+            f"(use gpus={cores}, --gpus {cores}, or plan for a machine with more cores)"), stacklevel=3)

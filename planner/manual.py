@@ -16,7 +16,14 @@ from cost_models.estimation import model_precision
 from cost_models.graph.ir import LayerGraph
 from cost_models.graph.tracing import normalise_inputs, trace
 from cost_models.memory import Optimizer, Precision
-from planner.api import measures, model_ref, node_measure, validate_space
+from planner.api import (
+    measures,
+    model_ref,
+    node_measure,
+    validate_space,
+    warn_about_budget,
+    warn_shared_cores,
+)
 from planner.assemble import build_plan
 from planner.plan import (
     Layout,
@@ -41,7 +48,7 @@ from planner.simulation import sim_costs
 def plan_with_split(model: nn.Module, *, example_inputs: torch.Tensor | Sequence[torch.Tensor],
                     stage_starts: Sequence[str], batch_size: int, micro_batch_size: int,
                     data_parallel: int = 1, schedule: str | ScheduleKind = "1f1b",
-                    device: str | DeviceSpec = "V100-16GB", mem: str | int = "1TB",
+                    device: str | DeviceSpec = "V100-16GB", mem: str | int | None = None,
                     gpus_per_node: int | None = None, optimizer: str | Optimizer = "adam",
                     precision: str | Precision | None = None, builder: str | None = None,
                     builder_kwargs: Mapping[str, Any] | None = None,
@@ -60,7 +67,9 @@ def plan_with_split(model: nn.Module, *, example_inputs: torch.Tensor | Sequence
     rank (the plan needs that many more GPUs); the predictions stay those of the non-spatial split,
     one rank per stage (the cost of tiles and halos is not modelled here yet). ``profile`` as in
     :func:`planner.plan`: on ``device="cpu"`` a model with real weights is costed from node times
-    measured on this CPU. A family holding several parts per rank puts ``virtual_stages`` of them on each:
+    measured on this CPU. ``mem``, each GPU's budget, is warned about as :func:`planner.plan` does (above the
+    device's memory; CPU ranks sharing this machine's memory or cores); without it, none. A family holding
+    several parts per rank puts ``virtual_stages`` of them on each:
     interleaved 1F1B as many as given (default 2), WPipe 2 (one of each group), every other family 1; the plan
     then uses (parts / virtual_stages) x ``data_parallel`` GPUs.
 
@@ -80,9 +89,11 @@ def plan_with_split(model: nn.Module, *, example_inputs: torch.Tensor | Sequence
     except ValueError as error:
         raise InvalidArgument(str(error)) from None
     per_rank = _parts_per_rank(kind, num_stages, virtual_stages)
-    space, spec = validate_space(num_stages // per_rank * data_parallel, mem, batch_size, device, gpus_per_node,
-                                 optimizer, precision or model_precision(graph), (schedule,),
+    space, spec = validate_space(num_stages // per_rank * data_parallel, mem or UNBOUNDED_MEM, batch_size, device,
+                                 gpus_per_node, optimizer, precision or model_precision(graph), (schedule,),
                                  (micro_batch_size,), time_limit_s=60.0)  # unused: nothing is searched
+    if mem is not None:
+        warn_about_budget(space, spec)
     config = Config(num_stages, data_parallel, micro_batch_size,
                     batch_size // (data_parallel * micro_batch_size), space.schedules[0], virtual_stages=per_rank)
     measure = node_measure(model, graph, inputs, space, spec) if measures(model, spec, profile) else None
@@ -100,7 +111,13 @@ def plan_with_split(model: nn.Module, *, example_inputs: torch.Tensor | Sequence
     candidate = Candidate(setup, evaluation, evaluation.step_ms, SolveStatus.OPTIMAL, "manual split", 0.0, "")
     result = SearchResult(candidate, None, 1, 1, 0.0)
     made = build_plan(graph, spec, space, result, model_ref(graph, inputs, space, builder, builder_kwargs))
-    return _tiled(made, spatial) if spatial else made
+    made = _tiled(made, spatial) if spatial else made
+    warn_shared_cores(made)
+    return made
+
+
+UNBOUNDED_MEM = "1TB"
+"""The budget of a split given without one: its predicted peaks are reported, nothing is refused."""
 
 
 def _parts_per_rank(kind: ScheduleKind, num_parts: int, virtual_stages: int | None) -> int:

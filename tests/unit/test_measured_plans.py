@@ -103,6 +103,16 @@ def test_planning_more_cpu_ranks_than_cores_warns_in_one_line(cache: Path) -> No
         if warns:
             assert f"{cores + 1} CPU ranks per node on this machine's {cores} cores" in shared[0]
             assert f"--gpus {cores}" in shared[0] and "\n" not in shared[0]
+    from planner import trace
+    from planner.manual import plan_with_split
+
+    tokens = torch.zeros((1, 32), dtype=torch.int64)
+    computing = [node.name for node in trace(gpt_tiny(), tokens) if node.kind.name not in ("INPUT", "PARAM", "OUTPUT")]
+    with warnings.catch_warnings(record=True) as caught:  # a hand-made split is warned about alike (it was not)
+        warnings.simplefilter("always")
+        plan_with_split(gpt_tiny(), example_inputs=tokens, batch_size=8, micro_batch_size=1, device="cpu", profile=False,
+                        stage_starts=[computing[len(computing) * k // (cores + 1)] for k in range(1, cores + 1)])
+    assert [str(w.message) for w in caught if w.category is TesseraWarning and "cores" in str(w.message)]
 
 
 def test_a_model_planned_with_leaf_modules_is_profiled_with_them(cache: Path) -> None:
@@ -143,7 +153,7 @@ def test_cpu_ranks_share_the_machines_memory_with_the_host_tier(cache: Path) -> 
         shared = [str(w.message) for w in caught if w.category is TesseraWarning and "share" in str(w.message)]
         assert len(shared) == warns, shared
         if warns:
-            assert "more than this machine's" in shared[0] and "give --mem at most" in shared[0]
+            assert "more than this machine's" in shared[0] and "give mem, --mem, at most" in shared[0]
             assert "\n" not in shared[0]
         assert made.cluster.host_mem_bytes == max(0, machine.host_mem_bytes - 2 * mem)
 
