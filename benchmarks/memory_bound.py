@@ -44,8 +44,11 @@ def main() -> None:
     warnings.simplefilter("ignore")
     shares: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
     above = []
-    for (name, (model, batch)), family, gpus, optimizer, precision in itertools.product(
-            models().items(), FAMILIES, (2, 4), ("momentum", "adam"), ("fp32", "bf16")):
+    cases = list(itertools.product(models().items(), FAMILIES, (2, 4), ("momentum", "adam"), ("fp32", "bf16")))
+    print(f"planning {len(cases)} cases at the smallest budget each accepts (a minute or two)", flush=True)
+    for index, ((name, (model, batch)), family, gpus, optimizer, precision) in enumerate(cases):
+        if index == 0 or cases[index - 1][0][0] != name:
+            print(f"  {name}: from case {index + 1}", flush=True)
         arguments = {"batch_size": 8, "example_inputs": batch, "device": "A100-40GB", "optimizer": optimizer,
                      "precision": precision, "schedules": [family], "offload": False, "spatial": False,
                      "reserve": 0}

@@ -7,6 +7,7 @@ Each model is planned in a fresh process so timings do not share caches.
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -65,5 +66,16 @@ def main(names: list[str]) -> None:
               f"{row['total_s']:>8.1f} {row['configs']:>8}  {row['layout']}, step {row['step_ms']:.0f} ms")
 
 
+def _names() -> list[str]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", metavar="NAME",
+                        help=f"cases to run (default: all): {', '.join(CASES)}")
+    names = parser.parse_args().names
+    unknown = [name for name in names if name not in CASES]
+    if unknown:
+        parser.error(f"unknown case {', '.join(unknown)}; choose from {', '.join(CASES)}")
+    return names
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main(_names())
