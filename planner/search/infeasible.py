@@ -1,7 +1,9 @@
 """The error for a budget no plan fits: the binding stage's memory, by kind, and the fix that helps.
 
 The budget named is one that fits with every activation kept (in the most frugal layout and state
-mode): recompute and swap may fit in less, but no smaller figure is certain. A stage's memory is
+mode): recompute and swap may fit in less, but no smaller figure is certain. Where the GPUs could hold
+that layout (keeping every activation, or with the memory decisions its ILP makes were host memory and NVMe
+unbounded) but a node's host memory or NVMe cannot hold what it puts there, the error names that instead. A stage's memory is
 its model state (weights, gradients, optimizer state, buffers), its working memory (the largest
 transient: one node's output and its gradient; the buffer of what it sends),
 and its activations (saved activations and received inputs, per micro-batch in flight). Each is
