@@ -7,11 +7,12 @@ Each model is planned in a fresh process so timings do not share caches.
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+from case_names import case_names
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,16 +67,5 @@ def main(names: list[str]) -> None:
               f"{row['total_s']:>8.1f} {row['configs']:>8}  {row['layout']}, step {row['step_ms']:.0f} ms")
 
 
-def _names() -> list[str]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("names", nargs="*", metavar="NAME",
-                        help=f"cases to run (default: all): {', '.join(CASES)}")
-    names = parser.parse_args().names
-    unknown = [name for name in names if name not in CASES]
-    if unknown:
-        parser.error(f"unknown case {', '.join(unknown)}; choose from {', '.join(CASES)}")
-    return names
-
-
 if __name__ == "__main__":
-    main(_names())
+    main(case_names(__doc__.splitlines()[0], CASES))

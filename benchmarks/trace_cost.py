@@ -7,11 +7,12 @@ Targets (issue 2): the 50B GPT and ResNet-1001 at 1024x1024 each under 30 s and 
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+from case_names import case_names
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,16 +62,5 @@ def main(names: list[str]) -> None:
               f"{row['saved_gib']:>10.2f} {row['wall_s']:>7.1f} {row['peak_rss_mib']:>13.0f}")
 
 
-def _names() -> list[str]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("names", nargs="*", metavar="NAME",
-                        help=f"cases to run (default: all): {', '.join(MODELS)}")
-    names = parser.parse_args().names
-    unknown = [name for name in names if name not in MODELS]
-    if unknown:
-        parser.error(f"unknown case {', '.join(unknown)}; choose from {', '.join(MODELS)}")
-    return names
-
-
 if __name__ == "__main__":
-    main(_names())
+    main(case_names(__doc__.splitlines()[0], MODELS))
