@@ -6,7 +6,7 @@ import re
 
 from cost_models.errors import InvalidArgument
 
-_MEMORY_PATTERN = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(b|[kmgt]i?b)?\s*$", re.IGNORECASE)  # MEMORY_UNITS
+_MEMORY_PATTERN = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(b|[kmgt](?:i?b)?)?\s*$", re.IGNORECASE)  # MEMORY_UNITS, or "16G"
 MEMORY_UNITS = ("B", "KB", "MB", "GB", "TB", "KiB", "MiB", "GiB", "TiB")
 """Units a memory size may carry ("KB" and "KiB" both mean 1024 bytes, as GPU memory is sold)."""
 

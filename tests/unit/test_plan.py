@@ -114,7 +114,7 @@ def _tiny(**overrides):
     ({"host_mem": "64"}, InvalidArgument, "memory size '64' has no unit"),
     ({"mem": "16i"}, InvalidArgument, "cannot parse memory size '16i'; write a number with one of B, KB"),  # it
     ({"mem": "16PB"}, InvalidArgument, "cannot parse memory size '16PB'"),  # was 16 bytes; an unlisted unit
-    ({"mem": "16k"}, InvalidArgument, "cannot parse memory size '16k'"),
+    ({"mem": "16Ki"}, InvalidArgument, "cannot parse memory size '16Ki'"),
     ({"reserve": "-1"}, InvalidArgument, "memory size '-1' must be positive"),  # it said: write e.g. '-1GB'
     ({"device": "TPU-v9"}, UnknownDevice, "TPU-v9"),
     ({"batch_size": 8, "micro_batch_sizes": (3,)}, InvalidArgument, "batch size 8 cannot be split"),
