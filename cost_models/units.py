@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 from cost_models.errors import InvalidArgument
@@ -46,11 +47,14 @@ def _parse_mem_text(text: str, unit_required: bool) -> int:
     return int(number * scale)
 
 
-def format_bytes(nbytes: float) -> str:
-    """1536 → '1.5 KiB' (binary prefixes, as memory is counted)."""
+def format_bytes(nbytes: float, *, at_least: bool = False) -> str:
+    """1536 → '1.5 KiB' (binary prefixes, as memory is counted). ``at_least``: rounded up at the last digit shown,
+    for a size given as enough (1.21 GiB → '1.3 GiB': '1.2 GiB' would fall short)."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(nbytes) < 1024 or unit == "TiB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+            digits = 0 if unit == "B" else 1
+            shown = math.ceil(nbytes * 10**digits - 1e-9) / 10**digits if at_least else nbytes
+            return f"{shown:.{digits}f} {unit}"
         nbytes /= 1024
     raise AssertionError("unreachable")
 

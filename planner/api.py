@@ -266,4 +266,4 @@ def warn_shared_cores(made: Plan) -> None:
         warnings.warn(TesseraWarning(
             f"{ranks} CPU ranks per node on this machine's {cores} cores: the cpu device is "
             f"measured one rank per core, so a plan whose ranks share cores runs slower than predicted "
-            f"(use gpus={cores}, --gpus {cores}, or plan for a machine with more cores)"), stacklevel=3)
+            f"(plan at most {cores} ranks per node, or for a machine with more cores)"), stacklevel=3)

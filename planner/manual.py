@@ -55,7 +55,7 @@ def plan_with_split(model: nn.Module, *, example_inputs: torch.Tensor | Sequence
                     graph: LayerGraph | None = None,
                     offload: Sequence[OffloadSpec] | None = None,
                     spatial: Mapping[int, SpatialSpec] | None = None, profile: bool | None = None,
-                    virtual_stages: int | None = None) -> Plan:
+                    virtual_stages: int | None = None, leaf_modules: Sequence[type | str] = ()) -> Plan:
     """A plan whose stage s + 1 begins at node ``stage_starts[s]`` (stage 0 at the first node).
 
     Costs, programs and predictions are made exactly as for a solved plan, so a manual split
@@ -69,7 +69,8 @@ def plan_with_split(model: nn.Module, *, example_inputs: torch.Tensor | Sequence
     :func:`planner.plan`: on ``device="cpu"`` a model with real weights is costed from node times
     measured on this CPU. ``mem``, each GPU's budget, is warned about as :func:`planner.plan` does (above the
     device's memory; CPU ranks sharing this machine's memory or cores); without it, none. A family holding
-    several parts per rank puts ``virtual_stages`` of them on each:
+    several parts per rank puts ``virtual_stages`` of them on each (``leaf_modules``: those ``graph`` was traced
+    with, recorded for the runtime):
     interleaved 1F1B as many as given (default 2), WPipe 2 (one of each group), every other family 1; the plan
     then uses (parts / virtual_stages) x ``data_parallel`` GPUs.
 
@@ -79,7 +80,7 @@ def plan_with_split(model: nn.Module, *, example_inputs: torch.Tensor | Sequence
                             batch_size=8, micro_batch_size=2)
     """
     inputs = normalise_inputs(example_inputs)
-    graph = graph or trace(model, inputs)
+    graph = graph or trace(model, inputs, leaf_modules=leaf_modules)
     num_stages = len(stage_starts) + 1
     if batch_size % (data_parallel * micro_batch_size):
         raise InvalidArgument(f"batch size {batch_size} is not a multiple of data_parallel "
@@ -110,7 +111,8 @@ def plan_with_split(model: nn.Module, *, example_inputs: torch.Tensor | Sequence
         evaluation = dataclasses.replace(evaluation, forced=tuple(offload))
     candidate = Candidate(setup, evaluation, evaluation.step_ms, SolveStatus.OPTIMAL, "manual split", 0.0, "")
     result = SearchResult(candidate, None, 1, 1, 0.0)
-    made = build_plan(graph, spec, space, result, model_ref(graph, inputs, space, builder, builder_kwargs))
+    made = build_plan(graph, spec, space, result,
+                      model_ref(graph, inputs, space, builder, builder_kwargs, leaf_modules))
     made = _tiled(made, spatial) if spatial else made
     warn_shared_cores(made)
     return made
@@ -123,15 +125,20 @@ UNBOUNDED_MEM = "1TB"
 def _parts_per_rank(kind: ScheduleKind, num_parts: int, virtual_stages: int | None) -> int:
     """The parts each pipeline rank of ``kind`` holds (its virtual stages), checked against ``num_parts``."""
     fixed = {ScheduleKind.INTERLEAVED_1F1B: None, ScheduleKind.WPIPE: 2}.get(kind, 1)
-    per_rank = virtual_stages or fixed or 2
-    if fixed is not None and per_rank != fixed:
+    if virtual_stages is not None and (isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int)
+                                       or virtual_stages < 1):
+        raise InvalidArgument(f"virtual_stages must be a whole number >= 1 (parts per rank), got {virtual_stages!r}")
+    if fixed is not None and virtual_stages not in (None, fixed):
         raise InvalidArgument(f"virtual_stages={virtual_stages}: {kind.value} holds {fixed} part(s) per rank; "
                               f"give virtual_stages only with interleaved-1f1b")
-    interleaved = kind is ScheduleKind.INTERLEAVED_1F1B
-    if per_rank < 1 or num_parts % per_rank or (interleaved and (per_rank < 2 or num_parts // per_rank < 2)):
-        raise InvalidArgument(f"{num_parts} parts cannot be held {per_rank} per rank by {kind.value}: give "
-                              f"virtual_stages >= 2 (interleaved-1f1b, on 2+ ranks) dividing the parts, or "
-                              f"stage_starts for a multiple of it")
+    per_rank = virtual_stages or fixed or 2
+    if kind is ScheduleKind.INTERLEAVED_1F1B and (per_rank < 2 or num_parts % per_rank or num_parts // per_rank < 2):
+        raise InvalidArgument(f"{num_parts} parts cannot be held {per_rank} per rank by interleaved-1f1b: give "
+                              f"virtual_stages >= 2 dividing the parts with 2+ ranks left, or stage_starts for more "
+                              f"parts")
+    if num_parts % per_rank:
+        raise InvalidArgument(f"{kind.value} holds {per_rank} parts per rank, but stage_starts make {num_parts}: "
+                              f"give stage_starts for a multiple of {per_rank} parts")
     return per_rank
 
 

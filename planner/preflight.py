@@ -20,6 +20,7 @@ from torch import nn
 
 from cost_models.errors import PlanFileError, RuntimeSetupError
 from cost_models.graph.capture import LeafSpec
+from cost_models.units import plural
 from cost_models.memory import Precision
 from planner.plan import SCHEMA_VERSION, Plan, check_invariants
 from planner.schedules import Program, ScheduleError, parse_programs, validate
@@ -117,9 +118,9 @@ def check_one_output(traced: torch.fx.GraphModule) -> None:
     returned = output.args[0]
     if isinstance(returned, torch.fx.Node):
         return
-    count = f"{len(returned)} values" if isinstance(returned, (tuple, list, dict)) else repr(returned)
-    raise RuntimeSetupError(f"the runtime trains on synthetic data with a loss after the model's one output tensor, but this "
-                            f"model returns a {type(returned).__name__} of {count}; train it from your own script "
-                            f"with runtime.Executor and a loss taking that {type(returned).__name__}, or return "
-                            f"one tensor")
+    kind = "dict" if isinstance(returned, dict) else "tuple" if isinstance(returned, (tuple, list)) else None
+    what = f"a {kind} of {plural(len(returned), 'value')}" if kind else repr(returned)
+    raise RuntimeSetupError(f"the runtime trains on synthetic data with a loss after the model's one output tensor, but "
+                            f"this model returns {what}; train it from your own script with runtime.Executor and a "
+                            f"loss taking {'that ' + kind if kind else 'it'}, or return one tensor")
 

@@ -175,7 +175,7 @@ def infeasible_error(setup: Setup, budget: str, gpus: int, device_name: str,
     give = reserve.mem_for(need)
     message = (f"no plan fits {budget} per GPU on {gpus} x {device_name}: the most memory-frugal layout "
                f"({setup.config.describe()}) still needs {format_bytes(need)} on stage {stage} (nodes "
-               f"{nodes[0]} .. {nodes[-1]}): {memory.describe()}. Give mem >= {format_bytes(give)}, or "
+               f"{nodes[0]} .. {nodes[-1]}): {memory.describe()}. Give mem >= {format_bytes(give, at_least=True)}, or "
                f"{memory.fix()}.")
     return PlanInfeasible(message, min_mem_bytes=give, binding=f"stage {stage} ({nodes[0]})")
 
@@ -192,8 +192,8 @@ def capacity_error(setup: Setup, frugal: Evaluation, kept_bytes: int) -> PlanInf
         "NVMe", "--nvme (plan(nvme=))")
     node = name.rsplit("_", 1)[-1]
     held = (f"{setup.config.describe()}, if it recomputes or swaps activations (it needs {format_bytes(kept_bytes)} "
-            f"per GPU keeping them all)," if frugal.decisions is not None else setup.config.describe())
+            f"per GPU keeping them all)" if frugal.decisions is not None else setup.config.describe())
     message = (f"no plan fits: the GPUs could hold {held}, but node {node} would need "
                f"{format_bytes(need)} of {what} for optimizer state and offloaded activations and has "
-               f"{format_bytes(have)}; give {flag} >= {format_bytes(need)}, allow another tier, or use more GPUs")
+               f"{format_bytes(have)}; give {flag} >= {format_bytes(need, at_least=True)}, allow another tier, or use more GPUs")
     return PlanInfeasible(message, min_mem_bytes=frugal.peak_mem_bytes, binding=f"{what} of node {node}")

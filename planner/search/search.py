@@ -719,11 +719,12 @@ class Search:
             return evaluate(costs, even_cuts(costs), decisions).peak_mem_bytes
         frugal = min(configs, key=need)
         families = sorted({c.schedule.value for c in configs})
+        give = self.space.reserve.mem_for(need(frugal))  # the usable bytes it needs, with the reserve kept free
         return PlanInfeasible(
             f"no plan of schedules {families} fits {self._budget()} per GPU on {self.space.gpus} x {self.device.name}: "
             f"their ranks hold several parts each, and the most frugal ({frugal.describe()}) fits in "
-            f"{format_bytes(need(frugal))} on even cuts. Give mem >= {format_bytes(need(frugal))}, or add "
-            f"schedules gpipe or 1f1b", min_mem_bytes=need(frugal), binding="memory")
+            f"{format_bytes(need(frugal))} on even cuts. Give mem >= {format_bytes(give, at_least=True)}, or add "
+            f"schedules gpipe or 1f1b", min_mem_bytes=give, binding="memory")
 
     def _budget(self) -> str:
         usable, reserve = self.space.mem_bytes, self.space.reserve_bytes

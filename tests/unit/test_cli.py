@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from cost_models import CostTable
 from planner.cli import main
@@ -201,3 +202,13 @@ def test_a_plan_made_with_leaf_modules_records_them_and_its_model_rebuilds_witho
     assert made.model.leaf_modules == ("Gate",)
     traced = trace_checked(rebuild_model(made, tmp_path), made)  # no leaf modules given: the plan's
     assert any(node.op == "call_module" and node.target == "1" for node in traced.graph.nodes)
+    import importlib.util
+
+    from planner.manual import plan_with_split
+
+    spec = importlib.util.spec_from_file_location("gated", tmp_path / "gated.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    split = plan_with_split(module.gated(), example_inputs=torch.zeros(1, 8), stage_starts=["_2"], batch_size=4,
+                            micro_batch_size=2, leaf_modules=[module.Gate])  # a hand-made split records them too
+    assert split.model.leaf_modules == ("Gate",)

@@ -289,3 +289,28 @@ def test_a_plan_of_one_family_names_another_configuration_as_runner_up_and_why_i
     assert all(stage.offload.recompute == () and stage.offload.swap == () for stage in made.stages)
     assert "ranks hold several parts each" in made.solver.why and "recompute and swap" not in made.solver.why
     assert "optimal within a window of cuts (NOT PROVEN OPTIMAL)" in str(made)
+
+
+def test_a_budget_no_family_holding_several_parts_per_rank_fits_names_one_that_does_with_the_reserve() -> None:
+    """It named the usable bytes as the budget to give: with the 5% reserve kept, that budget was refused again."""
+    arguments = {"batch_size": 8, "example_inputs": torch.zeros((1, 32), dtype=torch.int64), "device": "A100-40GB",
+                 "schedules": ["gems-master"]}
+    with pytest.raises(PlanInfeasible, match="their ranks hold several parts each") as refused:
+        plan(gpt_tiny(), 2, 1000, **arguments)
+    fits_in = re.search(r"fits in ([\d.]+) (\w)iB on even cuts", str(refused.value))
+    assert refused.value.min_mem_bytes * 0.95 >= float(fits_in.group(1)) * 1024 ** " KMG".index(fits_in.group(2)) * 0.99
+    made = plan(gpt_tiny(), 2, refused.value.min_mem_bytes, **arguments)
+    assert made.schedule.kind is ScheduleKind.GEMS_MASTER
+    shown = re.search(r"Give mem >= ([\d.]+) (\w)iB", str(refused.value))
+    assert plan(gpt_tiny(), 2, f"{shown.group(1)}{shown.group(2)}B", **arguments).schedule.kind is ScheduleKind.GEMS_MASTER
+
+
+@pytest.mark.parametrize("bad", ["2", 2.0, 0, True])
+def test_plan_with_split_refuses_a_virtual_stage_count_that_is_not_a_whole_number(bad: object) -> None:
+    """'2' raised a TypeError, 2.0 named the GPUs, 0 was taken as the default and True printed as a count."""
+    from planner.manual import plan_with_split
+
+    with pytest.raises(InvalidArgument, match="virtual_stages must be a whole number"):
+        plan_with_split(gpt_tiny(), example_inputs=torch.zeros((1, 32), dtype=torch.int64), batch_size=8,
+                        stage_starts=["blocks_0_ln_2", "blocks_1_ln_1", "blocks_1_ln_2"], micro_batch_size=1,
+                        schedule="interleaved-1f1b", virtual_stages=bad)

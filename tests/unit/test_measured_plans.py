@@ -102,7 +102,7 @@ def test_planning_more_cpu_ranks_than_cores_warns_in_one_line(cache: Path) -> No
         assert made.cluster.gpus <= batch_size
         if warns:
             assert f"{cores + 1} CPU ranks per node on this machine's {cores} cores" in shared[0]
-            assert f"--gpus {cores}" in shared[0] and "\n" not in shared[0]
+            assert f"plan at most {cores} ranks per node" in shared[0] and "\n" not in shared[0]
     from planner import trace
     from planner.manual import plan_with_split
 

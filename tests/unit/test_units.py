@@ -53,3 +53,12 @@ def test_a_reserve_out_of_range_names_what_was_given_and_the_fix(text: str, said
         parse_reserve(text)
     assert said in str(refused.value) and "give e.g. --reserve 5%" in str(refused.value)
     assert "0 bytes" not in str(refused.value)
+
+
+@pytest.mark.parametrize(("nbytes", "shown"), [
+    (int(1.21 * 2**30), "1.3 GiB"), (int(1.2 * 2**30), "1.2 GiB"), (1023, "1023 B"), (3 * 2**20, "3.0 MiB"),
+])
+def test_a_size_given_as_enough_is_rounded_up(nbytes: float, shown: str) -> None:
+    """'Give mem >= 12.7 GiB' for 12.74 GiB: the size shown refused again."""
+    assert format_bytes(nbytes, at_least=True) == shown
+    assert parse_mem_bytes(shown.replace(" ", "").replace("i", "")) >= nbytes - 0.5
