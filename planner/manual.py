@@ -90,8 +90,8 @@ def plan_with_split(model: nn.Module, *, example_inputs: torch.Tensor | Sequence
     except ValueError as error:
         raise InvalidArgument(str(error)) from None
     per_rank = _parts_per_rank(kind, num_stages, virtual_stages)
-    space, spec = validate_space(num_stages // per_rank * data_parallel, mem or UNBOUNDED_MEM, batch_size, device,
-                                 gpus_per_node, optimizer, precision or model_precision(graph), (schedule,),
+    space, spec = validate_space(num_stages // per_rank * data_parallel, UNBOUNDED_MEM if mem is None else mem,
+                                 batch_size, device, gpus_per_node, optimizer, precision or model_precision(graph), (schedule,),
                                  (micro_batch_size,), time_limit_s=60.0)  # unused: nothing is searched
     if mem is not None:
         warn_about_budget(space, spec)

@@ -314,3 +314,11 @@ def test_plan_with_split_refuses_a_virtual_stage_count_that_is_not_a_whole_numbe
         plan_with_split(gpt_tiny(), example_inputs=torch.zeros((1, 32), dtype=torch.int64), batch_size=8,
                         stage_starts=["blocks_0_ln_2", "blocks_1_ln_1", "blocks_1_ln_2"], micro_batch_size=1,
                         schedule="interleaved-1f1b", virtual_stages=bad)
+
+
+def test_plan_with_split_refuses_a_zero_budget_rather_than_taking_it_as_none() -> None:
+    from planner.manual import plan_with_split
+
+    with pytest.raises(InvalidArgument, match="must be positive"):
+        plan_with_split(gpt_tiny(), example_inputs=torch.zeros((1, 32), dtype=torch.int64), batch_size=8,
+                        stage_starts=["blocks_1_ln_1"], micro_batch_size=1, mem=0)
