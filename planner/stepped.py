@@ -51,10 +51,12 @@ def stage_step_bytes(graph: LayerGraph, problem: PipelineProblem, layout: Layout
             users.setdefault(name, set()).add(part)
     precision = problem.tiers.precision
     worst: list[float | None] = [None] * len(part_nodes)
-    for rank in range(layout.world_size):
+    # ranks computing the same parts in the same order step the same buckets: each such sequence is packed once
+    sequences = dict.fromkeys(tuple(layout.part(stage) for stage in sorted(layout.stages_of_rank(rank)))
+                              for rank in range(layout.world_size))
+    for sequence in sequences:
         owned: set[str] = set()
-        for stage in sorted(layout.stages_of_rank(rank)):
-            part = layout.part(stage)
+        for part in sequence:
             copies = len(layout.part_ranks(part))
             bucket_bytes = step_bucket_bytes_of(problem, copies)
             if bucket_bytes is None:

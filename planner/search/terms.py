@@ -328,9 +328,24 @@ def cost_model(problem: PipelineProblem) -> CostModel:
     tiled = [_tiled_terms(problem, spatial) for spatial in problem.spatial]
     states: dict[int, dict[str, Term]] = {}  # the state terms per number of copies: alike for such parts
     average = _average_part(problem)
-    parts = tuple(_part_terms(problem, part, tiled[part] if part < len(tiled) else shared, states, average)
-                  for part in range(problem.num_parts))
-    return CostModel(problem, parts, _objective(problem, parts), _next_use(problem))
+    alike: dict[tuple, dict[str, Term]] = {}  # parts whose terms come out the same share one dict of them
+    parts = []
+    for part in range(problem.num_parts):
+        key = _part_key(problem, part)
+        if key not in alike:
+            alike[key] = _part_terms(problem, part, tiled[part] if part < len(tiled) else shared, states, average)
+        parts.append(alike[key])
+    return CostModel(problem, tuple(parts), _objective(problem, tuple(parts)), _next_use(problem))
+
+
+def _part_key(problem: PipelineProblem, part: int) -> tuple:
+    """Everything :func:`_part_terms` reads of ``part`` beyond what every part shares: two parts with equal keys
+    have equal terms (a 16-part pipeline's middle parts on one node all do), which are then built once."""
+    is_first, is_last = part == 0, part == problem.num_parts - 1
+    tiled = part if part < len(problem.spatial) else -1
+    return (tiled, is_first, is_last, len(problem.layout.part_ranks(part)),
+            part in problem.schedule.stale_parts(problem.num_parts), problem.allreduce[part],
+            None if is_last else problem.links[part], None if is_first else problem.links[part - 1])
 
 
 def _shared_terms(problem: PipelineProblem, units: tuple[Unit, ...],
