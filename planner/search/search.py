@@ -42,7 +42,13 @@ from planner.search.configs import Config, SearchSpace, configurations, gpu_coun
 from planner.search.evaluate import Decisions, Evaluation, evaluate
 from planner.search.ilp import SolveStatus, Window, solve_partition
 from planner.search.infeasible import capacity_error, infeasible_error
-from planner.search.oracle import OracleResult, check_exact, decided_step_floor, min_peak_partition
+from planner.search.oracle import (
+    OracleResult,
+    check_exact,
+    decided_step_floor,
+    min_peak_partition,
+    window_memory_floor,
+)
 from planner.search.problem import (
     ON_GPU,
     Coarsening,
@@ -559,8 +565,8 @@ class Search:
         start = time.perf_counter()
         kept = None
         if setup.decided_problem is None or self._kept_fits(config):
-            proven = _cannot_beat(setup.costs, cutoff_ms)  # then the ILP would find nothing either
             window = _shared_slot_window(setup.costs)
+            proven = _cannot_beat(setup.costs, cutoff_ms, window)  # then the ILP would find nothing either
             if window is not None:
                 time_limit_s = min(time_limit_s, SHARED_SLOT_SOLVE_S)
             result = None if proven else solve_partition(setup.costs, time_limit_s=time_limit_s, cutoff_ms=cutoff_ms,
@@ -820,13 +826,13 @@ def _activations(decisions: Decisions | None) -> str:
 def _cannot_beat(costs: CostModel, cutoff_ms: float | None, window: Window | None = None) -> bool:
     """Whether the decided step floor (over ``window``'s partitions, if given) proves that no plan of
     ``costs`` beats ``cutoff_ms``: the ILP would find nothing, a DP in milliseconds instead of a solve.
-    Without memory decisions the floor is the objective's over the partitions that fit."""
-    if cutoff_ms is None:
-        return False
+    Without memory decisions the floor is the objective's over the partitions that fit. Where several
+    stages share a slot the DP does not apply, but a window no plan fits in (its memory floor above the
+    budget) has nothing to beat anything with either."""
     try:
-        return decided_step_floor(costs, cutoff_ms, window) >= cutoff_ms
-    except ValueError:  # several stages share a slot: the DP does not apply
-        return False
+        return cutoff_ms is not None and decided_step_floor(costs, cutoff_ms, window) >= cutoff_ms
+    except ValueError:  # several stages share a slot
+        return window is not None and window_memory_floor(costs, window) > costs.problem.mem_bytes
 
 
 def _cutoff(config: Config, best_ms: float | None) -> float | None:

@@ -33,7 +33,7 @@ from planner.schedules.simulate import SimCosts, StageCosts, simulate
 from planner.schedules.swaps import insert_swaps
 from planner.search.evaluate import Decisions, Evaluation, evaluate, row_value
 from planner.search.ilp import IlpResult, SolveStatus, solve_partition
-from planner.search.oracle import _row_interp, decided_step_floor
+from planner.search.oracle import _row_interp, decided_step_floor, window_memory_floor
 from planner.search.problem import (
     ON_GPU,
     LinearCost,
@@ -200,6 +200,37 @@ def test_the_memory_floor_is_below_every_plans_peak(problem: PipelineProblem, la
     plans = (_every_plan(costs) if decides else
              (evaluate(costs, cuts) for cuts in itertools.combinations(range(costs.num_units - 1), parts - 1)))
     assert all(floor <= evaluation.peak_mem_bytes + 1e-6 for evaluation in plans)
+
+
+@settings(max_examples=80, deadline=None)
+@given(decided_problems(max_stages=3), st.sampled_from(["pipeline", "interleaved", "mirrored"]), st.booleans(),
+       st.data())
+def test_the_memory_floor_within_a_window_is_below_every_plans_peak_in_it(
+        problem: PipelineProblem, layout: str, decides: bool, data: st.DataObject) -> None:
+    """What lets the search skip the ILP of a window whose slots hold several parts: no partition with its cuts in
+    the window, with any recompute and swap where the problem decides them, needs less than the window's memory
+    floor (brute force), for ranks holding one part or several."""
+    parts = problem.num_parts
+    if layout != "pipeline":
+        slots = max(1, parts // 2) if layout == "interleaved" else parts
+        shaped = (Layout.replicated(tuple(part % slots for part in range(parts))) if layout == "interleaved"
+                  else Layout.mirrored(parts))
+        problem = dataclasses.replace(problem, layout=shaped, in_flight=(problem.num_microbatches,) * shaped.num_stages)
+    if not decides:
+        problem = dataclasses.replace(problem, tiers=_tiers(recompute=False, swap=False))
+    costs = cost_model(problem)
+    count = costs.num_units
+    around = data.draw(st.sampled_from(list(itertools.combinations(range(count - 1), parts - 1))))
+    width = data.draw(st.integers(0, 2))
+    window = tuple((max(-1, cut - width), min(count - 2, cut + width)) for cut in around)
+    floor = window_memory_floor(costs, window)
+    plans = (_every_plan(costs) if decides else
+             (evaluate(costs, cuts) for cuts in itertools.combinations(range(count - 1), parts - 1)))
+    inside = [e for e in plans if all(low <= cut <= high for cut, (low, high) in zip(e.cuts, window))]
+    assert inside  # the window holds the partition it was drawn around
+    assert all(floor <= evaluation.peak_mem_bytes + 1e-6 for evaluation in inside)
+    if not decides and width == 0:  # one partition, nothing decided: the floor is its peak
+        assert floor == pytest.approx(inside[0].peak_mem_bytes, rel=1e-9, abs=1e-6)
 
 
 @settings(max_examples=60, deadline=None)
