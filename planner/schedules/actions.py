@@ -36,7 +36,7 @@ class ActionKind(str, Enum):
     @property
     def is_communication(self) -> bool:
         """A point-to-point send or receive (these carry a peer stage)."""
-        return self in _SENDS or self in _RECEIVES
+        return self in _COMMUNICATION
 
     @property
     def is_per_stage(self) -> bool:
@@ -47,23 +47,31 @@ class ActionKind(str, Enum):
     def computes_input_grads(self) -> bool:
         """A backward that takes the output gradients and makes the input gradients (B, or its half I):
         ``RECV_B`` goes before it, ``SEND_B`` after it."""
-        return self in (ActionKind.B, ActionKind.I)
+        return self in _INPUT_GRADS
 
     @property
     def ends_backward(self) -> bool:
         """The action that finishes a micro-batch's backward on a stage (B, or its half W): the saved
         activations are free after it, and the stage's gradients are complete after the last one."""
-        return self in (ActionKind.B, ActionKind.W)
+        return self in _BACKWARD_ENDS
 
     @property
     def is_backward_direction(self) -> bool:
         """Communication that carries gradients (backward) rather than activations (forward)."""
-        return self in (ActionKind.SEND_B, ActionKind.RECV_B)
+        return self in _GRADIENT_MESSAGES
 
 
+# Sets rather than tuples of ``ActionKind.X``: the properties above run once per action in every
+# generator, lowering and replay, and a class attribute of an enum is slow to look up.
 _SENDS = frozenset({ActionKind.SEND_F, ActionKind.SEND_B})
 _RECEIVES = frozenset({ActionKind.RECV_F, ActionKind.RECV_B})
+_COMMUNICATION = _SENDS | _RECEIVES
 _PER_STAGE = frozenset({ActionKind.ALLREDUCE, ActionKind.OPTIMIZER_STEP})
+_INPUT_GRADS = frozenset({ActionKind.B, ActionKind.I})
+_BACKWARD_ENDS = frozenset({ActionKind.B, ActionKind.W})
+_GRADIENT_MESSAGES = frozenset({ActionKind.SEND_B, ActionKind.RECV_B})
+
+_TEXT = {kind: kind.value for kind in ActionKind}  # an enum's .value is slow to read; str() runs per event
 
 _EXPECTED_FORMS = ("'2F5', '2B5', '2I5', '2W5' (stage, kind, micro-batch); '2SEND_F5>3', '3RECV_F5<2', '3SEND_B5>2', "
                    "'2RECV_B5<3' (sends point > to the peer stage, receives < from it); '2ALLREDUCE', "
@@ -97,18 +105,18 @@ class Action:
             raise ValueError(f"{kind.value} takes {need}; got microbatch={self.microbatch}")
         if self.microbatch is not None and self.microbatch < 0:
             raise ValueError(f"micro-batch must be >= 0, got {self.microbatch} in {self!r}")
-        if kind.is_communication != (self.peer is not None):
+        if (kind in _COMMUNICATION) != (self.peer is not None):
             need = "a peer stage" if kind.is_communication else "no peer stage"
             raise ValueError(f"{kind.value} takes {need}; got peer={self.peer}")
         if self.peer is not None and (self.peer < 0 or self.peer == self.stage):
             raise ValueError(f"peer stage must be >= 0 and differ from stage {self.stage}, got {self.peer}")
 
     def __str__(self) -> str:
-        text = f"{self.stage}{self.kind.value}"
+        text = f"{self.stage}{_TEXT[self.kind]}"
         if self.microbatch is not None:
             text += str(self.microbatch)
         if self.peer is not None:
-            text += (">" if self.kind.is_send else "<") + str(self.peer)
+            text += (">" if self.kind in _SENDS else "<") + str(self.peer)
         return text
 
     @classmethod

@@ -8,14 +8,15 @@ bubble by what they really gain for the configuration's stage and micro-batch co
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 from planner.plan.kinds import ScheduleKind
-from planner.schedules.actions import ActionKind
+from planner.schedules.actions import ActionKind, Programs
 from planner.schedules.generate import Schedule, generate
 from planner.schedules.lower import lower
-from planner.schedules.simulate import SimCosts, StageCosts, simulate
+from planner.schedules.simulate import SimCosts, StageCosts, simulated_step_ms
 
 
 @dataclass(frozen=True)
@@ -51,13 +52,23 @@ def balanced_step(schedule: Schedule, fwd_ms: float, bwd_ms: float, weight_grad_
     layout = schedule.layout
     if fwd_ms + bwd_ms <= 0:
         raise ValueError(f"a part must cost time to replay a schedule, got fwd_ms={fwd_ms}, bwd_ms={bwd_ms}")
+    programs, rank_work = _replayed(schedule)
+    stage = StageCosts(fwd_ms, bwd_ms, 0, 0, weight_grad_ms=weight_grad_ms)
+    step_ms = simulated_step_ms(programs, layout, SimCosts((stage,) * layout.num_stages, {}))
+    return BalancedStep(step_ms, fwd_ms + bwd_ms, rank_work)
+
+
+@functools.lru_cache(maxsize=64)
+def _replayed(schedule: Schedule) -> tuple[Programs, int]:
+    """Per rank, ``schedule``'s programs lowered with a message between consecutive parts, and the most
+    forwards one rank runs: what :func:`balanced_step` replays, alike whatever the parts cost (the search
+    replays one schedule at several shares of forward and backward; the schedule is immutable)."""
+    layout = schedule.layout
     edges = {(src, dst) for part in range(layout.num_parts - 1)
              for src, dst in zip(layout.stages_of_part(part), layout.stages_of_part(part + 1))}
     programs = layout.rank_programs(lower(schedule.programs, layout, edges))
-    stage = StageCosts(fwd_ms, bwd_ms, 0, 0, weight_grad_ms=weight_grad_ms)
-    result = simulate(programs, layout, SimCosts((stage,) * layout.num_stages, {}))
     rank_work = max(sum(action.kind is ActionKind.F for action in program) for program in schedule.programs)
-    return BalancedStep(result.step_ms, fwd_ms + bwd_ms, rank_work)
+    return programs, rank_work
 
 
 def family_step(kind: ScheduleKind, num_parts: int, num_microbatches: int, fwd_ms: float, bwd_ms: float,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -25,6 +26,51 @@ class Schedule:
     @property
     def num_stages(self) -> int:
         return self.layout.num_stages
+
+    @functools.cached_property
+    def held(self) -> HeldCounts:
+        """What the programs hold per stage (read by :func:`max_in_flight` and the functions after it),
+        counted once: the search asks every function of every configuration's schedule."""
+        return HeldCounts.of(self)
+
+
+@dataclass(frozen=True)
+class HeldCounts:
+    """Per stage, the micro-batch counts a schedule's programs hold at their peaks."""
+
+    in_flight: tuple[int, ...]  # the most between their F and their B (or W), from those carried in
+    accumulating: tuple[int, ...]  # the same, when a backward that adds into the stage's gradients starts
+    waiting: tuple[int, ...]  # the most whose split backward's I ran but whose W waits
+    waiting_at_start: tuple[int, ...]  # the same, at the start of an F or an I
+
+    @classmethod
+    def of(cls, schedule: Schedule) -> HeldCounts:
+        """One pass over the programs: a stage's actions are all in its slot's program, in order."""
+        periods = Periods.of(schedule.programs)
+        stages = range(schedule.num_stages)
+        held = [len(periods.carried_on(stage)) for stage in stages]  # between F and B (or W)
+        in_flight, accumulating, started = list(held), [0 for _ in stages], [False for _ in stages]
+        open_, waiting, at_start = ([0 for _ in stages] for _ in range(3))  # between I and W
+        forward, input_grad, weight_grad, backward = ActionKind.F, ActionKind.I, ActionKind.W, ActionKind.B
+        for program in schedule.programs:
+            for action in program:
+                kind, stage = action.kind, action.stage
+                if (kind is forward or kind is input_grad) and open_[stage] > at_start[stage]:
+                    at_start[stage] = open_[stage]
+                if kind is forward:
+                    held[stage] += 1
+                    in_flight[stage] = max(in_flight[stage], held[stage])
+                elif kind is backward or kind is weight_grad:  # ends the micro-batch's backward
+                    if started[stage] and held[stage] > accumulating[stage]:
+                        accumulating[stage] = held[stage]
+                    started[stage] = True
+                    held[stage] -= 1
+                if kind is input_grad:
+                    open_[stage] += 1
+                    waiting[stage] = max(waiting[stage], open_[stage])
+                elif kind is weight_grad:
+                    open_[stage] -= 1
+        return cls(tuple(in_flight), tuple(accumulating), tuple(waiting), tuple(at_start))
 
 
 ScheduleGenerator = Callable[..., Schedule]
@@ -67,8 +113,8 @@ def _one_f_one_b_stage(stage: int, num_stages: int, num_microbatches: int) -> Pr
     warmup = min(num_microbatches, num_stages - stage)
     program = list(_forwards(stage, range(warmup)))
     for microbatch in range(num_microbatches - warmup):
-        program.append(Action(stage, ActionKind.B, microbatch))
-        program.append(Action(stage, ActionKind.F, warmup + microbatch))
+        program.append(_compute(stage, ActionKind.B, microbatch))
+        program.append(_compute(stage, ActionKind.F, warmup + microbatch))
     program.extend(_backwards(stage, range(num_microbatches - warmup, num_microbatches)))
     return tuple(program)
 
@@ -115,7 +161,7 @@ def _interleaved_slot(slot: int, ranks: int, virtual_stages: int, num_microbatch
         chunk = (k % (ranks * virtual_stages)) // ranks
         if kind is ActionKind.B:
             chunk = virtual_stages - 1 - chunk
-        return Action(chunk * ranks + slot, kind, (k // (ranks * virtual_stages)) * ranks + k % ranks)
+        return _compute(chunk * ranks + slot, kind, (k // (ranks * virtual_stages)) * ranks + k % ranks)
 
     program = [action(ActionKind.F, k) for k in range(warmup)]
     for k in range(total - warmup):
@@ -144,13 +190,14 @@ def _zb_h1_stage(stage: int, num_stages: int, num_microbatches: int) -> Program:
     warmup = min(num_microbatches, num_stages - stage)
     program = list(_forwards(stage, range(warmup)))
     for microbatch in range(num_microbatches):
-        program.append(Action(stage, ActionKind.I, microbatch))
+        program.append(_compute(stage, ActionKind.I, microbatch))
         if microbatch >= stage:
-            program.append(Action(stage, ActionKind.W, microbatch - stage))
+            program.append(_compute(stage, ActionKind.W, microbatch - stage))
         if warmup + microbatch < num_microbatches:
-            program.append(Action(stage, ActionKind.F, warmup + microbatch))
+            program.append(_compute(stage, ActionKind.F, warmup + microbatch))
     first_pending = max(0, num_microbatches - stage)
-    program.extend(Action(stage, ActionKind.W, microbatch) for microbatch in range(first_pending, num_microbatches))
+    program.extend(_compute(stage, ActionKind.W, microbatch)
+                   for microbatch in range(first_pending, num_microbatches))
     return tuple(program)
 
 
@@ -177,11 +224,17 @@ def gems_master(num_stages: int, num_microbatches: int, *, data_parallel: int = 
     layout = Layout.mirrored(num_stages, data_parallel)
     half = num_microbatches // 2
     streams = {layout.stage_of_copy(part, copy): tuple(
-        Action(layout.stage_of_copy(part, copy), action.kind, copy * half + action.microbatch)
+        _compute(layout.stage_of_copy(part, copy), action.kind, copy * half + action.microbatch)
         for action in _one_f_one_b_stage(part, num_stages, half) if action.microbatch is not None)
         for part in range(num_stages) for copy in range(2)}
-    return Schedule(ScheduleKind.GEMS_MASTER, num_microbatches, layout,
-                    _merged(layout, streams, lambda action, finished: _ready_at(layout, action, finished)))
+    inputs = _copy_inputs(layout)
+
+    def ready(action: Action, finished: Mapping[tuple[ActionKind, int, int | None], int]) -> int | None:
+        """When the action's input is there: the previous part's F, or the next part's B, of its own copy."""
+        source = inputs[action.kind, action.stage]
+        return 0 if source is None else finished.get((action.kind, source, action.microbatch))
+
+    return Schedule(ScheduleKind.GEMS_MASTER, num_microbatches, layout, _merged(layout, streams, ready))
 
 
 def wpipe(num_stages: int, num_microbatches: int, *, data_parallel: int = 1) -> Schedule:
@@ -207,7 +260,8 @@ def wpipe(num_stages: int, num_microbatches: int, *, data_parallel: int = 1) -> 
     layout = Layout.replicated(tuple(stage % ranks for stage in range(num_stages)), data_parallel)
     ahead = tuple(min(num_microbatches, num_stages - stage) for stage in range(ranks))
     streams = {stage: tuple(action for j in range(num_microbatches) for action in (
-        Action(stage, ActionKind.B, j), Action(stage, ActionKind.F, j + ahead[stage]))) for stage in range(ranks)}
+        _compute(stage, ActionKind.B, j), _compute(stage, ActionKind.F, j + ahead[stage])))
+        for stage in range(ranks)}
     streams.update({stage: _one_f_one_b_stage(stage, num_stages, num_microbatches)
                     for stage in range(ranks, num_stages)})
 
@@ -241,36 +295,65 @@ def _merged(layout: Layout, streams: Mapping[int, Program], ready_at: ReadyAt) -
     duration = {ActionKind.F: 1, ActionKind.B: 2}
     finished: dict[tuple[ActionKind, int, int | None], int] = {}
     position = dict.fromkeys(streams, 0)
+    slot_of = {stage: layout.slot(stage) for stage in streams}
+    ready: dict[int, int] = {}  # per stage, when its next action's input is there, once known: what it waits
+    # for has finished, and a finish time never changes, so it is asked again only once the stage moves on
     free = [0] * layout.num_slots
     programs: list[list[Action]] = [[] for _ in range(layout.num_slots)]
-    while any(position[stage] < len(stream) for stage, stream in streams.items()):
-        start, *_, slot, stage = min((max(free[layout.slot(stage)], ready), periods.is_ahead(stream[position[stage]]),
-                                      stream[position[stage]].kind is ActionKind.F, layout.slot(stage), stage)
-                                    for stage, stream in streams.items() if position[stage] < len(stream)
-                                    for ready in [ready_at(stream[position[stage]], finished)]
-                                    if ready is not None)
+    live = [stage for stage, stream in streams.items() if stream]
+    while live:
+        earliest = None
+        for stage in live:
+            action = streams[stage][position[stage]]
+            if stage not in ready:
+                at = ready_at(action, finished)
+                if at is None:
+                    continue
+                ready[stage] = at
+            candidate = (max(free[slot_of[stage]], ready[stage]), periods.is_ahead(action),
+                         action.kind is ActionKind.F, slot_of[stage], stage)
+            if earliest is None or candidate < earliest:
+                earliest = candidate
+        if earliest is None:
+            raise ValueError(f"no stage's next action can start; merged so far: {programs}")
+        start, *_, slot, stage = earliest
         action = streams[stage][position[stage]]
         position[stage] += 1
+        del ready[stage]
+        if position[stage] == len(streams[stage]):
+            live.remove(stage)
         free[slot] = finished[action.kind, stage, action.microbatch] = start + duration[action.kind]
         programs[slot].append(action)
     return tuple(tuple(program) for program in programs)
 
 
-def _ready_at(layout: Layout, action: Action, finished: Mapping[tuple[ActionKind, int, int | None], int]) -> int | None:
-    """When the action's input is there: the previous part's F, or the next part's B, of its own copy."""
-    part, copy = layout.part(action.stage), layout.copy(action.stage)
-    neighbour = part - 1 if action.kind is ActionKind.F else part + 1
-    if not 0 <= neighbour < layout.num_parts:
-        return 0
-    return finished.get((action.kind, layout.stage_of_copy(neighbour, copy), action.microbatch))
+def _copy_inputs(layout: Layout) -> dict[tuple[ActionKind, int], int | None]:
+    """Per (F or B, stage), the stage of its model copy whose F or B makes its input: the previous part's
+    stage for an F, the next part's for a B (None at the copy's ends, whose inputs are always there)."""
+    inputs: dict[tuple[ActionKind, int], int | None] = {}
+    for stage in range(layout.num_stages):
+        part, copy = layout.part(stage), layout.copy(stage)
+        for kind, neighbour in ((ActionKind.F, part - 1), (ActionKind.B, part + 1)):
+            inside = 0 <= neighbour < layout.num_parts
+            inputs[kind, stage] = layout.stage_of_copy(neighbour, copy) if inside else None
+    return inputs
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _compute(stage: int, kind: ActionKind, microbatch: int) -> Action:
+    """The compute action (stage, kind, micro-batch), built once and shared by every program that runs it: a
+    search generates the programs of a thousand configurations, which name the same few thousand actions
+    (building an action checks it, which costs more than the look-up), and programs that share their
+    actions compare fast. Actions are immutable, so sharing them changes nothing else."""
+    return Action(stage, kind, microbatch)
 
 
 def _forwards(stage: int, microbatches: range) -> Program:
-    return tuple(Action(stage, ActionKind.F, microbatch) for microbatch in microbatches)
+    return tuple(_compute(stage, ActionKind.F, microbatch) for microbatch in microbatches)
 
 
 def _backwards(stage: int, microbatches: range) -> Program:
-    return tuple(Action(stage, ActionKind.B, microbatch) for microbatch in microbatches)
+    return tuple(_compute(stage, ActionKind.B, microbatch) for microbatch in microbatches)
 
 
 def _check_sizes(num_stages: int, num_microbatches: int) -> None:
@@ -308,17 +391,7 @@ def max_in_flight(schedule: Schedule) -> tuple[int, ...]:
     >>> max_in_flight(one_f_one_b(3, 8)), max_in_flight(wpipe(4, 4))
     ((3, 2, 1), (4, 3, 2, 1))
     """
-    periods = Periods.of(schedule.programs)
-    held = [len(periods.carried_on(stage)) for stage in range(schedule.num_stages)]
-    peak = list(held)
-    for program in schedule.programs:
-        for action in program:
-            if action.kind is ActionKind.F:
-                held[action.stage] += 1
-                peak[action.stage] = max(peak[action.stage], held[action.stage])
-            elif action.kind.ends_backward:
-                held[action.stage] -= 1
-    return tuple(peak)
+    return schedule.held.in_flight
 
 
 def accumulating_in_flight(schedule: Schedule) -> tuple[int, ...]:
@@ -329,19 +402,7 @@ def accumulating_in_flight(schedule: Schedule) -> tuple[int, ...]:
     >>> accumulating_in_flight(gpipe(2, 4)), accumulating_in_flight(one_f_one_b(3, 8))
     ((3, 3), (3, 2, 1))
     """
-    periods = Periods.of(schedule.programs)
-    held = [len(periods.carried_on(stage)) for stage in range(schedule.num_stages)]
-    peak, started = [0] * schedule.num_stages, [False] * schedule.num_stages
-    for program in schedule.programs:
-        for action in program:
-            if action.kind is ActionKind.F:
-                held[action.stage] += 1
-            elif action.kind in (ActionKind.B, ActionKind.W):
-                if started[action.stage]:
-                    peak[action.stage] = max(peak[action.stage], held[action.stage])
-                started[action.stage] = True
-                held[action.stage] -= 1
-    return tuple(peak)
+    return schedule.held.accumulating
 
 
 def weight_grads_waiting(schedule: Schedule) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -353,17 +414,7 @@ def weight_grads_waiting(schedule: Schedule) -> tuple[tuple[int, ...], tuple[int
     >>> weight_grads_waiting(zb_h1(3, 6)), weight_grads_waiting(one_f_one_b(2, 4))
     (((1, 2, 3), (0, 1, 2)), ((0, 0), (0, 0)))
     """
-    open_, most, at_start = ([0] * schedule.num_stages for _ in range(3))
-    for program in schedule.programs:
-        for action in program:
-            if action.kind in (ActionKind.F, ActionKind.I):
-                at_start[action.stage] = max(at_start[action.stage], open_[action.stage])
-            if action.kind is ActionKind.I:
-                open_[action.stage] += 1
-                most[action.stage] = max(most[action.stage], open_[action.stage])
-            elif action.kind is ActionKind.W:
-                open_[action.stage] -= 1
-    return tuple(most), tuple(at_start)
+    return schedule.held.waiting, schedule.held.waiting_at_start
 
 
 def swapped_resident(schedule: Schedule) -> tuple[int, ...]:

@@ -27,8 +27,8 @@ Ordering rule (why lowered programs cannot deadlock or mismatch):
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Iterable
+from collections import Counter, deque
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from planner.plan.layout import Layout
@@ -38,8 +38,8 @@ from planner.schedules.periods import Periods
 Edge = tuple[int, int]
 Channel = tuple[int, int]  # (src slot, dst slot)
 
-_COMPUTE_KINDS = (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W, ActionKind.RECOMPUTE, ActionKind.SWAP_OUT,
-                  ActionKind.SWAP_IN)
+_COMPUTE_KINDS = frozenset({ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W, ActionKind.RECOMPUTE,
+                            ActionKind.SWAP_OUT, ActionKind.SWAP_IN})
 
 
 def lower(compute_programs: Programs, layout: Layout, edges: Iterable[Edge]) -> Programs:
@@ -54,10 +54,10 @@ def lower(compute_programs: Programs, layout: Layout, edges: Iterable[Edge]) -> 
     [['0F0', '0SEND_F0>1', '0RECV_B0<1', '0B0', '0OPTIMIZER_STEP'], ['1RECV_F0<0', '1F0', '1B0', '1SEND_B0>0', '1OPTIMIZER_STEP']]
     """
     _check_inputs(compute_programs, layout)
-    cross_edges = _cross_slot_edges(edges, layout)
-    with_receives = tuple(_insert_receives(program, cross_edges) for program in compute_programs)
+    crossings = _Crossings.of(_cross_slot_edges(edges, layout))
+    with_receives = tuple(_insert_receives(program, crossings) for program in compute_programs)
     consumption = _consumption_order(with_receives, layout)
-    sends = _Sends(cross_edges, Periods.of(compute_programs),
+    sends = _Sends(crossings, Periods.of(compute_programs),
                    frozenset((a.stage, a.microbatch) for p in compute_programs for a in p if a.kind is ActionKind.F))
     return tuple(_insert_sends(slot, program, layout, sends, consumption)
                  + _epilogue(layout, slot)
@@ -84,13 +84,32 @@ def _cross_slot_edges(edges: Iterable[Edge], layout: Layout) -> frozenset[Edge]:
     return frozenset(checked)
 
 
-def _receives_before(action: Action, cross_edges: frozenset[Edge]) -> Program:
+@dataclass(frozen=True)
+class _Crossings:
+    """Per stage, its peers across the edges between stages on different slots, in ascending order (looked up
+    for every action, so not searched for in the edges each time)."""
+
+    sources: Mapping[int, tuple[int, ...]]  # dst stage -> the src stages whose activations it takes
+    consumers: Mapping[int, tuple[int, ...]]  # src stage -> the dst stages that take its activations
+
+    @classmethod
+    def of(cls, cross_edges: frozenset[Edge]) -> _Crossings:
+        sources: dict[int, list[int]] = {}
+        consumers: dict[int, list[int]] = {}
+        for src, dst in sorted(cross_edges):  # so each list comes out ascending
+            consumers.setdefault(src, []).append(dst)
+            sources.setdefault(dst, []).append(src)
+        return cls({dst: tuple(srcs) for dst, srcs in sources.items()},
+                   {src: tuple(dsts) for src, dsts in consumers.items()})
+
+
+def _receives_before(action: Action, crossings: _Crossings) -> Program:
     if action.kind is ActionKind.F:
-        sources = sorted(src for src, dst in cross_edges if dst == action.stage)
-        return tuple(Action(action.stage, ActionKind.RECV_F, action.microbatch, peer=src) for src in sources)
+        return tuple(Action(action.stage, ActionKind.RECV_F, action.microbatch, peer=src)
+                     for src in crossings.sources.get(action.stage, ()))
     if action.kind.computes_input_grads:
-        consumers = sorted(dst for src, dst in cross_edges if src == action.stage)
-        return tuple(Action(action.stage, ActionKind.RECV_B, action.microbatch, peer=dst) for dst in consumers)
+        return tuple(Action(action.stage, ActionKind.RECV_B, action.microbatch, peer=dst)
+                     for dst in crossings.consumers.get(action.stage, ()))
     return ()
 
 
@@ -98,7 +117,7 @@ def _receives_before(action: Action, cross_edges: frozenset[Edge]) -> Program:
 class _Sends:
     """Which sends a compute action produces in this step, and which values a step inherits to send."""
 
-    cross_edges: frozenset[Edge]
+    crossings: _Crossings
     periods: Periods
     forwards: frozenset[tuple[int, int | None]]  # (stage, micro-batch) of every F in the programs
 
@@ -106,12 +125,12 @@ class _Sends:
         """The sends the action's output makes in this step: an activation to each consumer whose F
         runs in this step, a gradient to each producer."""
         if action.kind is ActionKind.F:
-            consumers = sorted(dst for src, dst in self.cross_edges if src == action.stage
-                               and (dst, action.microbatch) in self.forwards)
-            return tuple(Action(action.stage, ActionKind.SEND_F, action.microbatch, peer=dst) for dst in consumers)
+            return tuple(Action(action.stage, ActionKind.SEND_F, action.microbatch, peer=dst)
+                         for dst in self.crossings.consumers.get(action.stage, ())
+                         if (dst, action.microbatch) in self.forwards)
         if action.kind.computes_input_grads:
-            sources = sorted(src for src, dst in self.cross_edges if dst == action.stage)
-            return tuple(Action(action.stage, ActionKind.SEND_B, action.microbatch, peer=src) for src in sources)
+            return tuple(Action(action.stage, ActionKind.SEND_B, action.microbatch, peer=src)
+                         for src in self.crossings.sources.get(action.stage, ()))
         return ()
 
     def carried(self, slot: int, layout: Layout) -> Program:
@@ -119,12 +138,12 @@ class _Sends:
         consumers whose F runs in this step."""
         return tuple(Action(src, ActionKind.SEND_F, microbatch, peer=dst)
                      for src in layout.stages_on_slot(slot) for microbatch in self.periods.carried_on(src)
-                     for dst in sorted(d for s, d in self.cross_edges if s == src)
+                     for dst in self.crossings.consumers.get(src, ())
                      if (dst, microbatch) in self.forwards)
 
 
-def _insert_receives(program: Program, cross_edges: frozenset[Edge]) -> Program:
-    return tuple(step for action in program for step in (*_receives_before(action, cross_edges), action))
+def _insert_receives(program: Program, crossings: _Crossings) -> Program:
+    return tuple(step for action in program for step in (*_receives_before(action, crossings), action))
 
 
 def _consumption_order(programs: Programs, layout: Layout) -> dict[Channel, tuple[Action, ...]]:
@@ -141,18 +160,30 @@ def _consumption_order(programs: Programs, layout: Layout) -> dict[Channel, tupl
 def _insert_sends(slot: int, program: Program, layout: Layout, sends: _Sends,
                   consumption: dict[Channel, tuple[Action, ...]]) -> Program:
     waiting = {channel: deque(sends) for channel, sends in sorted(consumption.items()) if channel[0] == slot}
-    produced: list[Action] = list(sends.carried(slot, layout))
+    produced: list[Action] = list(sends.carried(slot, layout))  # in the order they were produced
+    unsent = Counter(produced)  # of them, those not emitted yet (a count, not a search of the list)
     lowered: list[Action] = []
     for action in (None, *program):
         if action is not None:
             lowered.append(action)
-            produced.extend(sends.after(action))
+            made = sends.after(action)
+            produced.extend(made)
+            unsent.update(made)
         for queue in waiting.values():
-            while queue and queue[0] in produced:
+            while queue and unsent[queue[0]] > 0:
                 lowered.append(queue.popleft())
-                produced.remove(lowered[-1])
-    # Sends no receive takes (only from a broken compute schedule) go last so validate() names them.
-    return tuple(lowered) + tuple(produced)
+                unsent[lowered[-1]] -= 1
+    # Sends no receive takes (only from a broken compute schedule) go last so validate() names them: of each
+    # send, the occurrences after the ones emitted.
+    emitted = Counter(produced)
+    emitted.subtract(unsent)
+    leftover = []
+    for send in produced:
+        if emitted[send] > 0:
+            emitted[send] -= 1
+        else:
+            leftover.append(send)
+    return tuple(lowered) + tuple(leftover)
 
 
 def _epilogue(layout: Layout, slot: int) -> Program:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from planner.schedules.actions import Action, ActionKind
 
-_BACKWARDS = (ActionKind.B, ActionKind.I, ActionKind.W)
+_BACKWARDS = frozenset({ActionKind.B, ActionKind.I, ActionKind.W})
 
 
 @dataclass(frozen=True)
@@ -37,9 +37,13 @@ class Periods:
         Periods(num_microbatches=2, ahead=frozenset({(0, 0)}))
         """
         actions = [action for program in programs for action in program]
-        backwards = [action.microbatch for action in actions if action.kind in _BACKWARDS]
-        every = [action.microbatch for action in actions if action.microbatch is not None]
-        num_microbatches = 1 + max(backwards or every or [-1])
+        highest = highest_backward = -1  # micro-batches are >= 0
+        for action in actions:
+            if action.microbatch is not None:
+                highest = max(highest, action.microbatch)
+                if action.kind in _BACKWARDS:
+                    highest_backward = max(highest_backward, action.microbatch)
+        num_microbatches = 1 + (highest_backward if highest_backward >= 0 else highest)
         ahead = frozenset((action.stage, action.microbatch - num_microbatches) for action in actions
                           if action.kind is ActionKind.F and action.microbatch is not None
                           and action.microbatch >= num_microbatches)

@@ -26,8 +26,11 @@ def replay(programs: Programs, try_step: StepFunction) -> tuple[int, ...]:
     while progressed:
         progressed = False
         for rank, program in enumerate(programs):
-            while positions[rank] < len(program) and try_step(rank, positions[rank], program[positions[rank]]):
-                positions[rank] += 1
+            step, end = positions[rank], len(program)
+            while step < end and try_step(rank, step, program[step]):
+                step += 1
+            if step != positions[rank]:
+                positions[rank] = step
                 progressed = True
     return tuple(positions)
 

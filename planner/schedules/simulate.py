@@ -47,7 +47,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from planner.plan.layout import Layout
-from planner.schedules.actions import Action, ActionKind, Programs, matching_send
+from planner.schedules.actions import Action, ActionKind, Programs
 from planner.schedules.periods import Periods
 from planner.schedules.replay import replay, stuck_ranks
 from planner.schedules.validate import ScheduleError
@@ -55,8 +55,18 @@ from planner.schedules.validate import ScheduleError
 COMPUTE_LANE = "compute"
 COMM_LANE = "comm"
 COPY_LANE = "copy"  # host <-> device copies (swaps)
-_BUSY_KINDS = (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W, ActionKind.OPTIMIZER_STEP,
-               ActionKind.RECOMPUTE)
+_BUSY_KINDS = frozenset({ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W, ActionKind.OPTIMIZER_STEP,
+                         ActionKind.RECOMPUTE})
+# The kinds the replay tests per action, looked up once (reading ``ActionKind.F`` calls a descriptor on
+# Python 3.11, and a replay tests several kinds for each of its hundred thousand actions).
+_F, _B, _I, _W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
+_ALLREDUCE, _OPTIMIZER_STEP = ActionKind.ALLREDUCE, ActionKind.OPTIMIZER_STEP
+_SWAPS = frozenset({ActionKind.SWAP_OUT, ActionKind.SWAP_IN})
+_GRADIENT_KINDS = frozenset({ActionKind.SEND_B, ActionKind.RECV_B})
+
+Message = tuple[bool, int, int, "int | None"]
+"""What a send or a receive carries, alike at both ends: (gradients?, sending stage, receiving stage,
+micro-batch). A receive takes the send that carries the same (:func:`_message`)."""
 
 
 @dataclass(frozen=True)
@@ -133,18 +143,37 @@ def simulate(programs: Programs, layout: Layout, costs: SimCosts) -> SimResult:
     >>> result.step_ms, round(result.bubble_fraction, 3), result.peak_mem_bytes
     (9.0, 0.333, (120, 120))
     """
+    return _replayed(programs, layout, costs, _Clocks).result()
+
+
+def simulated_step_ms(programs: Programs, layout: Layout, costs: SimCosts) -> float:
+    """:func:`simulate`'s ``step_ms`` alone: the same replay without recording its timeline and memory
+    (a third of its work), for callers that need the step only (planner/schedules/balanced.py).
+
+    >>> from planner.schedules.generate import gpipe
+    >>> from planner.schedules.lower import lower
+    >>> s = gpipe(2, 2)
+    >>> programs = s.layout.rank_programs(lower(s.programs, s.layout, {(0, 1)}))
+    >>> simulated_step_ms(programs, s.layout, SimCosts((StageCosts(1.0, 2.0, 10, 100),) * 2, {}))
+    9.0
+    """
+    return _replayed(programs, layout, costs, _StepClocks).step_ms()
+
+
+def _replayed(programs: Programs, layout: Layout, costs: SimCosts, clocks: type[_Clocks]) -> _Clocks:
+    """``clocks`` after replaying ``programs`` to their ends (ScheduleError where ranks wait forever)."""
     if len(costs.stages) != layout.num_stages:
         raise ValueError(f"costs give {len(costs.stages)} stages but the layout has {layout.num_stages}")
     if len(programs) != layout.world_size:
         raise ValueError(f"got {len(programs)} programs for {layout.world_size} ranks")
-    state = _Clocks(layout, costs, Periods.of(programs))
+    state = clocks(layout, costs, Periods.of(programs))
     positions = replay(programs, state.try_step)
     stuck = stuck_ranks(programs, positions)
     if stuck:
         waits = ", ".join(f"rank {rank} at {programs[rank][positions[rank]]}" for rank in stuck)
         raise ScheduleError(f"cannot simulate: ranks wait forever ({waits}); run validate() for the reason",
                             programs, [(rank, positions[rank]) for rank in stuck])
-    return state.result()
+    return state
 
 
 @dataclass
@@ -158,7 +187,7 @@ class _Clocks:
     busy_ms: list[float] = field(default_factory=list)
     memory: list[list[tuple[float, int]]] = field(default_factory=list)
     link_free_ms: dict[tuple[int, int], float] = field(default_factory=dict)
-    arrival_ms: dict[tuple[Action, int, int], float] = field(default_factory=dict)  # (send, src, dst rank)
+    arrival_ms: dict[tuple[Message, int, int], float] = field(default_factory=dict)  # (message, src, dst)
     events: list[SimEvent] = field(default_factory=list)
     copy_free_ms: dict[tuple[int, str], float] = field(default_factory=dict)  # (rank, "out"/"in")
     copied_ms: dict[tuple[int, str, int, int], float] = field(default_factory=dict)  # (rank, way, stage, mb)
@@ -173,6 +202,14 @@ class _Clocks:
                         for _ in self.periods.carried_on(stage)] for rank in ranks]  # (time, change) after static
         self.grads_made: set[tuple[int, int]] = set()  # (rank, stage): this step's backward allocated them
         self.relieved = [0 for _ in ranks]  # per rank: the transient an I's end let go (split_relief_bytes)
+        # The layout's and the costs' answers the replay asks per action, looked up once:
+        self.replica = [self.layout.place(rank).replica for rank in ranks]  # per rank
+        self.stage_ranks = [[self.layout.ranks_of(stage, replica) for stage in range(self.layout.num_stages)]
+                            for replica in range(self.layout.data_parallel)]  # [replica][stage]: its ranks
+        self.duration_ms = [{_F: stage.fwd_ms, _B: stage.bwd_ms,
+                             _I: stage.bwd_ms - stage.weight_grad_ms + stage.split_extra_ms,
+                             _W: stage.weight_grad_ms, _OPTIMIZER_STEP: stage.optimizer_ms}
+                            for stage in self.costs.stages]  # [stage][kind]; other kinds take no time
 
     def _activation_bytes(self, stage: int) -> int:
         """What a stage holds for one micro-batch from its F until its backward ends."""
@@ -185,64 +222,70 @@ class _Clocks:
                    for stage in self.layout.stages_of_rank(rank))
 
     def try_step(self, rank: int, step: int, action: Action) -> bool:
-        if action.kind.is_recv:
+        kind = action.kind
+        if kind.is_recv:
             return self._receive(rank, action)
-        if action.kind is ActionKind.ALLREDUCE:
+        if kind is _ALLREDUCE:
             return self._all_reduce(rank, action)
-        if action.kind.is_send:
+        if kind.is_send:
             self._send(rank, action)
         else:
             self._run_locally(rank, action)
         return True
 
     def _receive(self, rank: int, recv: Action) -> bool:
-        send = matching_send(recv)
-        sources = self.layout.ranks_of(send.stage, self.layout.place(rank).replica)
-        arrivals = [self.arrival_ms.get((send, src, rank)) for src in sources]
+        message = _message(recv)
+        sources = self._ranks_of(message[1], rank)
+        arrivals = [self.arrival_ms.get((message, src, rank)) for src in sources]
         if any(arrival is None for arrival in arrivals):
             return False
         start = self.clock_ms[rank]
-        posted = start + len(sources) * self.costs.post_ms.get(self._edge(send), 0.0)
+        posted = start + len(sources) * self.costs.post_ms.get(_edge(message), 0.0)
         self.clock_ms[rank] = max(posted, *arrivals)
         self._record(rank, recv, start, self.clock_ms[rank], COMM_LANE)
         return True
 
-    @staticmethod
-    def _edge(send: Action) -> tuple[int, int]:
-        """The (src_stage, dst_stage) edge a send's message travels, gradients included."""
-        assert send.peer is not None
-        return (send.stage, send.peer) if send.kind is ActionKind.SEND_F else (send.peer, send.stage)
-
     def _send(self, rank: int, send: Action) -> None:
-        assert send.peer is not None
-        edge = self._edge(send)
-        for dst in self.layout.ranks_of(send.peer, self.layout.place(rank).replica):
-            self.clock_ms[rank] += self.costs.post_ms.get(edge, 0.0)
+        message = _message(send)
+        edge = _edge(message)
+        post_ms, transfer_ms = self.costs.post_ms.get(edge, 0.0), self.costs.transfer_ms.get(edge, 0.0)
+        for dst in self._ranks_of(message[2], rank):
+            self.clock_ms[rank] += post_ms
             start = max(self.clock_ms[rank], self.link_free_ms.get((rank, dst), 0.0))
-            end = start + self.costs.transfer_ms.get(edge, 0.0)
+            end = start + transfer_ms
             self.link_free_ms[rank, dst] = end
-            self.arrival_ms[send, rank, dst] = end
+            self.arrival_ms[message, rank, dst] = end
             self._record(rank, send, start, end, COMM_LANE)
+
+    def _ranks_of(self, stage: int, rank: int) -> tuple[int, ...]:
+        """The ranks that run ``stage`` in ``rank``'s replica."""
+        replica = self.replica[rank]
+        try:
+            return self.stage_ranks[replica][stage]
+        except IndexError:
+            return self.layout.ranks_of(stage, replica)  # which says what is out of range
 
     def _run_locally(self, rank: int, action: Action) -> None:
         stage = self.costs.stages[action.stage]
-        if action.kind in (ActionKind.SWAP_OUT, ActionKind.SWAP_IN):
+        kind = action.kind
+        if kind in _SWAPS:
             self._swap(rank, action, stage)
             return
         start = self.clock_ms[rank]
-        if action.kind.computes_input_grads:
+        if kind.computes_input_grads:
             start = max(start, self.copied_ms.get((rank, "in", action.stage, action.microbatch), start))
-        end = start + self._duration_ms(action)
-        if action.kind.ends_backward:
+        end = start + self.duration_ms[action.stage].get(kind, 0.0)
+        ends_backward = kind.ends_backward
+        if ends_backward:
             self.last_backward_ms[rank, action.stage] = (start, end)
         self.clock_ms[rank] = end
         activation = self._activation_bytes(action.stage)
-        if self.relieved[rank] and action.kind is not ActionKind.W:  # the largest transient may be back
+        if self.relieved[rank] and kind is not _W:  # the largest transient may be back
             self._change_memory(rank, start, self.relieved[rank])
             self.relieved[rank] = 0
-        if action.kind in (ActionKind.B, ActionKind.W):  # a backward's worst moment, at its start
+        if kind is _B or kind is _W:  # a backward's worst moment, at its start
             made = (rank, action.stage) in self.grads_made  # then added into the gradients; else making them
-            if action.kind is ActionKind.W and stage.split_kept_bytes:  # its working set is held since the I
+            if kind is _W and stage.split_kept_bytes:  # its working set is held since the I
                 extra = 0  # ended; the gradients it makes come as it frees what it read (measured: a 3-rank
                 # ResNet's stages came 2.5-9% under a plan adding the gradients at its start)
             else:  # (above the static bytes with their transient)
@@ -250,30 +293,31 @@ class _Clocks:
             if extra:
                 self._change_memory(rank, start, extra)
                 self._change_memory(rank, start, -extra)
-        if action.kind is ActionKind.F:
+        if kind is _F:
             self._change_memory(rank, start, activation)
             if stage.swap_bytes:
                 self._copy(rank, "out", action, start, stage.swap_ms)
-        elif action.kind.ends_backward:
+        elif ends_backward:
             self._change_memory(rank, end, -activation)
-        if action.kind is ActionKind.I:  # what it keeps for its W; its largest transient gone
+        if kind is _I:  # what it keeps for its W; its largest transient gone
             self._change_memory(rank, end, stage.split_kept_bytes - stage.split_relief_bytes)
             self.relieved[rank] = stage.split_relief_bytes
-        elif action.kind is ActionKind.W:
+        elif kind is _W:
             self._change_memory(rank, end, -stage.split_kept_bytes)
-        if action.kind in (ActionKind.B, ActionKind.W) and (rank, action.stage) not in self.grads_made:
+        if (kind is _B or kind is _W) and (rank, action.stage) not in self.grads_made:
             self.grads_made.add((rank, action.stage))  # it frees activations as it writes gradients: both at its end
             self._change_memory(rank, end, stage.grad_bytes)
-        if action.kind.ends_backward and stage.tied_bytes:  # summed at the end, then added to the gradients
+        if ends_backward and stage.tied_bytes:  # summed at the end, then added to the gradients
             self._change_memory(rank, end, stage.tied_bytes)
             self._change_memory(rank, end, -stage.tied_bytes)
-        if action.kind is ActionKind.OPTIMIZER_STEP:  # its buffers while it runs; then the gradients are None
+        if kind is _OPTIMIZER_STEP:  # its buffers while it runs; then the gradients are None
             self._change_memory(rank, start, stage.step_bytes)
             self._change_memory(rank, end, -stage.step_bytes - stage.grad_bytes)
-        lane = COMPUTE_LANE if action.kind in _BUSY_KINDS else COMM_LANE
-        if lane == COMPUTE_LANE:
+        if kind in _BUSY_KINDS:
             self.busy_ms[rank] += end - start
-        self._record(rank, action, start, end, lane)
+            self._record(rank, action, start, end, COMPUTE_LANE)
+        else:
+            self._record(rank, action, start, end, COMM_LANE)
 
     def _all_reduce(self, rank: int, action: Action) -> bool:
         """A collective of every rank holding a copy of the stage's part: each reaches it (its buckets
@@ -321,13 +365,6 @@ class _Clocks:
             start = self._copy(rank, "in", action, now, stage.swap_ms)
             self._change_memory(rank, max(now, start), stage.swap_bytes)
 
-    def _duration_ms(self, action: Action) -> float:
-        stage = self.costs.stages[action.stage]
-        return {ActionKind.F: stage.fwd_ms, ActionKind.B: stage.bwd_ms,
-                ActionKind.I: stage.bwd_ms - stage.weight_grad_ms + stage.split_extra_ms,
-                ActionKind.W: stage.weight_grad_ms,
-                ActionKind.OPTIMIZER_STEP: stage.optimizer_ms}.get(action.kind, 0.0)
-
     def _change_memory(self, rank: int, time_ms: float, delta_bytes: int) -> None:
         """Memory changes are logged as they are simulated, which may be out of time order (a swap's
         bytes return when its copy starts): the peak is taken after sorting by time."""
@@ -347,6 +384,25 @@ class _Clocks:
                          events=tuple(sorted(self.events, key=lambda event: (event.start_ms, event.rank))))
 
 
+class _StepClocks(_Clocks):
+    """The clocks that keep the latest end of anything run (the step) instead of the timeline and memory."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.last_end_ms: float | None = None  # None until something ran
+
+    def _record(self, rank: int, action: Action, start: float, end: float, lane: str) -> None:
+        if self.last_end_ms is None or end > self.last_end_ms:  # as max() over the events picks
+            self.last_end_ms = end
+
+    def _change_memory(self, rank: int, time_ms: float, delta_bytes: int) -> None:
+        pass
+
+    def step_ms(self) -> float:
+        """What :meth:`_Clocks.result` gives as ``step_ms``."""
+        return 0.0 if self.last_end_ms is None else self.last_end_ms
+
+
 def _running(static_bytes: int, changes: list[tuple[float, int]]) -> tuple[tuple[float, int], ...]:
     """(time, bytes held) at 0 and after each change, in time order (changes at one instant in the
     order the programs made them)."""
@@ -355,3 +411,18 @@ def _running(static_bytes: int, changes: list[tuple[float, int]]) -> tuple[tuple
         held += delta
         timeline.append((time_ms, held))
     return tuple(timeline)
+
+
+def _message(action: Action) -> Message:
+    """What a send or a receive carries (its two ends give the same)."""
+    assert action.peer is not None
+    gradients = action.kind in _GRADIENT_KINDS
+    if action.kind.is_send:
+        return gradients, action.stage, action.peer, action.microbatch
+    return gradients, action.peer, action.stage, action.microbatch
+
+
+def _edge(message: Message) -> tuple[int, int]:
+    """The (src_stage, dst_stage) edge a message travels, gradients included."""
+    gradients, sender, receiver, _ = message
+    return (receiver, sender) if gradients else (sender, receiver)

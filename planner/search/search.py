@@ -267,9 +267,16 @@ class Search:
         layout (one micro-batch: GPipe and 1F1B are the same plan), the first kept."""
         seen: set[tuple] = set()
         kept = []
+        # Alike programs and layout get one number, so that programs are hashed once per schedule, not
+        # once per configuration.
+        numbers: dict[tuple, int] = {}  # (programs, layout) -> number
+        runs: dict[tuple, int] = {}  # schedule key -> the number of its programs and layout
         for config in configs:
-            schedule = self.schedule(config)
-            key = (dataclasses.replace(config, schedule=ScheduleKind.GPIPE), schedule.programs, schedule.layout)
+            run = _schedule_key(config)
+            if run not in runs:
+                schedule = self.schedule(config)
+                runs[run] = numbers.setdefault((schedule.programs, schedule.layout), len(numbers))
+            key = (dataclasses.replace(config, schedule=ScheduleKind.GPIPE), runs[run])
             if key not in seen:
                 seen.add(key)
                 kept.append(config)
