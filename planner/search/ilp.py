@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+import numpy as np
 import pulp
 
 from planner.search.evaluate import Decisions
@@ -71,6 +72,52 @@ class InterruptibleHiGHS(pulp.HiGHS):
     def createAndConfigureSolver(self, lp: pulp.LpProblem) -> None:
         with _silenced_stdout():  # HiGHS prints its banner on stdout when the first model is made
             super().createAndConfigureSolver(lp)
+
+    def buildSolverModel(self, lp: pulp.LpProblem) -> None:
+        """The model pulp's HiGHS API would pass (its columns, rows, coefficients and bounds, in its
+        order), passed as a few arrays instead of a call per column and per row (which cost as much as
+        building the model).
+
+        pulp reads the solution back by ``var.index`` (the column: variables sorted by name, as
+        ``lp.variables()`` gives them) and ``constraint.index`` (the row: constraints in insertion
+        order), so both are set as pulp's own ``buildSolverModel`` sets them; zero coefficients are
+        left out as it leaves them out.
+        """
+        import highspy  # present whenever pulp lists HiGHS as available
+
+        highs, infinity = lp.solverModel, highspy.kHighsInf
+        columns = lp.variables()
+        sign = -1 if lp.sense == pulp.LpMaximize else 1
+        objective = lp.objective
+        for index, variable in enumerate(columns):
+            variable.index = index
+        lower = [-infinity if v.lowBound is None else v.lowBound for v in columns]
+        upper = [infinity if v.upBound is None else v.upBound for v in columns]
+        cost = [sign * objective.get(v, 0.0) for v in columns]
+        integer = [v.index for v in columns if v.cat == pulp.LpInteger] if self.mip else []
+        if columns:
+            highs.addVars(len(columns), np.array(lower, dtype=np.float64), np.array(upper, dtype=np.float64))
+            highs.changeColsCost(len(columns), np.arange(len(columns), dtype=np.int32),
+                                 np.array(cost, dtype=np.float64))
+        if integer:
+            highs.changeColsIntegrality(len(integer), np.array(integer, dtype=np.int32),
+                                        np.full(len(integer), highspy.HighsVarType.kInteger.value, dtype=np.uint8))
+        rows = lp.constraints()
+        starts, indices, values, row_lower, row_upper = [], [], [], [], []
+        for index, constraint in enumerate(rows):
+            constraint.index = index
+            starts.append(len(indices))
+            for variable, coefficient in constraint.items():
+                if coefficient != 0:
+                    indices.append(variable.index)
+                    values.append(coefficient)
+            low, high = constraint.getLb(), constraint.getUb()
+            row_lower.append(-infinity if low is None else low)
+            row_upper.append(infinity if high is None else high)
+        if rows:
+            highs.addRows(len(rows), np.array(row_lower, dtype=np.float64), np.array(row_upper, dtype=np.float64),
+                          len(indices), np.array(starts, dtype=np.int32), np.array(indices, dtype=np.int32),
+                          np.array(values, dtype=np.float64))
 
     def callSolver(self, lp: pulp.LpProblem) -> None:
         highs = lp.solverModel

@@ -246,10 +246,11 @@ def decided_step_floor(costs: CostModel, enough_ms: float = float("inf"),
     return best
 
 
-BOTTLENECK_DPS = 48
+BOTTLENECK_DPS = 12
 """At most this many dynamic programs bound the step of one configuration by its bottleneck
-(:func:`_bottleneck_floor`); each is one min-plus chain over the parts, about a millisecond for 16 parts of
-150 units."""
+(:func:`_bottleneck_floor`), each one chain over the parts (a millisecond or two for 16 parts of 150 units):
+where the bound proves a configuration cannot win it took one or two on the zoo, and where it could not it
+used up any larger allowance (48 took a second of ResNet-1001's search on 16 V100s)."""
 
 
 def _bottleneck_floor(base: list[np.ndarray], paces: list[np.ndarray], sums_ms: float, enough_ms: float) -> float:

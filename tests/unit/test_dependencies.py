@@ -16,6 +16,9 @@ LP_PROBLEM_SINCE = {
     "sol_status": (2, 0),
     "objective": (1, 0),
     "solverModel": (2, 0),  # set by the HiGHS API (3.3.0 has it too): the highspy model, to cancel a solve
+    "constraints": (3, 3, 1),  # called: the rows as a list (earlier releases had a dict here); read with the next
+    "variables": (1, 0),  # two to hand HiGHS the model as pulp's HiGHS API would (buildSolverModel)
+    "sense": (1, 0),
 }
 """Every attribute planner/search/ilp.py reads on a pulp.LpProblem, and the release that has it."""
 
@@ -41,6 +44,10 @@ HIGHS_SINCE = {
     "HandleUserInterrupt": (1, 8),
     "getModelStatus": (1, 8),  # a solve error, solved again with a stricter tolerance (pulp's HiGHS API calls
     "setOptionValue": (1, 8),  # both, as every highspy it supports has them)
+    "addVars": (1, 8),  # the model handed over in arrays (buildSolverModel); highspy 1.8.0 takes them as called
+    "changeColsCost": (1, 8),
+    "changeColsIntegrality": (1, 8),
+    "addRows": (1, 8),
 }
 """Every attribute planner/search/ilp.py uses on highspy's Highs model, and the release that has it."""
 
