@@ -362,7 +362,7 @@ def _report(result: SearchResult, space: SearchSpace, simulated: SimResult,
         runner = RunnerUp(config.num_stages, config.data_parallel, config.micro_batch_size, config.schedule,
                           step_ms)
     why += (f"; {result.configs_solved} of {plural(result.configs_total, 'configuration')} solved, the rest "
-            f"could not fit the memory or could not beat it (lower bound)")
+            f"could not fit the memory or could not beat it, nor the plans simulated beside it (lower bound)")
     note = gpus_note(space, best.setup.config.gpus)
     offload, tiles = result.offload_note(simulated_ms), result.tiles_note(simulated_ms)
     why += (f"; {note}" if note else "") + (f"; {offload}" if offload else "") + (f"; {tiles}" if tiles else "")

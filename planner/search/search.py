@@ -403,6 +403,8 @@ class Search:
                 if self.setup(config).decided_problem is not None:  # checked when (if) its turn comes
                     pending.append((index, config, own_seed))
                 continue
+            if self._cannot_be_finalist(config, solved, kept=True):
+                continue
             self._report(ProgressEvent(Phase.SEARCHING, index, len(ranked), best,
                                        f"solving {config.describe()}"))
             kept, decide, wall_s = self.solve_kept(config, max(1.0, remaining), best, own_seed)
@@ -421,7 +423,7 @@ class Search:
             if remaining <= 0 and solved:
                 unexamined += sum(1 for _, c, _ in pending[position:] if self._known_bound(c) < _cutoff(c, best))
                 break
-            if not self.fits(config):
+            if not self.fits(config) or self._cannot_be_finalist(config, solved, kept=False):
                 continue
             self._report(ProgressEvent(Phase.SEARCHING, index, len(ranked), best,
                                        f"deciding memory of {config.describe()}"))
@@ -457,6 +459,38 @@ class Search:
                             configs_unexamined=unexamined, best_on_gpu=on_gpu, on_gpu_fits=on_gpu_fits,
                             best_untiled=untiled,
                             spatial_note=self.spatial_note, finalists=finalists)
+
+    def _cannot_be_finalist(self, config: Config, solved: Sequence[Candidate], kept: bool) -> bool:
+        """Whether no plan of ``config`` with recompute and swap decided (and, if ``kept``, none keeping every
+        activation either) could be among what the search returns, the plans the simulator then chooses among: the
+        FINALISTS fastest within FAMILY_SLACK (:func:`_close`), the fastest of each family, the runner-up, the
+        fastest keeping everything on the GPU and the fastest without tiles (run). Its floor is at or above
+        each of those so far, and they only fall as the search goes on. A family costed from its programs is
+        solved up to FAMILY_SLACK above the best plan (_cutoff), so without this BERT-large on 16 V100s solved
+        46 plans, most of them slower than a dozen plans it had."""
+        close = _close(sorted(solved, key=lambda c: c.objective_ms))
+        family = [c.objective_ms for c in solved if c.setup.config.schedule is config.schedule]
+        if len(close) < FINALISTS or not family:
+            return False
+        marks = [close[-1].objective_ms, min(family)]
+        if config.state == ON_GPU:
+            marks.append(min((c.objective_ms for c in solved if c.setup.config.state == ON_GPU
+                              and c.evaluation.decisions is None), default=float("inf")))
+        if not config.spatial:
+            marks.append(min((c.objective_ms for c in solved if not c.setup.config.spatial), default=float("inf")))
+        need = max(marks) * (1 + 1e-9)
+        if need == float("inf"):
+            return False
+        if self.lower_bound(config) >= need:  # (below every plan, with decisions or without)
+            return True
+        if self.setup(config).decided_problem is not None and self.decided_bound(config, need) < need:
+            return False
+        if not kept:
+            return True
+        try:  # keeping every activation: the floor over the partitions that fit
+            return decided_step_floor(self.setup(config).costs, need) >= need
+        except ValueError:  # several stages share a slot: the lower bound alone
+            return False
 
     def _report(self, event: ProgressEvent) -> None:
         if self.progress is not None:

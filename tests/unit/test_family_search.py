@@ -188,6 +188,45 @@ def test_the_finalists_hold_each_plan_once() -> None:
     assert _close([twice[0], candidate("a", (4,), 100.0), beyond]) == [twice[0], candidate("a", (4,), 100.0)]
 
 
+def test_skipping_configurations_that_cannot_be_finalists_changes_nothing_the_search_returns(monkeypatch) -> None:
+    """A configuration whose step floor is above the FINALISTS-th plan within the slack, its family's best, and the
+    best plans on the GPU and without tiles so far cannot be among what the simulator chooses from: the search
+    skips its ILPs, and returns the same winner, runner-up, finalists and reference plans as a search solving it."""
+    from examples.models.gpt import gpt
+    from planner import assemble
+    from planner.search import search as searching
+
+    seen, solves = [], []
+    by_simulation, solve_partition = assemble.by_simulation, searching.solve_partition
+    def spied(result, simulations):
+        seen.append(result)
+        return by_simulation(result, simulations)
+    def counted(*args, **kwargs):
+        solves.append(args)
+        return solve_partition(*args, **kwargs)
+    monkeypatch.setattr(assemble, "by_simulation", spied)
+    monkeypatch.setattr(searching, "solve_partition", counted)
+
+    def search() -> tuple:
+        model = gpt(hidden=256, layers=8, heads=4, seq_len=64, vocab=1024, device="meta")
+        made = plan(model, gpus=8, mem="16GB", batch_size=16, example_inputs=torch.empty(1, 64, dtype=torch.long,
+                                                                                           device="meta"),
+                    device="V100-16GB")
+        result = seen[-1]
+        def key(candidate):
+            return None if candidate is None else (candidate.setup.config, candidate.evaluation.cuts,
+                                                   round(candidate.objective_ms, 9))
+        returned = (key(result.best), key(result.runner_up), key(result.best_on_gpu), key(result.best_untiled),
+                    sorted(map(key, result.finalists), key=repr), made.predicted.step_ms, made.solver.runner_up)
+        return returned, len(solves)
+
+    pruned, ilps = search()
+    monkeypatch.setattr(searching.Search, "_cannot_be_finalist", lambda self, config, solved, kept: False)
+    every, ilps_every = search()
+    assert pruned == every
+    assert ilps < ilps_every - ilps  # (the second search's count includes the first's)
+
+
 def test_the_simulator_moves_a_replayed_familys_cuts_to_where_no_one_unit_move_simulates_faster(monkeypatch) -> None:
     """ZB-H1's step model is the replay of its programs on balanced parts, so the partition its ILP prefers need
     not simulate fastest; planner.assemble.refined moves the cuts while the simulated step shrinks. From a
