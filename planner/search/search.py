@@ -483,12 +483,12 @@ class Search:
             return False
         if self.lower_bound(config) >= need:  # (below every plan, with decisions or without)
             return True
-        if self.setup(config).decided_problem is not None and self.decided_bound(config, need) < need:
-            return False
-        if not kept:
-            return True
-        try:  # keeping every activation: the floor over the partitions that fit
-            return decided_step_floor(self.setup(config).costs, need) >= need
+        setup = self.setup(config)
+        floors = ([setup.decided] if setup.decided is not None else []) + ([setup.costs] if kept else [])
+        # with recompute and swap, and keeping every activation: the floors over the partitions that fit (not
+        # decided_bound, whose cached bounds may stop at what it is asked for: here below the search's best)
+        try:
+            return all(decided_step_floor(costs, need) >= need for costs in floors)
         except ValueError:  # several stages share a slot: the lower bound alone
             return False
 

@@ -181,12 +181,9 @@ def test_the_bound_with_memory_decisions_is_below_every_fitting_plan(problem: Pi
         assert enough <= decided_step_floor(costs, enough) <= bound + 1e-9
 
 
-@settings(max_examples=80, deadline=None)
-@given(decided_problems(max_stages=3), st.sampled_from(["pipeline", "interleaved", "mirrored"]), st.booleans())
-def test_the_memory_floor_is_below_every_plans_peak(problem: PipelineProblem, layout: str, decides: bool) -> None:
-    """What lets the search skip a configuration's ILPs: no partition, with any recompute and swap where the
-    problem decides them, needs less than the memory floor, for ranks holding one part or several (two parts a
-    slot interleaved, or GEMS's two mirrored copies)."""
+def _laid_out(problem: PipelineProblem, layout: str, decides: bool) -> PipelineProblem:
+    """``problem`` on one part a slot ("pipeline"), two parts a slot ("interleaved") or GEMS's two mirrored copies,
+    each stage holding every micro-batch, with its memory decisions or none."""
     parts = problem.num_parts
     if layout != "pipeline":
         slots = max(1, parts // 2) if layout == "interleaved" else parts
@@ -195,7 +192,17 @@ def test_the_memory_floor_is_below_every_plans_peak(problem: PipelineProblem, la
         problem = dataclasses.replace(problem, layout=shaped, in_flight=(problem.num_microbatches,) * shaped.num_stages)
     if not decides:
         problem = dataclasses.replace(problem, tiers=_tiers(recompute=False, swap=False))
-    costs = cost_model(problem)
+    return problem
+
+
+@settings(max_examples=80, deadline=None)
+@given(decided_problems(max_stages=3), st.sampled_from(["pipeline", "interleaved", "mirrored"]), st.booleans())
+def test_the_memory_floor_is_below_every_plans_peak(problem: PipelineProblem, layout: str, decides: bool) -> None:
+    """What lets the search skip a configuration's ILPs: no partition, with any recompute and swap where the
+    problem decides them, needs less than the memory floor, for ranks holding one part or several (two parts a
+    slot interleaved, or GEMS's two mirrored copies)."""
+    parts = problem.num_parts
+    costs = cost_model(_laid_out(problem, layout, decides))
     floor = memory_floor(costs)
     plans = (_every_plan(costs) if decides else
              (evaluate(costs, cuts) for cuts in itertools.combinations(range(costs.num_units - 1), parts - 1)))
@@ -211,14 +218,7 @@ def test_the_memory_floor_within_a_window_is_below_every_plans_peak_in_it(
     the window, with any recompute and swap where the problem decides them, needs less than the window's memory
     floor (brute force), for ranks holding one part or several."""
     parts = problem.num_parts
-    if layout != "pipeline":
-        slots = max(1, parts // 2) if layout == "interleaved" else parts
-        shaped = (Layout.replicated(tuple(part % slots for part in range(parts))) if layout == "interleaved"
-                  else Layout.mirrored(parts))
-        problem = dataclasses.replace(problem, layout=shaped, in_flight=(problem.num_microbatches,) * shaped.num_stages)
-    if not decides:
-        problem = dataclasses.replace(problem, tiers=_tiers(recompute=False, swap=False))
-    costs = cost_model(problem)
+    costs = cost_model(_laid_out(problem, layout, decides))
     count = costs.num_units
     around = data.draw(st.sampled_from(list(itertools.combinations(range(count - 1), parts - 1))))
     width = data.draw(st.integers(0, 2))
