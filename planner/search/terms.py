@@ -46,7 +46,15 @@ from cost_models.memory import step_bucket_bytes, step_transient_bytes, zero_gat
 from planner.plan.kinds import ScheduleKind
 from planner.plan.parts import StateTier
 from planner.schedules.generate import STASHED_WEIGHT_VERSIONS
-from planner.search.problem import MemoryTiers, PipelineProblem, SpatialPart, StateMode, Unit, block_of
+from planner.search.problem import (
+    MemoryTiers,
+    PipelineProblem,
+    SharedParam,
+    SpatialPart,
+    StateMode,
+    Unit,
+    block_of,
+)
 
 
 @dataclass(frozen=True, eq=False)
@@ -351,10 +359,20 @@ def _part_key(problem: PipelineProblem, part: int) -> tuple:
 def _shared_terms(problem: PipelineProblem, units: tuple[Unit, ...],
                   boundary: tuple[float, ...] | None = None) -> dict[str, Term]:
     """The terms every part has alike (per-unit sums over ``units``; ``boundary``: what crosses each cut,
-    default the problem's), built once and shared by all parts."""
-    crossing = problem.boundary_bytes if boundary is None else boundary
-    shared, tiers = problem.shared, problem.tiers
-    recompute, swap = tiers.recompute, tiers.swap
+    default the problem's), built once and shared by all parts, and by every configuration over the same
+    units with the same activation tiers (:func:`_terms_over`)."""
+    tiers = problem.tiers
+    return _terms_over(units, problem.boundary_bytes if boundary is None else boundary, problem.shared,
+                       tiers.recompute, tiers.swap, tiers.host_link.ms_per_byte)
+
+
+@functools.lru_cache(maxsize=32)
+def _terms_over(units: tuple[Unit, ...], crossing: tuple[float, ...], shared: tuple[SharedParam, ...],
+                recompute: bool, swap: bool, host_ms_per_byte: float) -> dict[str, Term]:
+    """:func:`_shared_terms`, cached: a search costs a thousand configurations over a few sets of units, and
+    terms shared between them also share what they cache (their prefix sums and tables of maxima). Callers
+    must not change the dict.
+    """
     terms = {
         "fwd_ms": Term(per_unit=tuple(u.fwd_ms for u in units)),
         "bwd_ms": Term(per_unit=tuple(u.bwd_ms for u in units),
@@ -397,7 +415,7 @@ def _shared_terms(problem: PipelineProblem, units: tuple[Unit, ...],
         "summing_transient_bytes": Term(unit_max=tuple(float(u.summing_transient_bytes) for u in units),
                                         max_name="summing_transient"),
     }
-    terms["swap_ms"] = terms["swap_bytes"].scaled(tiers.host_link.ms_per_byte)
+    terms["swap_ms"] = terms["swap_bytes"].scaled(host_ms_per_byte)
     terms["compute_ms"] = terms["fwd_ms"].plus(terms["bwd_ms"])
     terms["activation_bytes"] = terms["saved_bytes"].plus(terms["received_bytes"])
     return {name: dataclasses.replace(term, family=name) for name, term in terms.items()}
@@ -409,7 +427,7 @@ def _tiled_terms(problem: PipelineProblem, spatial: SpatialPart) -> dict[str, Te
     receiving rank's link carries them); a unit that cannot be tiled weighs more than the budget in its
     static memory, so no partition puts it on that part (the ILP's memory row, the DP and the evaluator
     all read it)."""
-    tiled = _shared_terms(problem, spatial.units, spatial.boundary_bytes or None)
+    tiled = dict(_shared_terms(problem, spatial.units, spatial.boundary_bytes or None))  # (a cached dict)
     beyond = float(problem.mem_bytes + 1)
     untileable = Term(per_unit=tuple(0.0 if unit < spatial.tileable_units else beyond
                                      for unit in range(len(problem.units))))
