@@ -181,8 +181,6 @@ class Search:
         self._setups: dict[Config, Setup] = {}
         self._min_peaks: dict[tuple[Config, bool], OracleResult | None] = {}
         self._schedules: dict[tuple, Schedule] = {}
-        # per schedule key, per stage: micro-batches in flight, swapped ones resident, accumulating, W waiting
-        self._held: dict[tuple, tuple] = {}
         self._balanced: dict[tuple, BalancedStep] = {}
         self._geometries: dict[SpatialChoice, TileGeometry] = {}
         self._fused: dict[SpatialChoice, FusedHalos] = {}  # each geometry's fused-halo costing (memoised walks)
@@ -210,7 +208,9 @@ class Search:
         spatial_units = config.spatial and self._spatial_units(config.micro_batch_size, config.spatial)
         units = coarse or spatial_units or default
         schedule = self.schedule(config)
-        in_flight, resident, accumulating, (waiting, waiting_at_transient) = self._held[_schedule_key(config)]
+        # per stage, what its programs hold (counted once per schedule: Schedule.held)
+        in_flight, resident = max_in_flight(schedule), swapped_resident(schedule)
+        accumulating, (waiting, waiting_at_transient) = accumulating_in_flight(schedule), weight_grads_waiting(schedule)
         layout, per_node = schedule.layout, self.space.gpus_per_node
         problem = PipelineProblem(
             units.units, units.boundary_bytes, units.shared, layout, config.schedule, config.num_microbatches,
@@ -235,15 +235,12 @@ class Search:
         return setup
 
     def schedule(self, config: Config) -> Schedule:
-        """``config``'s generated programs and layout (cached: alike for every state mode), and what its
-        programs hold per stage (in flight, swapped ones resident, accumulating, W waiting: ``_held``)."""
+        """``config``'s generated programs and layout (cached: alike for every state mode)."""
         key = _schedule_key(config)
         if key not in self._schedules:
             schedule = generate(config.schedule, config.num_stages, config.num_microbatches,
                                 data_parallel=config.data_parallel, **_shape(config))
             self._schedules[key] = schedule
-            self._held[key] = (max_in_flight(schedule), swapped_resident(schedule), accumulating_in_flight(schedule),
-                               weight_grads_waiting(schedule))
         return self._schedules[key]
 
     def balanced(self, config: Config, units: Coarsening) -> BalancedStep | None:
