@@ -5,7 +5,7 @@ agent, which starts the ranks (each in its own session) and stops them all when 
 the agent gets SIGTERM/SIGINT (SIGTERM, then SIGKILL after ``--shutdown-timeout``). What differs
 from ``torchrun``: its log lines and its ChildFailedError report are not printed (each rank
 prints its own one line: runtime/command.py), and the exit status is the first failed rank's
-(2 for a refused set-up, 1 for a failure), or 128 + the signal that stopped the agent. A rank
+(2 for a refused set-up, 1 for a failure), or 128 + the signal that stopped the agent. Each rank
 that dies without a word (killed by a signal, or an exit status of its own) gets one line here.
 """
 
@@ -50,16 +50,23 @@ def known_options(argv: list[str]) -> list[str]:
 
 
 def failure_status(error: ChildFailedError) -> int:
-    """The first failed rank's exit status; one line for a rank that left without saying why."""
-    rank, failure = error.get_first_failure()
-    if failure.exitcode in RUNTIME_STATUSES:
-        return failure.exitcode
-    if failure.exitcode < 0:
-        how = f"was killed by {failure.signal_name()}"
-    else:
-        how = f"exited with status {failure.exitcode}"
-    print(f"tessera: rank {rank} (pid {failure.pid}) {how}", file=sys.stderr, flush=True)
-    return EXIT_FAILED if failure.exitcode < 0 else failure.exitcode
+    """The job's exit status, from the rank that failed first; one line for each rank that left without saying
+    why.
+
+    A rank that died without a word (killed by a signal, or an exit status of its own) is the cause when there is
+    one: the ranks it left waiting fail because of it, and may be reported in the same second (torchrun's
+    timestamps are whole seconds, and its first failure is then the lowest rank).
+    """
+    silent = {rank: failure for rank, failure in sorted(error.failures.items())
+              if failure.exitcode not in RUNTIME_STATUSES}
+    for rank, failure in silent.items():
+        how = (f"was killed by {failure.signal_name()}" if failure.exitcode < 0
+               else f"exited with status {failure.exitcode}")
+        print(f"tessera: rank {rank} (pid {failure.pid}) {how}", file=sys.stderr, flush=True)
+    if not silent:
+        return error.get_first_failure()[1].exitcode
+    first = min(silent.values(), key=lambda failure: failure.timestamp)
+    return EXIT_FAILED if first.exitcode < 0 else first.exitcode
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import datetime
 import queue
+import re
 import threading
 import time
 from collections.abc import Sequence
@@ -202,7 +203,16 @@ def wait_for(work: dist.Work, timeout: datetime.timedelta, label: str) -> None:
     try:
         work.wait(timeout=timeout)
     except RuntimeError as error:  # gloo/NCCL report a lost peer or a timeout this way
-        lines = str(error).strip().splitlines()
         raise PeerFailure(f"rank {dist.get_rank()} stopped waiting for {label}: {type(error).__name__}: "
-                          f"{lines[0][:200] if lines else ''} (timeout {timeout.total_seconds():.0f} s); "
+                          f"{backend_reason(str(error))} (timeout {timeout.total_seconds():.0f} s); "
                           f"another rank failed or hung") from error
+
+
+def backend_reason(message: str) -> str:
+    """The first sentence of a gloo/NCCL error, without the source location gloo puts before it:
+    "[.../gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:4008: Connection reset by peer. This is
+    typically caused by ..." is "Read error [127.0.0.1]:4008: Connection reset by peer"."""
+    lines = message.strip().splitlines()
+    first = re.sub(r"^\[[^\]]*:\d+\]\s*", "", lines[0] if lines else "")
+    sentence = first.split(". ", 1)[0].rstrip(".")
+    return sentence if len(sentence) <= 200 else sentence[:199] + "…"

@@ -107,6 +107,38 @@ def test_a_signal_to_tessera_run_stops_every_rank_and_says_one_line(
                 pass
 
 
+def _rank_pid(pids: list[int], rank: int) -> int:
+    """Which of ``pids`` is the job's rank ``rank`` (torchrun's agent has no RANK in its environment)."""
+    for pid in pids:
+        environ = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+        if f"RANK={rank}".encode() in environ:
+            return pid
+    raise AssertionError(f"no rank {rank} among pids {pids}")
+
+
+def test_a_rank_killed_mid_run_is_named_and_every_rank_exits_promptly(plans: dict[str, Path],
+                                                                     tmp_path: Path) -> None:
+    """Rank 1 is killed by SIGKILL: rank 0, left waiting for its messages, says so and fails too; the agent names
+    the killed rank (before, it named rank 0 alone when both failures fell in the same second)."""
+    out, err = tmp_path / "out.txt", tmp_path / "err.txt"
+    with out.open("w") as stdout, err.open("w") as stderr:
+        process = subprocess.Popen([TESSERA, "run", str(plans["gpt2"]), "--steps", "100000"], cwd=ROOT,
+                                   stdout=stdout, stderr=stderr, env=ENV, start_new_session=True)
+    try:
+        job = _started(out, plans["gpt2"], 120)
+        killed = _rank_pid(job, 1)
+        os.kill(killed, signal.SIGKILL)
+        assert process.wait(timeout=60) == 1
+        lines = said(err.read_text())
+        assert f"tessera: rank 1 (pid {killed}) was killed by SIGKILL" in lines, lines
+        assert _job_processes(plans["gpt2"]) == [], "ranks outlived `tessera run`"
+    finally:
+        for pid in [process.pid, *_job_processes(plans["gpt2"])]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
 # ------------------------------------------------------------------ refusals
 @pytest.mark.parametrize(("plan", "args", "message"), [
     ("gpt2", ["--nproc", "1"], "the plan is for 2 processes (2 stages x 1 data-parallel) but "

@@ -412,6 +412,38 @@ def test_the_agent_drops_a_shutdown_grace_its_torchrun_does_not_know(monkeypatch
     assert agent.known_options(argv) == ["--standalone", "--nproc-per-node", "1", "-m", "runtime", "p.json"]
 
 
+def test_a_rank_that_died_without_a_word_is_named_even_when_a_lower_rank_failed_in_the_same_second(
+        capsys: pytest.CaptureFixture) -> None:
+    """torchrun's first failure is the earliest whole-second timestamp, the lowest rank on a tie: the rank left
+    waiting for a killed one was named, and the killed one not at all."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from runtime import agent
+
+    def failures(*exitcodes: int) -> ChildFailedError:
+        return ChildFailedError("runtime", {rank: ProcessFailure(rank, 100 + rank, code, "")
+                                            for rank, code in enumerate(exitcodes)})
+
+    assert agent.failure_status(failures(1, -9)) == 1
+    assert capsys.readouterr().err == "tessera: rank 1 (pid 101) was killed by SIGKILL\n"
+    assert agent.failure_status(failures(1, 7, -15)) == 7  # the earliest silent rank's status; each named
+    assert capsys.readouterr().err.splitlines() == ["tessera: rank 1 (pid 101) exited with status 7",
+                                                    "tessera: rank 2 (pid 102) was killed by SIGTERM"]
+    assert agent.failure_status(failures(2, 1)) == 2  # every rank said why itself: nothing more is said
+    assert capsys.readouterr().err == ""
+
+
+def test_a_lost_peer_is_said_in_gloos_first_sentence_without_its_source_location() -> None:
+    from runtime.comm import backend_reason
+
+    gloo = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:4008: "
+            "Connection reset by peer. This is typically caused by a remote worker hanging or bugs in the "
+            "application code.\nException raised from ...")
+    assert backend_reason(gloo) == "Read error [127.0.0.1]:4008: Connection reset by peer"
+    assert backend_reason("Timed out waiting 5000ms for recv operation to complete") == \
+        "Timed out waiting 5000ms for recv operation to complete"
+    assert backend_reason("x" * 300) == "x" * 199 + "…"
+
 def test_auto_runs_a_plan_made_for_cpu_ranks_on_cpu_ranks_even_beside_a_gpu() -> None:
     """A plan costed on the cpu device (gloo) is predicted for CPU ranks: ``--device auto`` keeps it there;
     a GPU plan's auto, and any explicit choice, stand."""
