@@ -5,8 +5,9 @@ agent, which starts the ranks (each in its own session) and stops them all when 
 the agent gets SIGTERM/SIGINT (SIGTERM, then SIGKILL after ``--shutdown-timeout``). What differs
 from ``torchrun``: its log lines and its ChildFailedError report are not printed (each rank
 prints its own one line: runtime/command.py), and the exit status is the first failed rank's
-(2 for a refused set-up, 1 for a failure), or 128 + the signal that stopped the agent. Each rank
-that dies without a word (killed by a signal, or an exit status of its own) gets one line here.
+(2 for a refused set-up, 1 for a failure), or 128 + the signal that stopped the agent. When the
+ranks that said why had only lost a peer, each rank that died without a word (killed by a signal,
+or an exit status of its own) gets one line here, and the job exits 1 (or that rank's status).
 """
 
 from __future__ import annotations
@@ -19,8 +20,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser, parse_args, run
 
-EXIT_FAILED = 1
-RUNTIME_STATUSES = frozenset({1, 2, 130})  # the statuses with which runtime/command.py leaves, said
+from runtime.command import EXIT_FAILED, EXIT_PEER_LOST, SAID_STATUSES
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -50,24 +50,26 @@ def known_options(argv: list[str]) -> list[str]:
 
 
 def failure_status(error: ChildFailedError) -> int:
-    """The job's exit status, from the rank that failed first; one line for each rank that left without saying
-    why.
+    """The job's exit status; one line for each rank that left without saying why when no rank failed of itself.
 
-    A rank that died without a word (killed by a signal, or an exit status of its own) is the cause when there is
-    one: the ranks it left waiting fail because of it, and may be reported in the same second (torchrun's
-    timestamps are whole seconds, and its first failure is then the lowest rank).
+    A rank's failure is its own when it left with a status of the runtime's other than a lost peer: the job then
+    ends with the first such rank's status, and ranks killed by a signal were stopped by the agent. When every
+    rank that said why had lost a peer, the cause is a rank that died without a word (killed by a signal, or an
+    exit status of its own): each is named, since torchrun's first failure (the earliest whole-second
+    timestamp, the lowest rank on a tie) may be a rank left waiting for it.
     """
+    own = {rank: failure for rank, failure in error.failures.items()
+           if failure.exitcode in SAID_STATUSES and failure.exitcode != EXIT_PEER_LOST}
+    if own:
+        return min(own.values(), key=lambda failure: failure.timestamp).exitcode
     silent = {rank: failure for rank, failure in sorted(error.failures.items())
-              if failure.exitcode not in RUNTIME_STATUSES}
+              if failure.exitcode not in SAID_STATUSES}
     for rank, failure in silent.items():
         how = (f"was killed by {failure.signal_name()}" if failure.exitcode < 0
                else f"exited with status {failure.exitcode}")
         print(f"tessera: rank {rank} (pid {failure.pid}) {how}", file=sys.stderr, flush=True)
-    if not silent:
-        return error.get_first_failure()[1].exitcode
-    first = min(silent.values(), key=lambda failure: failure.timestamp)
-    return EXIT_FAILED if first.exitcode < 0 else first.exitcode
-
+    statuses = [failure.exitcode for failure in silent.values() if failure.exitcode > 0]
+    return statuses[0] if statuses else EXIT_FAILED
 
 if __name__ == "__main__":
     raise SystemExit(main())

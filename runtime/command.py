@@ -13,8 +13,9 @@ Failure behaviour: an error every rank detects alike (a set-up mismatch) is prin
 rank 0, which exits with status 2 (the other ranks wait a grace period for torchrun to stop
 them, and print it themselves only if it does not); any other error is printed by the rank that
 raised it (once), and that rank exits with status 1 at once (no group teardown that could hang),
-so torchrun stops the others; ranks that lose a peer or time out print one line and exit 1; a
-rank interrupted (SIGINT from its agent) exits 130 without a traceback.
+so torchrun stops the others; ranks that lose a peer or time out print one line and exit 3 (a failure
+another rank caused: `tessera run`'s agent then names the rank that died without a word); a rank
+interrupted (SIGINT from its agent) exits 130 without a traceback.
 
 Test hook (hidden from ``--help``): ``--fail-at-step K --fail-rank R`` makes rank R raise
 before step K, to test that a failing rank brings the job down promptly.
@@ -44,6 +45,8 @@ if TYPE_CHECKING:
 EXIT_SETUP = 2
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130
+EXIT_PEER_LOST = 3  # a peer was lost or did not answer in time: the cause is another rank
+SAID_STATUSES = frozenset({EXIT_FAILED, EXIT_SETUP, EXIT_INTERRUPTED, EXIT_PEER_LOST})  # said before exiting
 SETUP_ERROR_GRACE_S = 20.0
 
 
@@ -120,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         dist.destroy_process_group()
         return 0
     except PeerFailure as error:
-        _stop(f"tessera: {error}", EXIT_FAILED)  # the message names this rank and what it awaited
+        _stop(f"tessera: {error}", EXIT_PEER_LOST)  # the message names this rank and what it awaited
     except TesseraError as error:
         text = f"tessera: error: {' '.join(str(error).split())}"
         if rank != 0 and _same_on_every_rank(error):

@@ -412,24 +412,28 @@ def test_the_agent_drops_a_shutdown_grace_its_torchrun_does_not_know(monkeypatch
     assert agent.known_options(argv) == ["--standalone", "--nproc-per-node", "1", "-m", "runtime", "p.json"]
 
 
-def test_a_rank_that_died_without_a_word_is_named_even_when_a_lower_rank_failed_in_the_same_second(
+def test_a_rank_that_died_without_a_word_is_named_when_the_ranks_that_said_why_had_lost_a_peer(
         capsys: pytest.CaptureFixture) -> None:
     """torchrun's first failure is the earliest whole-second timestamp, the lowest rank on a tie: the rank left
-    waiting for a killed one was named, and the killed one not at all."""
+    waiting for a killed one was named, and the killed one not at all. A rank that failed of itself is the cause,
+    and ranks killed beside it were stopped by the agent."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
     from runtime import agent
+    from runtime.command import EXIT_FAILED, EXIT_PEER_LOST, EXIT_SETUP
 
     def failures(*exitcodes: int) -> ChildFailedError:
         return ChildFailedError("runtime", {rank: ProcessFailure(rank, 100 + rank, code, "")
                                             for rank, code in enumerate(exitcodes)})
 
-    assert agent.failure_status(failures(1, -9)) == 1
+    assert agent.failure_status(failures(EXIT_PEER_LOST, -9)) == EXIT_FAILED
     assert capsys.readouterr().err == "tessera: rank 1 (pid 101) was killed by SIGKILL\n"
-    assert agent.failure_status(failures(1, 7, -15)) == 7  # the earliest silent rank's status; each named
+    assert agent.failure_status(failures(EXIT_PEER_LOST, 7, -15)) == 7  # that rank's status; each named
     assert capsys.readouterr().err.splitlines() == ["tessera: rank 1 (pid 101) exited with status 7",
                                                     "tessera: rank 2 (pid 102) was killed by SIGTERM"]
-    assert agent.failure_status(failures(2, 1)) == 2  # every rank said why itself: nothing more is said
+    assert agent.failure_status(failures(EXIT_SETUP, -15)) == EXIT_SETUP  # rank 1: stopped by the agent
+    assert agent.failure_status(failures(-15, EXIT_FAILED)) == EXIT_FAILED
+    assert agent.failure_status(failures(EXIT_PEER_LOST, EXIT_PEER_LOST)) == EXIT_FAILED  # a hang: both timed out
     assert capsys.readouterr().err == ""
 
 
