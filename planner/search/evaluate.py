@@ -45,34 +45,49 @@ def term_matrix(model: CostModel, term: Term) -> np.ndarray:
     return weighted_matrix(model, ((term, 1.0),))
 
 
-def weighted_matrix(model: CostModel, weighted: Sequence[tuple[Term, float]]) -> np.ndarray:
+def weighted_matrix(model: CostModel, weighted: Sequence[tuple[Term, float]], firsts: range | None = None,
+                    lasts: range | None = None) -> np.ndarray:
     """``sum(weight * term_matrix(model, term))`` over ``weighted``: the linear parts of the terms summed
-    per unit first, so a part's many terms cost one matrix (and one per maximum over units)."""
+    per unit first, so a part's many terms cost one matrix (and one per maximum over units). Given
+    ``firsts`` and ``lasts`` (ranges of units), only that block of it: at [i, j] the part from unit
+    ``firsts[i]`` to unit ``lasts[j]``."""
     count = model.num_units
-    firsts, lasts = np.arange(count)[:, None], np.arange(count)[None, :]
-    constant, prefix, ends_after, starts_after = 0.0, np.zeros(count + 1), np.zeros(count), np.zeros(count)
-    shared = np.zeros(len(model.next_use_arrays))
+    firsts, lasts = range(count) if firsts is None else firsts, range(count) if lasts is None else lasts
+    first, last = np.arange(firsts.start, firsts.stop)[:, None], np.arange(lasts.start, lasts.stop)[None, :]
+    constant, prefix, ends_after, starts_after, shared = 0.0, 0.0, 0.0, 0.0, 0.0  # arrays once a term has them
     maxima: list[tuple[np.ndarray, float]] = []
     for term, weight in weighted:
         constant += weight * term.constant
-        unit_prefix, starts, unit_max = term.arrays
-        if term.per_unit:
-            prefix += weight * unit_prefix
-        if term.ends_after:
-            ends_after[:-1] += weight * np.asarray(term.ends_after)
-        if term.starts_after:
-            starts_after[1:] += weight * starts
-        if term.per_shared:
-            shared += weight * np.asarray(term.per_shared)
-        if term.unit_max:
+        unit_prefix, ends, starts, per_shared, unit_max = term.arrays
+        if unit_prefix is not None:
+            prefix = prefix + weight * unit_prefix
+        if ends is not None:
+            ends_after = ends_after + weight * ends
+        if starts is not None:
+            starts_after = starts_after + weight * starts
+        if per_shared is not None:
+            shared = shared + weight * per_shared
+        if unit_max is not None:
             maxima.append((unit_max, weight))
-    values = constant + (prefix[lasts + 1] - prefix[firsts]) + ends_after[lasts] + starts_after[firsts]
-    for coefficient, next_use in zip(shared, model.next_use_arrays):
-        if coefficient:
-            values = values + np.where(next_use[firsts] <= lasts, coefficient, 0.0)
-    for unit_max, weight in maxima:  # row first: the running maximum from unit first on (0 before it)
-        running = np.maximum.accumulate(np.where(lasts >= firsts, unit_max[None, :], -np.inf), axis=1)
-        values = values + weight * np.where(lasts >= firsts, running, 0.0)
+    values = np.full((len(firsts), len(lasts)), constant)
+    if isinstance(prefix, np.ndarray):
+        values += prefix[last + 1] - prefix[first]
+    if isinstance(ends_after, np.ndarray):
+        values += ends_after[last]
+    if isinstance(starts_after, np.ndarray):
+        values += starts_after[first]
+    if isinstance(shared, np.ndarray):
+        for coefficient, next_use in zip(shared, model.next_use_arrays):
+            if coefficient:
+                values += np.where(next_use[first] <= last, coefficient, 0.0)
+    if maxima:  # row i: the running maximum from unit firsts[i] on (0 before it), over the units the block spans
+        spanned = np.arange(firsts.start, max(lasts.stop, firsts.start + 1))[None, :]
+        inside = spanned >= first
+        held = (last >= first)
+        columns = np.maximum(last[0] - firsts.start, 0)  # where the block's lasts are in the span (0: not parts)
+        for unit_max, weight in maxima:
+            running = np.maximum.accumulate(np.where(inside, unit_max[None, spanned[0]], -np.inf), axis=1)
+            values += weight * np.where(held, running[:, columns], 0.0)
     return values
 
 

@@ -326,13 +326,12 @@ def window_memory_floor(costs: CostModel, window: Window) -> float:
     50B GPT's interleaved configurations on 16 V100-32GB were solved for 0.2-1.0 s each to learn that their
     even cuts leave the language-model head's part beyond any budget."""
     num_units, num_parts = costs.num_units, costs.num_parts
-    units = np.arange(num_units)
-    allowed = []
+    blocks = []  # per part: the units it may start at, those it may end at, and which pairs are parts
     for part in range(num_parts):
-        first = (units == 0) if part == 0 else (units - 1 >= window[part - 1][0]) & (units - 1 <= window[part - 1][1])
-        last = (units == num_units - 1) if part == num_parts - 1 else (units >= window[part][0]) & (
-            units <= window[part][1])
-        allowed.append(first[:, None] & last[None, :] & (units[:, None] <= units[None, :]))
+        firsts = range(1) if part == 0 else range(window[part - 1][0] + 1, window[part - 1][1] + 2)
+        lasts = range(num_units - 1, num_units) if part == num_parts - 1 else range(window[part][0],
+                                                                                    window[part][1] + 1)
+        blocks.append((firsts, lasts, np.asarray(firsts)[:, None] <= np.asarray(lasts)[None, :]))
     least: dict[tuple[int, tuple[int, ...]], float] = {}  # by part and member terms: parts share their terms
     peak = 0.0
     for row in costs.frugal_memory:
@@ -343,7 +342,8 @@ def window_memory_floor(costs: CostModel, window: Window) -> float:
         for part, terms in members.items():
             key = (part, tuple(id(term) for term in terms))
             if key not in least:
-                values = weighted_matrix(costs, [(term, 1.0) for term in terms])[allowed[part]]
+                firsts, lasts, ordered = blocks[part]
+                values = weighted_matrix(costs, [(term, 1.0) for term in terms], firsts, lasts)[ordered]
                 least[key] = float(values.min()) if values.size else float("inf")
             held += least[key]
         peak = max(peak, held)

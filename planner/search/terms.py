@@ -112,6 +112,10 @@ class Term:
     def floor(self) -> Term:
         """The same term with each unit's decision at its cheapest (a lower bound of any decision; a
         region start's cost counts as none)."""
+        return self._floor
+
+    @functools.cached_property
+    def _floor(self) -> Term:  # built once: a row's members are floored by several bounds
         if not self.decides:
             return self
         count = max(len(self.per_recompute), len(self.per_swap), len(self.per_start))
@@ -130,9 +134,15 @@ class Term:
         return tuple(running)
 
     @functools.cached_property
-    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``unit_prefix``, ``starts_after`` and ``unit_max`` as arrays (for vectorised evaluation)."""
-        return np.asarray(self.unit_prefix), np.asarray(self.starts_after), np.asarray(self.unit_max)
+    def arrays(self) -> tuple[np.ndarray | None, ...]:
+        """For vectorised evaluation, as arrays (None where the term has none): ``unit_prefix``; per last unit
+        what leaves after it (``ends_after``, 0 after the last unit); per first unit what comes in before
+        it (``starts_after``, 0 before the first unit); ``per_shared``; ``unit_max``."""
+        return (np.asarray(self.unit_prefix) if self.per_unit else None,
+                np.append(self.ends_after, 0.0) if self.ends_after else None,
+                np.concatenate(([0.0], self.starts_after)) if self.starts_after else None,
+                np.asarray(self.per_shared) if self.per_shared else None,
+                np.asarray(self.unit_max) if self.unit_max else None)
 
     def max_over(self, first: int, last: int) -> float:
         """max(unit_max[first..last]) in O(1) (a sparse table built on first use)."""
@@ -971,12 +981,12 @@ def memory_floor(costs: CostModel) -> float:
     """A peak no partition goes below, in O(rows x units): at the moment of the forwards and backwards, whose
     rows (one a slot) hold every part, every unit's most frugal coefficient there (over the parts it could be
     on) summed, plus every constant, spread evenly over the slots."""
-    rows = [row for row in costs.frugal_memory if row.moment == "compute"]
+    rows = [row for row in costs.memory if row.moment == "compute"]  # floored here: the others are not needed
     cheapest = np.full(costs.num_units, np.inf)
     constants = 0.0
     for row in rows:
         per_part: dict[int, Any] = {}
-        for part, term in row.members:
+        for part, term in ((part, member.floor()) for part, member in row.members):
             constants += term.constant
             held = per_part.get(part, 0.0)
             per_part[part] = held + np.asarray(term.per_unit) if term.per_unit else held

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -170,6 +171,9 @@ def test_a_weighted_sum_of_terms_is_one_matrix(problem: PipelineProblem, weights
                 continue
             expected = sum(weight * term_value(costs, term, first, last) for term, weight in weighted)
             assert many[first, last] == pytest.approx(expected, rel=1e-9, abs=1e-6)
+        for low, high in itertools.combinations(range(count + 1), 2):  # blocks of it: what a window bound reads
+            firsts, lasts = range(low, high), range(count - high, count - low)
+            assert np.array_equal(weighted_matrix(costs, weighted, firsts, lasts), many[low:high, count - high:count - low])
 
 
 ZOO = {
