@@ -74,7 +74,7 @@ def _check_stale(plan: Plan) -> None:
 
 def _check_spatial(plan: Plan, stage: int) -> None:
     """This runtime executes spatial stages as the leading stages 0..k-1, each on its own slot,
-    followed by ordinary stages, in fp32/fp64, with recomputation and activation swapping as their
+    followed by ordinary stages, in any precision, with recomputation and activation swapping as their
     only memory decisions (their model state stays whole on the GPU), with per-layer halos or fused
     groups (runtime/spatial_stage.py checks those against the stage's graph)."""
     spec = plan.stages[stage].spatial
@@ -86,9 +86,6 @@ def _check_spatial(plan: Plan, stage: int) -> None:
         raise RuntimeSetupError(f"stage {stage} runs on spatial tiles and has memory decisions "
                                 f"({state.describe(len(plan.stages[stage].nodes))}), which this runtime "
                                 f"does not execute together yet; re-plan with only recompute and swap there")
-    if plan.model.precision.master_weights:
-        raise RuntimeSetupError(f"stage {stage} runs on spatial tiles in {plan.model.precision.value}, which "
-                                f"this runtime does not execute yet; re-plan in fp32 or fp64")
 
 
 def _check_leading(plan: Plan, stage: int) -> None:

@@ -1,4 +1,4 @@
-"""Float64 test plans for the runtime: a tiny GPT and a narrow ResNet-50, cut where asked."""
+"""Float64 test plans for the runtime: a tiny GPT, a narrow ResNet-50 and a small CNN, cut where asked."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from runtime.build import default_dtype
 ROOT = Path(__file__).resolve().parents[1]
 GPT = "examples/models/gpt.py:gpt_tiny"
 RESNET = "examples/models/resnet.py:resnet50"
+CNN = "tests/small_cnn.py:small_cnn"  # 16-bit runs resolve its gradients (see there)
 
 
 def make_plan(builder: str, stage_starts: list[str], *, schedule: str, data_parallel: int = 1,
@@ -30,8 +31,8 @@ def make_plan(builder: str, stage_starts: list[str], *, schedule: str, data_para
     from planner.manual import plan_with_split
     from planner.preflight import build_dtype
 
-    kwargs, inputs = _model_args(builder)
     with default_dtype(build_dtype(get_precision(precision))):
+        kwargs, inputs = _model_args(builder)
         model = build_model(load_builder(builder), kwargs, "meta")
         plan = plan_with_split(model, example_inputs=inputs, stage_starts=stage_starts,
                                batch_size=micro_batch_size * microbatches * data_parallel,
@@ -43,9 +44,11 @@ def make_plan(builder: str, stage_starts: list[str], *, schedule: str, data_para
 
 
 def _model_args(builder: str) -> tuple[dict[str, Any], torch.Tensor]:
+    """The builder's arguments and an example input (images in the dtype the model is built in)."""
     if builder == GPT:
         return {"dropout": 0.0}, torch.empty(1, 32, dtype=torch.long, device="meta")
-    return {"width": 4, "num_classes": 10}, torch.empty(1, 3, 64, 64, dtype=torch.float64, device="meta")
+    image = torch.empty(1, 3, 64, 64, dtype=torch.get_default_dtype(), device="meta")
+    return ({} if builder == CNN else {"width": 4, "num_classes": 10}), image
 
 
 def looped(plan_json: str, ranks: int) -> str:

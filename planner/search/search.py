@@ -290,10 +290,6 @@ class Search:
             _, _, height, width = image_input(self.graph).output_shape  # type: ignore[misc]
         except SpatialError:
             return ()  # not an image model: nothing to say
-        if self.space.precision.master_weights:
-            self.spatial_note = (f"no plan tiles the image: the runtime runs spatial stages in fp32 or fp64, "
-                                 f"not {self.space.precision.value}")
-            return ()
         counts = sorted({parts for gpus in gpu_counts(self.space) for parts in range(2, gpus)
                          if gpus % parts == 0 or parts & (parts - 1) == 0})
         if not counts:

@@ -69,6 +69,7 @@ class MixedOutcome:
     model_state_bytes: int = 0
     param_numel: int = 0
     optimizer_states: int = 0  # optimizer state tensors per parameter
+    halo_bytes_sent: int = 0  # what this rank's halo exchanges sent in the last step (the run report's)
 
 
 def _dtype(plan: Plan) -> torch.dtype:
@@ -129,7 +130,7 @@ def run_mixed_case(case: MixedCase) -> MixedOutcome:
     dist.barrier()
     return MixedOutcome(losses, _numpy(masters), weights, scales, exe.mixed.skipped_steps,
                         exe.memory.model_state_bytes(), sum(p.numel() for p in params.values()),
-                        max(optimizer_states, default=0))
+                        max(optimizer_states, default=0), exe.halo_bytes_sent)
 
 
 def _numpy(tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
@@ -152,7 +153,7 @@ def mixed_reference(case: MixedCase) -> MixedOutcome:
     if tie is not None:
         model.wte = tie
     optimizer = optimizer_factory(training.optimizer, case.lr)(list(masters.values()))
-    data = _reference_data(plan)
+    data = reference_data(plan)
     if case.inf_at is not None:
         done = [0]
         _inject(named[case.inf_at[1]], case.inf_at[0], lambda: done[0])
@@ -221,7 +222,7 @@ def _next_scale(scale: float, good_steps: int, finite: bool, growth_interval: in
     return scale, good_steps + 1
 
 
-def _reference_data(plan: Plan) -> SyntheticData:
+def reference_data(plan: Plan) -> SyntheticData:
     """The runtime's synthetic data (integer tokens and targets: the same in any precision)."""
     traced = trace_checked(rebuild_model(plan), plan)
     inputs = [(meta.shape, getattr(torch, meta.dtype)) for meta in plan.model.example_inputs]
