@@ -9,8 +9,6 @@ execute yet.
 
 from __future__ import annotations
 
-import dataclasses
-
 from cost_models.errors import RuntimeSetupError
 from planner.plan import OffloadSpec, ParamTier, Plan
 from planner.preflight import check_plan, programs
@@ -74,18 +72,11 @@ def _check_stale(plan: Plan) -> None:
 
 def _check_spatial(plan: Plan, stage: int) -> None:
     """This runtime executes spatial stages as the leading stages 0..k-1, each on its own slot,
-    followed by ordinary stages, in any precision, with recomputation and activation swapping as their
-    only memory decisions (their model state stays whole on the GPU), with per-layer halos or fused
-    groups (runtime/spatial_stage.py checks those against the stage's graph)."""
-    spec = plan.stages[stage].spatial
-    assert spec is not None
+    followed by ordinary stages, in any precision, with every memory decision an ordinary stage may take (its
+    tiles are copies of its model state, as replicas are: ZeRO shards it over them), with per-layer halos or
+    fused groups (runtime/spatial_stage.py checks those against the stage's graph)."""
+    assert plan.stages[stage].spatial is not None
     _check_leading(plan, stage)
-    offload = plan.stages[stage].offload
-    state = dataclasses.replace(offload, recompute=(), swap=())  # recompute and swap run on tiles
-    if not state.is_default:
-        raise RuntimeSetupError(f"stage {stage} runs on spatial tiles and has memory decisions "
-                                f"({state.describe(len(plan.stages[stage].nodes))}), which this runtime "
-                                f"does not execute together yet; re-plan with only recompute and swap there")
 
 
 def _check_leading(plan: Plan, stage: int) -> None:

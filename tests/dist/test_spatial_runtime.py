@@ -28,7 +28,7 @@ import pytest
 from cost_models.graph.ir import Geometry
 from cost_models.halo import HaloCost, balanced_edges, chain_halo_cost, halo_cost, output_edges, windows_of
 from cost_models.presets import PRESETS
-from planner.plan import HaloMode, OffloadSpec, Plan, SpatialSpec
+from planner.plan import HaloMode, OffloadSpec, Plan, SpatialSpec, StateTier
 from tests.dist.harness import run_ranks
 from tests.dist.runtime_cases import Case, Outcome, reference, run_cases
 from tests.runtime_plans import RESNET, make_plan
@@ -212,6 +212,19 @@ def test_vertical_two_tiles_and_one_stage_equal_a_single_process() -> None:
           Case(_spatial_plan(2, "vertical", "1f1b", offload=SWAPPED), steps=1),
           Case(_spatial_plan(2, "vertical", "gpipe", halo="fused", fused_groups=FUSED_GROUPS,
                              offload=RECOMPUTED_GROUP), steps=1)], 3)
+
+
+def test_tiles_sharding_their_model_state_or_stepping_off_the_gpu_equal_a_single_process(tmp_path) -> None:
+    """A spatial stage's tiles are copies of its model state, as replicas are: ZeRO 1, 2 and 3 shard it over
+    them (the part's group, tiles and replicas: runtime/grads.py), and its optimizer may step on the host or
+    page its state to NVMe, with recompute beside."""
+    _run([Case(_spatial_plan(2, "vertical", "gpipe", offload=OffloadSpec(zero_stage=1)), steps=1),
+          Case(_spatial_plan(2, "vertical", "1f1b", offload=OffloadSpec(zero_stage=2)), steps=1),
+          Case(_spatial_plan(2, "vertical", "gpipe", offload=OffloadSpec(zero_stage=3)), steps=1),
+          Case(_spatial_plan(2, "vertical", "1f1b", offload=OffloadSpec(
+              recompute=RECOMPUTED_1F1B, zero_stage=1, optimizer_state=StateTier.HOST)), steps=1),
+          Case(_spatial_plan(2, "vertical", "gpipe", offload=OffloadSpec(optimizer_state=StateTier.NVME)), steps=1,
+               nvme_dir=str(tmp_path))], 3)
 
 
 def test_square_four_tiles_and_one_stage_equal_a_single_process() -> None:
