@@ -170,20 +170,23 @@ def _interleaved_slot(slot: int, ranks: int, virtual_stages: int, num_microbatch
     return tuple(program)
 
 
-def zb_h1(num_stages: int, num_microbatches: int, *, data_parallel: int = 1) -> Schedule:
+def zb_h1(num_stages: int, num_microbatches: int, *, data_parallel: int = 1,
+          tiles: Sequence[int] | None = None) -> Schedule:
     """Zero-bubble ZB-H1 (Qi et al. 2023): 1F1B with each backward split into its input-gradient half I
     (which the previous stage waits for) and its weight-gradient half W (which nobody waits for).
 
     Stage s warms up with ``min(M, S - s)`` forwards like 1F1B, then runs I of the oldest micro-batch,
     the W that leaves at most s of them pending, and the next F; its last s Ws fill the drain, where
-    1F1B waits. Every stage holds at most S micro-batches (1F1B's peak, on stage 0).
+    1F1B waits. Every stage holds at most S micro-batches (1F1B's peak, on stage 0). ``tiles[s]`` ranks split
+    stage s spatially (default one each); they all run its program.
 
     >>> [str(a) for a in zb_h1(2, 3).programs[1]]
     ['1F0', '1I0', '1F1', '1I1', '1W0', '1F2', '1I2', '1W1', '1W2']
     """
     _check_sizes(num_stages, num_microbatches)
     programs = tuple(_zb_h1_stage(stage, num_stages, num_microbatches) for stage in range(num_stages))
-    return Schedule(ScheduleKind.ZB_H1, num_microbatches, Layout.pipeline(num_stages, data_parallel), programs)
+    return Schedule(ScheduleKind.ZB_H1, num_microbatches, Layout.pipeline(num_stages, data_parallel, tiles),
+                    programs)
 
 
 def _zb_h1_stage(stage: int, num_stages: int, num_microbatches: int) -> Program:

@@ -130,10 +130,11 @@ def _geometry(layer: nn.Conv2d | nn.MaxPool2d) -> Geometry:
 
 def test_spatial_stages_one_after_another_equal_a_single_process() -> None:
     """4 square tiles then 2 vertical strips (GPipe; 1F1B recomputing and swapping on the strips);
-    three spatial stages with a value skipping one."""
+    three spatial stages with a value skipping one (1F1B, ZB-H1)."""
     cases = [Case(_plan(FOUR_THEN_TWO, "gpipe"), steps=1),
              Case(_plan(FOUR_THEN_TWO, "1f1b", offload=[OffloadSpec(), ON_STRIPS, OffloadSpec()]), steps=1),
-             Case(_plan(SKIPPING, "1f1b"), steps=1), Case(_searched(), steps=1)]
+             Case(_plan(SKIPPING, "1f1b"), steps=1), Case(_searched(), steps=1),
+             Case(_plan(SKIPPING, "zb-h1"), steps=1)]  # I sends the halos' gradients on stages 1 and 2
     outcomes = run_ranks(run_cases, 7, cases, timeout_s=240)
     expected = reference(cases[0])  # the model, batch and optimizer are the same in every case
     plans = [Plan.from_dict(json.loads(case.plan_json)) for case in cases]
@@ -144,7 +145,7 @@ def test_spatial_stages_one_after_another_equal_a_single_process() -> None:
         fused = any(stage.spatial is not None and stage.spatial.fused_groups for stage in plan.stages)
         _check(plan, expected, [outcomes[rank][index] for rank in range(7)],
                None if fused else _predicted_halo_bytes(plan, traced, shapes))
-    searched = plans[-1]  # the planner's own prediction of every tile's halo bytes is the runtime's count too
+    searched = plans[3]  # the planner's own prediction of every tile's halo bytes is the runtime's count too
     assert [stage.spatial.parts for stage in searched.stages[:2]] == [4, 2]  # type: ignore[union-attr]
     predicted = [0] * 7
     for stage in searched.stages[:2]:

@@ -202,11 +202,13 @@ def _run(cases: list[Case], world_size: int) -> None:
 
 
 def test_vertical_two_tiles_and_one_stage_equal_a_single_process() -> None:
-    """Per-layer and fused halos; recompute regions under GPipe and 1F1B; swapped runs; two fused
-    groups, one of them recomputed."""
+    """Per-layer and fused halos under GPipe, 1F1B and ZB-H1; recompute regions under GPipe and 1F1B; swapped
+    runs; two fused groups, one of them recomputed."""
     _run([Case(_spatial_plan(2, "vertical", "gpipe"), steps=1),
           Case(_spatial_plan(2, "vertical", "1f1b"), steps=1),
           Case(_spatial_plan(2, "vertical", "1f1b", halo="fused"), steps=1),
+          Case(_spatial_plan(2, "vertical", "zb-h1"), steps=1),  # stage 0's W: its whole backward, halos and all
+          Case(_spatial_plan(2, "vertical", "zb-h1", halo="fused"), steps=1),
           Case(_spatial_plan(2, "vertical", "gpipe", offload=OffloadSpec(recompute=RECOMPUTED_GPIPE)), steps=1),
           Case(_spatial_plan(2, "vertical", "1f1b", offload=OffloadSpec(recompute=RECOMPUTED_1F1B)), steps=1),
           Case(_spatial_plan(2, "vertical", "1f1b", offload=SWAPPED), steps=1),
