@@ -410,6 +410,8 @@ class Search:
                 pending.append((index, config, kept))
         for position, (index, config, kept) in enumerate(pending):
             best = _cutoff(config, min((c.objective_ms for c in solved), default=None))
+            if memory_floor(self.setup(config).frugal_costs) > self.space.mem_bytes:  # (fits' first check: a
+                continue  # millisecond, where the bound below takes tens)
             if best is not None and self.decided_bound(config, best) >= best:
                 continue
             remaining = self.space.time_limit_s - (time.perf_counter() - start)
