@@ -93,8 +93,8 @@ def searched_plan(builder: str, *, gpus: int, offload: tuple[str, ...], budget_s
     from cost_models.graph.model_spec import build_model, load_builder
     from planner import plan
 
-    kwargs, inputs = _model_args(builder)
     with default_dtype(torch.float64):
+        kwargs, inputs = _model_args(builder)
         model = build_model(load_builder(builder), kwargs, "meta")
     common = dict(gpus=gpus, batch_size=batch_size, example_inputs=inputs, precision="fp64", reserve=0,
                   optimizer=optimizer, micro_batch_sizes=(micro_batch_size,), schedules=(schedule,),

@@ -733,7 +733,29 @@ class Search:
         decided = self._fits_but_for_capacity(setup)
         if decided is not None:  # with memory decisions the GPUs would fit it: host memory or NVMe do not
             return capacity_error(setup, decided, lowest.peak_bytes)
-        return infeasible_error(setup, self._budget(), self.space.gpus, self.device.name, self.space.reserve)
+        return infeasible_error(setup, self._budget(), self.space.gpus, self.device.name, self.space.reserve,
+                                self._decided_floor(configs))
+
+    def _decided_floor(self, configs: Sequence[Config]) -> int | None:
+        """A memory no plan of ``configs`` fits below, with every memory decision at its most frugal: per
+        configuration the exact least peak of its partitions where one part is on each slot, else the window
+        floor over every partition (configurations taken by their memory floor, lowest first, until it reaches
+        the least found); None where the search may make no memory decision (then the budget keeping every
+        activation is the least)."""
+        if all(self.setup(c).decided is None for c in configs):
+            return None
+        floors = sorted(((memory_floor(self.setup(c).frugal_costs), c) for c in configs), key=lambda pair: pair[0])
+        least = float("inf")
+        for floor, config in floors:
+            if floor >= least:
+                break
+            costs = self.setup(config).frugal_costs
+            if _shared_slot_window(costs) is None:
+                least = min(least, min_peak_partition(costs).peak_bytes)
+            else:  # each cut anywhere its part can end
+                anywhere = tuple((cut, costs.num_units - costs.num_parts + cut) for cut in range(costs.num_parts - 1))
+                least = min(least, window_memory_floor(costs, anywhere))
+        return round(least)
 
     def _fits_but_for_capacity(self, setup: Setup) -> Evaluation | None:
         """``setup``'s fastest plan with memory decisions were each node's host memory and NVMe unbounded,

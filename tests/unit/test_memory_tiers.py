@@ -423,6 +423,33 @@ def _tiny(mem: str | int, **overrides):
     return plan(gpt_tiny(), mem=mem, **arguments)
 
 
+def test_a_budget_nothing_fits_is_told_the_budget_keeping_every_activation_and_the_floor_recompute_reaches() -> None:
+    """It named only the budget that fits keeping every activation ("Give mem >= X"): a user gave X where
+    recompute fits in much less (ResNet-50, batch 64, on 2 V100s: told 192.4 MiB, and 150 MB fits). The least
+    budget that fits, found by bisection through plan(), lies between the floor it names and that budget."""
+    def kib(text: str, pattern: str) -> float:
+        number, unit = re.search(pattern + r"([\d.]+) (\w?)iB", text).groups()  # type: ignore[union-attr]
+        return float(number) * 1024 ** " KMG".index(unit or " ") / 1024
+
+    with pytest.raises(PlanInfeasible) as raised:
+        _tiny(1)
+    text = str(raised.value)
+    kept, floor = kib(text, r"Give mem >= "), kib(text, r"though not below ")
+    assert "(it fits keeping every activation; recomputing and swapping them may fit in less" in text
+    assert floor < kept and 0.95 * kept * 1024 < raised.value.min_mem_bytes <= kept * 1024  # (shown rounded up)
+    refused, fits = floor * 0.995, kept * 1.005
+    with pytest.raises(PlanInfeasible):
+        _tiny(f"{refused:.0f}KB")
+    for _ in range(6):
+        middle = (refused + fits) / 2
+        try:
+            _tiny(f"{middle:.0f}KB")
+            fits = middle
+        except PlanInfeasible:
+            refused = middle
+    assert floor <= fits < kept, (floor, fits, kept)
+
+
 def test_the_search_keeps_the_optimizer_on_the_host_when_model_state_does_not_fit() -> None:
     with pytest.raises(PlanInfeasible) as raised:
         _tiny(1, offload=False)
