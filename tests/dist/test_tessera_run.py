@@ -6,6 +6,7 @@ Each test starts the real console script in a subprocess (gloo, CPU, one thread 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -13,7 +14,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -83,28 +86,35 @@ def _started(out: Path, plan: Path, deadline_s: float) -> list[int]:
     return _job_processes(plan)
 
 
+@contextlib.contextmanager
+def _long_run(plan: Path, tmp_path: Path, **popen: Any) -> Iterator[tuple[subprocess.Popen, Path, list[int]]]:
+    """`tessera run` of ``plan`` for many steps: the process, its stderr's file and, once its first step is logged,
+    the job's processes; whatever of it is left is killed on the way out."""
+    out, err = tmp_path / "out.txt", tmp_path / "err.txt"
+    with out.open("w") as stdout, err.open("w") as stderr:
+        process = subprocess.Popen([TESSERA, "run", str(plan), "--steps", "100000"], cwd=ROOT, stdout=stdout,
+                                   stderr=stderr, env=ENV, start_new_session=True, **popen)
+    try:
+        yield process, err, _started(out, plan, 120)
+    finally:
+        for pid in [process.pid, *_job_processes(plan)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 @pytest.mark.parametrize(("signum", "line"), [(signal.SIGINT, "tessera: interrupted"),
                                               (signal.SIGTERM, "tessera: terminated")])
 def test_a_signal_to_tessera_run_stops_every_rank_and_says_one_line(
         plans: dict[str, Path], tmp_path: Path, signum: int, line: str) -> None:
-    out, err = tmp_path / "out.txt", tmp_path / "err.txt"
-    with out.open("w") as stdout, err.open("w") as stderr:
-        process = subprocess.Popen([TESSERA, "run", str(plans["gpt2"]), "--steps", "100000"], cwd=ROOT,
-                                   stdout=stdout, stderr=stderr, env=ENV, start_new_session=True,
-                                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    try:
-        job = _started(out, plans["gpt2"], 120)
+    with _long_run(plans["gpt2"], tmp_path,
+                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) as (process, err, job):
         assert len(job) == 3, f"expected the agent and 2 ranks, found pids {job}"
         os.killpg(process.pid, signum)  # to tessera's process group, as a terminal's Ctrl-C
         assert process.wait(timeout=60) == 128 + signum
         assert said(err.read_text()) == [line]
         assert _job_processes(plans["gpt2"]) == [], "ranks outlived `tessera run`"
-    finally:
-        for pid in [process.pid, *_job_processes(plans["gpt2"])]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 def _rank_pid(pids: list[int], rank: int) -> int:
@@ -120,24 +130,14 @@ def test_a_rank_killed_mid_run_is_named_and_every_rank_exits_promptly(plans: dic
                                                                      tmp_path: Path) -> None:
     """Rank 1 is killed by SIGKILL: rank 0, left waiting for its messages, says so and fails too; the agent names
     the killed rank (before, it named rank 0 alone when both failures fell in the same second)."""
-    out, err = tmp_path / "out.txt", tmp_path / "err.txt"
-    with out.open("w") as stdout, err.open("w") as stderr:
-        process = subprocess.Popen([TESSERA, "run", str(plans["gpt2"]), "--steps", "100000"], cwd=ROOT,
-                                   stdout=stdout, stderr=stderr, env=ENV, start_new_session=True)
-    try:
-        job = _started(out, plans["gpt2"], 120)
+    with _long_run(plans["gpt2"], tmp_path) as (process, err, job):
         killed = _rank_pid(job, 1)
         os.kill(killed, signal.SIGKILL)
         assert process.wait(timeout=60) == 1
         lines = said(err.read_text())
         assert f"tessera: rank 1 (pid {killed}) was killed by SIGKILL" in lines, lines
         assert _job_processes(plans["gpt2"]) == [], "ranks outlived `tessera run`"
-    finally:
-        for pid in [process.pid, *_job_processes(plans["gpt2"])]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+
 
 # ------------------------------------------------------------------ refusals
 @pytest.mark.parametrize(("plan", "args", "message"), [
