@@ -71,5 +71,6 @@ def failure_status(error: ChildFailedError) -> int:
     statuses = [failure.exitcode for failure in silent.values() if failure.exitcode > 0]
     return statuses[0] if statuses else EXIT_FAILED
 
+
 if __name__ == "__main__":
     raise SystemExit(main())
