@@ -6,8 +6,8 @@ pixels' weight gradients; halos arrive as 16-bit copies), so neither can equal t
 equal is what 16-bit training gives: each parameter's fp32 master after one step is compared with the
 float64 truth (the same initial weights, batch and optimizer, in one process), and the tiled run's error
 (normwise, relative to the float64 update) must be at most twice the untiled run's plus 2**-7. Measured on
-tests/small_cnn.py: bf16 tiled 0.25-9.4%, untiled 0.25-9.2% (conv1, under a batch-norm, is the worst in both);
-fp16 0.03-4.1% and 0.03-4.0%. A wrong halo, tile or gradient sum gives errors of order 1; per-tile batch-norm
+tests/small_cnn.py: bf16 tiled 0.25-9.0%, untiled 0.25-9.2% (conv1, under a batch-norm, is the worst in both);
+fp16 0.03-4.5% and 0.03-4.0%. A wrong halo, tile or gradient sum gives errors of order 1; per-tile batch-norm
 statistics instead of the image's, 3x the untiled error in fp16 (13% against 4%; within bf16's noise). The
 search's plans (bf16 GPipe, fp16 1F1B: stage 0 on 2 tiles, a fused halo group) and a hand-made one with two
 spatial stages re-tiling in bf16. Each tile rank's halo bytes equal the plan's prediction, half what the fp32
