@@ -410,8 +410,8 @@ class Search:
                 pending.append((index, config, kept))
         for position, (index, config, kept) in enumerate(pending):
             best = _cutoff(config, min((c.objective_ms for c in solved), default=None))
-            if memory_floor(self.setup(config).frugal_costs) > self.space.mem_bytes:  # (fits' first check: a
-                continue  # millisecond, where the bound below takes tens)
+            if not self._fits_at_its_floor(config):  # a millisecond, where the bound below takes tens
+                continue
             if best is not None and self.decided_bound(config, best) >= best:
                 continue
             remaining = self.space.time_limit_s - (time.perf_counter() - start)
@@ -517,12 +517,16 @@ class Search:
         lowest = self._min_peak(config, frugal=False)
         return None if lowest is None else lowest.peak_bytes <= self.space.mem_bytes
 
+    def _fits_at_its_floor(self, config: Config) -> bool:
+        """Whether the configuration's memory floor, every decision at its most frugal, is within the budget."""
+        return memory_floor(self.setup(config).frugal_costs) <= self.space.mem_bytes
+
     def fits(self, config: Config) -> bool:
         """Whether any partition of this configuration might fit the budget (by DP, where it applies:
         exact without memory decisions, a necessary condition with them; else by the memory floor alone)."""
-        costs = self.setup(config).frugal_costs
-        if memory_floor(costs) > self.space.mem_bytes:
+        if not self._fits_at_its_floor(config):
             return False
+        costs = self.setup(config).frugal_costs
         try:
             check_exact(costs, decisions_allowed=True)
         except ValueError:
