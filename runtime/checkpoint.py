@@ -2,7 +2,8 @@
 
 Layout::
 
-    DIR/step-00000012/stage-0.pt    {"step", "stage", "fingerprint", "model", "optimizer", "precision"}
+    DIR/step-00000012/stage-0.pt    {"step", "stage", "fingerprint", "model", "optimizer", "precision",
+                                     "stashed"}
     DIR/step-00000012/stage-1.pt
     DIR/latest.json                 {"step": 12, "fingerprint": ..., "split": ..., "stage_starts": [...]}
                                     (written last, by rank 0)
@@ -13,8 +14,12 @@ shards are gathered first (every replica takes part), and state paged to NVMe or
 host is read back (runtime/stage_optimizer.py), so a checkpoint resumes under any of them. Under
 fp16/bf16 ``precision`` holds the stage's whole fp32 master weights and the loss scaler's state
 (runtime/precision.py), the optimizer state is the masters' and ``model`` the 16-bit weights, so a
-resumed run continues exactly; otherwise it is None. ``latest.json`` moves only after every stage file of that step exists, so a
-kill at any moment leaves the previous complete checkpoint in place. It names the model
+resumed run continues exactly; otherwise it is None. A stage on stashed weight versions (WPipe's first
+group, runtime/stale.py) also saves, as ``stashed``, the older version the next step's forwards read
+(None elsewhere); the run flushes before each checkpoint (runtime/train.py), so no forward has run ahead
+of it, and a resumed run runs them first, as after any flush. ``latest.json`` moves only after every
+stage file of that step exists, so a kill at any moment leaves the previous complete checkpoint in
+place. It names the model
 (fingerprint) and how the plan cut it into stages (``split``, a digest of the node-to-stage map),
 so resuming with another model or another cut is refused before any stage file is read, by every
 rank alike. Files hold state dicts (``torch.save``; loaded with ``weights_only=True``), never
@@ -75,7 +80,7 @@ def save(executor: Executor, directory: Path, step: int) -> None:
     plan = executor.plan
     for stage in executor.stage_ids:  # every replica: gathering ZeRO shards is collective
         payload = {"step": step, "stage": stage, "fingerprint": plan.model.fingerprint,
-                   **stage_state(executor, stage)}
+                   **stage_state(executor, stage), "stashed": executor.versions.stashed(stage, step)}
         if executor.replica == 0:
             _atomic(folder / f"stage-{stage}.pt", lambda handle, p=payload: torch.save(p, handle))
         del payload
@@ -132,6 +137,8 @@ def restore(executor: Executor, directory: Path, step: int) -> int:
                                   f"{str(saved.get('fingerprint'))[:12]}..., stage {saved.get('stage')}); "
                                   f"resume with the plan that wrote it or use another --checkpoint-dir")
         load_stage_state(executor, stage, saved)
+        if stage in executor.versions.stale_stages:
+            _resume_stashed(executor, stage, step, saved, directory)
     executor.steps_done = step
     return step
 
@@ -182,6 +189,23 @@ def load_stage_state(executor: Executor, stage: int, saved: dict[str, Any]) -> N
                     f"this one places the stage's weights otherwise (e.g. a tied weight on a rank holding two "
                     f"of its stages); resume with the plan that wrote it, or use another --checkpoint-dir",
                     same_on_every_rank=False) from error
+
+
+def _resume_stashed(executor: Executor, stage: int, step: int, saved: dict[str, Any], directory: Path) -> None:
+    """A stage on stashed weight versions continues from the version its checkpoint saved (every rank of a
+    WPipe plan holds such a stage, so every rank refuses a checkpoint without them alike)."""
+    stashed = saved.get("stashed")
+    if stashed is None:
+        raise CheckpointError(f"the checkpoint of step {step} in {directory} holds no stashed weight versions: it "
+                              f"was written by a plan that steps every stage synchronously, and this "
+                              f"{executor.plan.schedule.kind.value} plan computes its first group of stages on "
+                              f"weights one update old; resume with the plan that wrote it, or use another "
+                              f"--checkpoint-dir", same_on_every_rank=True)
+    try:
+        executor.versions.resume(stage, step, stashed)
+    except ValueError as error:
+        raise CheckpointError(f"stage {stage}'s checkpoint was written for another plan ({error}); resume with the "
+                              f"plan that wrote it, or use another --checkpoint-dir") from error
 
 
 def _load(path: Path, device: torch.device) -> dict[str, Any]:

@@ -80,6 +80,32 @@ class WeightVersions:
                 stepped.grad = stashed.grad if stepped.grad is None else stepped.grad + stashed.grad
                 stashed.grad = None
 
+    def stashed(self, stage: int, period: int) -> dict[str, torch.Tensor] | None:
+        """The weights period ``period``'s forwards of ``stage`` read, W0(period - 1), by name (``module.``
+        its module's parameters, ``attr.`` its weight attrs); None for a stage that computes on its own."""
+        if stage not in self._copies:
+            return None
+        held = self._copies[stage][period % 2]
+        return {**{f"module.{name}": t.detach() for name, t in held.module.named_parameters()},
+                **{f"attr.{name}": t.detach() for name, t in held.attrs.items() if t.requires_grad}}
+
+    def resume(self, stage: int, period: int, stashed: dict[str, torch.Tensor]) -> None:
+        """Continue at period ``period`` from a checkpoint: its stashed weights (:meth:`stashed`) become
+        period ``period``'s version, and the stage's own weights, just loaded, period ``period + 1``'s."""
+        held = self._copies[stage][period % 2]
+        mine = self.stashed(stage, period)
+        assert mine is not None
+        if set(stashed) != set(mine):
+            missing, extra = sorted(set(mine) - set(stashed)), sorted(set(stashed) - set(mine))
+            raise ValueError(f"the stashed weights lack {len(missing)} of this stage's (first "
+                             f"{missing[0] if missing else '-'}) and hold {len(extra)} it lacks (first "
+                             f"{extra[0] if extra else '-'})")
+        with torch.no_grad():
+            for name, tensor in mine.items():
+                tensor.copy_(stashed[name])
+        held.clear_grads()
+        self._copies[stage][(period + 1) % 2].load(self._stages[stage])
+
     def after_update(self, stage: int, period: int) -> None:
         """The stage stepped on period ``period``'s gradients: the copy that period used becomes period
         ``period + 2``'s, holding the new weights."""
@@ -107,8 +133,11 @@ class _Copy:
         with torch.no_grad():
             for mine, theirs in zip(self.module.parameters(), stage.module.parameters()):
                 mine.copy_(theirs)
-                mine.grad = None
             for name, value in self.attrs.items():
                 if value.requires_grad:
                     value.copy_(stage.attrs[name])
-                    value.grad = None
+        self.clear_grads()
+
+    def clear_grads(self) -> None:
+        for tensor in (*self.module.parameters(), *self.attrs.values()):
+            tensor.grad = None

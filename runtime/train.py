@@ -11,7 +11,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from cost_models.errors import RuntimeSetupError
 from planner.plan import Plan
 from planner.preflight import check_one_output
 from planner.schedules import ActionKind
@@ -46,19 +45,18 @@ class RunOptions:
 def run(plan: Plan, options: RunOptions, device: torch.device) -> RunReport:
     """Train the plan's model on synthetic data for ``options.steps`` steps (collective).
 
-    A plan whose forwards run ahead (WPipe) is given each next step's micro-batches but the last's (it
-    flushes); its memory is measured on the last step that runs ahead."""
-    if options.checkpoint_dir and plan.schedule.kind.stale_weights:
-        raise RuntimeSetupError(f"{plan.schedule.kind.value} plans do not checkpoint yet (a checkpoint would also "
-                                f"need the stashed weight version of the first group); run without "
-                                f"--checkpoint-dir, or re-plan without --allow-stale-weights")
+    A plan whose forwards run ahead (WPipe) is given each next step's micro-batches but on the last step and
+    on those a checkpoint follows (it flushes: a checkpoint holds no forward run ahead, and the next step runs
+    them first, as a resumed run does; the weights each forward reads are the same); its memory is measured on
+    the last step that runs ahead."""
     start = _resume_step(plan, options)
     executor, data = prepare(plan, options, device)
     if start:
         assert options.checkpoint_dir is not None
         checkpoint.restore(executor, options.checkpoint_dir, start)
     crossing = executor.crosses_steps
-    measured = options.steps - 1 - (crossing and options.steps - start >= 2)  # the step whose memory is measured
+    ahead = [step for step in range(start, options.steps) if crossing and not _flushes(step, options)]
+    measured = ahead[-1] if ahead else options.steps - 1  # the step whose memory is measured
     timings, losses = StepTimings(), []
     p2p_bytes_sent = 0
     for step in range(start, options.steps):
@@ -67,7 +65,7 @@ def run(plan: Plan, options: RunOptions, device: torch.device) -> RunReport:
                                f"(--fail-at-step)")
         profiled = device.type == "cpu" and step == measured  # memory peak (runtime/memory.py)
         microbatches = step_microbatches(executor, data, step)
-        following = step_microbatches(executor, data, step + 1) if crossing and step + 1 < options.steps else None
+        following = step_microbatches(executor, data, step + 1) if step in ahead else None
         began = time.perf_counter()
         losses.append(executor.run(microbatches, profile_memory=profiled, next_microbatches=following))
         if step == measured:
@@ -156,6 +154,11 @@ def step_microbatches(executor: Executor, data: SyntheticData, step: int) -> lis
     count = executor.plan.training.num_microbatches
     return [data.microbatch(step, executor.replica * count + m, inputs=executor.needs_inputs,
                             targets=executor.needs_targets) for m in range(count)]
+
+
+def _flushes(step: int, options: RunOptions) -> bool:
+    """Whether step ``step`` (from 0) of a plan whose forwards run ahead flushes: the last, or a checkpoint's."""
+    return step + 1 == options.steps or bool(options.checkpoint_dir and _checkpoint_due(step + 1, options))
 
 
 def _checkpoint_due(done: int, options: RunOptions) -> bool:

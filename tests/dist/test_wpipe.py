@@ -11,19 +11,23 @@ step 1 on, so the emulation is what is checked.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
+from planner.manual import reschedule
 from planner.plan import Plan
+from planner.reports.run_report import RunReport
 from runtime.build import rebuild_model, trace_checked
 from runtime.data import SyntheticData, input_specs, synthetic_task
 from runtime.values import value_specs
 from runtime.weights import initialize
 from tests.dist.harness import run_ranks
 from tests.dist.runtime_cases import SEED, Case, Outcome, _recording, check_outcomes, reference, run_cases
+from tests.dist.test_tessera_run import _one_error_line, tessera
 from tests.runtime_plans import GPT, RESNET, searched_plan
 
 pytestmark = pytest.mark.dist
@@ -116,3 +120,51 @@ def test_searched_wpipe_plans_equal_an_emulation_of_its_update_rule(ranks: int) 
         synchronous = reference(case)  # the emulation is not the synchronous rule: the check can fail
         assert emulated.losses[0] == pytest.approx(synchronous.losses[0], rel=1e-12)
         assert not np.allclose(emulated.losses[1:], synchronous.losses[1:], rtol=1e-6, atol=0)
+
+
+def _final_state(checkpoints: Path, step: int) -> dict[str, np.ndarray]:
+    """Every stage's parameters and buffers in the checkpoint of ``step``, by model name."""
+    state: dict[str, np.ndarray] = {}
+    for stage_file in sorted((checkpoints / f"step-{step:08d}").glob("stage-*.pt")):
+        state.update({name: t.numpy() for name, t in torch.load(stage_file, weights_only=True)["model"].items()})
+    return state
+
+
+def test_a_wpipe_run_checkpoints_and_resumes_on_its_update_rule(tmp_path: Path) -> None:
+    """`tessera run` of a WPipe plan checkpointing every 2 steps flushes before each checkpoint and saves the
+    first group's stashed version; a run resumed from step 2 reads it. Both runs' losses, and the weights
+    and batch-norm statistics (in the first group: a forward run ahead before a checkpoint would update them
+    twice) of their last checkpoints, equal the emulation's over 6 steps. A synchronous plan's checkpoint of
+    the same cut holds no stashed version: resuming it is refused in one line."""
+    case = _cases(2)[1]
+    plan_file, checkpoints = tmp_path / "wpipe.json", tmp_path / "checkpoints"
+    plan_file.write_text(case.plan_json)
+    common = ("--checkpoint-dir", str(checkpoints), "--checkpoint-every", "2", "--seed", str(SEED), "--lr", str(case.lr))
+    straight = tessera("run", str(plan_file), "--steps", str(STEPS), "--", *common,
+                       "--report", str(tmp_path / "straight.json"))
+    assert straight.returncode == 0, straight.stderr
+    straight_state = _final_state(checkpoints, STEPS)
+    latest = json.loads((checkpoints / "latest.json").read_text())
+    (checkpoints / "latest.json").write_text(json.dumps({**latest, "step": 2}))  # as if killed after step 3
+    resumed = tessera("run", str(plan_file), "--steps", str(STEPS), "--", *common, "--resume",
+                      "--report", str(tmp_path / "resumed.json"))
+    assert resumed.returncode == 0, resumed.stderr
+    whole, after = RunReport.load(tmp_path / "straight.json"), RunReport.load(tmp_path / "resumed.json")
+    assert after.start_step == 2
+    emulated = wpipe_emulation(Case(case.plan_json, steps=STEPS, lr=case.lr))
+    np.testing.assert_allclose(whole.losses, emulated.losses, rtol=1e-10, atol=0)
+    np.testing.assert_allclose(after.losses, emulated.losses[2:], rtol=1e-10, atol=0)
+    expected = {**emulated.params, **emulated.buffers}
+    for state in (straight_state, _final_state(checkpoints, STEPS)):
+        assert set(state) == set(expected)
+        for name, tensor in state.items():
+            np.testing.assert_allclose(tensor, expected[name], rtol=1e-10, atol=1e-12, err_msg=name)
+
+    synchronous = reschedule(Plan.from_dict(json.loads(case.plan_json)), "interleaved-1f1b", virtual_stages=2)
+    synchronous.save(tmp_path / "interleaved.json")
+    other = tmp_path / "other"
+    wrote = tessera("run", str(tmp_path / "interleaved.json"), "--steps", "1", "--", "--checkpoint-dir", str(other))
+    assert wrote.returncode == 0, wrote.stderr
+    refused = tessera("run", str(plan_file), "--steps", "2", "--", "--checkpoint-dir", str(other), "--resume")
+    assert refused.returncode == 2, refused.stderr
+    assert _one_error_line(refused.stderr, "holds no stashed weight versions"), refused.stderr
