@@ -47,6 +47,11 @@ def check_executable(plan: Plan) -> None:
     _check_stale(plan)
     for stage in plan.stages:
         _check_offload(stage.index, stage.offload)
+        copies = len(layout.part_ranks(stage.index))
+        if stage.offload.grads_on_host and copies > 1:
+            raise RuntimeSetupError(f"stage {stage.index} sends its gradients to the host each backward and runs on "
+                                    f"{copies} ranks (replicas, mirror copies or tiles), whose gradients this runtime "
+                                    f"sums on the device; re-plan it with its gradients on the GPU or on one rank")
         if split and stage.offload.zero_stage == 3:
             raise RuntimeSetupError(f"stage {stage.index} shards its parameters (ZeRO-3) and the schedule splits "
                                     f"backwards into I and W, which this runtime does not execute together yet; "

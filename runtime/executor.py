@@ -413,8 +413,10 @@ class Executor:
         micro = state.micro(action.stage, action.microbatch)
         weights = self.versions.weights(action.stage, state.period_of(action.microbatch))
         if micro.weight_groups is not None:
-            with self._params_in_use(self.stages[action.stage]):
-                backward_weight(weights, micro.weight_groups)
+            stage = self.stages[action.stage]
+            with self._params_in_use(stage):
+                backward_weight(weights, micro.weight_groups,
+                                made=stage.state.gradient_made if stage.state is not None else None)
         elif weights:
             self._run_backward(action, micro, inputs=weights)
         self._end_backward(action, micro, state)

@@ -16,7 +16,7 @@ recomputes it once): the planner does not recompute under a split backward.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -53,13 +53,15 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor |
     return groups
 
 
-def backward_weight(weights: Sequence[torch.Tensor], groups: ParamGroups) -> None:
+def backward_weight(weights: Sequence[torch.Tensor], groups: ParamGroups,
+                    made: Callable[[torch.Tensor], None] | None = None) -> None:
     """W: the weights' gradients, accumulated into their ``.grad``, from what I kept: one backward per group,
     from its kept gradients to its own weights only (the activation path is not crossed again), as torch's
     ``stage_backward_weight`` runs them, with two differences. Every backward but the last keeps the graph:
     two groups may reach one node (a weight used twice in the stage), which a backward freeing what it crossed
     would leave the next without. And each weight's gradient accumulator is looked up once, not once per
-    group (each lookup makes a view: with tens of groups that was milliseconds a W)."""
+    group (each lookup makes a view: with tens of groups that was milliseconds a W). ``made`` is called with each
+    weight once its gradient is in ``.grad`` (autograd's post-accumulate-grad hooks do not run here)."""
     weight_of = {_get_grad_fn_or_grad_acc(weight): weight for weight in weights}
     last = len(groups) - 1
     for index, group in enumerate(groups):
@@ -85,3 +87,5 @@ def backward_weight(weights: Sequence[torch.Tensor], groups: ParamGroups) -> Non
                 weight.grad = grad
             else:
                 weight.grad += grad
+            if made is not None:
+                made(weight)

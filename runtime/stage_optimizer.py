@@ -12,6 +12,12 @@ The plan's ``offload`` section decides, per stage (planner/plan/parts.py ``Offlo
 * ``optimizer_state`` nvme: as host, and between steps the masters and the per-element state live
   only in a file of ``--nvme-dir`` (runtime/nvme.py); the read starts at the stage's first backward
   of the step (:meth:`StageOptimizer.prefetch`), the write after the step.
+* ``grads_on_host`` (with the step on the host or NVMe; ZeRO-Offload's gradients): a hook on each parameter
+  takes the gradient each backward made off the device as soon as it is made (:meth:`_gradient_down`: cast
+  on the device to the masters' dtype, copied down, added to the parameter's sum on the host), so the
+  device holds no gradient between backwards; the step reads the sums. Tied parameters, summed across
+  stages on the device after the backwards, keep theirs there. One copy of the stage only: a data-parallel
+  all-reduce sums gradients on the device (runtime/checks.py refuses more copies).
 * ``zero_stage`` >= 1 over the stage's data-parallel group (runtime/sharding.py): each rank's masters
   are its chunks of the parameters (on the tier's device), it steps only those, then the updated
   chunks are all-gathered into the parameters, bucket by bucket (1, 2), or kept as the parameter's
@@ -37,6 +43,7 @@ bucket's step would walk every parameter again.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -81,6 +88,12 @@ class StageOptimizer:
                 group["foreach"] = True  # device, as cost_models.memory.step_transient_bytes counts them
         self.grad_chunks: dict[int, torch.Tensor] = {}
         self.param_shards = self._initial_shards() if self.zero_stage == 3 else {}
+        self.host_grads: dict[int, torch.Tensor] = {}  # grads_on_host: each parameter's gradient summed on the host
+        self._offloaded = frozenset(index for index, (name, param) in enumerate(params.items())
+                                    if spec.grads_on_host and name not in replicated and param.requires_grad)
+        self._offloaded_ids = {id(self.params[index]): index for index in self._offloaded}
+        for index in sorted(self._offloaded):
+            self.params[index].register_post_accumulate_grad_hook(functools.partial(self._gradient_down, index))
         self._paged: list[tuple[int, str]] = []  # (master index, state key) of the paged state, file order
         self._master_shapes = [m.shape for m in self.masters]
         self._sources = None
@@ -192,7 +205,7 @@ class StageOptimizer:
                 else:  # (the plain path's parameters let go of theirs above)
                     taken[index] = None
             targets = [(self.masters[i].shape, self.masters[i].dtype, self.masters[i].device) for i in bucket]
-            copies = sources if self.plain else copied_into_new(sources, targets)
+            copies = sources if self.plain else self._down(bucket, sources, targets)
             del sources
             if unscale is not None:
                 unscale(copies)
@@ -210,11 +223,48 @@ class StageOptimizer:
     def skip(self) -> None:
         """Drop the gradients and leave masters and state as they were (a step the loss scale skips)."""
         self.grad_chunks.clear()
+        self.host_grads.clear()
         for master, param in zip(self.masters, self.params):
             master.grad = param.grad = None
 
     # ------------------------------------------------------------ the copies
+    def _down(self, bucket: Sequence[int], sources: Sequence[torch.Tensor], targets: Sequence[Target]
+              ) -> list[torch.Tensor]:
+        """A bucket's gradients as its masters' (``targets``): copied down, but the host's sums
+        (grads_on_host), which are the masters' already and the step's own."""
+        moving = [k for k, index in enumerate(bucket) if index not in self._offloaded]
+        copies = list(sources)
+        for k, copy in zip(moving, copied_into_new([sources[k] for k in moving], [targets[k] for k in moving])):
+            copies[k] = copy
+        return copies
+
+    def gradient_made(self, param: torch.Tensor) -> None:
+        """A gradient was added to ``param`` outside autograd's accumulation, whose hooks therefore did not run (a
+        split backward's W, runtime/split_backward.py): take it off the device as they would (grads_on_host)."""
+        index = self._offloaded_ids.get(id(param))
+        if index is not None:
+            self._gradient_down(index, param)
+
+    def _gradient_down(self, index: int, param: torch.Tensor) -> None:
+        """A backward made ``param``'s gradient: add it to its sum on the host and free it on the device.
+
+        The copy waits for the device (a GPU's backward stalls at each parameter until its gradient is down);
+        the plan's grads_on_host costs that link time inside the backward."""
+        grad, param.grad = param.grad, None
+        if grad is None:
+            return
+        master = self.masters[index]
+        if grad.device == self.state_device and grad.dtype == master.dtype:
+            down = grad  # (a CPU rank in the masters' dtype: nothing to copy; the hook took it off the parameter)
+        else:
+            down = copied_into_new([grad], [(param.shape, master.dtype, self.state_device)])[0]
+        del grad
+        held = self.host_grads.get(index)
+        self.host_grads[index] = down if held is None else held.add_(down)
+
     def _grad_chunk(self, index: int, *, keep: bool = False) -> torch.Tensor | None:
+        if index in self._offloaded:
+            return self.host_grads.get(index) if keep else self.host_grads.pop(index, None)
         grad = self.params[index].grad
         if not self.sharded[index]:
             return grad
@@ -225,7 +275,7 @@ class StageOptimizer:
 
     def _grad_bytes(self, index: int) -> int | None:
         """Bytes of what :meth:`_grad_chunk` gives for ``index`` (None: no gradient), without making it."""
-        grad = self.params[index].grad
+        grad = self.host_grads.get(index) if index in self._offloaded else self.params[index].grad
         if self.sharded[index] and self.zero_stage >= 2:
             grad = self.grad_chunks.get(index)
         if grad is None:

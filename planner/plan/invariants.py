@@ -90,12 +90,16 @@ def _transfers(plan: Plan) -> Iterator[str]:
 
 
 def _offload(plan: Plan) -> Iterator[str]:
-    """Checkpoint regions are runs of consecutive stage nodes, disjoint from each other and from swaps."""
+    """ZeRO stages 0-3; gradients on the host only beside a step there; checkpoint regions are runs of
+    consecutive stage nodes, disjoint from each other and from swaps."""
     for position, stage in enumerate(plan.stages):
         path, offload = f"stages[{position}].offload", stage.offload
         order = {name: index for index, name in enumerate(stage.nodes)}
         if not 0 <= offload.zero_stage <= 3:
             yield f"{path}.zero_stage is {offload.zero_stage}; it must be 0, 1, 2 or 3"
+        if offload.grads_on_host and not offload.host_step:
+            yield (f"{path}.grads_on_host is true but its optimizer_state is {offload.optimizer_state.value}; "
+                   f"gradients on the host need the step on the host (optimizer_state host or nvme)")
         named = [node for region in offload.recompute for node in region] + list(offload.swap)
         strangers = sorted({node for node in named if node not in order})
         if strangers:

@@ -154,6 +154,9 @@ class OffloadSpec:
     * ``optimizer_state``: where master weights and optimizer state live; on ``host`` or ``nvme``
       the optimizer step runs on the host (gradients copied down, parameters copied back).
     * ``params``: where parameters live between their uses (``host``: fetched ahead of use).
+    * ``grads_on_host``: each backward's parameter gradients leave the device as it makes them and add up
+      on the host, where the host's step reads them (ZeRO-Offload), instead of adding up on the device
+      until the step; it needs the step on the host (``optimizer_state`` host or nvme).
     """
 
     recompute: tuple[tuple[str, ...], ...] = ()
@@ -161,6 +164,7 @@ class OffloadSpec:
     zero_stage: int = 0
     optimizer_state: StateTier = StateTier.GPU
     params: ParamTier = ParamTier.GPU
+    grads_on_host: bool = False
 
     @property
     def is_default(self) -> bool:
@@ -191,6 +195,8 @@ class OffloadSpec:
             said.append("optimizer on host")
         elif self.optimizer_state is StateTier.NVME:
             said.append("optimizer state on NVMe, step on host")
+        if self.grads_on_host:
+            said.append("gradients to host each backward")
         if self.params is ParamTier.HOST:
             said.append("params on host")
         return ", ".join(said)
@@ -200,7 +206,8 @@ class OffloadSpec:
         return codec.fields(cls, data, path, {
             "recompute": codec.tuple_of(codec.tuple_of(codec.string)), "swap": codec.tuple_of(codec.string),
             "zero_stage": codec.integer, "optimizer_state": codec.enum_of(StateTier),
-            "params": codec.enum_of(ParamTier)})
+            "params": codec.enum_of(ParamTier), "grads_on_host": codec.boolean},
+            optional=frozenset({"grads_on_host"}))
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ import pytest
 from planner.plan import OffloadSpec, StateTier
 from tests.dist.harness import run_ranks
 from tests.dist.runtime_cases import Case, Resumed, run_cases, run_resumed
-from tests.dist.test_runtime import _check
-from tests.runtime_plans import GPT, make_plan
+from tests.dist.test_runtime import FOUR_GPT_STAGES, _check
+from tests.runtime_plans import GPT, RESNET, make_plan
 
 pytestmark = pytest.mark.dist
 
@@ -66,6 +66,31 @@ def test_two_ranks_zero_and_offloaded_optimizers_equal_a_single_process(tmp_path
     assert not list(tmp_path.glob(".*")), "a temporary state file was left behind"
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "rank0-stage0.optim", "rank1-stage0.optim", "rank1-stage1.optim"]
+
+
+def test_gradients_sent_to_the_host_each_backward_equal_a_single_process(tmp_path: Path) -> None:
+    """ZeRO-Offload's gradients (``grads_on_host``): each backward's leave the device and add up on the host, where
+    the host's or NVMe's step reads them; the tied embedding's stay on the device for their sum across stages.
+    Under 1F1B, GPipe, ZB-H1 (gradients made by W), interleaved 1F1B (a rank holding two stages) and on ResNet
+    (batch-norm, a skip across the cut), 4 micro-batches each."""
+    def sent(tier: StateTier) -> OffloadSpec:
+        return OffloadSpec(optimizer_state=tier, grads_on_host=True)
+
+    cut = ["blocks_1_ln_1"]
+    cases = [
+        _case(cut, [sent(HOST), sent(HOST)], optimizer="adam", nvme_dir=tmp_path, data_parallel=1, schedule="1f1b",
+              microbatches=4),
+        _case(cut, [sent(HOST), sent(NVME)], optimizer="momentum", nvme_dir=tmp_path, data_parallel=1,
+              microbatches=4),
+        _case(cut, [sent(NVME), sent(HOST)], optimizer="momentum", nvme_dir=tmp_path, data_parallel=1,
+              schedule="zb-h1", microbatches=4),
+        _case(FOUR_GPT_STAGES, [sent(HOST)] * 4, optimizer="adam", nvme_dir=tmp_path, data_parallel=1,
+              schedule="interleaved-1f1b", microbatches=4),
+        Case(make_plan(RESNET, ["layer2_0_conv2"], schedule="1f1b", offload=[sent(HOST), OffloadSpec()])),
+    ]
+    outcomes = run_ranks(run_cases, 2, cases, timeout_s=240)
+    for index, case in enumerate(cases):
+        _check(case, [outcomes[rank][index] for rank in range(2)])
 
 
 def test_four_ranks_two_stages_of_two_replicas_equal_a_single_process(tmp_path: Path) -> None:

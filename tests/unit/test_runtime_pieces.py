@@ -62,6 +62,25 @@ def test_set_up_mismatches_name_the_values_and_the_fix(plan: Plan) -> None:
         checks.rank_program(patched, 0)
 
 
+def test_gradients_on_the_host_need_the_step_there_and_one_copy_of_the_stage(plan: Plan) -> None:
+    def with_stage_0(offload: dict[str, object]) -> dict[str, object]:
+        data = plan.to_dict()
+        data["stages"][0]["offload"].update(offload)
+        return data
+
+    with pytest.raises(PlanFileError, match=r"stages\[0\].offload.grads_on_host is true but its optimizer_state is "
+                                            r"gpu; gradients on the host need the step on the host"):
+        Plan.from_dict(with_stage_0({"grads_on_host": True}))
+    replicated = Plan.from_dict(with_stage_0({"grads_on_host": True, "optimizer_state": "host"}))
+    with pytest.raises(RuntimeSetupError, match="stage 0 sends its gradients to the host each backward and runs on "
+                                                "2 ranks"):
+        checks.check_executable(replicated)
+    written = plan.to_dict()
+    for stage in written["stages"]:
+        del stage["offload"]["grads_on_host"]  # a plan file written before the field: gradients on the device
+    assert Plan.from_dict(written) == plan
+
+
 def test_the_synthetic_loss_follows_the_output_shape() -> None:
     def task(*shape: int) -> tuple[str, tuple[int, ...], int]:
         chosen = synthetic_task(ValueSpec("y", ValueKind.TENSOR, shape, torch.float32))

@@ -209,3 +209,27 @@ def test_a_plans_step_peak_is_its_stages_buckets_as_the_runtime_packs_them() -> 
         buffers = sum(b.nbytes for b in stage.module.buffers())
         state_bytes = 16 * sum(p.numel() for p in params.values()) + buffers
         assert made.predicted.peak_mem_bytes[part] == pytest.approx(state_bytes + measured, abs=64), f"stage {part}"
+
+
+def test_gradients_sent_to_the_host_leave_the_parameters_after_each_backward_and_step_as_their_sum() -> None:
+    """grads_on_host: after each backward no parameter holds a gradient; the host's step then equals SGD on the
+    sum of the backwards' gradients (a copy of the model trained plainly)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)).double()
+    reference = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)).double()
+    reference.load_state_dict(model.state_dict())
+    spec = OffloadSpec(optimizer_state=StateTier.HOST, grads_on_host=True)
+    state = StageOptimizer(0, dict(model.named_parameters()), optimizer_factory("momentum", 0.1), spec=spec,
+                           device=torch.device("cpu"))
+    batches = [torch.randn(5, 4, dtype=torch.float64) for _ in range(3)]
+    for x in batches:
+        model(x).square().sum().backward()
+        assert all(param.grad is None for param in model.parameters())
+    state.step()
+    for x in batches:
+        reference(x).square().sum().backward()
+    plain = optimizer_factory("momentum", 0.1)(list(reference.parameters()))
+    plain.step()
+    for (name, param), expected in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param, expected, rtol=1e-12, atol=0, msg=name)
+    assert not state.host_grads
