@@ -263,8 +263,8 @@ def _stage_plan(best: Candidate, index: int, nodes: tuple[str, ...], graph: Laye
     offload = _offload(best, index, graph)
     tiers = best.setup.problem.tiers
     first_backward_bytes = 0
-    if not (offload.recompute or offload.swap or index < len(best.setup.problem.spatial)
-            or tiers.precision is None or tiers.optimizer is None):
+    if not (offload.recompute or offload.swap or offload.grads_on_host or index < len(best.setup.problem.spatial)
+            or tiers.precision is None or tiers.optimizer is None):  # (node by node: gradients adding up on it)
         working = part_working(graph, best.setup.table, nodes, tiers.precision, tiers.optimizer)
         part, first_backward_bytes = _node_by_node(part, working)
     return StagePlan(index, nodes, StagePrediction(
@@ -338,7 +338,7 @@ def _offload(best: Candidate, index: int, graph: LayerGraph) -> OffloadSpec:
             swapped += [name for name in units[unit].nodes
                         if graph.node(name).kind not in (NodeKind.PARAM, NodeKind.INPUT, NodeKind.OUTPUT)]
     return OffloadSpec(tuple(tuple(region) for region in regions if region), tuple(swapped), state.zero_stage,
-                       state.optimizer)
+                       state.optimizer, grads_on_host=state.grads_on_host)
 
 
 def _report(result: SearchResult, space: SearchSpace, simulated: SimResult,

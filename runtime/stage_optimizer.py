@@ -88,10 +88,13 @@ class StageOptimizer:
                 group["foreach"] = True  # device, as cost_models.memory.step_transient_bytes counts them
         self.grad_chunks: dict[int, torch.Tensor] = {}
         self.param_shards = self._initial_shards() if self.zero_stage == 3 else {}
-        self.host_grads: dict[int, torch.Tensor] = {}  # grads_on_host: each parameter's gradient summed on the host
         self._offloaded = frozenset(index for index, (name, param) in enumerate(params.items())
                                     if spec.grads_on_host and name not in replicated and param.requires_grad)
         self._offloaded_ids = {id(self.params[index]): index for index in self._offloaded}
+        # grads_on_host: each parameter's gradient summed on the host, in buffers made once (the plan counts them
+        # as host memory all along), and which of them hold this step's sum
+        self.host_grads = {index: self._new_host_buffer(index) for index in sorted(self._offloaded)}
+        self._summed: set[int] = set()
         for index in sorted(self._offloaded):
             self.params[index].register_post_accumulate_grad_hook(functools.partial(self._gradient_down, index))
         self._paged: list[tuple[int, str]] = []  # (master index, state key) of the paged state, file order
@@ -223,7 +226,7 @@ class StageOptimizer:
     def skip(self) -> None:
         """Drop the gradients and leave masters and state as they were (a step the loss scale skips)."""
         self.grad_chunks.clear()
-        self.host_grads.clear()
+        self._summed.clear()
         for master, param in zip(self.masters, self.params):
             master.grad = param.grad = None
 
@@ -253,18 +256,28 @@ class StageOptimizer:
         grad, param.grad = param.grad, None
         if grad is None:
             return
-        master = self.masters[index]
-        if grad.device == self.state_device and grad.dtype == master.dtype:
-            down = grad  # (a CPU rank in the masters' dtype: nothing to copy; the hook took it off the parameter)
-        else:
-            down = copied_into_new([grad], [(param.shape, master.dtype, self.state_device)])[0]
-        del grad
-        held = self.host_grads.get(index)
-        self.host_grads[index] = down if held is None else held.add_(down)
+        total = self.host_grads[index]
+        if grad.device != total.device or grad.dtype != total.dtype:  # (a CPU rank in the masters' dtype adds it)
+            grad = copied_into_new([grad], [(total.shape, total.dtype, total.device)])[0]
+        with torch.no_grad():
+            if index in self._summed:
+                total.add_(grad)
+            else:
+                total.copy_(grad)
+                self._summed.add(index)
+
+    def _new_host_buffer(self, index: int) -> torch.Tensor:
+        """Where a parameter's gradients add up on the host: its shape, the masters' dtype (pinned beside a GPU)."""
+        buffer = torch.empty(self.params[index].shape, dtype=self.masters[index].dtype, device=self.state_device)
+        return buffer.pin_memory() if self.device.type == "cuda" else buffer
 
     def _grad_chunk(self, index: int, *, keep: bool = False) -> torch.Tensor | None:
         if index in self._offloaded:
-            return self.host_grads.get(index) if keep else self.host_grads.pop(index, None)
+            if index not in self._summed:
+                return None
+            if not keep:
+                self._summed.discard(index)
+            return self.host_grads[index]
         grad = self.params[index].grad
         if not self.sharded[index]:
             return grad
@@ -275,7 +288,8 @@ class StageOptimizer:
 
     def _grad_bytes(self, index: int) -> int | None:
         """Bytes of what :meth:`_grad_chunk` gives for ``index`` (None: no gradient), without making it."""
-        grad = self.host_grads.get(index) if index in self._offloaded else self.params[index].grad
+        grad = (self.host_grads[index] if index in self._summed else None) if index in self._offloaded \
+            else self.params[index].grad
         if self.sharded[index] and self.zero_stage >= 2:
             grad = self.grad_chunks.get(index)
         if grad is None:
@@ -469,11 +483,12 @@ class StageOptimizer:
             return [t.clone() for t in self.gather_full([m.detach() for m in self.masters])]  # type: ignore[union-attr]
 
     def held_tensors(self) -> list[torch.Tensor]:
-        """Masters, their state and parameter shards this stage holds in memory now (not the params)."""
+        """Masters, their state, parameter shards and gradient sums on the host this stage holds in memory now
+        (not the params)."""
         tensors = [] if self.plain else [m for m in self.masters if m.numel()]
         tensors += [v for state in self.optimizer.state.values() for v in state.values()
                     if isinstance(v, torch.Tensor)]
-        return tensors + list(self.param_shards.values())
+        return tensors + list(self.param_shards.values()) + list(self.host_grads.values())
 
     def device_tensors(self) -> list[torch.Tensor]:
         """Of :meth:`held_tensors`, those the plan counts as device memory: all but the host tier's masters and

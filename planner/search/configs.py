@@ -171,7 +171,8 @@ def _micro_batchings(space: SearchSpace, stages: int, replicas: int,
             for micro in sizes if per_replica % micro == 0 for schedule in space.schedules
             if not (schedule.stale_weights and space.precision.master_weights)
             for virtual in _family_shapes(schedule, stages, per_replica // micro, bool(spatial))
-            for state in ((ON_GPU,) if schedule.stale_weights else modes)]
+            for state in ((ON_GPU,) if schedule.stale_weights else modes)
+            if not (state.grads_on_host and schedule is ScheduleKind.GEMS_MASTER)]  # (its parts have two copies)
 
 
 def _family_shapes(schedule: ScheduleKind, ranks: int, num_microbatches: int, spatial: bool) -> tuple[int, ...]:

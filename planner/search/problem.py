@@ -73,6 +73,7 @@ class Unit:
     # loss's working bytes (None: all of transient_bytes)
     summing_transient_bytes: int = 0  # where its backward may sum a tied weight's partial gradients (a use
     # follows the weight's first here, in it or in a later unit): that first user's working set (0: none)
+    largest_own_param_numel: int = 0  # of its own parameters (the shared ones apart), the largest's elements
 
     @property
     def region_transient_bytes(self) -> int:
@@ -113,17 +114,21 @@ class StateMode:
 
     ``zero_stage`` 1 splits the fp32 master weights and optimizer state over the part's copies
     (each steps its shard; the gradient all-reduce becomes a reduce-scatter plus an all-gather of
-    the same volume). On the host or NVMe the optimizer step runs on the host's cores.
+    the same volume). On the host or NVMe the optimizer step runs on the host's cores; there
+    ``grads_on_host`` also sends each backward's gradients to the host as it makes them, where they add
+    up (ZeRO-Offload), so the device holds none between backwards (a part with one copy only).
     """
 
     zero_stage: int
     optimizer: StateTier
+    grads_on_host: bool = False
 
     def describe(self) -> str:
         where = {StateTier.GPU: "", StateTier.HOST: "optimizer on host",
                  StateTier.NVME: "optimizer state on NVMe, step on host"}[self.optimizer]
         sharded = "model state sharded (ZeRO-1)" if self.zero_stage else ""
-        return ", ".join(text for text in (sharded, where) if text)
+        grads = "gradients to host each backward" if self.grads_on_host else ""
+        return ", ".join(text for text in (sharded, where, grads) if text)
 
 
 ON_GPU = StateMode(0, StateTier.GPU)
@@ -138,6 +143,7 @@ class Offload(str, Enum):
     ZERO = "zero"  # per configuration: master weights and optimizer state sharded over replicas (ZeRO-1)
     HOST = "host"  # per configuration: optimizer state and step on the host
     NVME = "nvme"  # per configuration: optimizer state on NVMe, step on the host
+    GRADS = "grads"  # per configuration, with HOST or NVME: gradients to the host each backward (ZeRO-Offload)
 
     @classmethod
     def parse(cls, offload: bool | Iterable[str | Offload]) -> frozenset[Offload]:
@@ -155,11 +161,14 @@ class Offload(str, Enum):
 
 def state_modes(offload: frozenset[Offload], sharded: bool) -> tuple[StateMode, ...]:
     """The modes a configuration may use: ON_GPU always; ZeRO-1 ones only for parts with
-    data-parallel copies (``sharded``); host and NVMe ones when allowed."""
+    data-parallel copies (``sharded``); host and NVMe ones when allowed, and with them gradients sent to
+    the host only for parts without copies (whose gradients are summed on the device)."""
     tiers = (StateTier.GPU, *(tier for tier, kind in ((StateTier.HOST, Offload.HOST), (StateTier.NVME, Offload.NVME))
                               if kind in offload))
     zero = (0, 1) if sharded and Offload.ZERO in offload else (0,)
-    return tuple(StateMode(stage, tier) for stage in zero for tier in tiers)
+    sent = (StateMode(0, tier, grads_on_host=True) for tier in tiers[1:]) if (
+        Offload.GRADS in offload and not sharded) else ()
+    return (*(StateMode(stage, tier) for stage in zero for tier in tiers), *sent)
 
 
 @dataclass(frozen=True)
@@ -556,6 +565,8 @@ def _unit(graph: LayerGraph, table: CostTable, names: list[str], precision: Prec
         param_tensors=sum(p.tensors for p in state),
         largest_param_numel=max((graph.parameter(p).numel for p in params if not graph.parameter(p).is_buffer),
                                 default=0),
+        largest_own_param_numel=max((graph.parameter(p).numel for p in own if not graph.parameter(p).is_buffer),
+                                    default=0),
         tied_grad_bytes=sum(p.grad_bytes for name, p in zip(own, state) if uses[name] > 1),
         accumulating_bytes=max((transient, *(work.accumulating for work in works.values()))),
     )

@@ -729,9 +729,12 @@ class Search:
         frugal = min(one_per_slot, key=lambda c: (-c.num_stages, c.micro_batch_size,
                                              sum(self.setup(c).problem.in_flight),
                                              c.state.optimizer is StateTier.GPU, c.state.optimizer is StateTier.HOST,
-                                             -c.state.zero_stage))
-        setup = self.setup(frugal)
-        lowest = min_peak_partition(setup.costs)
+                                             -c.state.zero_stage, c.state.grads_on_host))
+        # sending the gradients to the host spares them but holds a cast of the largest: whichever needs less
+        sent = dataclasses.replace(frugal, state=dataclasses.replace(frugal.state, grads_on_host=True))
+        candidates = [frugal, *([sent] if sent != frugal and sent in one_per_slot else [])]
+        setup, lowest = min(((self.setup(c), min_peak_partition(self.setup(c).costs)) for c in candidates),
+                            key=lambda pair: pair[1].peak_bytes)
         if lowest.peak_bytes <= self.space.mem_bytes:  # the GPUs would fit it: host memory or NVMe do not
             return capacity_error(setup, evaluate(setup.costs, lowest.cuts), lowest.peak_bytes)
         decided = self._fits_but_for_capacity(setup)

@@ -462,9 +462,31 @@ def _state_terms(problem: PipelineProblem, copies: int) -> dict[str, Term]:
         return Term(per_unit=tuple(float(value(u)) for u in units),
                     per_shared=tuple(float(value(p)) for p in shared))
 
-    terms = _mode_terms(problem.tiers, problem.tiers.state, copies, per_parameter)
+    terms = _mode_terms(problem.tiers, problem.tiers.state, copies, per_parameter,
+                        max((u.largest_own_param_numel for u in units), default=0))
     return {**dict(zip(("state_bytes", "host_bytes", "nvme_bytes", "optimizer_ms"), terms)),
-            "weight_bytes": per_parameter(lambda a: a.weight_bytes), "step_bytes": _step_term(problem, copies)}
+            "weight_bytes": per_parameter(lambda a: a.weight_bytes), "step_bytes": _step_term(problem, copies),
+            **_sent_gradient_terms(problem)}
+
+
+def _sent_gradient_terms(problem: PipelineProblem) -> dict[str, Term]:
+    """Where a part sends each backward's gradients to the host (``grads_on_host``): what that adds to each
+    backward, per micro-batch (each of its parameters' gradient cast to the masters' dtype, copied down and
+    added to its sum on the host, in turn: runtime/stage_optimizer.py waits for each copy), and the gradients
+    left on the device (the shared parameters', tied weights summed across parts there); else nothing."""
+    tiers = problem.tiers
+    if not tiers.state.grads_on_host:
+        return {}
+    per_param_ms = (tiers.host_grad_bytes_per_param * tiers.host_link.ms_per_byte
+                    + tiers.host_step_ms_per_param * HOST_SUM_SHARE_OF_STEP)
+    return {"grads_down_ms": Term(per_unit=tuple(u.param_numel * per_param_ms for u in problem.units)),
+            "grad_bytes": Term(per_shared=tuple(float(p.grad_bytes) for p in problem.shared))}
+
+
+HOST_SUM_SHARE_OF_STEP = 3 / 7
+"""What adding a gradient into its sum on the host takes, as a share of the host's optimizer step per parameter:
+the sum reads two arrays and writes one in the masters' dtype, where Adam's step reads the gradient, the master
+and its two moments and writes the last three (seven), on the same memory bandwidth."""
 
 
 def _step_term(problem: PipelineProblem, copies: int) -> Term:
@@ -526,8 +548,10 @@ def step_bucket_bytes_of(problem: PipelineProblem, copies: int) -> Callable[[flo
 
 
 def _mode_terms(tiers: MemoryTiers, mode: StateMode, copies: int,
-                per_parameter: Callable[[Callable[[Any], float]], Term]) -> tuple[Term, Term, Term, Term]:
-    """One mode's (device state bytes, host bytes, NVMe bytes, optimizer step ms) of a part."""
+                per_parameter: Callable[[Callable[[Any], float]], Term],
+                largest_param_numel: int = 0) -> tuple[Term, Term, Term, Term]:
+    """One mode's (device state bytes, host bytes, NVMe bytes, optimizer step ms) of a part (of a model whose
+    largest parameter a unit owns has ``largest_param_numel`` elements)."""
     share = 1.0 / copies if mode.zero_stage else 1.0
     if mode.optimizer is StateTier.GPU:
         return (per_parameter(lambda a: a.state_bytes - a.optimizer_bytes + share * a.optimizer_bytes),
@@ -536,11 +560,17 @@ def _mode_terms(tiers: MemoryTiers, mode: StateMode, copies: int,
                               * (2 * a.weight_bytes + a.grad_bytes + 2 * a.optimizer_bytes) if tiers.device_step is None
                               else tiers.device_step.ms(a.param_tensors, share * a.param_numel)))  # a shard of each
     link, disk = tiers.host_link, tiers.nvme_link
-    device = per_parameter(lambda a: a.state_bytes - a.optimizer_bytes)
+    sent = mode.grads_on_host  # (then a unit's own gradients are on the host: a shared parameter's stay)
+    device = per_parameter(lambda a: a.state_bytes - a.optimizer_bytes - (a.grad_bytes if sent and isinstance(a, Unit)
+                                                                          else 0))
+    if sent:  # each gradient's cast to the masters' dtype, on the device before it goes down: at most the
+        # model's largest sent parameter's (a constant: the part's largest would be a second maximum over units)
+        device = device.plus(Term(constant=largest_param_numel * tiers.host_grad_bytes_per_param))
     host_grads = per_parameter(lambda a: share * a.param_numel * tiers.host_grad_bytes_per_param)
     # the gradient down and the weight up cross the link in the masters' dtype (runtime/stage_optimizer.py
-    # casts on the GPU: casting on the host would be a pass over every parameter on the CPU)
-    link_ms_per_param = 2 * tiers.host_grad_bytes_per_param * link.ms_per_byte
+    # casts on the GPU: casting on the host would be a pass over every parameter on the CPU); gradients sent
+    # each backward are down before the step
+    link_ms_per_param = (1 if sent else 2) * tiers.host_grad_bytes_per_param * link.ms_per_byte
     def host_step_ms(a: Any) -> float:  # (per parameter at the host's rate, where it was not measured)
         if tiers.host_step is None:
             return share * a.param_numel * tiers.host_step_ms_per_param
@@ -594,6 +624,10 @@ def _part_terms(problem: PipelineProblem, part: int, shared: dict[str, Term],
     if copies not in states:
         states[copies] = _state_terms(problem, copies)
     state = states[copies]
+    if "grads_down_ms" in state:  # each backward sends its gradients to the host (W's, where it is split)
+        for name in ("bwd_ms", "compute_ms", "weight_grad_ms"):
+            terms[name] = dataclasses.replace(terms[name].plus(state["grads_down_ms"]), family=name)
+        terms["grad_bytes"] = dataclasses.replace(state["grad_bytes"], family="grad_bytes")
     working = Term() if is_last else shared["sent_bytes"]  # + the transient (below)
     ahead = float(RECEIVES_POSTED_AHEAD[problem.backend])  # the next run's receives, posted early:
     if ahead and not is_first:  # an input from the part before

@@ -118,3 +118,25 @@ def test_mixed_precision_with_zero_and_offloaded_optimizer_state_equals_the_sing
     outcomes = run_ranks(run_mixed_cases, 2, cases, timeout_s=300)
     for index, case in enumerate(cases):
         _check(case, [outcomes[rank][index] for rank in range(2)])
+
+
+def test_mixed_precision_gradients_sent_to_the_host_add_up_in_fp32() -> None:
+    """With gradients sent to the host each backward, each micro-batch's 16-bit gradient is added into an fp32
+    sum there, where the single-process loop adds them in 16 bits on the device (which may overflow where the
+    fp32 sum does not: the scale starts low enough here for neither to). Each master's change over 3 steps is
+    the loop's within its 16-bit sums' rounding (2^-6 of the change; a micro-batch's gradient left out is 25%)."""
+    import dataclasses
+
+    sent = OffloadSpec(optimizer_state=StateTier.HOST, grads_on_host=True)
+    cases = [MixedCase(_plan(precision, "1f1b", offload=[sent, sent]), init_scale=2.0 ** 10)
+             for precision in ("fp16", "bf16")]
+    outcomes = run_ranks(run_mixed_cases, 2, cases, timeout_s=300)
+    for index, case in enumerate(cases):
+        expected, initial = mixed_reference(case), mixed_reference(dataclasses.replace(case, steps=0))
+        for rank in range(2):
+            outcome = outcomes[rank][index]
+            assert (outcome.scales, outcome.skipped) == (expected.scales, 0)
+            np.testing.assert_allclose(outcome.losses, expected.losses, rtol=1e-3)
+            for name, master in outcome.masters.items():
+                change = np.abs(expected.masters[name] - initial.masters[name]).max()
+                assert np.abs(master - expected.masters[name]).max() <= 2.0 ** -6 * change, name

@@ -366,6 +366,39 @@ def test_host_optimizer_state_per_parameter_by_hand() -> None:
     assert evaluate(cost_model(measured), ()).parts[0].optimizer_ms == pytest.approx(16.0 + 0.06 + 0.01)
 
 
+def test_gradients_sent_to_the_host_per_parameter_by_hand() -> None:
+    """The fp32 Adam unit above with its gradients sent to the host each backward: on the GPU its weights (4000)
+    and the cast of its largest parameter's gradient (500 x 4); on the host as before (16,000); each backward
+    sends 1000 fp32 gradients down (4000 bytes at 0.002 ms/B) and adds them on the host (3/7 of a step's 0.001 ms
+    a parameter); the step then only sends the weights up (8 ms) and steps (1 ms)."""
+    unit = Unit(("a",), 1.0, 1.0, 16_000, 4000, 0, 0, (), 4000, 8000, 1000, 0, 0, largest_own_param_numel=500)
+    sent = PipelineProblem((unit,), (), (), Layout.pipeline(1), ScheduleKind.GPIPE, 1, (1,), (), (LinearCost(0.0, 0.0),),
+                           10**6, _tiers(False, False, StateMode(0, StateTier.HOST, grads_on_host=True)))
+    part = evaluate(cost_model(sent), ()).parts[0]
+    assert (part.static_bytes, part.host_bytes, part.grad_bytes) == (4000 + 2000, 16_000, 0)
+    assert part.bwd_ms == pytest.approx(1.0 + 8.0 + 1000 * 0.001 * 3 / 7)
+    assert part.optimizer_ms == pytest.approx(8.0 + 1.0)
+    assert StateMode(0, StateTier.NVME, grads_on_host=True) in state_modes(frozenset(Offload), sharded=False)
+    assert not any(mode.grads_on_host for mode in state_modes(frozenset(Offload), sharded=True))
+
+
+def test_a_model_whose_weights_and_gradients_fill_the_gpu_trains_with_its_gradients_sent_to_the_host() -> None:
+    """Megatron's 8.3B GPT in fp16 on one V100-32GB (ZeRO-Offload's scenario): 15.5 GiB of weights and as much of
+    gradients do not fit beside a micro-batch's activations, whatever the optimizer's tier; sending the gradients
+    to the host each backward does."""
+    from examples.models.gpt import megatron_8_3b
+
+    arguments = {"gpus": 1, "batch_size": 8, "device": "V100-32GB", "precision": "fp16",
+                 "example_inputs": torch.empty(1, 1024, dtype=torch.long, device="meta")}
+    model = megatron_8_3b()
+    with pytest.raises(PlanInfeasible):
+        plan(model, mem="32GB", offload=["recompute", "swap", "zero", "host", "nvme"], **arguments)
+    sent = plan(model, mem="32GB", **arguments)
+    assert sent.stages[0].offload.grads_on_host and sent.stages[0].offload.host_step
+    assert "gradients to host each backward" in str(sent) and "bought the fit" in sent.solver.why
+    assert max(sent.predicted.peak_mem_bytes) <= sent.cluster.usable_mem_bytes
+
+
 def test_on_the_cpu_device_the_host_steps_as_the_device_does() -> None:
     """The cpu device's host is itself: an optimizer on the host steps at the device's measured per-tensor and
     per-parameter costs (plans on CPU ranks put the optimizer on the host where its flat rate, 1.01-1.15x,
