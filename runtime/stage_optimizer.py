@@ -288,8 +288,10 @@ class StageOptimizer:
 
     def _grad_bytes(self, index: int) -> int | None:
         """Bytes of what :meth:`_grad_chunk` gives for ``index`` (None: no gradient), without making it."""
-        grad = (self.host_grads[index] if index in self._summed else None) if index in self._offloaded \
-            else self.params[index].grad
+        if index in self._offloaded:
+            grad = self.host_grads[index] if index in self._summed else None
+        else:
+            grad = self.params[index].grad
         if self.sharded[index] and self.zero_stage >= 2:
             grad = self.grad_chunks.get(index)
         if grad is None:
