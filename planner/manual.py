@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from cost_models.devices import DeviceSpec
+from cost_models.devices import DeviceSpec, get_device
 from cost_models.errors import InvalidArgument, PlanFileError
 from cost_models.estimation import model_precision
 from cost_models.graph.ir import LayerGraph
@@ -68,7 +68,8 @@ def plan_with_split(model: nn.Module, *, example_inputs: torch.Tensor | Sequence
     one rank per stage (the cost of tiles and halos is not modelled here yet). ``profile`` as in
     :func:`planner.plan`: on ``device="cpu"`` a model with real weights is costed from node times
     measured on this CPU. ``mem``, each GPU's budget, is warned about as :func:`planner.plan` does (above the
-    device's memory; CPU ranks sharing this machine's memory or cores); without it, none. A family holding
+    device's memory; CPU ranks sharing this machine's memory or cores); without it the plan is measured against
+    the device's memory, and nothing is warned about or refused. A family holding
     several parts per rank puts ``virtual_stages`` of them on each (``leaf_modules``: those ``graph`` was traced
     with, recorded for the runtime):
     interleaved 1F1B as many as given (default 2), WPipe 2 (one of each group), every other family 1; the plan
@@ -90,9 +91,10 @@ def plan_with_split(model: nn.Module, *, example_inputs: torch.Tensor | Sequence
     except ValueError as error:
         raise InvalidArgument(str(error)) from None
     per_rank = _parts_per_rank(kind, num_stages, virtual_stages)
-    space, spec = validate_space(num_stages // per_rank * data_parallel, UNBOUNDED_MEM if mem is None else mem,
-                                 batch_size, device, gpus_per_node, optimizer, precision or model_precision(graph), (schedule,),
-                                 (micro_batch_size,), time_limit_s=60.0)  # unused: nothing is searched
+    budget = get_device(device).mem_bytes if mem is None else mem
+    space, spec = validate_space(num_stages // per_rank * data_parallel, budget, batch_size, device, gpus_per_node,
+                                 optimizer, precision or model_precision(graph), (schedule,), (micro_batch_size,),
+                                 time_limit_s=60.0)  # unused: nothing is searched
     if mem is not None:
         warn_about_budget(space, spec)
     config = Config(num_stages, data_parallel, micro_batch_size,
@@ -116,10 +118,6 @@ def plan_with_split(model: nn.Module, *, example_inputs: torch.Tensor | Sequence
     made = _tiled(made, spatial) if spatial else made
     warn_shared_cores(made)
     return made
-
-
-UNBOUNDED_MEM = "1TB"
-"""The budget of a split given without one: its predicted peaks are reported, nothing is refused."""
 
 
 def _parts_per_rank(kind: ScheduleKind, num_parts: int, virtual_stages: int | None) -> int:
