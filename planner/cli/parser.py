@@ -15,6 +15,7 @@ from cost_models.memory import Optimizer, Precision
 from planner.budget import DEFAULT_RESERVE
 from planner.cli.run_command import Rendezvous
 from planner.plan.kinds import ScheduleKind
+from planner.search.problem import Offload
 
 EXIT_USAGE = 2
 
@@ -162,10 +163,17 @@ def _add_plan(parser: argparse.ArgumentParser) -> None:
                              "short says NOT PROVEN OPTIMAL")
     tiers = parser.add_argument_group("memory tiers", "by default the search decides per unit of nodes "
                                       "whether to keep, recompute or swap saved activations, and per "
-                                      "configuration whether to shard model state (ZeRO-1) and keep the "
-                                      "optimizer on the GPU, the host or NVMe")
-    tiers.add_argument("--no-offload", dest="offload", action="store_false",
-                       help="keep every activation and all model state on the GPU")
+                                      "configuration whether to shard model state (ZeRO-1), keep the "
+                                      "optimizer on the GPU, the host or NVMe, and with it off the GPU send "
+                                      "each backward's gradients to the host")
+    decisions = tiers.add_mutually_exclusive_group()
+    decisions.add_argument("--no-offload", dest="offload", action="store_false",
+                           help="keep every activation and all model state on the GPU")
+    decisions.add_argument("--offload", dest="offload_kinds", action="append", type=str.lower, metavar="KIND",
+                           choices=[kind.value for kind in Offload],
+                           help="allow only these memory decisions (repeatable): recompute, swap, zero (ZeRO-1), "
+                                "host or nvme (the optimizer's tier), grads (gradients to the host, with host "
+                                "or nvme)")
     tiers.add_argument("--host-mem", default=None, metavar="SIZE",
                        help="host memory per node the plan may use (default: the device preset's node)")
     tiers.add_argument("--nvme", default=None, metavar="SIZE",
@@ -203,7 +211,8 @@ def _run_plan(args: argparse.Namespace) -> None:
         num_stages=tuple(args.num_stages) if args.num_stages else None,
         data_parallel=tuple(args.data_parallel) if args.data_parallel else None,
         time_limit_s=args.time_limit, leaf_modules=tuple(args.leaf), output=args.output,
-        offload=args.offload, host_mem=args.host_mem, nvme=args.nvme, spatial=args.spatial,
+        offload=tuple(args.offload_kinds) if args.offload_kinds else args.offload, host_mem=args.host_mem,
+        nvme=args.nvme, spatial=args.spatial,
         profile=args.profile)
     terminal = sys.stderr.isatty()
     progress = ProgressLine(sys.stderr, terminal) if args.progress or (terminal and not args.quiet) else None

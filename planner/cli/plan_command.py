@@ -35,7 +35,7 @@ class PlanRequest:
     time_limit_s: float = 60.0
     leaf_modules: tuple[str, ...] = ()
     output: Path | None = None
-    offload: bool = True  # decide recompute, swap and where model state lives
+    offload: bool | tuple[str, ...] = True  # decide recompute, swap and where model state lives (or only these)
     host_mem: str | None = None  # per node, with a unit (None: the device preset's node)
     nvme: str | None = None
     spatial: bool = True  # may the first stage run on image tiles

@@ -241,6 +241,23 @@ def test_a_schedule_that_does_not_exist_is_one_line_naming_the_families() -> Non
     assert all(kind.value in last for kind in ScheduleKind), last
 
 
+def test_offload_chooses_the_memory_decisions_the_search_may_make() -> None:
+    """Megatron's 8.3B GPT in fp16 on one V100-32GB fits only with its gradients sent to the host."""
+    args = ["plan", "examples/models/gpt.py:megatron_8_3b", "--input", "1024:int64", "--batch-size", "8",
+            "--gpus", "1", "--mem", "32GB", "--device", "V100-32GB", "--precision", "fp16", "-q"]
+    kept = tessera(*args, "--offload", "recompute", "--offload", "host", "--offload", "nvme")
+    assert kept.returncode == 2 and "no plan fits 30.4 GiB" in _one_error_line(kept)
+    sent = tessera(*args, "--offload", "recompute", "--offload", "nvme", "--offload", "grads")
+    assert sent.returncode == 0, sent.stderr
+    decided = "optimizer state on NVMe, step on host, gradients to host each backward"
+    assert "stage 0: recompute" in sent.stdout and decided in sent.stdout, sent.stdout
+    wrong = tessera(*args, "--offload", "tape")
+    assert wrong.returncode == 2 and all(kind in wrong.stderr.splitlines()[-1] for kind in (
+        "'recompute'", "'swap'", "'zero'", "'host'", "'nvme'", "'grads'")), wrong.stderr
+    both = tessera(*args, "--offload", "host", "--no-offload")
+    assert both.returncode == 2 and "not allowed with argument" in both.stderr.splitlines()[-1], both.stderr
+
+
 def test_wpipe_needs_allow_stale_weights_and_the_plan_says_what_is_stale() -> None:
     refused = _one_error_line(tessera(*TINY, "--mem", "16GB", "--schedule", "wpipe"))
     assert "schedule 'wpipe' trains the first half of the model's parts on weights one update old" in refused
