@@ -55,7 +55,8 @@ def plan_with_split(model: nn.Module, *, example_inputs: torch.Tensor | Sequence
                     graph: LayerGraph | None = None,
                     offload: Sequence[OffloadSpec] | None = None,
                     spatial: Mapping[int, SpatialSpec] | None = None, profile: bool | None = None,
-                    virtual_stages: int | None = None, leaf_modules: Sequence[type | str] = ()) -> Plan:
+                    virtual_stages: int | None = None, leaf_modules: Sequence[type | str] = (),
+                    allow_stale_weights: bool = False) -> Plan:
     """A plan whose stage s + 1 begins at node ``stage_starts[s]`` (stage 0 at the first node).
 
     Costs, programs and predictions are made exactly as for a solved plan, so a manual split
@@ -73,7 +74,8 @@ def plan_with_split(model: nn.Module, *, example_inputs: torch.Tensor | Sequence
     several parts per rank puts ``virtual_stages`` of them on each (``leaf_modules``: those ``graph`` was traced
     with, recorded for the runtime):
     interleaved 1F1B as many as given (default 2), WPipe 2 (one of each group), every other family 1; the plan
-    then uses (parts / virtual_stages) x ``data_parallel`` GPUs.
+    then uses (parts / virtual_stages) x ``data_parallel`` GPUs. WPipe, which trains its first group on weights
+    one update old, needs ``allow_stale_weights=True``, as in :func:`planner.plan`.
 
     Example::
 
@@ -94,7 +96,8 @@ def plan_with_split(model: nn.Module, *, example_inputs: torch.Tensor | Sequence
     budget = get_device(device).mem_bytes if mem is None else mem
     space, spec = validate_space(num_stages // per_rank * data_parallel, budget, batch_size, device, gpus_per_node,
                                  optimizer, precision or model_precision(graph), (schedule,), (micro_batch_size,),
-                                 time_limit_s=60.0)  # unused: nothing is searched
+                                 time_limit_s=60.0,  # unused: nothing is searched
+                                 allow_stale_weights=allow_stale_weights)
     if mem is not None:
         warn_about_budget(space, spec)
     config = Config(num_stages, data_parallel, micro_batch_size,

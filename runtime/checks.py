@@ -62,12 +62,10 @@ def check_executable(plan: Plan) -> None:
 
 def _check_stale(plan: Plan) -> None:
     """Stages on stashed weight versions (WPipe's first group, runtime/stale.py) keep their model state whole
-    on the GPU in the training dtype, and recompute as their only memory decision."""
+    on the GPU (in 16 bits beside fp32 masters under mixed precision: the stashed versions are 16-bit copies),
+    and recompute as their only memory decision."""
     kind = plan.schedule.kind
     stale = kind.stale_parts(plan.layout.num_parts)
-    if stale and plan.model.precision.master_weights:
-        raise RuntimeSetupError(f"the {kind.value} plan trains in {plan.model.precision.value} with fp32 master "
-                                f"weights, which this runtime does not stash yet; re-plan in fp32 or fp64")
     for stage in plan.stages:
         if stage.index in stale and stage.offload != OffloadSpec(recompute=stage.offload.recompute):
             raise RuntimeSetupError(f"stage {stage.index} of the {kind.value} plan stashes weight versions and also "

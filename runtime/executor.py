@@ -639,10 +639,13 @@ class Executor:
             state.tied_synced = True
         stage_state = self.stages[action.stage].state
         if self.mixed is not None:
-            self.mixed.step(action.stage)  # the fp32 masters, at this rank's last stage
-        elif stage_state is not None:
-            stage_state.step()
-        self.versions.after_update(action.stage, state.period)
+            updated = self.mixed.step(action.stage)  # the fp32 masters of every stage, at this rank's last stage
+        else:
+            if stage_state is not None:
+                stage_state.step()
+            updated = (action.stage,)
+        for stage in updated:  # (a stashed version is loaded from the weights the step wrote)
+            self.versions.after_update(stage, state.period)
         self.memory.state_changed()
 
     def _sync_tied(self) -> None:

@@ -189,15 +189,18 @@ class MixedPrecision:
         return 1.0 if self.scaler is None else float(self.scaler.scale.item())
 
     # --------------------------------------------------------------- the step
-    def step(self, stage: int) -> None:
-        """``OPTIMIZER_STEP`` of ``stage``: the step of all this rank's stages once it is the last."""
+    def step(self, stage: int) -> tuple[int, ...]:
+        """``OPTIMIZER_STEP`` of ``stage``: the step of all this rank's stages once it is the last; returns the
+        stages whose step (taken, or skipped by the loss scale) is over: none before the last, all at it."""
         if stage not in self._pending:
             raise RuntimeError(f"OPTIMIZER_STEP of stage {stage} came twice in a step, or for a stage "
                                f"without one in the program (expected {sorted(self.stepped)})")
         self._pending.discard(stage)
-        if not self._pending:
-            self._pending = set(self.stepped)
-            self._step_all()
+        if self._pending:
+            return ()
+        self._pending = set(self.stepped)
+        self._step_all()
+        return tuple(sorted(self.stepped))
 
     def _step_all(self) -> None:
         unscale = None

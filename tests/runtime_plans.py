@@ -18,7 +18,7 @@ CNN = "tests/small_cnn.py:small_cnn"  # 16-bit runs resolve its gradients (see t
 def make_plan(builder: str, stage_starts: list[str], *, schedule: str, data_parallel: int = 1,
               optimizer: str = "momentum", microbatches: int = 4, micro_batch_size: int = 2,
               device: Any = "V100-16GB", offload: list[Any] | None = None,
-              precision: str = "fp64", spatial: dict[int, Any] | None = None) -> str:
+              precision: str = "fp64", spatial: dict[int, Any] | None = None, allow_stale_weights: bool = False) -> str:
     """A plan (as JSON; float64 unless ``precision`` says otherwise) for one of the test models with
     the given cut on ``device`` (a preset's name or a DeviceSpec); ``offload`` (one
     planner.plan.OffloadSpec per stage) forces memory decisions,
@@ -39,7 +39,7 @@ def make_plan(builder: str, stage_starts: list[str], *, schedule: str, data_para
                                micro_batch_size=micro_batch_size, data_parallel=data_parallel,
                                schedule=schedule, device=device, optimizer=optimizer,
                                precision=precision, builder=builder, builder_kwargs=kwargs,
-                               offload=offload, spatial=spatial)
+                               offload=offload, spatial=spatial, allow_stale_weights=allow_stale_weights)
     return plan.to_json()
 
 

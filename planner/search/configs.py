@@ -138,7 +138,7 @@ def _family_message(space: SearchSpace) -> str:
              ScheduleKind.GEMS_MASTER: f"an even number (2+) of pipeline ranks and an even micro-batch count "
                                        f"of at most {GEMS_MAX_ROUNDS} per rank",
              ScheduleKind.ZB_H1: "2+ pipeline ranks",
-             ScheduleKind.WPIPE: "2+ pipeline ranks and fp32 or fp64 weights (it keeps no fp32 masters yet)"}
+             ScheduleKind.WPIPE: "2+ pipeline ranks"}
     said = "; ".join(f"{kind.value} needs {needs[kind]}" for kind in space.schedules if kind in needs)
     return (f"no configuration of schedules {[kind.value for kind in space.schedules]} fits {space.gpus} GPUs and "
             f"batch size {space.global_batch_size}: {said}; change the micro-batch sizes or the batch size, "
@@ -169,7 +169,6 @@ def _micro_batchings(space: SearchSpace, stages: int, replicas: int,
     modes = (ON_GPU,) if spatial else state_modes(space.offload, replicas > 1)  # tiles keep their state
     return [Config(stages * virtual, replicas, micro, per_replica // micro, schedule, state, spatial, virtual)
             for micro in sizes if per_replica % micro == 0 for schedule in space.schedules
-            if not (schedule.stale_weights and space.precision.master_weights)
             for virtual in _family_shapes(schedule, stages, per_replica // micro, bool(spatial))
             for state in ((ON_GPU,) if schedule.stale_weights else modes)
             if not (state.grads_on_host and schedule is ScheduleKind.GEMS_MASTER)]  # (its parts have two copies)

@@ -114,7 +114,10 @@ def run_mixed_case(case: MixedCase) -> MixedOutcome:
             checkpoint.restore(exe, Path(case.checkpoint_dir), step)
             params = {name: p for stage in exe.stages.values() for name, p in stage.params.items()}
         batch = data.samples(step, 0, plan.training.global_batch_size)
-        losses.append(exe.step(batch.inputs, batch.targets))
+        following = None  # a plan whose forwards run ahead (WPipe) takes the next step's inputs; others ignore them
+        if step + 1 < case.steps:
+            following = data.samples(step + 1, 0, plan.training.global_batch_size).inputs
+        losses.append(exe.step(batch.inputs, batch.targets, next_inputs=following))
         assert exe.mixed is not None
         scales.append(exe.mixed.loss_scale)
     assert exe.mixed is not None

@@ -18,17 +18,21 @@ import numpy as np
 import pytest
 import torch
 
+from cost_models.memory import Precision
 from planner.manual import reschedule
 from planner.plan import Plan
 from planner.reports.run_report import RunReport
 from runtime.build import rebuild_model, trace_checked
 from runtime.data import SyntheticData, input_specs, synthetic_task
+from runtime.optim import optimizer_factory
+from runtime.precision import compute_dtype
 from runtime.values import value_specs
 from runtime.weights import initialize
 from tests.dist.harness import run_ranks
+from tests.dist.precision_cases import MixedCase, MixedOutcome, _next_scale, reference_data, run_mixed_cases
 from tests.dist.runtime_cases import SEED, Case, Outcome, _recording, check_outcomes, reference, run_cases
 from tests.dist.test_tessera_run import _one_error_line, tessera
-from tests.runtime_plans import GPT, RESNET, searched_plan
+from tests.runtime_plans import GPT, RESNET, make_plan, searched_plan
 
 pytestmark = pytest.mark.dist
 
@@ -168,3 +172,81 @@ def test_a_wpipe_run_checkpoints_and_resumes_on_its_update_rule(tmp_path: Path) 
     refused = tessera("run", str(plan_file), "--steps", "2", "--", "--checkpoint-dir", str(other), "--resume")
     assert refused.returncode == 2, refused.stderr
     assert _one_error_line(refused.stderr, "holds no stashed weight versions"), refused.stderr
+
+
+def wpipe_mixed_emulation(case: MixedCase) -> MixedOutcome:
+    """WPipe's rule (:func:`wpipe_emulation`) in mixed precision, as tests/dist/precision_cases.py's loop runs it:
+    16-bit weights computing (the first group's at their version from before the last update), their gradients
+    added in 16 bits, the loss scaled under fp16, fp32 masters stepped on the unscaled gradients and copied back
+    into the 16-bit weights; a step with a non-finite gradient skipped."""
+    plan = Plan.from_dict(json.loads(case.plan_json))
+    model = initialize(rebuild_model(plan), SEED)  # float32: the masters' values
+    traced = trace_checked(model, plan)
+    named = dict(traced.named_parameters())
+    masters = {name: torch.nn.Parameter(p.detach().clone()) for name, p in named.items()}
+    traced.to(compute_dtype(plan.model.precision))
+    stale_nodes = {node for part in range(plan.layout.num_parts // 2) for node in plan.stages[part].nodes}
+    data = reference_data(plan)
+    optimizer = optimizer_factory(plan.training.optimizer, case.lr)(list(masters.values()))
+    scaled = plan.model.precision is Precision.FP16
+    scale, good_steps, skipped = case.init_scale, 0, 0
+    total, size = plan.training.num_microbatches, plan.training.micro_batch_size
+    before_last_update = {name: p.detach().clone() for name, p in named.items()}
+    losses, scales = [], []
+    for step in range(case.steps):
+        stale = {name: w.clone().requires_grad_() for name, w in before_last_update.items()}
+        run = _TwoVersions(traced, stale_nodes, stale, named)
+        batch = data.samples(step, 0, plan.training.global_batch_size)
+        step_losses = []
+        for index in range(total):
+            rows = slice(index * size, (index + 1) * size)
+            loss = data.task(run.run(*(x[rows] for x in batch.inputs)).to(torch.float32), batch.targets[rows])
+            ((loss * scale if scaled else loss) / total).backward()
+            step_losses.append(loss.item())
+        losses.append(sum(step_losses) / total)
+        for name, p in named.items():
+            if stale[name].grad is not None:
+                p.grad = stale[name].grad if p.grad is None else p.grad + stale[name].grad
+        before_last_update = {name: p.detach().clone() for name, p in named.items()}
+        inv_scale = torch.tensor(1.0 / scale if scaled else 1.0, dtype=torch.float32)
+        for name, master in masters.items():
+            master.grad = named[name].grad.to(torch.float32) * inv_scale
+        finite = all(bool(torch.isfinite(m.grad).all()) for m in masters.values())
+        if finite or not scaled:
+            optimizer.step()
+            with torch.no_grad():
+                for name, p in named.items():
+                    p.copy_(masters[name])
+        else:
+            skipped += 1
+        optimizer.zero_grad(set_to_none=True)
+        for p in named.values():
+            p.grad = None
+        if scaled:
+            scale, good_steps = _next_scale(scale, good_steps, finite, case.growth_interval)
+        scales.append(scale if scaled else 1.0)
+    return MixedOutcome(losses, {n: m.detach().to(torch.float64).numpy() for n, m in masters.items()},
+                        {n: p.detach().to(torch.float64).numpy() for n, p in named.items()}, scales, skipped)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_mixed_precision_wpipe_run_equals_an_emulation_of_its_rule(precision: str) -> None:
+    """The first group's stashed versions are 16-bit copies of its weights; the masters stay fp32. Over 6 steps on
+    2 ranks (4 parts; GPT's embedding in the first group read at the old version, its LM head in the second at
+    the new one), under fp16 from a scale of 2^16, whose first step overflows and is skipped: the losses,
+    masters and 16-bit weights equal the emulation's."""
+    case = MixedCase(make_plan(GPT, ["blocks_0_ln_2", "blocks_1_ln_1", "blocks_1_ln_2"], schedule="wpipe",
+                               precision=precision, device="A100-40GB", allow_stale_weights=True), steps=STEPS)
+    by_rank = [outcome[0] for outcome in run_ranks(run_mixed_cases, 2, [case], timeout_s=300)]
+    torch.set_num_threads(1)  # as the children run (LayerNorm's weight gradient is summed per thread)
+    expected = wpipe_mixed_emulation(case)
+    seen: set[str] = set()
+    for rank, outcome in enumerate(by_rank):
+        np.testing.assert_allclose(outcome.losses, expected.losses, rtol=1e-12, err_msg=f"rank {rank} losses")
+        assert (outcome.scales, outcome.skipped) == (expected.scales, expected.skipped)
+        for name, master in outcome.masters.items():
+            np.testing.assert_array_equal(master, expected.masters[name], err_msg=f"rank {rank} master {name}")
+            np.testing.assert_array_equal(outcome.weights[name], expected.weights[name], err_msg=name)
+        seen |= set(outcome.masters)
+    assert seen == set(expected.masters)
+    assert expected.skipped == (1 if precision == "fp16" else 0)
