@@ -181,26 +181,35 @@ def mixed_reference(case: MixedCase) -> MixedOutcome:
                 summed[name] = param.grad if name not in summed else summed[name] + param.grad
                 param.grad = None
         losses.append(sum(step_losses) / total)
-        inv_scale = torch.tensor(1.0 / scale if scaled else 1.0, dtype=torch.float32)
-        for name, master in masters.items():
-            master.grad = summed[name].to(torch.float32) * inv_scale
-        finite = all(bool(torch.isfinite(m.grad).all()) for m in masters.values())
-        if finite or not scaled:
-            optimizer.step()
+        finite = step_masters(optimizer, masters, named, summed, 1.0 / scale if scaled else None)
+        if (finite or not scaled) and tie is not None:
             with torch.no_grad():
-                for name, param in named.items():
-                    param.copy_(masters[name])
-                if tie is not None:
-                    tie.lookup.copy_(tie.weight)
-        else:
-            skipped += 1
-        optimizer.zero_grad(set_to_none=True)
+                tie.lookup.copy_(tie.weight)
+        skipped += int(scaled and not finite)
         if scaled:
             scale, good_steps = _next_scale(scale, good_steps, finite, case.growth_interval)
         scales.append(scale if scaled else 1.0)
         if case.inf_at is not None:
             done[0] += 1
     return MixedOutcome(losses, _numpy(dict(masters)), _numpy(named), scales, skipped)
+
+
+def step_masters(optimizer: torch.optim.Optimizer, masters: dict[str, nn.Parameter], named: dict[str, torch.Tensor],
+                 grads: dict[str, torch.Tensor], inv_scale: float | None) -> bool:
+    """The loop's step: the 16-bit gradients ``grads`` (by name) into the fp32 masters, times ``inv_scale``
+    (fp16's, None without a loss scale), the masters stepped and copied into the 16-bit weights ``named``
+    unless a scaled gradient is not finite; returns whether every gradient was finite."""
+    factor = torch.tensor(1.0 if inv_scale is None else inv_scale, dtype=torch.float32)
+    for name, master in masters.items():
+        master.grad = grads[name].to(torch.float32) * factor
+    finite = all(bool(torch.isfinite(m.grad).all()) for m in masters.values())
+    if finite or inv_scale is None:
+        optimizer.step()
+        with torch.no_grad():
+            for name, param in named.items():
+                param.copy_(masters[name])
+    optimizer.zero_grad(set_to_none=True)
+    return finite
 
 
 class SplitTie(nn.Module):

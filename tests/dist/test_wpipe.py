@@ -29,7 +29,14 @@ from runtime.precision import compute_dtype
 from runtime.values import value_specs
 from runtime.weights import initialize
 from tests.dist.harness import run_ranks
-from tests.dist.precision_cases import MixedCase, MixedOutcome, _next_scale, reference_data, run_mixed_cases
+from tests.dist.precision_cases import (
+    MixedCase,
+    MixedOutcome,
+    _next_scale,
+    reference_data,
+    run_mixed_cases,
+    step_masters,
+)
 from tests.dist.runtime_cases import SEED, Case, Outcome, _recording, check_outcomes, reference, run_cases
 from tests.dist.test_tessera_run import _one_error_line, tessera
 from tests.runtime_plans import GPT, RESNET, make_plan, searched_plan
@@ -65,6 +72,31 @@ class _TwoVersions(torch.fx.Interpreter):
         return torch.func.functional_call(module, mine, args, kwargs)
 
 
+def _step_on_two_versions(plan: Plan, traced: torch.fx.GraphModule, stale_nodes: set[str],
+                          named: dict[str, torch.Tensor], stale_weights: dict[str, torch.Tensor],
+                          data: SyntheticData, step: int, *, loss_scale: float | None = None,
+                          loss_dtype: torch.dtype | None = None) -> float:
+    """Step ``step``'s micro-batches under WPipe's rule: the nodes of ``stale_nodes`` read copies of
+    ``stale_weights``, the rest ``named``; each micro-batch's loss (on the output cast to ``loss_dtype``, times
+    ``loss_scale`` where given) over their count backpropagated; then the copies' gradients added to the
+    parameters' (after theirs). Returns the step's mean loss."""
+    stale = {name: w.clone().requires_grad_() for name, w in stale_weights.items()}
+    run = _TwoVersions(traced, stale_nodes, stale, named)
+    batch = data.samples(step, 0, plan.training.global_batch_size)
+    total, size = plan.training.num_microbatches * plan.data_parallel, plan.training.micro_batch_size
+    losses = []
+    for index in range(total):
+        rows = slice(index * size, (index + 1) * size)
+        output = run.run(*(x[rows] for x in batch.inputs))
+        loss = data.task(output if loss_dtype is None else output.to(loss_dtype), batch.targets[rows])
+        ((loss if loss_scale is None else loss * loss_scale) / total).backward()
+        losses.append(loss.item())
+    for name, p in named.items():
+        if stale[name].grad is not None:
+            p.grad = stale[name].grad if p.grad is None else p.grad + stale[name].grad
+    return sum(losses) / total
+
+
 def wpipe_emulation(case: Case) -> Outcome:
     plan = Plan.from_dict(json.loads(case.plan_json))
     model = initialize(rebuild_model(plan), SEED)
@@ -78,26 +110,13 @@ def wpipe_emulation(case: Case) -> Outcome:
     named = dict(traced.named_parameters())
     grads: dict[int, torch.Tensor] = {}
     optimizer = _recording(plan.training.optimizer, case.lr, grads)(list(named.values()))
-    total, size = plan.training.num_microbatches * plan.data_parallel, plan.training.micro_batch_size
     before_last_update = {name: p.detach().clone() for name, p in named.items()}  # W(-1) = W(0)
     losses = []
     for step in range(case.steps):
-        stale = {name: w.clone().requires_grad_() for name, w in before_last_update.items()}
-        run = _TwoVersions(traced, stale_nodes, stale, named)
-        batch = data.samples(step, 0, plan.training.global_batch_size)
-        step_losses = []
-        for index in range(total):
-            rows = slice(index * size, (index + 1) * size)
-            loss = data.task(run.run(*(x[rows] for x in batch.inputs)), batch.targets[rows])
-            (loss / total).backward()
-            step_losses.append(loss.item())
-        for name, p in named.items():
-            if stale[name].grad is not None:
-                p.grad = stale[name].grad if p.grad is None else p.grad + stale[name].grad
+        losses.append(_step_on_two_versions(plan, traced, stale_nodes, named, before_last_update, data, step))
         before_last_update = {name: p.detach().clone() for name, p in named.items()}
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(sum(step_losses) / total)
     return Outcome(losses, {name: grads[id(p)].numpy() for name, p in named.items()},
                    {name: p.detach().numpy().copy() for name, p in named.items()},
                    {name: b.detach().numpy().copy() for name, b in traced.named_buffers()})
@@ -190,36 +209,15 @@ def wpipe_mixed_emulation(case: MixedCase) -> MixedOutcome:
     optimizer = optimizer_factory(plan.training.optimizer, case.lr)(list(masters.values()))
     scaled = plan.model.precision is Precision.FP16
     scale, good_steps, skipped = case.init_scale, 0, 0
-    total, size = plan.training.num_microbatches, plan.training.micro_batch_size
     before_last_update = {name: p.detach().clone() for name, p in named.items()}
     losses, scales = [], []
     for step in range(case.steps):
-        stale = {name: w.clone().requires_grad_() for name, w in before_last_update.items()}
-        run = _TwoVersions(traced, stale_nodes, stale, named)
-        batch = data.samples(step, 0, plan.training.global_batch_size)
-        step_losses = []
-        for index in range(total):
-            rows = slice(index * size, (index + 1) * size)
-            loss = data.task(run.run(*(x[rows] for x in batch.inputs)).to(torch.float32), batch.targets[rows])
-            ((loss * scale if scaled else loss) / total).backward()
-            step_losses.append(loss.item())
-        losses.append(sum(step_losses) / total)
-        for name, p in named.items():
-            if stale[name].grad is not None:
-                p.grad = stale[name].grad if p.grad is None else p.grad + stale[name].grad
+        losses.append(_step_on_two_versions(plan, traced, stale_nodes, named, before_last_update, data, step,
+                                            loss_scale=scale if scaled else None, loss_dtype=torch.float32))
         before_last_update = {name: p.detach().clone() for name, p in named.items()}
-        inv_scale = torch.tensor(1.0 / scale if scaled else 1.0, dtype=torch.float32)
-        for name, master in masters.items():
-            master.grad = named[name].grad.to(torch.float32) * inv_scale
-        finite = all(bool(torch.isfinite(m.grad).all()) for m in masters.values())
-        if finite or not scaled:
-            optimizer.step()
-            with torch.no_grad():
-                for name, p in named.items():
-                    p.copy_(masters[name])
-        else:
-            skipped += 1
-        optimizer.zero_grad(set_to_none=True)
+        finite = step_masters(optimizer, masters, named, {name: p.grad for name, p in named.items()},
+                              1.0 / scale if scaled else None)
+        skipped += int(scaled and not finite)
         for p in named.values():
             p.grad = None
         if scaled:
