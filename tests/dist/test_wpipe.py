@@ -5,7 +5,8 @@ initial ones), the second half on the current weights, and every parameter steps
 gradients its uses produced. Over 6 steps on 2 and 4 ranks, with the tiny GPT (its embedding, in the
 first group, tied to the LM head, in the second: one tensor read at two versions) and ResNet
 (skip connections across stages, batch-norm statistics). A synchronous reference differs from
-step 1 on, so the emulation is what is checked.
+step 1 on, so the emulation is what is checked. Also: a `tessera run` that checkpoints and one resumed
+from its checkpoint, and hand-made plans in bf16 and fp16 against the emulation in mixed precision.
 """
 
 from __future__ import annotations
@@ -168,7 +169,7 @@ def test_a_wpipe_run_checkpoints_and_resumes_on_its_update_rule(tmp_path: Path) 
     assert straight.returncode == 0, straight.stderr
     straight_state = _final_state(checkpoints, STEPS)
     latest = json.loads((checkpoints / "latest.json").read_text())
-    (checkpoints / "latest.json").write_text(json.dumps({**latest, "step": 2}))  # as if killed after step 3
+    (checkpoints / "latest.json").write_text(json.dumps({**latest, "step": 2}))  # as if killed before step 4's checkpoint
     resumed = tessera("run", str(plan_file), "--steps", str(STEPS), "--", *common, "--resume",
                       "--report", str(tmp_path / "resumed.json"))
     assert resumed.returncode == 0, resumed.stderr
