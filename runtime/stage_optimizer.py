@@ -88,14 +88,13 @@ class StageOptimizer:
                 group["foreach"] = True  # device, as cost_models.memory.step_transient_bytes counts them
         self.grad_chunks: dict[int, torch.Tensor] = {}
         self.param_shards = self._initial_shards() if self.zero_stage == 3 else {}
-        self._offloaded = frozenset(index for index, (name, param) in enumerate(params.items())
-                                    if spec.grads_on_host and name not in replicated and param.requires_grad)
-        self._offloaded_ids = {id(self.params[index]): index for index in self._offloaded}
-        # grads_on_host: each parameter's gradient summed on the host, in buffers made once (the plan counts them
-        # as host memory all along), and which of them hold this step's sum
-        self.host_grads = {index: self._new_host_buffer(index) for index in sorted(self._offloaded)}
+        # grads_on_host: each sent parameter's gradient summed on the host, in buffers made once (the plan counts
+        # them as host memory all along), and which of them hold this step's sum
+        self.host_grads = {index: self._new_host_buffer(index) for index, (name, param) in enumerate(params.items())
+                           if spec.grads_on_host and name not in replicated and param.requires_grad}
         self._summed: set[int] = set()
-        for index in sorted(self._offloaded):
+        self._sent_ids = {id(self.params[index]): index for index in self.host_grads}
+        for index in self.host_grads:
             self.params[index].register_post_accumulate_grad_hook(functools.partial(self._gradient_down, index))
         self._paged: list[tuple[int, str]] = []  # (master index, state key) of the paged state, file order
         self._master_shapes = [m.shape for m in self.masters]
@@ -235,7 +234,7 @@ class StageOptimizer:
               ) -> list[torch.Tensor]:
         """A bucket's gradients as its masters' (``targets``): copied down, but the host's sums
         (grads_on_host), which are the masters' already and the step's own."""
-        moving = [k for k, index in enumerate(bucket) if index not in self._offloaded]
+        moving = [k for k, index in enumerate(bucket) if index not in self.host_grads]
         copies = list(sources)
         for k, copy in zip(moving, copied_into_new([sources[k] for k in moving], [targets[k] for k in moving])):
             copies[k] = copy
@@ -244,7 +243,7 @@ class StageOptimizer:
     def gradient_made(self, param: torch.Tensor) -> None:
         """A gradient was added to ``param`` outside autograd's accumulation, whose hooks therefore did not run (a
         split backward's W, runtime/split_backward.py): take it off the device as they would (grads_on_host)."""
-        index = self._offloaded_ids.get(id(param))
+        index = self._sent_ids.get(id(param))
         if index is not None:
             self._gradient_down(index, param)
 
@@ -272,7 +271,7 @@ class StageOptimizer:
         return buffer.pin_memory() if self.device.type == "cuda" else buffer
 
     def _grad_chunk(self, index: int, *, keep: bool = False) -> torch.Tensor | None:
-        if index in self._offloaded:
+        if index in self.host_grads:
             if index not in self._summed:
                 return None
             if not keep:
@@ -288,7 +287,7 @@ class StageOptimizer:
 
     def _grad_bytes(self, index: int) -> int | None:
         """Bytes of what :meth:`_grad_chunk` gives for ``index`` (None: no gradient), without making it."""
-        if index in self._offloaded:
+        if index in self.host_grads:
             grad = self.host_grads[index] if index in self._summed else None
         else:
             grad = self.params[index].grad
