@@ -1,8 +1,9 @@
 """On one CUDA device: the executor's CUDA path (compute and side streams ordered by events).
 
 NCCL cannot put two ranks on one GPU, so these tests run one process: several stages on one
-rank (handed over in memory) against the CPU float64 reference, the gradient all-reduce on its
-side stream right after a long kernel on the compute stream, and the allocator's peak.
+rank (handed over in memory) against the CPU float64 reference (memory tiers and gradients sent to
+the host too), the gradient all-reduce on its side stream right after a long kernel on the compute
+stream, and the allocator's peak.
 """
 
 from __future__ import annotations
@@ -63,6 +64,19 @@ def test_memory_tiers_on_one_gpu_equal_the_cpu_reference(nccl: None) -> None:
     for case, outcome in zip(cases, run_cases(0, 1, cases)):
         check_outcomes(reference(case), case, [outcome], rtol=GPU_RTOL, atol=GPU_ATOL)
         assert outcome.swapped_bytes > 0 and outcome.checkpointed == 2
+
+
+def test_gradients_sent_to_the_host_each_backward_on_one_gpu_equal_the_cpu_reference(nccl: None) -> None:
+    """ZeRO-Offload's gradients from a GPU (``grads_on_host``): each backward's cast on the device, copied into
+    pinned host memory and summed there by the post-accumulate-grad hooks, the host's Adam reading the sums; the
+    tied embedding (both stages on this rank) keeps its gradient on the GPU for its sum across stages."""
+    sent = OffloadSpec(optimizer_state=StateTier.HOST, grads_on_host=True)
+    cases = [Case(looped(make_plan(GPT, ["blocks_1_ln_1"], schedule="1f1b", optimizer="adam", offload=[sent, sent]),
+                         ranks=1), lr=1e-3),
+             Case(looped(make_plan(RESNET, ["layer2_0_conv2"], schedule="gpipe", offload=[sent, OffloadSpec()]),
+                         ranks=1))]
+    for case, outcome in zip(cases, run_cases(0, 1, cases)):
+        check_outcomes(reference(case), case, [outcome], rtol=GPU_RTOL, atol=GPU_ATOL)
 
 
 def test_the_all_reduce_stream_waits_for_the_compute_stream(nccl: None) -> None:
