@@ -10,8 +10,8 @@ replaces them with what short micro-benchmarks achieve here:
   dense matmul TFLOP/s in fp64, fp32, tf32, fp16 and bf16, device-memory copy bandwidth, the launch
   overhead of a tiny kernel, the pinned host-to-device bandwidth and each optimizer's step (torch's
   multi-tensor kernels, per tensor and per parameter), each timed with the GPU synchronised; and the
-  host's Adam step (parameters per second, ZeRO-Offload's step on the CPU) on the cores one rank gets
-  when every local GPU runs one (runtime/launch.py gives each CUDA rank that share). One GPU cannot
+  host's Adam step (parameters per second, ZeRO-Offload's step on the CPU) and its sums of gradients sent
+  down each backward, on the cores one rank gets when every local GPU runs one (runtime/launch.py gives each CUDA rank that share). One GPU cannot
   measure the links between GPUs: those stay the preset's (said in the notes). The efficiencies become
   1.0, since the peaks are achieved figures.
 """
@@ -27,7 +27,7 @@ from typing import Any
 from cost_models.cpu_device import measure_cpu_device, measure_gloo_links, rank_threads
 from cost_models.device_spec import BYTES_PER_GB, CALIBRATED, DeviceSpec
 from cost_models.errors import InvalidArgument
-from cost_models.optimizer_timing import GPU_MIX, measure_optimizer_steps
+from cost_models.optimizer_timing import GPU_MIX, measure_gradient_sums, measure_optimizer_steps
 
 _REPEATS = 5
 _MATMUL_SIZE = 4096  # large enough to reach a GPU's dense matmul peak
@@ -75,7 +75,8 @@ def describe(calibration: Calibration) -> str:
         lines.append("optimizer step: " + ", ".join(f"{name} {cost.us_per_tensor:.1f} us/tensor + "
                                                       f"{cost.ns_per_param:.3g} ns/param"
                                                       for name, cost in spec.optimizer_steps))
-    lines.append(f"host tier's optimizer step: {spec.host_optimizer_params_per_s / 1e6:.0f} M params/s")
+    lines.append(f"host tier's optimizer step: {spec.host_optimizer_params_per_s / 1e6:.0f} M params/s; "
+                 f"gradients summed on the host: {spec.grad_sum_params_per_s() / 1e6:.0f} M params/s")
     if spec.collective_link is not None:
         collective = spec.collective_link
         lines.append(f"all-reduce as a ring over: {collective.bandwidth_gb_per_s:.2f} GB/s, "
@@ -96,6 +97,7 @@ def _calibrate_cuda(name: str) -> Calibration:
     properties = torch.cuda.get_device_properties(device)
     with torch.cuda.device(device):
         rates = {dtype: _matmul_tflops(device, dtype) for dtype in ("fp64", "fp32", "tf32", "fp16", "bf16")}
+        adam_params_per_s, sum_params_per_s = _host_rates(torch.cuda.device_count())
         measured = dataclasses.replace(
             base, name=base.name + CALIBRATED, mem_bytes=int(properties.total_memory),
             fp64_tflops=rates["fp64"], fp32_tflops=rates["fp32"], tf32_tflops=rates["tf32"],
@@ -105,17 +107,18 @@ def _calibrate_cuda(name: str) -> Calibration:
                                           bandwidth_gb_per_s=_host_gb_per_s(device)),
             matmul_efficiency=1.0, memory_efficiency=1.0,
             optimizer_steps=measure_optimizer_steps(device, GPU_MIX, _EVICT_BYTES),
-            host_optimizer_params_per_s=_host_adam_params_per_s(torch.cuda.device_count()))
+            host_optimizer_params_per_s=adam_params_per_s, host_grad_sum_params_per_s=sum_params_per_s)
     return Calibration(measured, (f"{properties.name}: started from preset {base.name}; its links between GPUs "
                                   f"({base.intra_node.name}, {base.inter_node.name}) are the preset's: one GPU "
                                   f"cannot measure them", "host link latency and NVMe are the preset's"))
 
 
-def _host_adam_params_per_s(gpus: int) -> float:
-    """Parameters per second the host's Adam step updates (torch's multi-tensor step, as the runtime's
-    host tier runs it) on the cores of one of ``gpus`` local ranks, over a GPU model's tensor sizes: on
-    an H100's host (16 cores) the CPU mix's small tensors gave 448 M/s where a GPT's 418 M parameters
-    stepped at about 1000 M/s."""
+def _host_rates(gpus: int) -> tuple[float, float]:
+    """Parameters per second the host's Adam step updates (torch's multi-tensor step, as the runtime's host
+    tier runs it) and that it adds gradients into their sums (pinned, as ZeRO-Offload's gradients arrive each
+    backward), on the cores of one of ``gpus`` local ranks, over a GPU model's tensor sizes: on an H100's host
+    (16 cores) the CPU mix's small tensors gave 448 M/s where a GPT's 418 M parameters stepped at about
+    1000 M/s."""
     import torch
 
     previous = torch.get_num_threads()
@@ -123,9 +126,10 @@ def _host_adam_params_per_s(gpus: int) -> float:
     try:
         adam = measure_optimizer_steps(torch.device("cpu"), GPU_MIX, _EVICT_BYTES, foreach=True,
                                        names=("adam",))["adam"]
+        sums = measure_gradient_sums(GPU_MIX, _EVICT_BYTES)
     finally:
         torch.set_num_threads(previous)
-    return adam.params_per_s(GPU_MIX)
+    return adam.params_per_s(GPU_MIX), sums
 
 
 def _cuda_seconds(device: Any, work: Callable[[], object]) -> float:

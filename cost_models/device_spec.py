@@ -144,7 +144,10 @@ class DeviceSpec:
     The host side is given per GPU, as its share of the node it sits in (the node's host memory,
     NVMe capacity and optimizer throughput divided by the node's GPUs), so a node of any size is
     ``gpus_per_node`` times it: `host_mem_bytes`, `nvme_bytes`, and `host_optimizer_params_per_s`
-    (parameters per second an optimizer step on the host's cores updates; a calibration value).
+    (parameters per second an optimizer step on the host's cores updates; a calibration value), and
+    `host_grad_sum_params_per_s` (parameters per second the host adds a gradient into its sum, as ZeRO-Offload's
+    gradients arrive each backward; measured by ``tessera calibrate --device cuda``, else None:
+    :meth:`grad_sum_params_per_s` estimates it).
     Older device files without them get the defaults below.
 
     `optimizer_steps` gives, per optimizer name, what a step of torch's optimizer measured on the device
@@ -174,6 +177,7 @@ class DeviceSpec:
     host_mem_bytes: int = 64 * 2**30
     nvme_bytes: int = 1_000_000_000_000
     host_optimizer_params_per_s: float = 4e8
+    host_grad_sum_params_per_s: float | None = None  # where measured (a GPU's calibration)
     collective_link: LinkSpec | None = None  # how an all-reduce within a node runs, where measured (else intra_node)
     optimizer_steps: tuple[tuple[str, OptimizerStepCost], ...] = ()  # (optimizer name, its measured step)
     backend: str = "nccl"  # what its ranks communicate with (BACKENDS)
@@ -210,6 +214,9 @@ class DeviceSpec:
         rate = _check_number(owner, "host_optimizer_params_per_s", self.host_optimizer_params_per_s,
                              allow_zero=False)
         object.__setattr__(self, "host_optimizer_params_per_s", rate)
+        if self.host_grad_sum_params_per_s is not None:
+            object.__setattr__(self, "host_grad_sum_params_per_s", _check_number(
+                owner, "host_grad_sum_params_per_s", self.host_grad_sum_params_per_s, allow_zero=False))
         steps = self.optimizer_steps
         if isinstance(steps, Mapping):
             steps = tuple(sorted(steps.items()))
@@ -226,6 +233,22 @@ class DeviceSpec:
                 raise InvalidArgument(
                     f"{owner}: field {field!r} must be a LinkSpec, got {link!r} ({type(link).__name__})"
                 )
+
+    def grad_sum_params_per_s(self) -> float:
+        """Parameters per second the host adds a gradient into its sum: the measured figure, else one estimated
+        from the host's optimizer step by the arrays each touches (the sum reads two and writes one in the masters'
+        dtype, Adam's step reads the gradient, the master and two moments and writes the last three: seven).
+
+        Beside a GPU the estimate is cautious. On an H200's host (16 cores) Adam stepped 806 M parameters a
+        second; a GPT's 341 M gradients sent down each micro-batch took 92-104 ms with their copies (25 ms on
+        the link), so its sums ran at 4-5 G/s, not the 1.9 G/s estimated: the step was predicted 2.42 s and
+        measured 1.51 s. On a CPU rank (the ``cpu`` device, not calibrated for it) the sums run inside the
+        rank's own backward and the estimate holds: in a GPT stage's backward on one thread the adds took 0.5
+        ns a parameter themselves and slowed the backward around them by 1.0-1.6 ns more (its caches), where
+        the estimate and the copy it also costs come to 1.5 ns."""
+        if self.host_grad_sum_params_per_s is not None:
+            return self.host_grad_sum_params_per_s
+        return self.host_optimizer_params_per_s * _ADAM_ARRAYS / _SUM_ARRAYS
 
     def optimizer_step(self, optimizer: str) -> OptimizerStepCost | None:
         """The measured step of ``optimizer`` (its plan name) on this device, or None where not measured."""
@@ -257,8 +280,8 @@ class DeviceSpec:
         data: dict[str, Any] = {}
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.name == "collective_link" and value is None:
-                continue  # not measured: all-reduces run as intra_node
+            if field.name in ("collective_link", "host_grad_sum_params_per_s") and value is None:
+                continue  # not measured: all-reduces run as intra_node, sums at the estimated rate
             if field.name == "optimizer_steps":
                 value = {name: dataclasses.asdict(cost) for name, cost in value}
             data[field.name] = value.to_dict() if isinstance(value, LinkSpec) else value
@@ -306,7 +329,9 @@ LINK_KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(LinkSpec))
 STEP_KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(OptimizerStepCost))
 DEVICE_KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(DeviceSpec))
 LINK_FIELDS: tuple[str, ...] = ("intra_node", "inter_node", "host_link", "nvme", "collective_link")
+_SUM_ARRAYS, _ADAM_ARRAYS = 3, 7  # arrays a gradient's sum and an Adam step read or write, per parameter
 HOST_KEYS: frozenset[str] = frozenset({"host_mem_bytes", "nvme_bytes", "host_optimizer_params_per_s",
+                                       "host_grad_sum_params_per_s",
                                        "collective_link", "optimizer_steps", "backend"})
 
 

@@ -71,3 +71,27 @@ def measure_optimizer_steps(device: Any, mix: Sequence[int], evict_bytes: int, *
         per_param_s = max(mix_s - per_tensor_s * len(mix), 0.0) / sum(mix)
         steps[kind.value] = OptimizerStepCost(per_tensor_s * 1e6, per_param_s * 1e9)
     return steps
+
+
+def measure_gradient_sums(mix: Sequence[int], evict_bytes: int) -> float:
+    """Parameters per second a GPU's host adds the gradients each backward sends down into their sums, as the
+    runtime adds them (runtime/stage_optimizer.py: ``total.add_(grad)`` in pinned memory, one parameter at a
+    time, in the masters' fp32), over a model's ``mix`` of tensor sizes, from a cache that ``evict_bytes``
+    written before each pass have emptied (the sums were last touched a micro-batch ago). The GPU waits
+    meanwhile, so nothing else runs on those cores (on a CPU rank the sums run inside its own backward: see
+    DeviceSpec.grad_sum_params_per_s)."""
+    import torch
+
+    def buffer(numel: int, value: float) -> torch.Tensor:
+        return torch.full((numel,), value).pin_memory()
+
+    totals, grads = [buffer(n, 0.0) for n in mix], [buffer(n, 1.0) for n in mix]
+    evict = torch.empty(evict_bytes // 4)
+    samples = []
+    for _ in range(_STEPS + 1):
+        evict.fill_(1.0)
+        start = time.perf_counter()
+        for total, grad in zip(totals, grads):
+            total.add_(grad)
+        samples.append(time.perf_counter() - start)
+    return sum(mix) / max(statistics.median(samples[1:]), 1e-12)

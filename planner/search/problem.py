@@ -195,6 +195,7 @@ class MemoryTiers:
     host_step: OptimizerStepCost | None = None  # measured on the host's cores (the cpu device: they are its own)
     precision: Precision | None = None  # with the optimizer, what the step's own buffers are costed by
     optimizer: Optimizer | None = None  # (None: a bare problem, whose step costs nothing)
+    host_sum_ms_per_param: float = 0.0  # a gradient sent down added into its sum on the host, per parameter
 
     @property
     def activations(self) -> bool:
@@ -583,6 +584,7 @@ def memory_tiers(device: DeviceSpec, space: SearchSpace, state: StateMode, *, ac
         recompute=activations and Offload.RECOMPUTE in space.offload,
         swap=activations and Offload.SWAP in space.offload, state=state, host_link=host_link, nvme_link=nvme_link,
         host_step_ms_per_param=1e3 / device.host_optimizer_params_per_s,
+        host_sum_ms_per_param=1e3 / device.grad_sum_params_per_s(),
         device_step_ms_per_byte=device_ms_per_byte,
         device_step=device.optimizer_step(space.optimizer.value),
         # on the cpu device the host is the device: its optimizer step is the one measured there, per tensor too

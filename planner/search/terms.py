@@ -477,16 +477,9 @@ def _sent_gradient_terms(problem: PipelineProblem) -> dict[str, Term]:
     tiers = problem.tiers
     if not tiers.state.grads_on_host:
         return {}
-    per_param_ms = (tiers.host_grad_bytes_per_param * tiers.host_link.ms_per_byte
-                    + tiers.host_step_ms_per_param * HOST_SUM_SHARE_OF_STEP)
+    per_param_ms = tiers.host_grad_bytes_per_param * tiers.host_link.ms_per_byte + tiers.host_sum_ms_per_param
     return {"grads_down_ms": Term(per_unit=tuple(u.param_numel * per_param_ms for u in problem.units)),
             "grad_bytes": Term(per_shared=tuple(float(p.grad_bytes) for p in problem.shared))}
-
-
-HOST_SUM_SHARE_OF_STEP = 3 / 7
-"""What adding a gradient into its sum on the host takes, as a share of the host's optimizer step per parameter:
-the sum reads two arrays and writes one in the masters' dtype, where Adam's step reads the gradient, the master
-and its two moments and writes the last three (seven), on the same memory bandwidth."""
 
 
 def _step_term(problem: PipelineProblem, copies: int) -> Term:

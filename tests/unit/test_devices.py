@@ -57,6 +57,7 @@ FIELD_NAMES = {
     "host_mem_bytes",
     "nvme_bytes",
     "host_optimizer_params_per_s",
+    "host_grad_sum_params_per_s",
     "collective_link",
     "optimizer_steps",
     "backend",
@@ -319,6 +320,19 @@ def test_device_files_without_host_fields_load_with_defaults() -> None:
     spec = DeviceSpec.from_dict(data)
     assert spec.host_mem_bytes == DeviceSpec.__dataclass_fields__["host_mem_bytes"].default
     assert DeviceSpec.from_dict(PRESETS["V100-32GB"].to_dict()) == PRESETS["V100-32GB"]
+    assert "host_grad_sum_params_per_s" not in data and spec.host_grad_sum_params_per_s is None
+
+
+def test_gradients_are_summed_on_the_host_at_the_measured_rate_else_one_estimated_from_the_step() -> None:
+    """Without a measured rate, a sum (two arrays read, one written) runs at 7/3 of the host's Adam rate (seven
+    arrays); a calibrated rate replaces it and survives the device file; zero or negative is refused."""
+    preset = PRESETS["V100-32GB"]
+    assert preset.grad_sum_params_per_s() == pytest.approx(preset.host_optimizer_params_per_s * 7 / 3)
+    measured = dataclasses.replace(preset, host_grad_sum_params_per_s=5e9)
+    assert measured.grad_sum_params_per_s() == 5e9
+    assert DeviceSpec.from_dict(json.loads(json.dumps(measured.to_dict()))) == measured
+    with pytest.raises(InvalidArgument, match="host_grad_sum_params_per_s"):
+        dataclasses.replace(preset, host_grad_sum_params_per_s=0.0)
 
 
 def test_the_measured_cpu_is_cached_per_machine_and_read_back(tmp_path: Path) -> None:
@@ -366,6 +380,7 @@ def test_the_cpu_device_times_each_optimizers_step_per_tensor_and_per_parameter(
     # the host tier is this CPU: its Adam updates the 40 mixed tensors' 4.2 M parameters at the same rate
     seconds = (40 * steps["adam"].us_per_tensor * 1e-6 + sum(CPU_MIX) * steps["adam"].ns_per_param * 1e-9)
     assert len(CPU_MIX) == 40 and cpu.host_optimizer_params_per_s == pytest.approx(sum(CPU_MIX) / seconds)
+    assert cpu.host_grad_sum_params_per_s is None  # its sums share the backward's core: estimated (see there)
 
 
 def test_on_the_cpu_device_the_host_tier_buys_no_speed() -> None:
