@@ -24,7 +24,7 @@ from cost_models.devices import (
     save_device,
 )
 from cost_models.errors import InvalidArgument, UnknownDevice
-from cost_models.optimizer_timing import CPU_MIX
+from cost_models.optimizer_timing import CPU_MIX, measure_gradient_sums, measure_optimizer_steps
 from planner.plan import StateTier
 
 GIB = 2**30
@@ -321,6 +321,14 @@ def test_device_files_without_host_fields_load_with_defaults() -> None:
     assert spec.host_mem_bytes == DeviceSpec.__dataclass_fields__["host_mem_bytes"].default
     assert DeviceSpec.from_dict(PRESETS["V100-32GB"].to_dict()) == PRESETS["V100-32GB"]
     assert "host_grad_sum_params_per_s" not in data and spec.host_grad_sum_params_per_s is None
+
+
+def test_the_host_sums_gradients_faster_than_it_steps_adam_over_the_same_tensors() -> None:
+    """What calibration measures for a GPU's host, here on this CPU: one pass over three arrays per parameter
+    against Adam's passes over seven."""
+    mix = CPU_MIX[:24]
+    adam = measure_optimizer_steps(torch.device("cpu"), mix, 2**20, foreach=True, names=("adam",))["adam"]
+    assert measure_gradient_sums(mix, 2**20) > adam.params_per_s(mix) > 0
 
 
 def test_gradients_are_summed_on_the_host_at_the_measured_rate_else_one_estimated_from_the_step() -> None:
