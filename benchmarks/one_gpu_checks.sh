@@ -4,7 +4,8 @@
 #   2. `tessera calibrate --device cuda` into OUT/calibrated-gpu.json;
 #   3. plans made from that file (a GPT in bf16 with room to spare, the same GPT whose micro-batches
 #      only fit with recompute, the same GPT at batch 2, whose optimizer step held more than its backward
-#      (about 3 GiB of fp32 gradients and Adam temporaries) until the step went in buckets, a ResNet-50),
+#      (about 3 GiB of fp32 gradients and Adam temporaries) until the step went in buckets, the same GPT in
+#      2 GB, which fits only sending its gradients to the host each backward (ZeRO-Offload), a ResNet-50),
 #      costed from node times measured on this GPU (--profile; the file is this GPU's calibration), each
 #      run by `tessera run` and compared with its predictions by `tessera validate` (step time, peak
 #      memory against the CUDA allocator); the roofline's predicted step (without --profile) is printed
@@ -55,6 +56,9 @@ make_plan gpt-bf16 examples/models/gpt.py:gpt $gpt --mem 80GB
 make_plan gpt-bf16-recompute examples/models/gpt.py:gpt $gpt --mem 16GB --micro-batch-size 16
 # shellcheck disable=SC2086
 make_plan gpt-bf16-step examples/models/gpt.py:gpt $gpt --batch-size 2 --mem 80GB
+# shellcheck disable=SC2086
+make_plan gpt-bf16-grads examples/models/gpt.py:gpt $gpt --batch-size 8 --mem 2GB --optimizer adam \
+    --offload recompute --offload host --offload grads
 make_plan resnet50-bf16 examples/models/resnet.py:resnet50 --input 3x224x224 --batch-size 128 --mem 80GB \
     --precision bf16
 
