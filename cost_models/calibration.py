@@ -11,9 +11,9 @@ replaces them with what short micro-benchmarks achieve here:
   overhead of a tiny kernel, the pinned host-to-device bandwidth and each optimizer's step (torch's
   multi-tensor kernels, per tensor and per parameter), each timed with the GPU synchronised; and the
   host's Adam step (parameters per second, ZeRO-Offload's step on the CPU) and its sums of gradients sent
-  down each backward, on the cores one rank gets when every local GPU runs one (runtime/launch.py gives each CUDA rank that share). One GPU cannot
-  measure the links between GPUs: those stay the preset's (said in the notes). The efficiencies become
-  1.0, since the peaks are achieved figures.
+  down each backward, on the cores one rank gets when every local GPU runs one (runtime/launch.py gives
+  each CUDA rank that share). One GPU cannot measure the links between GPUs: those stay the preset's
+  (said in the notes). The efficiencies become 1.0, since the peaks are achieved figures.
 """
 
 from __future__ import annotations

@@ -75,11 +75,11 @@ def measure_optimizer_steps(device: Any, mix: Sequence[int], evict_bytes: int, *
 
 def measure_gradient_sums(mix: Sequence[int], evict_bytes: int) -> float:
     """Parameters per second a GPU's host adds the gradients each backward sends down into their sums, as the
-    runtime adds them (runtime/stage_optimizer.py: ``total.add_(grad)`` in pinned memory where torch sees a GPU,
-    one parameter at a time, in the masters' fp32), over a model's ``mix`` of tensor sizes, from a cache that ``evict_bytes``
-    written before each pass have emptied (the sums were last touched a micro-batch ago). The GPU waits
-    meanwhile, so nothing else runs on those cores (on a CPU rank the sums run inside its own backward: see
-    DeviceSpec.grad_sum_params_per_s)."""
+    runtime adds them (runtime/stage_optimizer.py: ``total.add_(grad)`` in pinned memory where torch sees a
+    GPU, one parameter at a time, in the masters' fp32), over a model's ``mix`` of tensor sizes, from a cache
+    that ``evict_bytes`` written before each pass have emptied (the sums were last touched a micro-batch ago).
+    The GPU waits meanwhile, so nothing else runs on those cores (on a CPU rank the sums run inside its own
+    backward: see DeviceSpec.grad_sum_params_per_s)."""
     import torch
 
     def buffer(numel: int, value: float) -> torch.Tensor:
