@@ -415,6 +415,30 @@ def test_on_the_cpu_device_the_host_steps_as_the_device_does() -> None:
         assert tiers.host_step is None or tiers.host_step == tiers.device_step
 
 
+def test_gradients_sent_to_the_host_are_summed_at_the_devices_calibrated_rate() -> None:
+    """A calibrated device's host sums the gradients sent down at its measured rate; a preset's at the estimate
+    from its Adam rate (7/3 of it); the sent gradients' backward time follows."""
+    from cost_models.devices import get_device
+    from planner.api import validate_space
+    from planner.search.problem import memory_tiers
+
+    space, spec = validate_space(1, "1GB", 8, "V100-32GB", None, "adam", "fp32", None, None, 60.0)
+    preset = get_device(spec)
+    calibrated = dataclasses.replace(preset, host_grad_sum_params_per_s=5e9)
+    mode = StateMode(0, StateTier.HOST, grads_on_host=True)
+    estimated, measured = (memory_tiers(device, space, mode, activations=False) for device in (preset, calibrated))
+    assert estimated.host_sum_ms_per_param == pytest.approx(1e3 / (preset.host_optimizer_params_per_s * 7 / 3))
+    assert measured.host_sum_ms_per_param == pytest.approx(1e3 / 5e9)
+    unit = Unit(("a",), 1.0, 1.0, 16_000, 4000, 0, 0, (), 4000, 8000, 1000, 0, 0, largest_own_param_numel=500)
+    backward = []
+    for tiers in (estimated, measured):
+        problem = PipelineProblem((unit,), (), (), Layout.pipeline(1), ScheduleKind.GPIPE, 1, (1,), (),
+                                  (LinearCost(0.0, 0.0),), 10**6, tiers)
+        backward.append(evaluate(cost_model(problem), ()).parts[0].bwd_ms)
+    assert backward[0] - backward[1] == pytest.approx(1000 * (estimated.host_sum_ms_per_param
+                                                               - measured.host_sum_ms_per_param))
+
+
 def test_device_optimizer_step_from_its_bytes_or_from_the_measured_step() -> None:
     """Adam in fp32 on the device, 1000 parameters in 3 tensors. Unmeasured: it reads and writes the weights
     (2 x 4000 bytes) and the moments (2 x 8000) and reads the gradients (4000), 28,000 bytes at 0.0005 ms
