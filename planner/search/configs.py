@@ -74,11 +74,21 @@ class Config:
         return tuple(choice.parts for choice in self.spatial) + (1,) * (self.num_stages - len(self.spatial))
 
     def describe(self) -> str:
+        """The configuration in the words of its plan's title (planner.plan.Layout.describe): GEMS-MASTER's
+        ``num_stages`` parts are two copies' stages.
+
+        >>> Config(2, 4, 2, 2, ScheduleKind.GEMS_MASTER).describe()
+        '4 stages of 2 parts on 2 ranks x 4 replicas, 2 micro-batches of 2, gems-master'
+        """
         where = self.state.describe()
+        stages = plural(self.num_stages, "stage")
         tiles = f" ({describe_tiles(self.spatial)})" if self.spatial else ""
         if self.virtual_stages > 1:
             tiles = f" on {plural(self.pipeline_ranks, 'rank')} ({self.virtual_stages} per rank)"
-        return (f"{plural(self.num_stages, 'stage')}{tiles} x {plural(self.data_parallel, 'replica')}, "
+        if self.schedule is ScheduleKind.GEMS_MASTER:  # two copies of the parts, in opposite directions
+            stages = f"{plural(2 * self.num_stages, 'stage')} of {plural(self.num_stages, 'part')}"
+            tiles = f" on {plural(self.pipeline_ranks, 'rank')}"
+        return (f"{stages}{tiles} x {plural(self.data_parallel, 'replica')}, "
                 f"{plural(self.num_microbatches, 'micro-batch', 'micro-batches')} of "
                 f"{self.micro_batch_size}, {self.schedule.value}" + (f", {where}" if where else ""))
 

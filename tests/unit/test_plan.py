@@ -475,6 +475,15 @@ def test_the_printed_plan_labels_what_it_shows() -> None:
     assert int(bound[3]) == round(100 * peak / usable) <= int(bound[2])  # node by node: at most the bound
 
 
+def test_a_gems_master_plans_why_line_names_its_configuration_as_its_title_does() -> None:
+    """GEMS-MASTER's configuration counts its parts; its plan's title counts the two copies' stages: the
+    why-line says both, in the title's words (it said "2 stages x 2 replicas" under "4 stages of 2 parts")."""
+    gems = _tiny(gpus=4, schedules=("gems-master",), data_parallel=(2,))
+    title, why = str(gems).splitlines()[0], gems.solver.why
+    assert title.startswith("plan: 4 stages of 2 parts on 2 ranks x 2 data-parallel"), title
+    assert why.startswith("4 stages of 2 parts on 2 ranks x 2 replicas, "), why
+
+
 def test_configurations_running_the_same_programs_are_searched_once() -> None:
     """With one micro-batch GPipe and 1F1B generate the very same programs: the search keeps the first
     listed; with two they differ and both stay."""
