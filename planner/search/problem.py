@@ -185,6 +185,7 @@ class MemoryTiers:
     host_link: LinearCost
     nvme_link: LinearCost
     host_step_ms_per_param: float  # an optimizer step on the host's cores, per parameter
+    host_sum_ms_per_param: float  # a gradient sent down added into its sum on the host, per parameter
     device_step_ms_per_byte: float  # an optimizer step on the GPU, per byte of state it reads or writes
     host_grad_bytes_per_param: int  # the fp32 (fp64) gradient a host step reads (and each way over the link)
     host_mem_bytes: int  # per node
@@ -195,7 +196,6 @@ class MemoryTiers:
     host_step: OptimizerStepCost | None = None  # measured on the host's cores (the cpu device: they are its own)
     precision: Precision | None = None  # with the optimizer, what the step's own buffers are costed by
     optimizer: Optimizer | None = None  # (None: a bare problem, whose step costs nothing)
-    host_sum_ms_per_param: float = 0.0  # a gradient sent down added into its sum on the host, per parameter
 
     @property
     def activations(self) -> bool:
@@ -214,7 +214,7 @@ def block_of(unit: int) -> int:
 
 
 FREE_LINK = LinearCost(0.0, 0.0)
-GPU_ONLY = MemoryTiers(False, False, ON_GPU, FREE_LINK, FREE_LINK, 0.0, 0.0, 4, 0, 0, 1)
+GPU_ONLY = MemoryTiers(False, False, ON_GPU, FREE_LINK, FREE_LINK, 0.0, 0.0, 0.0, 4, 0, 0, 1)
 """No memory decisions and an optimizer step that costs nothing (what a bare problem means)."""
 
 

@@ -52,8 +52,8 @@ LINK = LinearCost(0.0, 0.002)  # host link: 2 ms per 1000 bytes
 
 
 def _tiers(recompute: bool = True, swap: bool = True, state: StateMode = ON_GPU) -> MemoryTiers:
-    return MemoryTiers(recompute, swap, state, LINK, LINK, 0.001, 0.0005, 4, 10**9, 10**9, 8,
-                       host_master_bytes_per_param=4, host_sum_ms_per_param=0.0004)
+    return MemoryTiers(recompute, swap, state, LINK, LINK, 0.001, 0.0004, 0.0005, 4, 10**9, 10**9, 8,
+                       host_master_bytes_per_param=4)
 
 
 @st.composite
