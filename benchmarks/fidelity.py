@@ -1,7 +1,8 @@
 """Predicted against measured: step time and peak memory per rank of tessera's CPU plans, run for real.
 
-Seven plans on 2 and 4 CPU ranks (GPT, ResNet, U-Net; GPipe and 1F1B; pipeline-only, data-parallel-only
-and mixed; one, bf16 with Adam at one sample a micro-batch, whose peak is its optimizer step), each made by ``tessera plan --device cpu`` (node times measured on this machine, its gloo
+Eight plans on 2 and 4 CPU ranks (GPT, ResNet, U-Net; GPipe and 1F1B; pipeline-only, data-parallel-only
+and mixed; one, bf16 with Adam at one sample a micro-batch, whose peak is its optimizer step; one of a GPT whose
+head is its embedding, summed over both stages before each step), each made by ``tessera plan --device cpu`` (node times measured on this machine, its gloo
 link measured once and cached) with the stage count, replicas and schedule fixed, run by
 ``tessera run`` (gloo, one thread per rank) with a run report, and compared as ``tessera validate``
 does (planner/reports/compare.py): per rank, the predicted and the measured median step and peak
@@ -42,6 +43,8 @@ from planner.simulation import simulate_plan  # noqa: E402
 GPT = ["examples/models/gpt.py:gpt", "--model-arg", "hidden=128", "--model-arg", "layers=4", "--model-arg", "heads=4",
        "--model-arg", "seq_len=64", "--model-arg", "vocab=2048", "--model-arg", "dropout=0.0",
        "--model-arg", "tie_embeddings=false", "--input", "64:int64"]
+_UNTIED = GPT.index("tie_embeddings=false")
+TIED_GPT = GPT[:_UNTIED - 1] + GPT[_UNTIED + 1:]  # the same GPT, its head the embedding (the builder's default)
 RESNET = ["examples/models/resnet.py:resnet50", "--model-arg", "width=8", "--model-arg", "num_classes=10",
           "--input", "3x64x64"]
 UNET = ["examples/models/unet.py:unet_small", "--input", "3x64x64"]
@@ -59,6 +62,7 @@ PLANS: dict[str, tuple[list[str], int, int, int, str, int, int, list[str]]] = {
     "resnet pipeline 1f1b": (RESNET, 4, 4, 1, "1f1b", 16, 2, MOMENTUM),
     "unet pipeline 1f1b": (UNET, 2, 2, 1, "1f1b", 8, 2, MOMENTUM),
     "gpt bf16 adam, step peak": (GPT, 2, 2, 1, "1f1b", 4, 1, AT_THE_STEP),
+    "tied gpt pipeline gpipe": (TIED_GPT, 2, 2, 1, "gpipe", 16, 2, MOMENTUM),  # its stages sum the embedding's
 }
 
 

@@ -22,7 +22,7 @@ a rank, as the cpu device measured it (the plan's) and as the run did (mean over
 rank's peak memory furthest from its prediction (one more step of each family, profiled). The machine may
 have fewer cores than ranks: note the load average printed.
 
-Run: python benchmarks/schedule_bubbles.py [--steps 31] [--ranks 4] [--tie 1]
+Run: python benchmarks/schedule_bubbles.py [--steps 31] [--ranks 4] [--tie 1] [--tied-weights]
 """
 
 from __future__ import annotations
@@ -75,15 +75,15 @@ def families(ranks: int) -> dict[str, tuple[int, str, dict[str, int]]]:
             "gems-master": (ranks, "gems-master", {})}
 
 
-def plans(ranks: int) -> dict[str, Plan]:
-    model = build_model(load_builder(BUILDER, ROOT), MODEL, "cpu")  # real weights: its nodes are profiled
-    x = torch.empty(1, MODEL["seq_len"], dtype=torch.long, device="meta")
+def plans(ranks: int, kwargs: dict[str, Any]) -> dict[str, Plan]:
+    model = build_model(load_builder(BUILDER, ROOT), kwargs, "cpu")  # real weights: its nodes are profiled
+    x = torch.empty(1, kwargs["seq_len"], dtype=torch.long, device="meta")
     graph = trace(model, x)
     made = {}
     for name, (parts, family, options) in families(ranks).items():
         base = plan_with_split(model, example_inputs=x, graph=graph, stage_starts=equal_layer_starts(graph, parts),
                                batch_size=BATCH, micro_batch_size=MICRO, schedule="gpipe", device="cpu",
-                               optimizer="momentum", builder=BUILDER, builder_kwargs=MODEL)
+                               optimizer="momentum", builder=BUILDER, builder_kwargs=kwargs)
         made[name] = reschedule(base, family, **options)
     return made
 
@@ -145,13 +145,16 @@ def main() -> None:
     parser.add_argument("--tie", type=float, default=1.0, help="families predicted within this many percent of "
                                                                 "each other are tied: no order between them is "
                                                                 "predicted (default 1)")
+    parser.add_argument("--tied-weights", action="store_true", help="tie the GPT's embedding to its head: the first and "
+                                                                "last parts sum its gradient before each step")
     parser.add_argument("--save", type=Path, help="a folder to write each family's plan and run report to (for "
                                                   "tessera validate)")
     args = parser.parse_args()
-    print(f"GPT {MODEL}, batch {BATCH} in micro-batches of {MICRO}, {args.ranks} gloo CPU ranks x 1 thread on "
+    kwargs = {**MODEL, "tie_embeddings": args.tied_weights}
+    print(f"GPT {kwargs}, batch {BATCH} in micro-batches of {MICRO}, {args.ranks} gloo CPU ranks x 1 thread on "
           f"{os.cpu_count()} cores, the families' steps alternating, {args.steps} steps each (the first warms "
           f"up); load average {os.getloadavg()[0]:.1f} at the start")
-    made = plans(args.ranks)
+    made = plans(args.ranks, kwargs)
     reports = measure(made, args.ranks, args.steps)
     if args.save:
         args.save.mkdir(parents=True, exist_ok=True)

@@ -26,6 +26,7 @@ from planner.plan import (
     SpatialSpec,
     StagePlan,
     StagePrediction,
+    TiedSum,
     TrainingSpec,
     Transfer,
     freeze,
@@ -38,7 +39,7 @@ from planner.schedules.validate import validate
 from planner.search.configs import gpus_note
 from planner.search.evaluate import PartSummary, evaluate, region_start
 from planner.search.ilp import SolveStatus
-from planner.search.problem import ON_GPU
+from planner.search.problem import ON_GPU, tied_sums
 from planner.search.search import (
     FAMILY_SLACK,
     OFFLOAD_MUST_GAIN,
@@ -58,6 +59,7 @@ class Lowered:
 
     parts: tuple[StagePlan, ...]
     transfers: tuple[Transfer, ...]
+    tied_sums: tuple[TiedSum, ...]
     programs: tuple[Program, ...]
     simulated: SimResult
 
@@ -67,12 +69,15 @@ MEMORY_BINDS_AT = 0.9
 usable budget."""
 
 
-def lower_candidate(candidate: Candidate, graph: LayerGraph) -> Lowered:
+def lower_candidate(candidate: Candidate, graph: LayerGraph, device: DeviceSpec, gpus_per_node: int) -> Lowered:
     """The candidate's per-rank programs (checked by the validator) and their simulated step."""
     setup = candidate.setup
     layout = setup.schedule.layout
     part_nodes = _part_nodes(candidate)
     transfers = _transfers(candidate, graph, part_nodes)
+    tied = tied_sums(setup.problem.units, setup.problem.shared,
+                     [range(part.first_unit, part.last_unit + 1) for part in candidate.evaluation.parts], layout,
+                     device, gpus_per_node)
     edges = {(t.src_stage, t.dst_stage) for t in transfers}
     step_bytes = stage_step_bytes(graph, setup.problem, layout, part_nodes)
     parts = tuple(_stage_plan(candidate, index, nodes, graph, step_bytes[index])
@@ -81,8 +86,8 @@ def lower_candidate(candidate: Candidate, graph: LayerGraph) -> Lowered:
     programs = layout.rank_programs(lower(insert_swaps(setup.schedule.programs, swapping), layout, edges))
     validate(programs, layout, edges=edges)
     simulated = simulate(programs, layout, sim_costs(layout, parts, transfers, setup.config.schedule,
-                                                     setup.problem.backend))
-    return Lowered(parts, transfers, programs, simulated)
+                                                     setup.problem.backend, tied))
+    return Lowered(parts, transfers, tied, programs, simulated)
 
 
 def build_plan(graph: LayerGraph, device: DeviceSpec, space: SearchSpace, result: SearchResult,
@@ -92,7 +97,7 @@ def build_plan(graph: LayerGraph, device: DeviceSpec, space: SearchSpace, result
     No plan leaves the planner that the validator rejects. Every step time the plan reports is
     the simulator's (the runner-up's too); the ILP objective stays in the solver report.
     """
-    simulations = Simulations(graph)
+    simulations = Simulations(graph, device, space.gpus_per_node)
     result = by_simulation(result, simulations)
     lowered = simulations.lowered(result.best)
     runner_up = None if result.runner_up is None else simulations.lowered(result.runner_up).simulated
@@ -114,6 +119,7 @@ def build_plan(graph: LayerGraph, device: DeviceSpec, space: SearchSpace, result
                               c.output_bytes) for c in setup.table.costs),
         programs=format_programs(lowered.programs),
         transfers=lowered.transfers,
+        tied_sums=lowered.tied_sums,
         predicted=Prediction(simulated.step_ms, space.global_batch_size / simulated.step_ms * 1e3,
                              simulated.bubble_fraction, simulated.peak_mem_bytes),
         solver=_report(result, space, simulated, runner_up, simulations.step_ms),
@@ -123,13 +129,16 @@ def build_plan(graph: LayerGraph, device: DeviceSpec, space: SearchSpace, result
 class Simulations:
     """Candidates lowered and simulated, each once (by identity: candidates are not hashable)."""
 
-    def __init__(self, graph: LayerGraph) -> None:
+    def __init__(self, graph: LayerGraph, device: DeviceSpec, gpus_per_node: int) -> None:
         self.graph = graph
+        self.device = device
+        self.gpus_per_node = gpus_per_node
         self._lowered: dict[int, tuple[Candidate, Lowered]] = {}
 
     def lowered(self, candidate: Candidate) -> Lowered:
         if id(candidate) not in self._lowered:
-            self._lowered[id(candidate)] = (candidate, lower_candidate(candidate, self.graph))
+            self._lowered[id(candidate)] = (candidate, lower_candidate(candidate, self.graph, self.device,
+                                                                       self.gpus_per_node))
         return self._lowered[id(candidate)][1]
 
     def step_ms(self, candidate: Candidate) -> float:

@@ -40,7 +40,7 @@ from planner.schedules import Schedule, format_programs, generate, lower, max_in
 from planner.schedules.swaps import insert_swaps
 from planner.search.evaluate import evaluate
 from planner.search.ilp import SolveStatus
-from planner.search.problem import group_units, part_allreduces, staying_values
+from planner.search.problem import group_units, part_allreduces, staying_values, tied_sum_over
 from planner.search.search import Candidate, Config, Search, SearchResult
 from planner.simulation import sim_costs
 
@@ -187,7 +187,8 @@ def _tiled(plan: Plan, spatial: Mapping[int, SpatialSpec]) -> Plan:
 def _relaid(plan: Plan, schedule: Schedule, stages: tuple[StagePlan, ...], what: str) -> Plan:
     """``plan`` (one stage per part) with ``stages`` on ``schedule``'s layout: its transfers within each
     model copy, its programs lowered (swaps included) and validated, its predictions re-simulated on the
-    same stage costs, checked like a plan file (InvalidArgument naming ``what`` when it does not fit)."""
+    same stage costs (its tied sums over the new layout's ranks), checked like a plan file (InvalidArgument naming
+    ``what`` when it does not fit)."""
     layout = schedule.layout
     stages = _reduced_over(layout, plan, stages)
     transfers = tuple(dataclasses.replace(t, src_stage=layout.stage_of_copy(t.src_stage, copy),
@@ -197,14 +198,16 @@ def _relaid(plan: Plan, schedule: Schedule, stages: tuple[StagePlan, ...], what:
     swapping = {stage for stage in range(layout.num_stages) if stages[layout.part(stage)].offload.swap}
     programs = layout.rank_programs(lower(insert_swaps(schedule.programs, swapping), layout, edges))
     validate(programs, layout, edges=edges)
-    costs = sim_costs(layout, stages, transfers, schedule.kind, plan.cluster.backend)
+    device = DeviceSpec.from_dict(plan.cluster.device)
+    tied = tuple(tied_sum_over(layout, t.parts, t.nbytes, device, plan.cluster.gpus_per_node) for t in plan.tied_sums)
+    costs = sim_costs(layout, stages, transfers, schedule.kind, plan.cluster.backend, tied)
     simulated = simulate(programs, layout, costs)
     batch = plan.training.global_batch_size
     # the search's why, runner-up and binding were of the plan before: what was done to it now says instead
     solver = dataclasses.replace(plan.solver, why=f"{what} set by hand (planner.manual) on the plan's split, its "
                                  f"step simulated on the same stage costs; not searched", binding="", runner_up=None)
     relaid = dataclasses.replace(
-        plan, layout=layout, stages=stages, transfers=transfers, programs=format_programs(programs),
+        plan, layout=layout, stages=stages, transfers=transfers, tied_sums=tied, programs=format_programs(programs),
         schedule=ScheduleSpec(schedule.kind, max_in_flight(schedule)),
         cluster=dataclasses.replace(plan.cluster, gpus=layout.world_size, gpus_available=layout.world_size),
         predicted=Prediction(simulated.step_ms, batch / simulated.step_ms * 1e3, simulated.bubble_fraction,

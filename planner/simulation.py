@@ -7,15 +7,16 @@ from collections.abc import Mapping, Sequence
 
 from cost_models.comm import p2p_post_ms
 from cost_models.device_spec import LinkSpec
-from planner.plan import Layout, Plan, ScheduleKind, StagePlan, Transfer
+from planner.plan import Layout, Plan, ScheduleKind, StagePlan, TiedSum, Transfer
 from planner.schedules.actions import parse_programs
 from planner.schedules.simulate import SimCosts, SimResult, StageCosts, simulate
 
 
 def sim_costs(layout: Layout, parts: Sequence[StagePlan], transfers: Sequence[Transfer],
-              kind: ScheduleKind, backend: str) -> SimCosts:
+              kind: ScheduleKind, backend: str, tied_sums: Sequence[TiedSum] = ()) -> SimCosts:
     """Each stage costs what its part is predicted to (its all-reduce overlapping its last backward where
-    the runtime's does on ``backend``); transfers, and what posting them costs, per stage pair."""
+    the runtime's does on ``backend``); transfers, and what posting them costs, per stage pair; the tied
+    weights' gradient sums."""
     stale = kind.stale_parts(layout.num_parts)
     stages = tuple(parts[layout.part(stage)] for stage in range(layout.num_stages))
     costs = tuple(StageCosts(p.fwd_ms, p.bwd_ms, p.activation_bytes, p.static_bytes, p.allreduce_ms,
@@ -25,12 +26,13 @@ def sim_costs(layout: Layout, parts: Sequence[StagePlan], transfers: Sequence[Tr
                              p.first_backward_bytes, p.split_kept_bytes, p.split_relief_bytes)
                   for part in stages for p in [part.predicted])
     return SimCosts(costs, {(t.src_stage, t.dst_stage): t.ms for t in transfers},
-                    {(t.src_stage, t.dst_stage): t.post_ms for t in transfers})
+                    {(t.src_stage, t.dst_stage): t.post_ms for t in transfers}, tuple(tied_sums))
 
 
 def simulate_plan(plan: Plan) -> SimResult:
     """The plan's per-rank programs replayed on its predicted costs."""
-    costs = sim_costs(plan.layout, plan.stages, plan.transfers, plan.schedule.kind, plan.cluster.backend)
+    costs = sim_costs(plan.layout, plan.stages, plan.transfers, plan.schedule.kind, plan.cluster.backend,
+                      plan.tied_sums)
     return simulate(parse_programs(plan.programs), plan.layout, costs)
 
 
@@ -38,13 +40,14 @@ def simulate_measured(plan: Plan, action_ms: Sequence[Mapping[str, float]]) -> S
     """The plan's programs replayed on compute times a run measured: per rank, per "stage:kind" (as the
     run report's ``rank_action_ms`` holds them) the time of one action, averaged over the ranks running
     the stage, and what a message took apart from waiting (its "post", averaged over the ranks) where the plan costs
-    posts; transfers, all-reduces and swaps as predicted. It tells the schedule's bubble on the run's own
+    posts; transfers, all-reduces, tied sums and swaps as predicted. It tells the schedule's bubble on the run's own
     compute, apart from how well the costs were predicted."""
     def measured(key: str, default: float) -> float:
         times = [ranks[key] for ranks in action_ms if key in ranks]
         return sum(times) / len(times) if times else default
 
-    predicted = sim_costs(plan.layout, plan.stages, plan.transfers, plan.schedule.kind, plan.cluster.backend)
+    predicted = sim_costs(plan.layout, plan.stages, plan.transfers, plan.schedule.kind, plan.cluster.backend,
+                          plan.tied_sums)
     planned_post_ms = p2p_post_ms(LinkSpec.from_dict(plan.cluster.device["intra_node"]))  # per message
     posts = measured("post", planned_post_ms) / planned_post_ms if planned_post_ms else 1.0  # measured/planned
     stages = []

@@ -22,6 +22,7 @@ from planner.plan.parts import (
                                 StagePlan,
                                 StagePrediction,
                                 StateTier,
+                                TiedSum,
                                 TrainingSpec,
                                 Transfer,
 )
@@ -30,5 +31,5 @@ from planner.plan.upgrade import SCHEMA_VERSION
 
 __all__ = ["SCHEMA_VERSION", "ClusterSpec", "HaloMode", "InputMeta", "LayerRow", "Layout", "ModelRef",
            "OffloadSpec", "ParamTier", "Plan", "Prediction", "RankPlace", "RunnerUp", "ScheduleKind",
-           "ScheduleSpec", "Slicing", "SolverReport", "SpatialSpec", "StagePlan", "StagePrediction", "StateTier", "TrainingSpec",
-           "Transfer", "check_invariants", "freeze"]
+           "ScheduleSpec", "Slicing", "SolverReport", "SpatialSpec", "StagePlan", "StagePrediction", "StateTier",
+           "TiedSum", "TrainingSpec", "Transfer", "check_invariants", "freeze"]

@@ -28,6 +28,7 @@ from planner.plan.parts import (
     ScheduleSpec,
     SolverReport,
     StagePlan,
+    TiedSum,
     TrainingSpec,
     Transfer,
 )
@@ -60,6 +61,7 @@ class Plan:
     transfers: tuple[Transfer, ...]
     predicted: Prediction
     solver: SolverReport
+    tied_sums: tuple[TiedSum, ...] = ()  # absent in older files (their replay leaves the sums out)
     schema_version: int = SCHEMA_VERSION
 
     @property
@@ -142,7 +144,8 @@ def _decode(data: Mapping[str, Any]) -> Plan:
         "stages": codec.tuple_of(StagePlan.from_dict), "layers": codec.tuple_of(LayerRow.from_dict),
         "programs": codec.tuple_of(codec.tuple_of(codec.string)),
         "transfers": codec.tuple_of(Transfer.from_dict),
-        "predicted": Prediction.from_dict, "solver": SolverReport.from_dict})
+        "predicted": Prediction.from_dict, "solver": SolverReport.from_dict,
+        "tied_sums": codec.tuple_of(TiedSum.from_dict)}, optional=frozenset({"tied_sums"}))
 
 
 def _umask() -> int:

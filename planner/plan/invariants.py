@@ -89,6 +89,17 @@ def _transfers(plan: Plan) -> Iterator[str]:
                    f"different stages of 0..{stages - 1}")
 
 
+def _tied_sums(plan: Plan) -> Iterator[str]:
+    parts = plan.layout.num_parts
+    for index, tied in enumerate(plan.tied_sums):
+        if tied.nbytes < 0 or tied.ms < 0:
+            yield f"tied_sums[{index}] sums {tied.nbytes} bytes in {tied.ms} ms; neither may be negative"
+        if len(tied.parts) < 2 or list(tied.parts) != sorted(set(tied.parts)) \
+                or not all(0 <= part < parts for part in tied.parts):
+            yield (f"tied_sums[{index}].parts is {list(tied.parts)}; it must list two or more different parts of "
+                   f"0..{parts - 1} in order")
+
+
 def _offload(plan: Plan) -> Iterator[str]:
     """ZeRO stages 0-3; gradients on the host only beside a step there; checkpoint regions are runs of
     consecutive stage nodes, disjoint from each other and from swaps."""
@@ -156,4 +167,4 @@ def _spatial_spec(path: str, spec: SpatialSpec, ranks: set[int], nodes: tuple[st
 
 
 _CHECKS: tuple[Callable[[Plan], Iterator[str]], ...] = (_positive_counts, _budget, _batch, _sizes, _stages,
-                                                       _transfers, _offload, _spatial)
+                                                       _transfers, _tied_sums, _offload, _spatial)

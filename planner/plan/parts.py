@@ -310,6 +310,23 @@ class Transfer:
 
 
 @dataclass(frozen=True)
+class TiedSum:
+    """A weight several parts hold a copy of (a GPT's embedding tied to its head), whose copies' gradients
+    the runtime sums over every rank holding one of ``parts`` at each rank's first optimizer step of the
+    step (runtime/executor.py: _sync_tied): ``nbytes`` of gradients, ``ms`` the ring all-reduce over those
+    ranks. A rank reaching it waits there for the others (the simulator replays it)."""
+
+    parts: tuple[int, ...]
+    nbytes: int
+    ms: float
+
+    @classmethod
+    def from_dict(cls, data: Any, path: str) -> TiedSum:
+        return codec.fields(cls, data, path, {"parts": codec.tuple_of(codec.integer), "nbytes": codec.integer,
+                                              "ms": codec.number})
+
+
+@dataclass(frozen=True)
 class LayerRow:
     """One row of the cost table the solver used (per micro-batch)."""
 

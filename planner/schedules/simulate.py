@@ -11,7 +11,9 @@ backward and the last one when it ends: ALLREDUCE then ends at
 ``max(first + overlap x A, last) + (1 - overlap) x A`` (the last backward from first to last, A
 the all-reduce's time), or when the rank reaches it if later. It is a collective: every rank holding
 a copy of the part ends it when the last of them would end its own (replicas in step end together;
-GEMS-MASTER's mirror copies, which reach it at different times, wait for each other). A SEND costs
+GEMS-MASTER's mirror copies, which reach it at different times, wait for each other). Before a rank's first
+OPTIMIZER_STEP of the step, each tied sum it takes part in (``tied_sums``: a weight whose copies several parts
+hold, in the runtime's order) is such a collective too, over every rank holding one of its parts. A SEND costs
 the rank the time to post it (``post_ms``: on gloo the rank's own core posts each message; 0 where
 the host queues it ahead of the GPU), then returns and starts a transfer on the directed link
 src rank → dst rank; transfers on one link run one after another (FIFO). A RECV costs its post too
@@ -47,6 +49,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from planner.plan.layout import Layout
+from planner.plan.parts import TiedSum
 from planner.schedules.actions import Action, ActionKind, Programs
 from planner.schedules.periods import Periods
 from planner.schedules.replay import replay, stuck_ranks
@@ -102,6 +105,7 @@ class SimCosts:
     stages: tuple[StageCosts, ...]
     transfer_ms: Mapping[tuple[int, int], float]  # (src_stage, dst_stage) -> ms per micro-batch, either way
     post_ms: Mapping[tuple[int, int], float] = field(default_factory=dict)  # what posting it costs each end
+    tied_sums: tuple[TiedSum, ...] = ()  # tied weights' gradients summed before each rank's first optimizer step
 
 
 @dataclass(frozen=True)
@@ -206,6 +210,14 @@ class _Clocks:
         self.replica = [self.layout.place(rank).replica for rank in ranks]  # per rank
         self.stage_ranks = [[self.layout.ranks_of(stage, replica) for stage in range(self.layout.num_stages)]
                             for replica in range(self.layout.data_parallel)]  # [replica][stage]: its ranks
+        # the tied sums each rank takes part in, in the runtime's order (a sum all of whose copies one rank
+        # holds is none), the next it waits in, and per sum when each of its ranks reached it
+        self.tied_ranks = [sorted({r for part in tied.parts for r in self.layout.part_ranks(part)})
+                           for tied in self.costs.tied_sums]
+        self.tied_of_rank = [[index for index, members in enumerate(self.tied_ranks)
+                              if len(members) > 1 and rank in members] for rank in ranks]
+        self.tied_next = [0 for _ in ranks]
+        self.tied_reached: list[dict[int, float]] = [{} for _ in self.costs.tied_sums]
         self.duration_ms = [{_F: stage.fwd_ms, _B: stage.bwd_ms,
                              _I: stage.bwd_ms - stage.weight_grad_ms + stage.split_extra_ms,
                              _W: stage.weight_grad_ms, _OPTIMIZER_STEP: stage.optimizer_ms}
@@ -227,6 +239,8 @@ class _Clocks:
             return self._receive(rank, action)
         if kind is _ALLREDUCE:
             return self._all_reduce(rank, action)
+        if kind is _OPTIMIZER_STEP and not self._tied_summed(rank, action):
+            return False
         if kind.is_send:
             self._send(rank, action)
         else:
@@ -341,6 +355,23 @@ class _Clocks:
         start, _ = reached[rank]
         self.clock_ms[rank] = max(end for _, end in reached.values())
         self._record(rank, action, start, self.clock_ms[rank], COMM_LANE)
+        return True
+
+    def _tied_summed(self, rank: int, action: Action) -> bool:
+        """Before a rank's first optimizer step, each tied sum it takes part in, in order: a collective of every
+        rank holding a copy, which ends its time after the last of them reached it (recorded as the stage's
+        all-reduce). False while one waits for a rank still to come."""
+        mine = self.tied_of_rank[rank]
+        while self.tied_next[rank] < len(mine):
+            index = mine[self.tied_next[rank]]
+            reached = self.tied_reached[index]
+            reached.setdefault(rank, self.clock_ms[rank])
+            if len(reached) < len(self.tied_ranks[index]):
+                return False
+            end = max(reached.values()) + self.costs.tied_sums[index].ms
+            self._record(rank, Action(action.stage, _ALLREDUCE), reached[rank], end, COMM_LANE)
+            self.clock_ms[rank] = end
+            self.tied_next[rank] += 1
         return True
 
     def _copy(self, rank: int, way: str, action: Action, ready_ms: float, duration_ms: float) -> float:

@@ -32,7 +32,7 @@ from cost_models.memory import Optimizer, Precision, model_state_bytes
 from cost_models.spatial import TileCost, TileGeometry
 from planner.plan.kinds import ScheduleKind
 from planner.plan.layout import Layout
-from planner.plan.parts import StateTier
+from planner.plan.parts import StateTier, TiedSum
 from planner.plan.spatial import Slicing, grid_shape
 from planner.schedules.balanced import BalancedStep
 from planner.search.working import loss_bytes, node_working
@@ -345,13 +345,41 @@ def part_links(device: DeviceSpec, layout: Layout, gpus_per_node: int) -> tuple[
     return tuple(link(part) for part in range(layout.num_parts - 1))
 
 
+def ranks_allreduce(device: DeviceSpec, ranks: Sequence[int], gpus_per_node: int) -> LinearCost:
+    """A ring all-reduce over ``ranks``."""
+    return LinearCost(*ring_allreduce_coefficients(len(ranks), allreduce_link(device, ranks, gpus_per_node)))
+
+
 def part_allreduces(device: DeviceSpec, layout: Layout, gpus_per_node: int) -> tuple[LinearCost, ...]:
     """Per part, a ring all-reduce over every rank holding a copy of it."""
-    def cost(part: int) -> LinearCost:
-        ranks = layout.part_ranks(part)
-        link = allreduce_link(device, ranks, gpus_per_node)
-        return LinearCost(*ring_allreduce_coefficients(len(ranks), link))
-    return tuple(cost(part) for part in range(layout.num_parts))
+    return tuple(ranks_allreduce(device, layout.part_ranks(part), gpus_per_node) for part in range(layout.num_parts))
+
+
+def tied_sums(units: Sequence[Unit], shared: Sequence[SharedParam], part_units: Sequence[range], layout: Layout,
+              device: DeviceSpec, gpus_per_node: int) -> tuple[TiedSum, ...]:
+    """The sums of tied weights' gradients a partition makes (units ``part_units[p]`` on part p): per set of parts
+    using the same shared parameters, the bytes of those gradients, grouped as the runtime groups them
+    (runtime/grads.py: tied_sets), each costed by :func:`tied_sum_over`."""
+    holders: dict[int, set[int]] = {}
+    for part, span in enumerate(part_units):
+        for unit in span:
+            for q in units[unit].shared:
+                holders.setdefault(q, set()).add(part)
+    groups: dict[tuple[int, ...], int] = {}
+    for q, parts in holders.items():
+        if len(parts) > 1:
+            key = tuple(sorted(parts))
+            groups[key] = groups.get(key, 0) + shared[q].grad_bytes
+    return tuple(tied_sum_over(layout, parts, nbytes, device, gpus_per_node) for parts, nbytes in sorted(groups.items()))
+
+
+def tied_sum_over(layout: Layout, parts: tuple[int, ...], nbytes: int, device: DeviceSpec,
+                  gpus_per_node: int) -> TiedSum:
+    """``nbytes`` of tied gradients summed over every rank holding a copy of one of ``parts``: a ring all-reduce
+    over them (none where one rank holds them all: its parts share the one weight)."""
+    ranks = sorted({rank for part in parts for rank in layout.part_ranks(part)})
+    ms = ranks_allreduce(device, ranks, gpus_per_node).ms(nbytes) if len(ranks) > 1 else 0.0
+    return TiedSum(parts, nbytes, ms)
 
 
 def coarsen(graph: LayerGraph, table: CostTable, precision: Precision, optimizer: Optimizer,

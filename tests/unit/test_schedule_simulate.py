@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from planner.plan import Layout
+from planner.plan import Layout, TiedSum
 from planner.schedules.actions import parse_programs
 from planner.schedules.generate import generate, max_in_flight, weight_grads_waiting
 from planner.schedules.lower import lower
@@ -204,6 +204,40 @@ def test_the_prediction_says_which_stages_overlap_their_allreduce() -> None:
     assert big.allreduce_overlap(OffloadSpec(), False, "gloo") == 0.0  # a CPU rank's one core does it all
     small = StagePrediction(1.0, 2.0, param_bytes=2**19, static_bytes=0, activation_bytes=0, allreduce_ms=5.0)
     assert small.allreduce_overlap(OffloadSpec(), False, "nccl") == 0.0  # one bucket
+
+
+def test_a_tied_sum_waits_for_every_copy_before_the_first_optimizer_step() -> None:
+    """GPipe, 2 stages, 2 micro-batches, F 1, B 2, free transfers: stage 1's backwards end at 7, stage 0's at 9.
+    A weight tied across both parts (a GPT's embedding and head) has its gradient summed once both ranks reach
+    their first optimizer step: from 9 to 9.25 (0.25 ms); then stage 0 steps (0.5 ms) and stage 1 (1.5 ms),
+    the step ending at 10.75, where without the sum stage 1 stepped from 7 to 8.5 and stage 0 ended it at 9.5."""
+    stages = (StageCosts(1.0, 2.0, ACT, STATIC, optimizer_ms=0.5), StageCosts(1.0, 2.0, ACT, STATIC, optimizer_ms=1.5))
+    schedule = generate("gpipe", 2, 2)
+    programs = schedule.layout.rank_programs(lower(schedule.programs, schedule.layout, _chain(2)))
+    apart = simulate(programs, schedule.layout, SimCosts(stages, _chain(2)))
+    tied = simulate(programs, schedule.layout, SimCosts(stages, _chain(2), tied_sums=(TiedSum((0, 1), 4096, 0.25),)))
+    assert apart.step_ms == pytest.approx(9.5)
+    assert tied.step_ms == pytest.approx(10.75)
+    summed = [(e.rank, e.action, e.lane, e.start_ms, e.end_ms) for e in tied.events if "ALLREDUCE" in e.action]
+    assert summed == [(1, "1ALLREDUCE", "comm", 7.0, 9.25), (0, "0ALLREDUCE", "comm", 9.0, 9.25)]
+    assert tied.busy_ms == apart.busy_ms  # waiting for the other copy is not compute
+
+
+def test_a_tied_sum_one_rank_holds_alone_costs_nothing() -> None:
+    """Stages 0 and 3 on rank 0, 1 and 2 on rank 1 (F 1, B 2, one micro-batch, optimizer 0.5 each): the step ends
+    with rank 0's last backward at 12 and its two steps. A weight tied between stages 0 and 3 is one tensor on
+    rank 0: no sum. Tied between stages 0 and 1, rank 0 waits 5 ms for its sum with rank 1."""
+    layout = Layout.replicated((0, 1, 1, 0))
+    rows = ("0F0 0SEND_F0>1 3RECV_F0<2 3F0 3B0 3SEND_B0>2 0RECV_B0<1 0B0 0OPTIMIZER_STEP 3OPTIMIZER_STEP",
+            "1RECV_F0<0 1F0 2F0 2SEND_F0>3 2RECV_B0<3 2B0 1B0 1SEND_B0>0 1OPTIMIZER_STEP 2OPTIMIZER_STEP")
+    programs = parse_programs(row.split() for row in rows)
+    stages = tuple(StageCosts(1.0, 2.0, 10, 100, optimizer_ms=0.5) for _ in range(4))
+
+    def step_ms(*tied: TiedSum) -> float:
+        return simulate(programs, layout, SimCosts(stages, {}, tied_sums=tied)).step_ms
+    assert step_ms() == pytest.approx(13.0)
+    assert step_ms(TiedSum((0, 3), 10, 5.0)) == pytest.approx(13.0)
+    assert step_ms(TiedSum((0, 1), 10, 5.0)) == pytest.approx(12.0 + 5.0 + 1.0)
 
 
 def test_every_action_is_one_event_on_its_lane() -> None:

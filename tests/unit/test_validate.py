@@ -172,7 +172,8 @@ def test_the_replay_pays_each_post_what_the_run_measured_it_took() -> None:
             f"{index}:OPTIMIZER_STEP": stage.predicted.optimizer_ms} for index, stage in enumerate(posting.stages)]
     as_planned = simulate_measured(posting, [{**times, "post": 0.1} for times in own])
     assert as_planned.step_ms == pytest.approx(simulate_plan(posting).step_ms)
-    costs = sim_costs(posting.layout, posting.stages, posting.transfers, posting.schedule.kind, "gloo")
+    costs = sim_costs(posting.layout, posting.stages, posting.transfers, posting.schedule.kind, "gloo",
+                      posting.tied_sums)
     tripled = dataclasses.replace(costs, post_ms={edge: 3 * ms for edge, ms in costs.post_ms.items()})
     expected = simulate(parse_programs(posting.programs), posting.layout, tripled)
     slow_posts = simulate_measured(posting, [{**own[0], "post": 0.2}, {**own[1], "post": 0.4}])  # mean 0.3

@@ -1,0 +1,82 @@
+"""Tied weights' gradient sums: which parts of a partition sum them (as the runtime groups them), over which
+ranks and at what cost, and that a plan's replay waits for them (planner/schedules/simulate.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from cost_models.comm import allreduce_link, ring_allreduce_ms
+from cost_models.devices import get_device
+from planner.plan import Plan
+from planner.simulation import simulate_plan
+from runtime.build import rebuild_model, split_stages, trace_checked
+from runtime.dataflow import dataflow
+from runtime.grads import tied_sets
+from runtime.stages import stage_param_names
+from runtime.values import value_specs
+from tests.runtime_plans import GPT, looped, make_plan, scheduled
+
+TWO = ["blocks_1_ln_1"]  # gpt_tiny (tied embedding and head) in two parts of a block each
+FOUR = ["blocks_0_ln_2", "blocks_1_ln_1", "blocks_1_ln_2"]
+EMBEDDING_BYTES = 512 * 64 * 8  # its gradient: vocab x hidden in float64
+
+
+def _runtime_tied_parts(plan: Plan) -> set[tuple[int, ...]]:
+    """The parts the runtime sums tied gradients over (runtime/setup.py builds its groups from these)."""
+    model = rebuild_model(plan)
+    traced = trace_checked(model, plan)
+    modules = split_stages(traced, model, plan)
+    inputs = [(meta.shape, getattr(torch, meta.dtype)) for meta in plan.model.example_inputs]
+    flow = dataflow(traced, modules, plan.part_of(), value_specs(traced, inputs, plan.training.micro_batch_size))
+    return set(tied_sets(stage_param_names(model, modules, flow)))
+
+
+def _ring_ms(plan: Plan, ranks: list[int]) -> float:
+    return ring_allreduce_ms(EMBEDDING_BYTES, len(ranks), allreduce_link(get_device("V100-16GB"), ranks,
+                                                                         plan.cluster.gpus_per_node))
+
+
+@pytest.mark.parametrize(("make", "parts", "ranks"), [
+    (lambda: make_plan(GPT, TWO, schedule="gpipe"), (0, 1), [0, 1]),
+    (lambda: make_plan(GPT, TWO, schedule="1f1b", data_parallel=2), (0, 1), [0, 1, 2, 3]),  # both replicas
+    (lambda: scheduled(make_plan(GPT, FOUR, schedule="gpipe"), "interleaved-1f1b", virtual_stages=2), (0, 3),
+     [0, 1]),
+    (lambda: scheduled(make_plan(GPT, TWO, schedule="gpipe"), "gems-master"), (0, 1), [0, 1]),
+])
+def test_a_tied_embedding_is_summed_over_every_rank_holding_a_part_that_uses_it(make, parts, ranks) -> None:
+    plan = Plan.from_dict(json.loads(make()))
+    (tied,) = plan.tied_sums
+    assert (tied.parts, tied.nbytes) == (parts, EMBEDDING_BYTES)
+    assert tied.ms == pytest.approx(_ring_ms(plan, ranks))
+    assert {tied.parts} == _runtime_tied_parts(plan)
+    assert plan.predicted.step_ms == simulate_plan(plan).step_ms
+    assert simulate_plan(plan).step_ms > simulate_plan(dataclasses.replace(plan, tied_sums=())).step_ms
+    assert Plan.from_dict(json.loads(plan.to_json())) == plan
+
+
+def test_parts_on_one_rank_share_the_weight_and_sum_nothing() -> None:
+    """Four parts looped over two ranks: parts 0 and 3, which use the tied weight, are on ranks 0 and 1; looped
+    over three ranks, parts 0 and 3 are both on rank 0."""
+    four = make_plan(GPT, FOUR, schedule="gpipe")
+    over_two, over_three = (Plan.from_dict(json.loads(looped(four, ranks))) for ranks in (2, 3))
+    assert over_two.tied_sums[0].ms == pytest.approx(_ring_ms(over_two, [0, 1]))
+    (tied,) = over_three.tied_sums
+    assert (tied.parts, tied.ms) == ((0, 3), 0.0)
+    assert simulate_plan(over_three).step_ms == simulate_plan(dataclasses.replace(over_three, tied_sums=())).step_ms
+
+
+def test_an_untied_split_and_a_tied_weight_within_one_part_sum_nothing() -> None:
+    from examples.models.gpt import gpt
+    from planner.manual import plan_with_split
+
+    untied = plan_with_split(gpt(hidden=64, layers=2, heads=4, seq_len=32, vocab=512, tie_embeddings=False),
+                             example_inputs=torch.empty(1, 32, dtype=torch.long, device="meta"),
+                             stage_starts=TWO, batch_size=8, micro_batch_size=2, schedule="gpipe")
+    assert untied.tied_sums == ()
+    one_part = Plan.from_dict(json.loads(make_plan(GPT, [], schedule="gpipe", data_parallel=2)))
+    assert one_part.tied_sums == ()
+    assert _runtime_tied_parts(one_part) == set()
