@@ -134,7 +134,7 @@ class Plan:
 
     def __str__(self) -> str:
         return format_plan(self.model, self.cluster, self.training, self.schedule, self.layout, self.stages,
-                           self.predicted, self.solver)
+                           self.predicted, self.solver, self.tied_sums)
 
 
 def _decode(data: Mapping[str, Any]) -> Plan:

@@ -313,16 +313,18 @@ class Transfer:
 class TiedSum:
     """A weight several parts hold a copy of (a GPT's embedding tied to its head), whose copies' gradients
     the runtime sums over every rank holding one of ``parts`` at each rank's first optimizer step of the
-    step (runtime/executor.py: _sync_tied): ``nbytes`` of gradients, ``ms`` the ring all-reduce over those
-    ranks. A rank reaching it waits there for the others (the simulator replays it)."""
+    step (runtime/executor.py: _sync_tied): the parameters ``names``, ``nbytes`` of gradients, ``ms`` the ring
+    all-reduce over those ranks. A rank reaching it waits there for the others (the simulator replays it)."""
 
     parts: tuple[int, ...]
+    names: tuple[str, ...]
     nbytes: int
     ms: float
 
     @classmethod
     def from_dict(cls, data: Any, path: str) -> TiedSum:
-        return codec.fields(cls, data, path, {"parts": codec.tuple_of(codec.integer), "nbytes": codec.integer,
+        return codec.fields(cls, data, path, {"parts": codec.tuple_of(codec.integer),
+                                              "names": codec.tuple_of(codec.string), "nbytes": codec.integer,
                                               "ms": codec.number})
 
 

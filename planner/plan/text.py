@@ -14,6 +14,7 @@ from planner.plan.parts import (
     ScheduleSpec,
     SolverReport,
     StagePlan,
+    TiedSum,
     TrainingSpec,
 )
 
@@ -23,7 +24,7 @@ _COLUMNS = ("stage", "ranks", "first node", "last node", "nodes", "params", "fwd
 
 def format_plan(model: ModelRef, cluster: ClusterSpec, training: TrainingSpec, schedule: ScheduleSpec,
                 layout: Layout, parts: tuple[StagePlan, ...], predicted: Prediction,
-                solver: SolverReport) -> str:
+                solver: SolverReport, tied_sums: tuple[TiedSum, ...]) -> str:
     rows = [_COLUMNS] + [_stage_row(stage, layout, parts, schedule, predicted, cluster.usable_mem_bytes)
                          for stage in range(layout.num_stages)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
@@ -37,6 +38,7 @@ def format_plan(model: ModelRef, cluster: ClusterSpec, training: TrainingSpec, s
     lines.extend(_spatial(parts, layout))
     lines.extend(_stale(schedule, layout))
     lines.extend(_memory_decisions(cluster, parts, layout))
+    lines.extend(_tied(tied_sums, layout))
     lines.extend(_summary(predicted, solver, cluster.usable_mem_bytes, layout.num_stages))
     return "\n".join(lines)
 
@@ -57,6 +59,23 @@ def _stale(schedule: ScheduleSpec, layout: Layout) -> list[str]:
     return [f"stale weights ({schedule.kind.value}, allowed by allow_stale_weights): stages {stages[0]}-{stages[-1]} "
             f"compute each step on their weights from before the previous update (one update late); "
             f"stages {stages[-1] + 1}-{layout.num_stages - 1} update as usual"]
+
+
+def _tied(tied_sums: tuple[TiedSum, ...], layout: Layout) -> list[str]:
+    """Per weight tied across parts, where its gradient is summed, e.g. "tied: wte.weight summed over stages 0 and 3
+    (ranks 0, 1) before each step: 1.0 MiB, 2.1 ms"."""
+    lines = []
+    for tied in tied_sums:
+        stages = [stage for stage in range(layout.num_stages) if layout.part(stage) in tied.parts]
+        ranks = sorted({rank for part in tied.parts for rank in layout.part_ranks(part)})
+        span = (f"{ranks[0]}-{ranks[-1]}" if ranks == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 2
+                else ", ".join(map(str, ranks)))
+        listed = f"{', '.join(map(str, stages[:-1]))} and {stages[-1]}"
+        where = (f" summed over stages {listed} (ranks {span}) before each step: {format_bytes(tied.nbytes)}, "
+                 f"{format_ms(tied.ms)}" if len(ranks) > 1 else f", one tensor on rank {ranks[0]} for stages {listed}: "
+                                                                 f"no sum")
+        lines.append(f"tied: {', '.join(tied.names)}{where}")
+    return lines
 
 
 def _memory_decisions(cluster: ClusterSpec, parts: tuple[StagePlan, ...], layout: Layout) -> list[str]:

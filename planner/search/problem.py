@@ -365,21 +365,21 @@ def tied_sums(units: Sequence[Unit], shared: Sequence[SharedParam], part_units: 
         for unit in span:
             for q in units[unit].shared:
                 holders.setdefault(q, set()).add(part)
-    groups: dict[tuple[int, ...], int] = {}
+    groups: dict[tuple[int, ...], list[SharedParam]] = {}
     for q, parts in holders.items():
         if len(parts) > 1:
-            key = tuple(sorted(parts))
-            groups[key] = groups.get(key, 0) + shared[q].grad_bytes
-    return tuple(tied_sum_over(layout, parts, nbytes, device, gpus_per_node) for parts, nbytes in sorted(groups.items()))
+            groups.setdefault(tuple(sorted(parts)), []).append(shared[q])
+    return tuple(tied_sum_over(layout, parts, tuple(sorted(p.name for p in params)), sum(p.grad_bytes for p in params),
+                               device, gpus_per_node) for parts, params in sorted(groups.items()))
 
 
-def tied_sum_over(layout: Layout, parts: tuple[int, ...], nbytes: int, device: DeviceSpec,
+def tied_sum_over(layout: Layout, parts: tuple[int, ...], names: tuple[str, ...], nbytes: int, device: DeviceSpec,
                   gpus_per_node: int) -> TiedSum:
-    """``nbytes`` of tied gradients summed over every rank holding a copy of one of ``parts``: a ring all-reduce
-    over them (none where one rank holds them all: its parts share the one weight)."""
+    """The gradients of ``names`` (``nbytes``) summed over every rank holding a copy of one of ``parts``: a ring
+    all-reduce over them (none where one rank holds them all: its parts share the one weight)."""
     ranks = sorted({rank for part in parts for rank in layout.part_ranks(part)})
     ms = ranks_allreduce(device, ranks, gpus_per_node).ms(nbytes) if len(ranks) > 1 else 0.0
-    return TiedSum(parts, nbytes, ms)
+    return TiedSum(parts, names, nbytes, ms)
 
 
 def coarsen(graph: LayerGraph, table: CostTable, precision: Precision, optimizer: Optimizer,

@@ -374,10 +374,10 @@ def test_num_stages_and_data_parallel_pick_the_layout(resnet_graph) -> None:
     (lambda d: d["cluster"].update(gpus_available=2), r"cluster.gpus_available is 2; it must be at least"),
     (lambda d: d["transfers"].append({"src_stage": 0, "dst_stage": 99, "nbytes": 1, "ms": 0.1}),
      r"transfers\[\d+\] goes from stage 0 to 99"),
-    (lambda d: d.update(tied_sums=[{"parts": [0], "nbytes": 8, "ms": 0.1}]),
+    (lambda d: d.update(tied_sums=[{"parts": [0], "names": ["w"], "nbytes": 8, "ms": 0.1}]),
      r"tied_sums\[0\].parts is \[0\]; it must list two or more different parts of 0\.\.\d+ in order"),
-    (lambda d: d.update(tied_sums=[{"parts": [0, 99], "nbytes": 8, "ms": 0.1}]), r"tied_sums\[0\].parts is \[0, 99\]"),
-    (lambda d: d.update(tied_sums=[{"parts": [0, 1], "nbytes": -8, "ms": 0.1}]),
+    (lambda d: d.update(tied_sums=[{"parts": [0, 99], "names": ["w"], "nbytes": 8, "ms": 0.1}]), r"tied_sums\[0\].parts is \[0, 99\]"),
+    (lambda d: d.update(tied_sums=[{"parts": [0, 1], "names": ["w"], "nbytes": -8, "ms": 0.1}]),
      r"tied_sums\[0\] sums -8 bytes in 0.1 ms; neither may be negative"),
 ])
 def test_plan_invariants_are_checked_on_load_naming_the_field(resnet_plan: Plan, edit, message: str) -> None:

@@ -215,7 +215,7 @@ def test_a_tied_sum_waits_for_every_copy_before_the_first_optimizer_step() -> No
     schedule = generate("gpipe", 2, 2)
     programs = schedule.layout.rank_programs(lower(schedule.programs, schedule.layout, _chain(2)))
     apart = simulate(programs, schedule.layout, SimCosts(stages, _chain(2)))
-    tied = simulate(programs, schedule.layout, SimCosts(stages, _chain(2), tied_sums=(TiedSum((0, 1), 4096, 0.25),)))
+    tied = simulate(programs, schedule.layout, SimCosts(stages, _chain(2), tied_sums=(TiedSum((0, 1), ("wte.weight",), 4096, 0.25),)))
     assert apart.step_ms == pytest.approx(9.5)
     assert tied.step_ms == pytest.approx(10.75)
     summed = [(e.rank, e.action, e.lane, e.start_ms, e.end_ms) for e in tied.events if "ALLREDUCE" in e.action]
@@ -236,8 +236,8 @@ def test_a_tied_sum_one_rank_holds_alone_costs_nothing() -> None:
     def step_ms(*tied: TiedSum) -> float:
         return simulate(programs, layout, SimCosts(stages, {}, tied_sums=tied)).step_ms
     assert step_ms() == pytest.approx(13.0)
-    assert step_ms(TiedSum((0, 3), 10, 5.0)) == pytest.approx(13.0)
-    assert step_ms(TiedSum((0, 1), 10, 5.0)) == pytest.approx(12.0 + 5.0 + 1.0)
+    assert step_ms(TiedSum((0, 3), ("w",), 10, 5.0)) == pytest.approx(13.0)
+    assert step_ms(TiedSum((0, 1), ("w",), 10, 5.0)) == pytest.approx(12.0 + 5.0 + 1.0)
 
 
 def test_every_action_is_one_event_on_its_lane() -> None:

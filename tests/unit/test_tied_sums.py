@@ -25,14 +25,14 @@ FOUR = ["blocks_0_ln_2", "blocks_1_ln_1", "blocks_1_ln_2"]
 EMBEDDING_BYTES = 512 * 64 * 8  # its gradient: vocab x hidden in float64
 
 
-def _runtime_tied_parts(plan: Plan) -> set[tuple[int, ...]]:
-    """The parts the runtime sums tied gradients over (runtime/setup.py builds its groups from these)."""
+def _runtime_tied(plan: Plan) -> dict[tuple[int, ...], tuple[str, ...]]:
+    """The parts the runtime sums tied gradients over, and which (runtime/setup.py builds its groups from these)."""
     model = rebuild_model(plan)
     traced = trace_checked(model, plan)
     modules = split_stages(traced, model, plan)
     inputs = [(meta.shape, getattr(torch, meta.dtype)) for meta in plan.model.example_inputs]
     flow = dataflow(traced, modules, plan.part_of(), value_specs(traced, inputs, plan.training.micro_batch_size))
-    return set(tied_sets(stage_param_names(model, modules, flow)))
+    return tied_sets(stage_param_names(model, modules, flow))
 
 
 def _ring_ms(plan: Plan, ranks: list[int]) -> float:
@@ -40,19 +40,22 @@ def _ring_ms(plan: Plan, ranks: list[int]) -> float:
                                                                          plan.cluster.gpus_per_node))
 
 
-@pytest.mark.parametrize(("make", "parts", "ranks"), [
-    (lambda: make_plan(GPT, TWO, schedule="gpipe"), (0, 1), [0, 1]),
-    (lambda: make_plan(GPT, TWO, schedule="1f1b", data_parallel=2), (0, 1), [0, 1, 2, 3]),  # both replicas
+@pytest.mark.parametrize(("make", "parts", "ranks", "printed"), [
+    (lambda: make_plan(GPT, TWO, schedule="gpipe"), (0, 1), [0, 1], "stages 0 and 1 (ranks 0, 1)"),
+    (lambda: make_plan(GPT, TWO, schedule="1f1b", data_parallel=2), (0, 1), [0, 1, 2, 3],  # both replicas
+     "stages 0 and 1 (ranks 0-3)"),
     (lambda: scheduled(make_plan(GPT, FOUR, schedule="gpipe"), "interleaved-1f1b", virtual_stages=2), (0, 3),
-     [0, 1]),
-    (lambda: scheduled(make_plan(GPT, TWO, schedule="gpipe"), "gems-master"), (0, 1), [0, 1]),
+     [0, 1], "stages 0 and 3 (ranks 0, 1)"),
+    (lambda: scheduled(make_plan(GPT, TWO, schedule="gpipe"), "gems-master"), (0, 1), [0, 1],
+     "stages 0, 1, 2 and 3 (ranks 0, 1)"),  # both model copies, each with both parts
 ])
-def test_a_tied_embedding_is_summed_over_every_rank_holding_a_part_that_uses_it(make, parts, ranks) -> None:
+def test_a_tied_embedding_is_summed_over_every_rank_holding_a_part_that_uses_it(make, parts, ranks, printed) -> None:
     plan = Plan.from_dict(json.loads(make()))
     (tied,) = plan.tied_sums
     assert (tied.parts, tied.nbytes) == (parts, EMBEDDING_BYTES)
     assert tied.ms == pytest.approx(_ring_ms(plan, ranks))
-    assert {tied.parts} == _runtime_tied_parts(plan)
+    assert f"tied: wte.weight summed over {printed} before each step: 256.0 KiB, " in str(plan)
+    assert _runtime_tied(plan) == {tied.parts: tied.names} == {parts: ("wte.weight",)}
     assert plan.predicted.step_ms == simulate_plan(plan).step_ms
     assert simulate_plan(plan).step_ms > simulate_plan(dataclasses.replace(plan, tied_sums=())).step_ms
     assert Plan.from_dict(json.loads(plan.to_json())) == plan
@@ -66,6 +69,7 @@ def test_parts_on_one_rank_share_the_weight_and_sum_nothing() -> None:
     assert over_two.tied_sums[0].ms == pytest.approx(_ring_ms(over_two, [0, 1]))
     (tied,) = over_three.tied_sums
     assert (tied.parts, tied.ms) == ((0, 3), 0.0)
+    assert "tied: wte.weight, one tensor on rank 0 for stages 0 and 3: no sum" in str(over_three)
     assert simulate_plan(over_three).step_ms == simulate_plan(dataclasses.replace(over_three, tied_sums=())).step_ms
 
 
@@ -79,4 +83,4 @@ def test_an_untied_split_and_a_tied_weight_within_one_part_sum_nothing() -> None
     assert untied.tied_sums == ()
     one_part = Plan.from_dict(json.loads(make_plan(GPT, [], schedule="gpipe", data_parallel=2)))
     assert one_part.tied_sums == ()
-    assert _runtime_tied_parts(one_part) == set()
+    assert _runtime_tied(one_part) == {}
