@@ -58,7 +58,7 @@ def stage_step_bytes(graph: LayerGraph, problem: PipelineProblem, layout: Layout
         owned: set[str] = set()
         for part in sequence:
             copies = len(layout.part_ranks(part))
-            bucket_bytes = step_bucket_bytes_of(problem, copies)
+            bucket_bytes = step_bucket_bytes_of(problem.tiers, problem.backend, copies)
             if bucket_bytes is None:
                 return tuple(worst)
             sharded = problem.tiers.state.zero_stage >= 1 and copies > 1

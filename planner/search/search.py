@@ -65,7 +65,7 @@ from planner.search.problem import (
     part_links,
     spatial_part,
 )
-from planner.search.terms import CostModel, cost_model, lower_bound, memory_floor
+from planner.search.terms import CostModel, cost_model, lower_bound
 
 TiledCosts = tuple[dict[str, TileCost], tuple[FusedGroup, ...], dict[str, float]]
 
@@ -512,14 +512,14 @@ class Search:
     def _kept_fit(self, config: Config) -> bool | None:
         """Whether some partition keeping every activation fits: None where no DP applies and the
         memory floor does not rule it out."""
-        if memory_floor(self.setup(config).costs) > self.space.mem_bytes:
+        if self.setup(config).costs.floor_bytes > self.space.mem_bytes:
             return False
         lowest = self._min_peak(config, frugal=False)
         return None if lowest is None else lowest.peak_bytes <= self.space.mem_bytes
 
     def _fits_at_its_floor(self, config: Config) -> bool:
         """Whether the configuration's memory floor, every decision at its most frugal, is within the budget."""
-        return memory_floor(self.setup(config).frugal_costs) <= self.space.mem_bytes
+        return self.setup(config).frugal_costs.floor_bytes <= self.space.mem_bytes
 
     def fits(self, config: Config) -> bool:
         """Whether any partition of this configuration might fit the budget (by DP, where it applies:
@@ -751,7 +751,7 @@ class Search:
         activation is the least)."""
         if all(self.setup(c).decided is None for c in configs):
             return None
-        floors = sorted(((memory_floor(self.setup(c).frugal_costs), c) for c in configs), key=lambda pair: pair[0])
+        floors = sorted(((self.setup(c).frugal_costs.floor_bytes, c) for c in configs), key=lambda pair: pair[0])
         least = float("inf")
         for floor, config in floors:
             if floor >= least:

@@ -102,6 +102,10 @@ class Term:
 
     def upper_bound(self) -> float:
         """No part's value exceeds this (every decision and cut at its costliest)."""
+        return self._upper_bound
+
+    @functools.cached_property
+    def _upper_bound(self) -> float:  # computed once: every memory row of every configuration asks its members
         def top(values: tuple[float, ...]) -> float:
             return max((v for v in values if v > 0), default=0.0)
         return (self.constant + sum(v for v in self.per_unit if v > 0) + top(self.ends_after)
@@ -257,6 +261,20 @@ class CostModel:
         return self.given_memory if self.given_memory is not None else _memory_rows(self.problem, self.parts)
 
     @functools.cached_property
+    def compute_memory(self) -> tuple[MemoryRow, ...]:
+        """The rows at the moment of the forwards and backwards (one a slot), what :func:`memory_floor` reads:
+        taken from :attr:`memory` where that was built, else built alone (the search floors many
+        configurations that then need no other row: most of a 50B GPT's on 16 V100s do not fit)."""
+        if self.given_memory is not None or "memory" in self.__dict__:
+            return tuple(row for row in self.memory if row.moment == "compute")
+        return _memory_rows(self.problem, self.parts, compute_only=True)
+
+    @functools.cached_property
+    def floor_bytes(self) -> float:
+        """:func:`memory_floor`, computed once."""
+        return memory_floor(self)
+
+    @functools.cached_property
     def capacity(self) -> tuple[CapacityRow, ...]:
         """Each node's host memory and NVMe rows (:func:`_capacity_rows`), built when first asked for."""
         return self.given_capacity if self.given_capacity is not None else _capacity_rows(self.problem, self.parts)
@@ -344,8 +362,8 @@ def cost_model(problem: PipelineProblem) -> CostModel:
     """
     shared = _shared_terms(problem, problem.units)
     tiled = [_tiled_terms(problem, spatial) for spatial in problem.spatial]
-    states: dict[int, dict[str, Term]] = {}  # the state terms per number of copies: alike for such parts
     average = _average_part(problem)
+    states: dict[int, dict[str, Term]] = {}  # the state terms per number of copies (hashing the units once each)
     alike: dict[tuple, dict[str, Term]] = {}  # parts whose terms come out the same share one dict of them
     parts = []
     for part in range(problem.num_parts):
@@ -376,7 +394,7 @@ def _shared_terms(problem: PipelineProblem, units: tuple[Unit, ...],
                        tiers.recompute, tiers.swap, tiers.host_link.ms_per_byte)
 
 
-@functools.lru_cache(maxsize=32)
+@functools.lru_cache(maxsize=256)
 def _terms_over(units: tuple[Unit, ...], crossing: tuple[float, ...], shared: tuple[SharedParam, ...],
                 recompute: bool, swap: bool, host_ms_per_byte: float) -> dict[str, Term]:
     """:func:`_shared_terms`, cached: a search costs a thousand configurations over a few sets of units, and
@@ -455,34 +473,42 @@ def _block_bytes(units: tuple) -> tuple[float, ...]:
 
 def _state_terms(problem: PipelineProblem, copies: int) -> dict[str, Term]:
     """In the problem's state mode, the model state on the device, on the host, on NVMe, and the
-    optimizer step time of a part with ``copies`` copies."""
-    units, shared = problem.units, problem.shared
+    optimizer step time of a part with ``copies`` copies (:func:`_state_terms_over`)."""
+    return _state_terms_over(problem.units, problem.shared, problem.tiers, problem.backend, copies)
 
+
+@functools.lru_cache(maxsize=256)
+def _state_terms_over(units: tuple[Unit, ...], shared: tuple[SharedParam, ...], tiers: MemoryTiers, backend: str,
+                      copies: int) -> dict[str, Term]:
+    """:func:`_state_terms`, cached as :func:`_terms_over` is: what it reads of a configuration (its units,
+    memory tiers, backend and a part's copies) a thousand configurations share in a few combinations (ResNet-152
+    on 16 V100s: 1,182 configurations, whose state terms took 8% of planning). Callers must not change the dict."""
     def per_parameter(value: Callable[[Any], float]) -> Term:  # value(unit or shared parameter)
         return Term(per_unit=tuple(float(value(u)) for u in units),
                     per_shared=tuple(float(value(p)) for p in shared))
 
-    terms = _mode_terms(problem.tiers, problem.tiers.state, copies, per_parameter,
+    terms = _mode_terms(tiers, tiers.state, copies, per_parameter,
                         max((u.largest_own_param_numel for u in units), default=0))
     return {**dict(zip(("state_bytes", "host_bytes", "nvme_bytes", "optimizer_ms"), terms)),
-            "weight_bytes": per_parameter(lambda a: a.weight_bytes), "step_bytes": _step_term(problem, copies),
-            **_sent_gradient_terms(problem)}
+            "weight_bytes": per_parameter(lambda a: a.weight_bytes),
+            "step_bytes": _step_term(units, shared, tiers, backend, copies), **_sent_gradient_terms(units, shared, tiers)}
 
 
-def _sent_gradient_terms(problem: PipelineProblem) -> dict[str, Term]:
+def _sent_gradient_terms(units: tuple[Unit, ...], shared: tuple[SharedParam, ...],
+                         tiers: MemoryTiers) -> dict[str, Term]:
     """Where a part sends each backward's gradients to the host (``grads_on_host``): what that adds to each
     backward, per micro-batch (each of its parameters' gradient cast to the masters' dtype, copied down and
     added to its sum on the host, in turn: runtime/stage_optimizer.py waits for each copy), and the gradients
     left on the device (the shared parameters', tied weights summed across parts there); else nothing."""
-    tiers = problem.tiers
     if not tiers.state.grads_on_host:
         return {}
     per_param_ms = tiers.host_grad_bytes_per_param * tiers.host_link.ms_per_byte + tiers.host_sum_ms_per_param
-    return {"grads_down_ms": Term(per_unit=tuple(u.param_numel * per_param_ms for u in problem.units)),
-            "grad_bytes": Term(per_shared=tuple(float(p.grad_bytes) for p in problem.shared))}
+    return {"grads_down_ms": Term(per_unit=tuple(u.param_numel * per_param_ms for u in units)),
+            "grad_bytes": Term(per_shared=tuple(float(p.grad_bytes) for p in shared))}
 
 
-def _step_term(problem: PipelineProblem, copies: int) -> Term:
+def _step_term(units: tuple[Unit, ...], shared: tuple[SharedParam, ...], tiers: MemoryTiers, backend: str,
+               copies: int) -> Term:
     """What a part's optimizer step allocates on the device beyond its model state, at its worst bucket
     (:func:`step_bucket_bytes_of`).
 
@@ -495,37 +521,36 @@ def _step_term(problem: PipelineProblem, copies: int) -> Term:
     stages' parameters as the runtime does (planner/stepped.py: the last stage of benchmarks/fidelity.py's
     step-peak plan, 1.2 MiB of bf16 gradients, packs 347,008 elements into its worst bucket where this
     bound counts 524,288). Not costed (empty) where the problem names no precision and optimizer."""
-    bucket_bytes = step_bucket_bytes_of(problem, copies)
+    bucket_bytes = step_bucket_bytes_of(tiers, backend, copies)
     if bucket_bytes is None:
         return Term()
-    sharded = bool(problem.tiers.state.zero_stage) and copies > 1
+    sharded = bool(tiers.state.zero_stage) and copies > 1
     share = 1.0 / copies if sharded else 1.0
-    grad_bytes = share * (sum(u.grad_bytes for u in problem.units) + sum(p.grad_bytes for p in problem.shared))
-    limit_numel = step_bucket_bytes(int(grad_bytes)) / problem.tiers.precision.itemsize
+    grad_bytes = share * (sum(u.grad_bytes for u in units) + sum(p.grad_bytes for p in shared))
+    limit_numel = step_bucket_bytes(int(grad_bytes)) / tiers.precision.itemsize  # type: ignore[union-attr]
 
     def worst(numel: float) -> float:  # a bucket of one kind: shards where the part is sharded
         return bucket_bytes(numel, numel if sharded else 0.0)
 
-    largest = [max((share * unit.largest_param_numel, *(problem.shared[q].param_numel for q in unit.shared)))
-               if unit.largest_param_numel or unit.shared else 0.0 for unit in problem.units]
+    largest = [max((share * unit.largest_param_numel, *(shared[q].param_numel for q in unit.shared)))
+               if unit.largest_param_numel or unit.shared else 0.0 for unit in units]
     return Term(unit_max=tuple(worst(max(limit_numel, numel)) if numel else 0.0 for numel in largest),
                 max_name="step")
 
 
-def step_bucket_bytes_of(problem: PipelineProblem, copies: int) -> Callable[[float, float], float] | None:
+def step_bucket_bytes_of(tiers: MemoryTiers, backend: str, copies: int) -> Callable[[float, float], float] | None:
     """What one bucket of the optimizer step of a part with ``copies`` copies allocates on the device
     beyond its model state (cost_models.memory: step_transient_bytes; and ZeRO-1/2's all-gather of the
-    bucket, zero_gather_bytes), as a function of the bucket's elements on this rank and, of those, the
-    elements of sharded parameters (their shards). None where the problem names no precision and optimizer
-    (a bare problem)."""
-    tiers = problem.tiers
+    bucket, zero_gather_bytes) in ``tiers``' state mode on ``backend``, as a function of the bucket's elements
+    on this rank and, of those, the elements of sharded parameters (their shards). None where the tiers name no
+    precision and optimizer (a bare problem)."""
     precision, optimizer, mode = tiers.precision, tiers.optimizer, tiers.state
     if precision is None or optimizer is None:
         return None
     sharded = bool(mode.zero_stage) and copies > 1
     off_device = mode.optimizer is not StateTier.GPU
     separate = precision.master_weights or sharded or off_device
-    staging = ALL_GATHER_STAGING[problem.backend]
+    staging = ALL_GATHER_STAGING[backend]
 
     def bucket_bytes(numel: float, shard_numel: float) -> float:
         whole = numel - shard_numel  # ZeRO-1 frees a shard's whole gradient; ZeRO-2's hold the shard alone
@@ -601,8 +626,8 @@ def _overlapped(problem: PipelineProblem, part: int, average: tuple[float, float
 
 def _part_terms(problem: PipelineProblem, part: int, shared: dict[str, Term],
                 states: dict[int, dict[str, Term]], average: tuple[float, float]) -> dict[str, Term]:
-    """Part ``part``'s terms: held all step, per micro-batch, its link, all-reduce and step times
-    (``states`` caches the state terms by number of copies)."""
+    """Part ``part``'s terms: held all step, per micro-batch, its link, all-reduce and step times (``states``
+    holds the state terms by number of copies)."""
     is_first, is_last = part == 0, part == problem.num_parts - 1
     boundary = problem.boundary_bytes
     allreduce = problem.allreduce[part]
@@ -710,7 +735,8 @@ def _replayed_objective(problem: PipelineProblem, parts: tuple[dict[str, Term], 
     )
 
 
-def _memory_rows(problem: PipelineProblem, parts: tuple[dict[str, Term], ...]) -> tuple[MemoryRow, ...]:
+def _memory_rows(problem: PipelineProblem, parts: tuple[dict[str, Term], ...],
+                 compute_only: bool = False) -> tuple[MemoryRow, ...]:
     """Per slot, what it holds at the peak of its forwards and backwards (its largest transient, which for
     a language model is the loss's); in the backward of a recomputed region, whose activations exist again
     beside a node's working set (the loss's is gone by then); at the end of a backward, where
@@ -723,7 +749,8 @@ def _memory_rows(problem: PipelineProblem, parts: tuple[dict[str, Term], ...]) -
     transient beside the W waiting then (``problem.waiting_at_transient``: one fewer in ZB-H1's programs); and
     at each of its stages' optimizer steps: that stage's model state and step buffers,
     the slot's other stages' static bytes, and no activations but those of forwards a stale-weight (WPipe)
-    stage runs ahead of the step (counted as all its micro-batches in flight: an upper bound)."""
+    stage runs ahead of the step (counted as all its micro-batches in flight: an upper bound). With
+    ``compute_only``, the rows at the moment of the forwards and backwards alone (one a slot)."""
     layout = problem.layout
     stale = problem.schedule.stale_parts(problem.num_parts)
     rows = []
@@ -736,6 +763,7 @@ def _memory_rows(problem: PipelineProblem, parts: tuple[dict[str, Term], ...]) -
         recomputing: list[tuple[int, Term]] = []  # in a recomputed region's backward: a node's working set
         splitting: list[tuple[int, Term]] = []  # once a split backward's I ended: every W waiting, a node's
         # working set in place of the largest transient
+        tied = any(parts[layout.part(stage)]["tied_bytes"].upper_bound() > 0 for stage in layout.stages_on_slot(slot))
         for stage in layout.stages_on_slot(slot):
             part = layout.part(stage)
             terms = parts[part]
@@ -748,28 +776,34 @@ def _memory_rows(problem: PipelineProblem, parts: tuple[dict[str, Term], ...]) -
             # its whole backward, the loss's too on one part: it keeps nothing and its transient stays)
             if waiting:  # the largest transient beside the W waiting when an F or an I starts
                 computing.append((part, terms["split_kept_bytes"].scaled(float(problem.waiting_at_transient[stage]))))
+            if compute_only:
+                continue
+            if waiting:
                 splitting += [(part, terms["kept_bytes"].plus(terms["split_kept_bytes"], float(waiting))),
                               (part, terms["weight_grad_working_bytes"]),  # once an I ended: a W's working set
                               (part, activations)]
                 activations = activations.plus(terms["split_kept_bytes"], float(waiting))  # in the rows below
             else:
                 splitting += [(part, terms["static_bytes"]), (part, activations)]
-            working = terms["kept_bytes"].plus(terms["region_transient_bytes"])  # a node's, the loss's gone
             if problem.tiers.recompute:
+                working = terms["kept_bytes"].plus(terms["region_transient_bytes"])  # a node's, the loss's gone
                 activations = activations.plus(terms["recompute_bytes"])
                 recomputing += [(part, working), (part, activations)]
             static.append((part, terms["static_bytes"]))
             held.append((part, activations))
-            summed_by = terms["kept_bytes"].plus(terms["summing_transient_bytes"])  # the earliest user's node
-            summing += [(part, summed_by.plus(terms["tied_bytes"])),
-                        (part, activations.plus(terms["activation_bytes"], -1.0))]
+            if tied:  # (its row is written only where a stage of the slot may sum tied gradients)
+                summed_by = terms["kept_bytes"].plus(terms["summing_transient_bytes"])  # the earliest user's node
+                summing += [(part, summed_by.plus(terms["tied_bytes"])),
+                            (part, activations.plus(terms["activation_bytes"], -1.0))]
         rows.append(MemoryRow(slot, tuple(computing)))
+        if compute_only:
+            continue
         if problem.waiting and any(problem.waiting[stage] and layout.part(stage) > 0
                                    for stage in layout.stages_on_slot(slot)):
             rows.append(MemoryRow(slot, tuple(splitting), "split"))
         if recomputing:
             rows.append(MemoryRow(slot, tuple(recomputing), "recompute"))
-        if any(parts[part]["tied_bytes"].upper_bound() > 0 for part, _ in static):
+        if tied:
             rows.append(MemoryRow(slot, tuple(summing), "backward"))
         for index, stage in enumerate(layout.stages_on_slot(slot)):
             count = problem.accumulating[stage] if problem.accumulating else 0
@@ -1008,7 +1042,7 @@ def memory_floor(costs: CostModel) -> float:
     """A peak no partition goes below, in O(rows x units): at the moment of the forwards and backwards, whose
     rows (one a slot) hold every part, every unit's most frugal coefficient there (over the parts it could be
     on) summed, plus every constant, spread evenly over the slots."""
-    rows = [row for row in costs.memory if row.moment == "compute"]  # floored here: the others are not needed
+    rows = costs.compute_memory  # floored here: the others are not needed
     cheapest = np.full(costs.num_units, np.inf)
     constants = 0.0
     for row in rows:
