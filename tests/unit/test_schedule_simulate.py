@@ -215,7 +215,8 @@ def test_a_tied_sum_waits_for_every_copy_before_the_first_optimizer_step() -> No
     schedule = generate("gpipe", 2, 2)
     programs = schedule.layout.rank_programs(lower(schedule.programs, schedule.layout, _chain(2)))
     apart = simulate(programs, schedule.layout, SimCosts(stages, _chain(2)))
-    tied = simulate(programs, schedule.layout, SimCosts(stages, _chain(2), tied_sums=(TiedSum((0, 1), ("wte.weight",), 4096, 0.25),)))
+    embedding = (TiedSum((0, 1), ("wte.weight",), 4096, 0.25),)
+    tied = simulate(programs, schedule.layout, SimCosts(stages, _chain(2), tied_sums=embedding))
     assert apart.step_ms == pytest.approx(9.5)
     assert tied.step_ms == pytest.approx(10.75)
     summed = [(e.rank, e.action, e.lane, e.start_ms, e.end_ms) for e in tied.events if "ALLREDUCE" in e.action]
