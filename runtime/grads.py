@@ -74,7 +74,7 @@ def create_groups(layout: Layout, rank: int, stage_params: Mapping[int, set[str]
                 data_parallel[part] = group
     tied = []
     for stages, names in sorted(tied_sets(stage_params).items()):
-        ranks = tuple(sorted({r for part in stages for r in layout.part_ranks(part)}))  # a rank may hold several
+        ranks = layout.parts_ranks(stages)  # (a rank may hold several)
         group = dist.new_group(list(ranks), timeout=timeout) if len(ranks) > 1 else None
         tied.append(TiedGroup(stages, names, ranks, group if rank in ranks else None))
     # a group of its own for the step's loss where a rank starts it early (NCCL's would be a communicator more)

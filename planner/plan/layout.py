@@ -211,6 +211,10 @@ class Layout:
         return tuple(sorted({rank for stage in self.stages_of_part(part)
                              for replica in range(self.data_parallel) for rank in self.ranks_of(stage, replica)}))
 
+    def parts_ranks(self, parts: Iterable[int]) -> tuple[int, ...]:
+        """Every rank holding a copy of one of ``parts``, sorted: the group that sums a weight they share."""
+        return tuple(sorted({rank for part in parts for rank in self.part_ranks(part)}))
+
     def channels(self, src_stage: int, dst_stage: int, replica: int) -> tuple[tuple[int, int], ...]:
         """The (src rank, dst rank) pairs a message from one stage to another travels in one replica:
         every tile of the sender to every tile of the receiver (a join gathers, a split scatters)."""

@@ -67,8 +67,8 @@ def _tied(tied_sums: tuple[TiedSum, ...], layout: Layout) -> list[str]:
     lines = []
     for tied in tied_sums:
         stages = [stage for stage in range(layout.num_stages) if layout.part(stage) in tied.parts]
-        ranks = sorted({rank for part in tied.parts for rank in layout.part_ranks(part)})
-        span = (f"{ranks[0]}-{ranks[-1]}" if ranks == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 2
+        ranks = layout.parts_ranks(tied.parts)
+        span = (f"{ranks[0]}-{ranks[-1]}" if ranks == tuple(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 2
                 else ", ".join(map(str, ranks)))
         listed = f"{', '.join(map(str, stages[:-1]))} and {stages[-1]}"
         where = (f" summed over stages {listed} (ranks {span}) before each step: {format_bytes(tied.nbytes)}, "

@@ -212,8 +212,7 @@ class _Clocks:
                             for replica in range(self.layout.data_parallel)]  # [replica][stage]: its ranks
         # the tied sums each rank takes part in, in the runtime's order (a sum all of whose copies one rank
         # holds is none), the next it waits in, and per sum when each of its ranks reached it
-        self.tied_ranks = [sorted({r for part in tied.parts for r in self.layout.part_ranks(part)})
-                           for tied in self.costs.tied_sums]
+        self.tied_ranks = [self.layout.parts_ranks(tied.parts) for tied in self.costs.tied_sums]
         self.tied_of_rank = [[index for index, members in enumerate(self.tied_ranks)
                               if len(members) > 1 and rank in members] for rank in ranks]
         self.tied_next = [0 for _ in ranks]

@@ -377,7 +377,7 @@ def tied_sum_over(layout: Layout, parts: tuple[int, ...], names: tuple[str, ...]
                   gpus_per_node: int) -> TiedSum:
     """The gradients of ``names`` (``nbytes``) summed over every rank holding a copy of one of ``parts``: a ring
     all-reduce over them (none where one rank holds them all: its parts share the one weight)."""
-    ranks = sorted({rank for part in parts for rank in layout.part_ranks(part)})
+    ranks = layout.parts_ranks(parts)
     ms = ranks_allreduce(device, ranks, gpus_per_node).ms(nbytes) if len(ranks) > 1 else 0.0
     return TiedSum(parts, names, nbytes, ms)
 
