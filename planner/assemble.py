@@ -39,7 +39,7 @@ from planner.schedules.validate import validate
 from planner.search.configs import gpus_note
 from planner.search.evaluate import PartSummary, evaluate, region_start
 from planner.search.ilp import SolveStatus
-from planner.search.problem import ON_GPU, tied_sums
+from planner.search.problem import ON_GPU, tied_sums, untied_allreduce_ms
 from planner.search.search import (
     FAMILY_SLACK,
     OFFLOAD_MUST_GAIN,
@@ -80,7 +80,7 @@ def lower_candidate(candidate: Candidate, graph: LayerGraph, device: DeviceSpec,
                      device, gpus_per_node)
     edges = {(t.src_stage, t.dst_stage) for t in transfers}
     step_bytes = stage_step_bytes(graph, setup.problem, layout, part_nodes)
-    parts = tuple(_stage_plan(candidate, index, nodes, graph, step_bytes[index])
+    parts = tuple(_stage_plan(candidate, index, nodes, graph, step_bytes[index], tied)
                   for index, nodes in enumerate(part_nodes))
     swapping = {stage for stage in range(layout.num_stages) if parts[layout.part(stage)].offload.swap}
     programs = layout.rank_programs(lower(insert_swaps(setup.schedule.programs, swapping), layout, edges))
@@ -263,9 +263,10 @@ def _transfers(best: Candidate, graph: LayerGraph, part_nodes: list[tuple[str, .
 
 
 def _stage_plan(best: Candidate, index: int, nodes: tuple[str, ...], graph: LayerGraph,
-                step_bytes: float | None) -> StagePlan:
+                step_bytes: float | None, tied: tuple[TiedSum, ...]) -> StagePlan:
     """Part ``index``'s plan; its optimizer step's buffers as the runtime packs them (``step_bytes``,
-    planner/stepped.py), not the search's bound, where the problem costs a step."""
+    planner/stepped.py), not the search's bound, where the problem costs a step; its all-reduce without the
+    gradients of the weights it shares with other parts (``tied``: summed apart)."""
     part = best.evaluation.parts[index]
     if step_bytes is not None:
         part = dataclasses.replace(part, step_bytes=round(step_bytes))
@@ -279,7 +280,8 @@ def _stage_plan(best: Candidate, index: int, nodes: tuple[str, ...], graph: Laye
     return StagePlan(index, nodes, StagePrediction(
         part.fwd_ms, part.bwd_ms, sum(best.setup.table[name].param_bytes for name in nodes),
         part.held_bytes, part.activation_bytes,
-        part.allreduce_ms, part.optimizer_ms, part.swap_bytes, part.swap_ms, part.host_bytes, part.nvme_bytes,
+        untied_allreduce_ms(index, part.allreduce_ms, best.setup.problem.allreduce[index], tied),
+        part.optimizer_ms, part.swap_bytes, part.swap_ms, part.host_bytes, part.nvme_bytes,
         part.weight_grad_ms, part.grad_bytes if best.setup.config.state.zero_stage < 2 else 0,  # ZeRO-2/3: shards
         part.step_excess_bytes, part.tied_excess_bytes, part.accumulate_excess_bytes, part.split_extra_ms,
         first_backward_bytes, part.split_kept_bytes,

@@ -40,7 +40,7 @@ from planner.schedules import Schedule, format_programs, generate, lower, max_in
 from planner.schedules.swaps import insert_swaps
 from planner.search.evaluate import evaluate
 from planner.search.ilp import SolveStatus
-from planner.search.problem import group_units, part_allreduces, staying_values, tied_sum_over
+from planner.search.problem import group_units, part_allreduces, staying_values, tied_sum_over, untied_allreduce_ms
 from planner.search.search import Candidate, Config, Search, SearchResult
 from planner.simulation import sim_costs
 
@@ -223,8 +223,8 @@ def _relaid(plan: Plan, schedule: Schedule, stages: tuple[StagePlan, ...], what:
 def _reduced_over(layout: Layout, plan: Plan, stages: tuple[StagePlan, ...]) -> tuple[StagePlan, ...]:
     """``stages`` with each part's gradient all-reduce costed over its copies in ``layout`` where their
     number is not ``plan``'s (GEMS-MASTER's mirrored replica holds a second copy of every part), as the
-    search costs it: a ring over the copies of the part's gradients (kept as planned where they are
-    sharded, ZeRO-2/3, and so not recorded)."""
+    search costs it: a ring over the copies of the part's gradients but the tied weights' (kept as planned where
+    they are sharded, ZeRO-2/3, and so not recorded)."""
     device = DeviceSpec.from_dict(plan.cluster.device)
     rings = part_allreduces(device, layout, plan.cluster.gpus_per_node)
 
@@ -233,7 +233,8 @@ def _reduced_over(layout: Layout, plan: Plan, stages: tuple[StagePlan, ...]) -> 
         if len(layout.part_ranks(part)) == len(plan.layout.part_ranks(part)) or not predicted.grad_bytes:
             return stage
         return dataclasses.replace(stage, predicted=dataclasses.replace(
-            predicted, allreduce_ms=rings[part].ms(predicted.grad_bytes)))
+            predicted, allreduce_ms=untied_allreduce_ms(part, rings[part].ms(predicted.grad_bytes), rings[part],
+                                                        plan.tied_sums)))
     return tuple(reduced(stage) for stage in stages)
 
 

@@ -373,6 +373,16 @@ def tied_sums(units: Sequence[Unit], shared: Sequence[SharedParam], part_units: 
                                device, gpus_per_node) for parts, params in sorted(groups.items()))
 
 
+def untied_allreduce_ms(part: int, allreduce_ms: float, ring: LinearCost, tied: Sequence[TiedSum]) -> float:
+    """``part``'s data-parallel all-reduce (``allreduce_ms`` over ``ring``, its gradients' bytes all counted) less
+    the tied weights' gradients: their sums carry them over every rank holding a copy, and runtime/executor.py
+    leaves them out of it (the search's term counts them, not knowing which parts share a weight)."""
+    tied_bytes = sum(sum_.nbytes for sum_ in tied if part in sum_.parts)
+    if not (tied_bytes and allreduce_ms):
+        return allreduce_ms
+    return max(ring.fixed_ms, allreduce_ms - ring.ms_per_byte * tied_bytes)
+
+
 def tied_sum_over(layout: Layout, parts: tuple[int, ...], names: tuple[str, ...], nbytes: int, device: DeviceSpec,
                   gpus_per_node: int) -> TiedSum:
     """The gradients of ``names`` (``nbytes``) summed over every rank holding a copy of one of ``parts``: a ring

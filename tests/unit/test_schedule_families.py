@@ -371,7 +371,8 @@ def test_reschedule_refuses_what_the_family_cannot_use_in_one_line(kind: str, op
 def test_rescheduled_to_gems_master_each_part_all_reduces_over_its_mirror_copy() -> None:
     """A pipeline plan has no all-reduce; its GEMS-MASTER plan sums each part's gradients with the mirror
     copy: by hand, a two-rank ring on the device's collective link (2 alphas + bytes / beta), costed in
-    the prediction (the step outgrows the same programs with the all-reduces free)."""
+    the prediction (the step outgrows the same programs with the all-reduces free). The bytes are the part's
+    gradients but the tied embedding's, which its own sum over both ranks carries."""
     from cost_models.devices import get_device
     from planner.manual import reschedule
     from planner.simulation import simulate_plan
@@ -380,8 +381,10 @@ def test_rescheduled_to_gems_master_each_part_all_reduces_over_its_mirror_copy()
     link = get_device("V100-16GB").intra_node  # its ranks share a node: NVLink
     gems = reschedule(base, "gems-master")
     assert [stage.predicted.allreduce_ms for stage in base.stages] == [0.0, 0.0]
+    (embedding,) = gems.tied_sums
+    assert embedding.parts == (0, 1) and embedding.nbytes == 512 * 64 * 8
     for stage in gems.stages:
-        grad_bytes = stage.predicted.grad_bytes
+        grad_bytes = stage.predicted.grad_bytes - embedding.nbytes
         assert grad_bytes > 0
         expected = 2 * link.latency_us / 1e3 + grad_bytes / (link.bandwidth_gb_per_s * 1e9) * 1e3
         assert stage.predicted.allreduce_ms == pytest.approx(expected)

@@ -61,6 +61,26 @@ def test_a_tied_embedding_is_summed_over_every_rank_holding_a_part_that_uses_it(
     assert Plan.from_dict(json.loads(plan.to_json())) == plan
 
 
+def test_a_replicated_stage_all_reduces_its_gradients_but_the_tied_weights_which_their_sum_carries() -> None:
+    """Two replicas of two stages: each stage's data-parallel all-reduce is a ring over its 2 copies of its
+    gradients less the embedding's (the runtime leaves tied weights out of it); the embedding's sum spans all 4
+    ranks."""
+    plan = Plan.from_dict(json.loads(make_plan(GPT, TWO, schedule="1f1b", data_parallel=2)))
+    device = get_device("V100-16GB")
+    for stage in plan.stages:
+        ranks = list(plan.layout.part_ranks(stage.index))
+        link = allreduce_link(device, ranks, plan.cluster.gpus_per_node)
+        untied = ring_allreduce_ms(stage.predicted.grad_bytes - EMBEDDING_BYTES, len(ranks), link)
+        assert len(ranks) == 2 and stage.predicted.allreduce_ms == pytest.approx(untied)
+        assert stage.predicted.allreduce_ms < ring_allreduce_ms(stage.predicted.grad_bytes, 2, link)
+    gems = Plan.from_dict(json.loads(scheduled(make_plan(GPT, TWO, schedule="gpipe"), "gems-master")))
+    for stage in gems.stages:  # recosted over the mirrored copies, still without the embedding
+        ranks = list(gems.layout.part_ranks(stage.index))
+        link = allreduce_link(device, ranks, gems.cluster.gpus_per_node)
+        assert stage.predicted.allreduce_ms == pytest.approx(
+            ring_allreduce_ms(stage.predicted.grad_bytes - EMBEDDING_BYTES, len(ranks), link))
+
+
 def test_parts_on_one_rank_share_the_weight_and_sum_nothing() -> None:
     """Four parts looped over two ranks: parts 0 and 3, which use the tied weight, are on ranks 0 and 1; looped
     over three ranks, parts 0 and 3 are both on rank 0."""
