@@ -40,7 +40,13 @@ from planner.schedules import Schedule, format_programs, generate, lower, max_in
 from planner.schedules.swaps import insert_swaps
 from planner.search.evaluate import evaluate
 from planner.search.ilp import SolveStatus
-from planner.search.problem import group_units, part_allreduces, staying_values, tied_sum_over, untied_allreduce_ms
+from planner.search.problem import (
+    group_units,
+    part_allreduces,
+    staying_values,
+    tied_sum_over,
+    untied_allreduce_ms,
+)
 from planner.search.search import Candidate, Config, Search, SearchResult
 from planner.simulation import sim_costs
 
