@@ -13,10 +13,10 @@ from planner.schedules.simulate import SimCosts, SimResult, StageCosts, simulate
 
 
 def sim_costs(layout: Layout, parts: Sequence[StagePlan], transfers: Sequence[Transfer],
-              kind: ScheduleKind, backend: str, tied_sums: Sequence[TiedSum] = ()) -> SimCosts:
+              kind: ScheduleKind, backend: str, tied_sums: Sequence[TiedSum]) -> SimCosts:
     """Each stage costs what its part is predicted to (its all-reduce overlapping its last backward where
     the runtime's does on ``backend``); transfers, and what posting them costs, per stage pair; the tied
-    weights' gradient sums."""
+    weights' gradient sums (required: a plan's replay that forgot them would make its tied models' waits free)."""
     stale = kind.stale_parts(layout.num_parts)
     stages = tuple(parts[layout.part(stage)] for stage in range(layout.num_stages))
     costs = tuple(StageCosts(p.fwd_ms, p.bwd_ms, p.activation_bytes, p.static_bytes, p.allreduce_ms,
