@@ -325,13 +325,7 @@ def window_memory_floor(costs: CostModel, window: Window) -> float:
     own cut) with every decision at its most frugal. Above the budget, the window's ILP has no solution: a
     50B GPT's interleaved configurations on 16 V100-32GB were solved for 0.2-1.0 s each to learn that their
     even cuts leave the language-model head's part beyond any budget."""
-    num_units, num_parts = costs.num_units, costs.num_parts
-    blocks = []  # per part: the units it may start at, those it may end at, and which pairs are parts
-    for part in range(num_parts):
-        firsts = range(1) if part == 0 else range(window[part - 1][0] + 1, window[part - 1][1] + 2)
-        lasts = range(num_units - 1, num_units) if part == num_parts - 1 else range(window[part][0],
-                                                                                    window[part][1] + 1)
-        blocks.append((firsts, lasts, np.asarray(firsts)[:, None] <= np.asarray(lasts)[None, :]))
+    blocks = _window_blocks(costs, window)
     least: dict[tuple[int, tuple[int, ...]], float] = {}  # by part and member terms: parts share their terms
     peak = 0.0
     for row in costs.frugal_memory:
@@ -348,6 +342,154 @@ def window_memory_floor(costs: CostModel, window: Window) -> float:
             held += least[key]
         peak = max(peak, held)
     return peak
+
+
+_Block = tuple[range, range, np.ndarray]  # a part's first units, its last units, and which (first, last) are parts
+
+
+def _window_blocks(costs: CostModel, window: Window) -> list[_Block]:
+    """Per part, the units it may start at (one after the cut before it), those it may end at (its own cut), and
+    which pairs of them make a part (first <= last) within ``window``."""
+    num_units, num_parts = costs.num_units, costs.num_parts
+    blocks = []
+    for part in range(num_parts):
+        firsts = range(1) if part == 0 else range(window[part - 1][0] + 1, window[part - 1][1] + 2)
+        lasts = range(num_units - 1, num_units) if part == num_parts - 1 else range(window[part][0],
+                                                                                    window[part][1] + 1)
+        blocks.append((firsts, lasts, np.asarray(firsts)[:, None] <= np.asarray(lasts)[None, :]))
+    return blocks
+
+
+def _least_over_window(blocks: list[_Block], values: list[np.ndarray]) -> float:
+    """The least sum over the parts of ``values`` (per part, at [i, j] its value holding units ``firsts[i]`` to
+    ``lasts[j]`` of its block) over the partitions within the window: a min-plus chain, part s's firsts being
+    part s - 1's lasts plus one."""
+    least = np.where(blocks[0][2][0], values[0][0], np.inf)  # per last unit of part 0
+    for (_, _, ordered), value in zip(blocks[1:], values[1:]):
+        least = np.min(least[:, None] + np.where(ordered, value, np.inf), axis=0)
+    return float(least.min())
+
+
+SHARED_SLOT_MIXES = (1.0, 0.75, 0.5)
+"""The weights :func:`shared_slot_step_floor` tries on a maximum's largest family of members (the rest on its
+second): with swap allowed, a bottleneck's swap members are the only ones a swap costs time in."""
+
+
+def shared_slot_step_floor(costs: CostModel, window: Window, enough_ms: float = float("inf")) -> float:
+    """A step time no partition within ``window`` beats, whatever its recompute and swap shares, for layouts
+    whose slots hold several parts too (interleaved 1F1B, GEMS-MASTER), where :func:`decided_step_floor`'s
+    per-part rows do not apply; returned once a bound reaches ``enough_ms``.
+
+    The step is at least a sum over the parts (:func:`_averaged_terms`: the objective's sums, and each maximum
+    at least its families' average over the parts), so at least that sum without decisions plus what the
+    decisions add, sum_u a_u x_u (unit u's recompute or swap share x_u, a_u its weighted time). A slot fits only
+    if those decisions free what a row of it holds beyond the budget: sum_u f_u x_u >= held - budget (f_u the
+    bytes unit u frees in it). With rho at most every a_u / f_u (f_u summed over the rows of one moment, one a
+    slot), the decisions cost at least rho (held - budget) summed over those rows (a Lagrangian relaxation),
+    which is a sum over parts again: a min-plus chain over the window's partitions (:func:`_least_over_window`)
+    minimises it, for rho, rho / 2 and 0, the rows at the forwards' and backwards' peak and at a recomputed
+    region's backward (which holds its block again), and a few mixes of a maximum's families. -inf where a
+    decision could lower a time or a row. On ResNet-1001 at 1024x1024 on 16 A100s it proves 35 of 41
+    interleaved configurations slower than the search's cutoff, each a 0.1-0.5 s ILP before.
+    """
+    num_parts = costs.num_parts
+    if any(min(term.per_start, default=0.0) < 0 for row in costs.memory for _, term in row.members):
+        return float("-inf")  # a region start could lower a row
+    blocks = _window_blocks(costs, window)
+    moments: dict[str, tuple[int, list] | None] = {}  # per moment, when first needed: its rows' count (one a
+    # slot), and per part what they hold and free (None: no such rows)
+
+    def rows_at(moment: str) -> tuple[int, list] | None:
+        if moment not in moments:
+            rows = [row for row in costs.memory if row.moment == moment]
+            moments[moment] = (len(rows), [_held_and_freed(costs, rows, part, blocks[part])
+                                           for part in range(num_parts)]) if rows else None
+        return moments[moment]
+
+    best = float("-inf")
+    for mix in SHARED_SLOT_MIXES:
+        chosen, mixed = _averaged_terms(costs, mix)
+        if any(weight < 0 or min((*term.per_start, *term.per_recompute, *term.per_swap), default=0.0) < 0
+               for terms in chosen for term, weight in terms):
+            return float("-inf")  # a decision could lower the step
+        base = [weighted_matrix(costs, terms, firsts, lasts) for terms, (firsts, lasts, _) in zip(chosen, blocks)]
+        for share, moment in ((1.0, "recompute"), (1.0, "compute"), (0.5, "recompute"), (0.5, "compute"), (0.0, "")):
+            found = rows_at(moment) if share else None
+            rho = share * _cheapest_freeing(costs, chosen, [freed for _, freed in found[1]]) if found else 0.0
+            if share and not 0 < rho < float("inf"):
+                continue  # (no such rows, or nothing frees bytes there, or something frees them for no time)
+            matrices = [matrix + rho * held for matrix, (held, _) in zip(base, found[1])] if rho else base
+            best = max(best, _least_over_window(blocks, matrices)
+                       - (rho * found[0] * costs.problem.mem_bytes if rho else 0.0))
+            if best >= enough_ms:
+                return best
+        if not mixed:
+            break
+    return best
+
+
+def _averaged_terms(costs: CostModel, mix: float) -> tuple[list[list[tuple[Term, float]]], bool]:
+    """Per part, (term, weight) pairs whose sum over the parts is at most the step, whatever the partition and the
+    decisions: every sum's members; a drain's flow and part 0's tail (its drain from part 0) and its pace as a
+    maximum; a maximum as the average over the parts of its largest family with a member on every part, or
+    where it has two such, ``mix`` times that plus the rest times its second's (each family's average is at
+    most the maximum). Also whether any maximum had two."""
+    chosen: list[list[tuple[Term, float]]] = [[] for _ in range(costs.num_parts)]
+    mixed = False
+
+    def averaged(members: tuple[tuple[int, Term], ...], weight: float) -> None:
+        nonlocal mixed
+        families: dict[str, list[tuple[int, Term]]] = {}
+        for part, term in members:
+            families.setdefault(term.family, []).append((part, term))
+        full = sorted((family for family in families.values()
+                       if sorted(part for part, _ in family) == list(range(costs.num_parts))),
+                      key=lambda family: -sum(term.constant + sum(term.per_unit) for _, term in family))
+        mixed = mixed or len(full) > 1
+        for family, share in zip(full, (mix, 1.0 - mix) if len(full) > 1 else (1.0,)):
+            for part, term in family:
+                chosen[part].append((term, weight * share / costs.num_parts))
+
+    for piece in costs.objective:
+        if isinstance(piece, Drain):
+            for part, term in piece.flow + tuple(member for member in piece.tail if member[0] == 0):
+                chosen[part].append((term, piece.weight))
+            averaged(piece.pace, piece.weight * piece.pace_weight)
+        elif piece.reduce is Reduce.SUM:
+            for part, term in piece.members:
+                chosen[part].append((term, piece.weight))
+        else:
+            averaged(piece.members, piece.weight)
+    return chosen, mixed
+
+
+def _held_and_freed(costs: CostModel, rows: list[MemoryRow], part: int, block: _Block
+                    ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+    """What ``part``'s members of ``rows`` hold together without decisions over its ``block`` (at [i, j] from
+    its i-th first unit to its j-th last), and per unit the bytes recomputing it frees there and those swapping
+    it frees."""
+    terms = [term for row in rows for member, term in row.members if member == part]
+
+    def frees(name: str) -> np.ndarray:
+        return -sum((_coefficients(getattr(term, name), costs.num_units) for term in terms), np.zeros(costs.num_units))
+
+    held = weighted_matrix(costs, [(term, 1.0) for term in terms], block[0], block[1])
+    return held, (frees("per_recompute"), frees("per_swap"))
+
+
+def _cheapest_freeing(costs: CostModel, chosen: list[list[tuple[Term, float]]],
+                      freed: list[tuple[np.ndarray, np.ndarray]]) -> float:
+    """The fewest weighted ms per byte freed of any unit's recompute or swap on any part (0 where one frees
+    bytes for no time; inf where none frees any): ``freed`` per part, per unit the bytes recomputing and
+    swapping it free."""
+    cheapest = float("inf")
+    for part, terms in enumerate(chosen):
+        for name, frees in zip(("per_recompute", "per_swap"), freed[part]):
+            costs_ms = sum((weight * _coefficients(getattr(term, name), costs.num_units) for term, weight in terms),
+                           np.zeros(costs.num_units))
+            if (frees > 0).any():
+                cheapest = min(cheapest, float(np.min(costs_ms[frees > 0] / frees[frees > 0])))
+    return cheapest
 
 
 def _windowed(matrix: np.ndarray | None, part: int, window: Window | None) -> np.ndarray | None:

@@ -47,6 +47,7 @@ from planner.search.oracle import (
     check_exact,
     decided_step_floor,
     min_peak_partition,
+    shared_slot_step_floor,
     window_memory_floor,
 )
 from planner.search.problem import (
@@ -892,12 +893,16 @@ def _cannot_beat(costs: CostModel, cutoff_ms: float | None, window: Window | Non
     """Whether the decided step floor (over ``window``'s partitions, if given) proves that no plan of
     ``costs`` beats ``cutoff_ms``: the ILP would find nothing, a DP in milliseconds instead of a solve.
     Without memory decisions the floor is the objective's over the partitions that fit. Where several
-    stages share a slot the DP does not apply, but a window no plan fits in (its memory floor above the
-    budget) has nothing to beat anything with either."""
+    stages share a slot the DP does not apply: a window no plan fits in (its memory floor above the budget)
+    has nothing to beat anything with, and the shared slots' floor (the time freeing each slot's excess takes,
+    relaxed into a sum over parts) may reach the cutoff."""
     try:
         return cutoff_ms is not None and decided_step_floor(costs, cutoff_ms, window) >= cutoff_ms
     except ValueError:  # several stages share a slot
-        return window is not None and window_memory_floor(costs, window) > costs.problem.mem_bytes
+        if window is None:
+            return False
+        return window_memory_floor(costs, window) > costs.problem.mem_bytes or (
+            cutoff_ms is not None and shared_slot_step_floor(costs, window, cutoff_ms) >= cutoff_ms)
 
 
 def _cutoff(config: Config, best_ms: float | None) -> float | None:

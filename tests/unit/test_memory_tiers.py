@@ -27,13 +27,14 @@ from cost_models.memory import Optimizer, Precision
 from examples.models.gpt import gpt, gpt_tiny
 from planner import plan, trace
 from planner.plan import Layout, OffloadSpec, Plan, ScheduleKind, StateTier
+from planner.schedules.balanced import BalancedStep
 from planner.schedules.generate import gpipe
 from planner.schedules.lower import lower
 from planner.schedules.simulate import SimCosts, StageCosts, simulate
 from planner.schedules.swaps import insert_swaps
 from planner.search.evaluate import Decisions, Evaluation, evaluate, row_value
 from planner.search.ilp import IlpResult, SolveStatus, solve_partition
-from planner.search.oracle import _row_interp, decided_step_floor, window_memory_floor
+from planner.search.oracle import _row_interp, decided_step_floor, shared_slot_step_floor, window_memory_floor
 from planner.search.problem import (
     ON_GPU,
     LinearCost,
@@ -253,6 +254,58 @@ def test_the_bound_within_a_window_is_below_every_fitting_plan_in_it(problem: Pi
     result = solve_partition(costs, window=window)
     if result.objective is not None:
         assert bound <= result.objective + 1e-6
+
+
+def _replayed(problem: PipelineProblem, rank_work: int, path_parts: float) -> PipelineProblem:
+    """``problem`` costed as a family without a closed form (interleaved 1F1B's step model: its programs on
+    balanced parts took ``rank_work - 1 + path_parts`` part-times)."""
+    return dataclasses.replace(problem, schedule=ScheduleKind.INTERLEAVED_1F1B,
+                               balanced=BalancedStep(float(rank_work - 1) + path_parts, 1.0, rank_work))
+
+
+@settings(max_examples=80, deadline=None)
+@given(decided_problems(max_stages=3), st.sampled_from(["pipeline", "interleaved", "mirrored"]), st.booleans(),
+       st.data())
+def test_the_shared_slot_bound_within_a_window_is_below_every_fitting_plan_in_it(
+        problem: PipelineProblem, layout: str, replayed: bool, data: st.DataObject) -> None:
+    """What lets the search skip the ILP with memory decisions of a window whose slots hold several parts: no
+    partition with its cuts in the window, with any recompute and swap, that fits beats the shared slots' step
+    floor (brute force over whole-unit decisions, and the window's ILP with shares), for the closed forms'
+    objectives and the replayed families' alike."""
+    problem = _laid_out(problem, layout, decides=True)
+    if replayed:
+        problem = _replayed(problem, data.draw(st.integers(1, 8)), data.draw(st.floats(0.0, 4.0)))
+    costs = cost_model(problem)
+    count = costs.num_units
+    around = data.draw(st.sampled_from(list(itertools.combinations(range(count - 1), costs.num_parts - 1))))
+    width = data.draw(st.integers(0, 2))
+    window = tuple((max(-1, cut - width), min(count - 2, cut + width)) for cut in around)
+    bound = shared_slot_step_floor(costs, window)
+    inside = [e for e in _every_plan(costs) if all(low <= cut <= high for cut, (low, high) in zip(e.cuts, window))]
+    assert all(bound <= e.step_ms + 1e-9 for e in inside if e.fits(problem.mem_bytes))
+    result = solve_partition(costs, window=window)
+    if result.objective is not None:
+        assert bound <= result.objective + 1e-6
+    enough = bound / 2
+    if 0 < bound < float("inf"):  # told what is enough, it may stop at a bound reaching it, never above the full one
+        assert enough <= shared_slot_step_floor(costs, window, enough) <= bound + 1e-9
+
+
+def test_the_shared_slot_bound_counts_the_recompute_a_slot_needs() -> None:
+    """Eight alike units on two parts sharing one slot (interleaved), cut after unit 3: each unit saves 1000 bytes,
+    250 of them its last node's (what recomputing it frees). While a recomputed region's backward runs, each part
+    holds its block of 4 units' 1000 bytes again, so the slot holds 10,000 bytes, 1000 over the budget: 4 units
+    recomputed, 2 ms each (their forward again). The step model sums the parts' compute (replayed with rank_work
+    1, path_parts 2): 8 x (2 + 3) ms plus 8 ms of recompute; the objective alone (the lower bound) sees 40."""
+    unit = Unit(("n",), 2.0, 3.0, 0, 0, 1000, 0, offloadable_bytes=250)
+    units = tuple(dataclasses.replace(unit, nodes=(f"n{i}",)) for i in range(8))
+    problem = PipelineProblem(units, (0,) * 7, (), Layout.replicated((0, 0)), ScheduleKind.GPIPE, 1, (1, 1),
+                              (LinearCost(0.0, 0.0),), (LinearCost(0.0, 0.0),) * 2, 9000, _tiers(swap=False))
+    costs = cost_model(_replayed(problem, 1, 2.0))
+    window = ((3, 3),)
+    assert lower_bound(costs) == pytest.approx(40.0)
+    assert shared_slot_step_floor(costs, window) == pytest.approx(48.0)
+    assert solve_partition(costs, window=window).objective == pytest.approx(48.0)
 
 
 def test_recompute_adds_the_forward_and_keeps_only_the_inputs() -> None:
