@@ -77,7 +77,7 @@ def lower_candidate(candidate: Candidate, graph: LayerGraph, device: DeviceSpec,
     transfers = _transfers(candidate, graph, part_nodes)
     tied = tied_sums(setup.problem.units, setup.problem.shared,
                      [range(part.first_unit, part.last_unit + 1) for part in candidate.evaluation.parts], layout,
-                     device, gpus_per_node)
+                     device, gpus_per_node, [terms["state_bytes"].per_shared for terms in setup.costs.parts])
     edges = {(t.src_stage, t.dst_stage) for t in transfers}
     step_bytes = stage_step_bytes(graph, setup.problem, layout, part_nodes)
     parts = tuple(_stage_plan(candidate, index, nodes, graph, step_bytes[index], tied)

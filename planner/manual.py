@@ -205,7 +205,7 @@ def _relaid(plan: Plan, schedule: Schedule, stages: tuple[StagePlan, ...], what:
     programs = layout.rank_programs(lower(insert_swaps(schedule.programs, swapping), layout, edges))
     validate(programs, layout, edges=edges)
     device = DeviceSpec.from_dict(plan.cluster.device)
-    tied = tuple(tied_sum_over(layout, t.parts, t.names, t.nbytes, device, plan.cluster.gpus_per_node)
+    tied = tuple(tied_sum_over(layout, t.parts, t.names, t.nbytes, device, plan.cluster.gpus_per_node, t.state_bytes)
                  for t in plan.tied_sums)
     costs = sim_costs(layout, stages, transfers, schedule.kind, plan.cluster.backend, tied)
     simulated = simulate(programs, layout, costs)

@@ -19,14 +19,29 @@ def sim_costs(layout: Layout, parts: Sequence[StagePlan], transfers: Sequence[Tr
     weights' gradient sums (required: a plan's replay that forgot them would make its tied models' waits free)."""
     stale = kind.stale_parts(layout.num_parts)
     stages = tuple(parts[layout.part(stage)] for stage in range(layout.num_stages))
-    costs = tuple(StageCosts(p.fwd_ms, p.bwd_ms, p.activation_bytes, p.static_bytes, p.allreduce_ms,
-                             p.optimizer_ms, p.swap_bytes, p.swap_ms, p.weight_grad_ms,
+    shared = _shared_copies(layout, tied_sums)
+    costs = tuple(StageCosts(p.fwd_ms, p.bwd_ms, p.activation_bytes, p.static_bytes - min(state, p.static_bytes),
+                             p.allreduce_ms, p.optimizer_ms, p.swap_bytes, p.swap_ms, p.weight_grad_ms,
                              p.allreduce_overlap(part.offload, part.index in stale or kind.splits_backward, backend),
-                             p.grad_bytes, p.step_bytes, p.tied_bytes, p.accumulate_bytes, p.split_extra_ms,
-                             p.first_backward_bytes, p.split_kept_bytes, p.split_relief_bytes)
-                  for part in stages for p in [part.predicted])
+                             p.grad_bytes - min(grads, p.grad_bytes), p.step_bytes, p.tied_bytes, p.accumulate_bytes,
+                             p.split_extra_ms, p.first_backward_bytes, p.split_kept_bytes, p.split_relief_bytes)
+                  for stage, part in enumerate(stages) for p in [part.predicted]
+                  for state, grads in [shared.get(stage, (0, 0))])
     return SimCosts(costs, {(t.src_stage, t.dst_stage): t.ms for t in transfers},
                     {(t.src_stage, t.dst_stage): t.post_ms for t in transfers}, tuple(tied_sums))
+
+
+def _shared_copies(layout: Layout, tied_sums: Sequence[TiedSum]) -> dict[int, tuple[int, int]]:
+    """Per stage whose slot runs an earlier stage holding the same tied weights, the state and gradient bytes of the
+    copy it does not hold: a rank keeps one tensor, the earliest of its stages' (runtime/stages.py: local_stages),
+    whose gradient the others' backwards add into."""
+    held: dict[int, tuple[int, int]] = {}
+    for tied in tied_sums:
+        for slot in range(layout.num_slots):
+            for stage in sorted(s for s in layout.stages_on_slot(slot) if layout.part(s) in tied.parts)[1:]:
+                state, grads = held.get(stage, (0, 0))
+                held[stage] = (state + tied.state_bytes, grads + (tied.nbytes if tied.state_bytes else 0))
+    return held
 
 
 def simulate_plan(plan: Plan) -> SimResult:

@@ -92,8 +92,9 @@ def _transfers(plan: Plan) -> Iterator[str]:
 def _tied_sums(plan: Plan) -> Iterator[str]:
     parts = plan.layout.num_parts
     for index, tied in enumerate(plan.tied_sums):
-        if tied.nbytes < 0 or tied.ms < 0:
-            yield f"tied_sums[{index}] sums {tied.nbytes} bytes in {tied.ms} ms; neither may be negative"
+        if tied.nbytes < 0 or tied.ms < 0 or tied.state_bytes < 0:
+            yield (f"tied_sums[{index}] sums {tied.nbytes} bytes in {tied.ms} ms, a copy holding {tied.state_bytes} "
+                   f"bytes; none may be negative")
         if len(tied.parts) < 2 or list(tied.parts) != sorted(set(tied.parts)) \
                 or not all(0 <= part < parts for part in tied.parts):
             yield (f"tied_sums[{index}].parts is {list(tied.parts)}; it must list two or more different parts of "

@@ -314,18 +314,23 @@ class TiedSum:
     """A weight several parts hold a copy of (a GPT's embedding tied to its head), whose copies' gradients
     the runtime sums over every rank holding one of ``parts`` at each rank's first optimizer step of the
     step (runtime/executor.py: _sync_tied): the parameters ``names``, ``nbytes`` of gradients, ``ms`` the ring
-    all-reduce over those ranks. A rank reaching it waits there for the others (the simulator replays it)."""
+    all-reduce over those ranks. A rank reaching it waits there for the others (the simulator replays it).
+    ``state_bytes``: what one copy of them holds on a device (weights, gradients, optimizer state, as their parts
+    keep them); a rank running two of ``parts`` keeps one (runtime/stages.py: local_stages), which the simulator
+    counts once (0 in a plan file from before it was recorded: counted on each)."""
 
     parts: tuple[int, ...]
     names: tuple[str, ...]
     nbytes: int
     ms: float
+    state_bytes: int = 0
 
     @classmethod
     def from_dict(cls, data: Any, path: str) -> TiedSum:
         return codec.fields(cls, data, path, {"parts": codec.tuple_of(codec.integer),
                                               "names": codec.tuple_of(codec.string), "nbytes": codec.integer,
-                                              "ms": codec.number})
+                                              "ms": codec.number, "state_bytes": codec.integer},
+                            optional=frozenset({"state_bytes"}))
 
 
 @dataclass(frozen=True)

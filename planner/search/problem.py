@@ -356,10 +356,12 @@ def part_allreduces(device: DeviceSpec, layout: Layout, gpus_per_node: int) -> t
 
 
 def tied_sums(units: Sequence[Unit], shared: Sequence[SharedParam], part_units: Sequence[range], layout: Layout,
-              device: DeviceSpec, gpus_per_node: int) -> tuple[TiedSum, ...]:
+              device: DeviceSpec, gpus_per_node: int, part_state_bytes: Sequence[Sequence[float]]
+              ) -> tuple[TiedSum, ...]:
     """The sums of tied weights' gradients a partition makes (units ``part_units[p]`` on part p): per set of parts
     using the same shared parameters, the bytes of those gradients, grouped as the runtime groups them
-    (runtime/grads.py: tied_sets), each costed by :func:`tied_sum_over`."""
+    (runtime/grads.py: tied_sets), each costed by :func:`tied_sum_over`; and what one copy of them holds on a
+    device (``part_state_bytes``: per part, per shared parameter, its copy's state; the least of the parts')."""
     holders: dict[int, set[int]] = {}
     for part, span in enumerate(part_units):
         for unit in span:
@@ -369,8 +371,14 @@ def tied_sums(units: Sequence[Unit], shared: Sequence[SharedParam], part_units: 
     for q, parts in holders.items():
         if len(parts) > 1:
             groups.setdefault(tuple(sorted(parts)), []).append(shared[q])
+    def copy_bytes(parts: tuple[int, ...], params: list[SharedParam]) -> int:
+        indices = [shared.index(param) for param in params]
+        return round(min(sum(part_state_bytes[part][q] for q in indices) if part_state_bytes[part] else 0.0
+                         for part in parts))
+
     return tuple(tied_sum_over(layout, parts, tuple(sorted(p.name for p in params)), sum(p.grad_bytes for p in params),
-                               device, gpus_per_node) for parts, params in sorted(groups.items()))
+                               device, gpus_per_node, copy_bytes(parts, params))
+                 for parts, params in sorted(groups.items()))
 
 
 def untied_allreduce_ms(part: int, allreduce_ms: float, ring: LinearCost, tied: Sequence[TiedSum]) -> float:
@@ -384,12 +392,13 @@ def untied_allreduce_ms(part: int, allreduce_ms: float, ring: LinearCost, tied: 
 
 
 def tied_sum_over(layout: Layout, parts: tuple[int, ...], names: tuple[str, ...], nbytes: int, device: DeviceSpec,
-                  gpus_per_node: int) -> TiedSum:
-    """The gradients of ``names`` (``nbytes``) summed over every rank holding a copy of one of ``parts``: a ring
-    all-reduce over them (none where one rank holds them all: its parts share the one weight)."""
+                  gpus_per_node: int, state_bytes: int) -> TiedSum:
+    """The gradients of ``names`` (``nbytes``; a copy of them holding ``state_bytes``) summed over every rank
+    holding a copy of one of ``parts``: a ring all-reduce over them (none where one rank holds them all: its parts
+    share the one weight)."""
     ranks = layout.parts_ranks(parts)
     ms = ranks_allreduce(device, ranks, gpus_per_node).ms(nbytes) if len(ranks) > 1 else 0.0
-    return TiedSum(parts, names, nbytes, ms)
+    return TiedSum(parts, names, nbytes, ms, state_bytes)
 
 
 def coarsen(graph: LayerGraph, table: CostTable, precision: Precision, optimizer: Optimizer,

@@ -751,7 +751,8 @@ def _memory_rows(problem: PipelineProblem, parts: tuple[dict[str, Term], ...],
     transient beside the W waiting then (``problem.waiting_at_transient``: one fewer in ZB-H1's programs); and
     at each of its stages' optimizer steps: that stage's model state and step buffers,
     the slot's other stages' static bytes, and no activations but those of forwards a stale-weight (WPipe)
-    stage runs ahead of the step (counted as all its micro-batches in flight: an upper bound). With
+    stage runs ahead of the step (counted as all its micro-batches in flight: an upper bound). A slot running the
+    first part and the last holds one copy of a weight both use whatever the cuts (:func:`_held_twice`). With
     ``compute_only``, the rows at the moment of the forwards and backwards alone (one a slot)."""
     layout = problem.layout
     stale = problem.schedule.stale_parts(problem.num_parts)
@@ -829,7 +830,25 @@ def _memory_rows(problem: PipelineProblem, parts: tuple[dict[str, Term], ...],
                                for member in ((at, term), (at, parts[at]["recompute_bytes"])))
                 stepping = (part, parts[part]["state_bytes"].plus(step))
                 rows.append(MemoryRow(slot, (stepping, *others, *ahead), "step"))
-    return tuple(rows)
+    twice = _held_twice(problem, parts)
+    return tuple(MemoryRow(row.slot, (*row.members, (0, Term(constant=-twice[row.slot]))), row.moment)
+                 if row.slot in twice else row for row in rows)
+
+
+def _held_twice(problem: PipelineProblem, parts: tuple[dict[str, Term], ...]) -> dict[int, float]:
+    """Per slot running both the first part and the last, what its rows count twice of the shared parameters both
+    use whatever the cuts (those the first unit and the last use: a GPT's embedding tied to its head): one copy's
+    state, as the parts hold it (the lesser), since a rank keeps one tensor (runtime/stages.py: local_stages).
+    GEMS-MASTER's ranks each run the first part of one model copy and the last of the other."""
+    last = problem.num_parts - 1
+    both = set(problem.units[0].shared) & set(problem.units[-1].shared) if last > 0 else set()
+    if not both:
+        return {}
+    first_state, last_state = parts[0]["state_bytes"].per_shared, parts[last]["state_bytes"].per_shared
+    copy_bytes = sum(min(first_state[q], last_state[q]) for q in both)
+    layout = problem.layout
+    return {slot: copy_bytes for slot in range(layout.num_slots)
+            if {0, last} <= {layout.part(stage) for stage in layout.stages_on_slot(slot)}}
 
 
 def _capacity_rows(problem: PipelineProblem, parts: tuple[dict[str, Term], ...]) -> tuple[CapacityRow, ...]:

@@ -378,7 +378,9 @@ def test_num_stages_and_data_parallel_pick_the_layout(resnet_graph) -> None:
      r"tied_sums\[0\].parts is \[0\]; it must list two or more different parts of 0\.\.\d+ in order"),
     (lambda d: d.update(tied_sums=[{"parts": [0, 99], "names": ["w"], "nbytes": 8, "ms": 0.1}]), r"tied_sums\[0\].parts is \[0, 99\]"),
     (lambda d: d.update(tied_sums=[{"parts": [0, 1], "names": ["w"], "nbytes": -8, "ms": 0.1}]),
-     r"tied_sums\[0\] sums -8 bytes in 0.1 ms; neither may be negative"),
+     r"tied_sums\[0\] sums -8 bytes in 0.1 ms, a copy holding 0 bytes; none may be negative"),
+    (lambda d: d.update(tied_sums=[{"parts": [0, 1], "names": ["w"], "nbytes": 8, "ms": 0.1, "state_bytes": -24}]),
+     r"tied_sums\[0\] sums 8 bytes in 0.1 ms, a copy holding -24 bytes; none may be negative"),
 ])
 def test_plan_invariants_are_checked_on_load_naming_the_field(resnet_plan: Plan, edit, message: str) -> None:
     data = json.loads(resnet_plan.to_json())

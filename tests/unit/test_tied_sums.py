@@ -93,6 +93,65 @@ def test_parts_on_one_rank_share_the_weight_and_sum_nothing() -> None:
     assert simulate_plan(over_three).step_ms == simulate_plan(dataclasses.replace(over_three, tied_sums=())).step_ms
 
 
+def test_a_rank_holding_two_parts_that_use_a_tied_weight_counts_its_one_copy_once() -> None:
+    """GEMS-MASTER puts part 0 of one model copy and part 1 of the other on each rank: both use the embedding, and the
+    runtime keeps one tensor a rank (its earlier stage's: runtime/stages.py local_stages), so one copy of its
+    weights, gradients and momentum (3 x 512 x 64 float64). The replay takes that copy off the later stage of each
+    rank (stages 2 and 3: static bytes, and its gradients from its first backward on); a pipeline's ranks, one part
+    each, keep theirs. Each rank's peak falls by at least the weights and momentum, at most the whole copy."""
+    from planner.simulation import sim_costs
+
+    copy_bytes = 3 * EMBEDDING_BYTES
+    gems = Plan.from_dict(json.loads(scheduled(make_plan(GPT, TWO, schedule="gpipe"), "gems-master")))
+    (tied,) = gems.tied_sums
+    assert tied.state_bytes == copy_bytes
+    assert [gems.layout.stages_of_rank(rank) for rank in (0, 1)] == [(0, 3), (1, 2)]
+
+    def costs(plan: Plan, tied_sums: tuple) -> tuple:
+        return sim_costs(plan.layout, plan.stages, plan.transfers, plan.schedule.kind, plan.cluster.backend,
+                         tied_sums).stages
+
+    counted, twice = costs(gems, gems.tied_sums), costs(gems, (dataclasses.replace(tied, state_bytes=0),))
+    for stage, (once, both) in enumerate(zip(counted, twice)):
+        taken = copy_bytes if stage in (2, 3) else 0
+        assert (both.static_bytes - once.static_bytes, both.grad_bytes - once.grad_bytes) == (
+            taken, EMBEDDING_BYTES if taken else 0)
+    before = simulate_plan(dataclasses.replace(gems, tied_sums=(dataclasses.replace(tied, state_bytes=0),)))
+    for rank, (now, then) in enumerate(zip(simulate_plan(gems).peak_mem_bytes, before.peak_mem_bytes)):
+        assert copy_bytes - EMBEDDING_BYTES <= then - now <= copy_bytes, rank
+    assert Plan.from_dict(json.loads(gems.to_json())) == gems
+    pipeline = Plan.from_dict(json.loads(make_plan(GPT, TWO, schedule="gpipe")))
+    assert pipeline.tied_sums[0].state_bytes == copy_bytes
+    assert costs(pipeline, pipeline.tied_sums) == costs(pipeline, ())
+
+
+@pytest.mark.parametrize("budget", [350, 349])
+def test_the_searchs_rows_count_the_one_copy_a_rank_keeps_of_a_weight_its_first_and_last_parts_use(budget) -> None:
+    """Two units of 100 and 200 bytes of state both using a weight of 50 (a tied embedding and head), on two parts
+    mirrored as GEMS-MASTER lays them out: each rank runs the first part of one model copy and the last of the
+    other, and keeps one tensor of the weight, 350 bytes in all, what it holds where only the first unit uses it.
+    The evaluator and the ILP say so (350 fits, 349 does not); on a pipeline each part keeps its own copy."""
+    from planner.plan import Layout, ScheduleKind
+    from planner.search.evaluate import evaluate
+    from planner.search.ilp import solve_partition
+    from planner.search.problem import GPU_ONLY, LinearCost, PipelineProblem, SharedParam, Unit
+    from planner.search.terms import cost_model
+
+    def costs(users: tuple[int, ...], layout: Layout):
+        units = tuple(Unit((name,), 1.0, 2.0, state, 0, 0, 0, shared=(0,) if index in users else ())
+                      for index, (name, state) in enumerate((("a", 100), ("b", 200))))
+        free = LinearCost(0.0, 0.0)
+        return cost_model(PipelineProblem(units, (0,), (SharedParam("w", state_bytes=50, grad_bytes=10),), layout,
+                                          ScheduleKind.GPIPE, 1, (1,) * layout.num_stages, (free,), (free, free),
+                                          budget, GPU_ONLY))
+
+    mirrored = costs((0, 1), Layout.mirrored(2))
+    assert evaluate(mirrored, (0,)).slot_peak_bytes == evaluate(costs((0,), Layout.mirrored(2)), (0,)).slot_peak_bytes \
+        == (350, 350)
+    assert evaluate(costs((0, 1), Layout.pipeline(2)), (0,)).slot_peak_bytes == (150, 250)
+    assert (solve_partition(mirrored).cuts is not None) is (budget >= 350)
+
+
 def test_an_untied_split_and_a_tied_weight_within_one_part_sum_nothing() -> None:
     from examples.models.gpt import gpt
     from planner.manual import plan_with_split
