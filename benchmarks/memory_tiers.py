@@ -134,7 +134,7 @@ def _step(**kwargs) -> float | None:
 
 def main() -> None:
     header = (f"{'model':<20} {'GPUs':>4} {'batch':>5}  {'(a) joint':>10} {'(b) recompute all':>17} "
-              f"{'(c) no offload':>14} {'(d) ZeRO-3 + host':>17}  {'a vs best of b-d':>16}  "
+              f"{'(c) no offload':>14} {'(d) ZeRO-1 + host':>17}  {'a vs best of b-d':>16}  "
               f"{'(e) ZeRO-1 + recompute':>22} {'a vs b-e':>8}  decisions of (a)")
     print(header)
     print("-" * len(header))
