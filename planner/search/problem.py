@@ -367,18 +367,19 @@ def tied_sums(units: Sequence[Unit], shared: Sequence[SharedParam], part_units: 
         for unit in span:
             for q in units[unit].shared:
                 holders.setdefault(q, set()).add(part)
-    groups: dict[tuple[int, ...], list[SharedParam]] = {}
+    groups: dict[tuple[int, ...], list[int]] = {}  # parts -> the shared parameters they all use
     for q, parts in holders.items():
         if len(parts) > 1:
-            groups.setdefault(tuple(sorted(parts)), []).append(shared[q])
-    def copy_bytes(parts: tuple[int, ...], params: list[SharedParam]) -> int:
-        indices = [shared.index(param) for param in params]
+            groups.setdefault(tuple(sorted(parts)), []).append(q)
+
+    def copy_bytes(parts: tuple[int, ...], indices: list[int]) -> int:
         return round(min(sum(part_state_bytes[part][q] for q in indices) if part_state_bytes[part] else 0.0
                          for part in parts))
 
-    return tuple(tied_sum_over(layout, parts, tuple(sorted(p.name for p in params)), sum(p.grad_bytes for p in params),
-                               device, gpus_per_node, copy_bytes(parts, params))
-                 for parts, params in sorted(groups.items()))
+    return tuple(tied_sum_over(layout, parts, tuple(sorted(shared[q].name for q in indices)),
+                               sum(shared[q].grad_bytes for q in indices), device, gpus_per_node,
+                               copy_bytes(parts, indices))
+                 for parts, indices in sorted(groups.items()))
 
 
 def untied_allreduce_ms(part: int, allreduce_ms: float, ring: LinearCost, tied: Sequence[TiedSum]) -> float:
