@@ -371,15 +371,19 @@ def tied_sums(units: Sequence[Unit], shared: Sequence[SharedParam], part_units: 
     for q, parts in holders.items():
         if len(parts) > 1:
             groups.setdefault(tuple(sorted(parts)), []).append(q)
-
-    def copy_bytes(parts: tuple[int, ...], indices: list[int]) -> int:
-        return round(min(sum(part_state_bytes[part][q] for q in indices) if part_state_bytes[part] else 0.0
-                         for part in parts))
-
     return tuple(tied_sum_over(layout, parts, tuple(sorted(shared[q].name for q in indices)),
                                sum(shared[q].grad_bytes for q in indices), device, gpus_per_node,
-                               copy_bytes(parts, indices))
+                               round(copy_state_bytes(part_state_bytes, parts, indices)))
                  for parts, indices in sorted(groups.items()))
+
+
+def copy_state_bytes(part_state_bytes: Sequence[Sequence[float]], parts: Iterable[int], indices: Iterable[int]
+                     ) -> float:
+    """What one copy of the shared parameters ``indices`` holds on a device, where ``parts`` all hold one and a rank
+    running several keeps one tensor (runtime/stages.py: local_stages): the least of the parts' copies
+    (``part_state_bytes``: per part, per shared parameter, the state its copy holds)."""
+    indices = tuple(indices)
+    return min(sum(part_state_bytes[part][q] for q in indices) if part_state_bytes[part] else 0.0 for part in parts)
 
 
 def untied_allreduce_ms(part: int, allreduce_ms: float, ring: LinearCost, tied: Sequence[TiedSum]) -> float:

@@ -54,6 +54,7 @@ from planner.search.problem import (
     StateMode,
     Unit,
     block_of,
+    copy_state_bytes,
 )
 
 
@@ -844,8 +845,7 @@ def _held_twice(problem: PipelineProblem, parts: tuple[dict[str, Term], ...]) ->
     both = set(problem.units[0].shared) & set(problem.units[-1].shared) if last > 0 else set()
     if not both:
         return {}
-    first_state, last_state = parts[0]["state_bytes"].per_shared, parts[last]["state_bytes"].per_shared
-    copy_bytes = sum(min(first_state[q], last_state[q]) for q in both)
+    copy_bytes = copy_state_bytes([terms["state_bytes"].per_shared for terms in parts], (0, last), both)
     layout = problem.layout
     return {slot: copy_bytes for slot in range(layout.num_slots)
             if {0, last} <= {layout.part(stage) for stage in layout.stages_on_slot(slot)}}
