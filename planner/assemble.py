@@ -273,8 +273,10 @@ def _stage_plan(best: Candidate, index: int, nodes: tuple[str, ...], graph: Laye
     offload = _offload(best, index, graph)
     tiers = best.setup.problem.tiers
     first_backward_bytes = 0
-    if not (offload.recompute or offload.swap or offload.grads_on_host or index < len(best.setup.problem.spatial)
-            or tiers.precision is None or tiers.optimizer is None):  # (node by node: gradients adding up on it)
+    if not (offload.recompute or offload.swap or offload.grads_on_host or offload.zero_stage == 3
+            or index < len(best.setup.problem.spatial)
+            or tiers.precision is None or tiers.optimizer is None):  # (node by node: gradients adding up on it;
+        # ZeRO-3's leave each layer's backward reduced)
         working = part_working(graph, best.setup.table, nodes, tiers.precision, tiers.optimizer)
         part, first_backward_bytes = _node_by_node(part, working)
     return StagePlan(index, nodes, StagePrediction(

@@ -35,6 +35,7 @@ from planner.schedules import Action, ActionKind
 from runtime import build, checks
 from runtime.dataflow import Dataflow, check_edges, dataflow
 from runtime.grads import Groups, create_groups
+from runtime.layer_gathers import gathered_layers
 from runtime.memory import storage_key
 from runtime.nvme import PagedFile
 from runtime.offload import check_offload, offload_stage
@@ -108,6 +109,8 @@ def set_up(plan: Plan, model: nn.Module, optimizer_factory: OptimizerFactory, *,
     for stage in stages.values():
         stage.state = stage_optimizer(plan, stage, optimizer_factory, groups, device=device,
                                       timeout_s=timeout_s, nvme_dir=nvme_dir, sources=sources.get(stage.index))
+        if stage.state is not None:
+            gathered_layers(stage.module, stage.state, stage.attrs.values())  # ZeRO-3: layer by layer (hooks on the stage's layers)
     mixed = None
     if precision.master_weights:
         stepped = {a.stage for a in segments if isinstance(a, Action) and a.kind is ActionKind.OPTIMIZER_STEP}

@@ -65,33 +65,72 @@ class ShardLayout:
 
 
 class ShardGroup:
-    """The collectives of one stage's ZeRO group, each waited for with the executor's timeout."""
+    """The collectives of one stage's ZeRO group, each waited for with the executor's timeout.
+
+    With ``staged``, a collective's input and output live in buffers the group keeps (grown to the largest
+    asked for, one per role and dtype) instead of new tensors: ZeRO-3's layer-by-layer collectives, hundreds a
+    step, allocate none of them each, and the results are views of those buffers, valid until the next staged
+    collective. A staged collective's work is also kept until the next one starts: gloo's worker thread may drop
+    its reference to the work after ``wait`` returns, and a temporary the work holds (gloo's reduce-scatter
+    flattens its input into one) is then freed on that thread, outside what the CPU meter records
+    (runtime/memory.py); kept, it is freed here, when the next staged collective begins.
+    """
 
     def __init__(self, group: dist.ProcessGroup, timeout_s: float) -> None:
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.timeout = datetime.timedelta(seconds=timeout_s)
+        self._staging: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        self._last_work: dist.Work | None = None  # the latest staged collective's (see above)
+
+    def _buffer(self, role: str, numel: int, like: torch.Tensor, staged: bool) -> torch.Tensor:
+        """A flat tensor of ``numel`` elements of ``like``'s dtype and device: new, or a view of the kept one."""
+        if not staged:
+            return like.new_empty(numel)
+        key = (role, like.dtype)
+        kept = self._staging.get(key)
+        if kept is None or kept.numel() < numel:
+            kept = self._staging[key] = like.new_empty(numel)
+        return kept[:numel]
+
+    def staged_tensors(self) -> list[torch.Tensor]:
+        """The buffers staged collectives keep (memory the rank holds between them)."""
+        return list(self._staging.values())
 
     def layout(self, numels: Sequence[int]) -> ShardLayout:
         return ShardLayout(tuple(numels), self.world, self.rank)
 
-    def all_gather(self, layout: ShardLayout, chunks: Sequence[torch.Tensor], label: str) -> list[torch.Tensor]:
+    def all_gather(self, layout: ShardLayout, chunks: Sequence[torch.Tensor], label: str, *,
+                   staged: bool = False) -> list[torch.Tensor]:
         """Every rank's chunks -> each parameter's ``(world, chunk_numel)`` rows (padding kept)."""
-        row = torch.cat([chunk.reshape(-1) for chunk in chunks])
-        rows = row.new_empty(self.world * row.numel())
-        wait_for(dist.all_gather_single(rows, row, group=self.group, async_op=True), self.timeout,
-                 f"the {label} all-gather")
+        flat = [chunk.reshape(-1) for chunk in chunks]
+        self._last_work = None
+        row = self._buffer("row", layout.row_numel, flat[0], staged)
+        torch.cat(flat, out=row)
+        rows = self._buffer("rows", self.world * row.numel(), row, staged)
+        work = dist.all_gather_single(rows, row, group=self.group, async_op=True)
+        wait_for(work, self.timeout, f"the {label} all-gather")
+        if staged:
+            self._last_work = work
         table = rows.view(self.world, -1)
         offsets = _offsets(layout)
         return [table[:, start:start + layout.chunk_numel(index)] for index, start in enumerate(offsets)]
 
-    def reduce_scatter(self, layout: ShardLayout, fulls: Sequence[torch.Tensor], label: str) -> list[torch.Tensor]:
-        """Sum ``fulls`` over the group; this rank keeps its chunk of each sum (flat, new tensors)."""
-        table = torch.cat([layout.padded(index, full) for index, full in enumerate(fulls)], dim=1)
-        mine = table.new_empty(table.shape[1])
-        wait_for(dist.reduce_scatter_single(mine, table.reshape(-1), group=self.group, async_op=True),
-                 self.timeout, f"the {label} reduce-scatter")
+    def reduce_scatter(self, layout: ShardLayout, fulls: Sequence[torch.Tensor], label: str, *,
+                       staged: bool = False) -> list[torch.Tensor]:
+        """Sum ``fulls`` over the group; this rank keeps its chunk of each sum (flat: new tensors, or views of a
+        kept buffer if ``staged``)."""
+        padded = [layout.padded(index, full) for index, full in enumerate(fulls)]
+        self._last_work = None
+        table = self._buffer("table", self.world * layout.row_numel, padded[0], staged).view(self.world, -1)
+        torch.cat(padded, dim=1, out=table)
+        del padded
+        mine = self._buffer("mine", layout.row_numel, table, staged)
+        work = dist.reduce_scatter_single(mine, table.reshape(-1), group=self.group, async_op=True)
+        wait_for(work, self.timeout, f"the {label} reduce-scatter")
+        if staged:
+            self._last_work = work
         offsets = _offsets(layout)
         return [mine[start:start + layout.chunk_numel(index)] for index, start in enumerate(offsets)]
 

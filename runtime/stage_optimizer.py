@@ -53,7 +53,7 @@ from torch import nn
 from cost_models.memory import step_bucket_bytes, step_buckets
 from planner.plan import OffloadSpec, StateTier
 from runtime.nvme import PagedFile
-from runtime.sharding import ShardGroup, fill_storage, free_storage, is_freed
+from runtime.sharding import ShardGroup, fill_storage, free_storage
 from runtime.stages import OptimizerFactory
 
 
@@ -88,6 +88,9 @@ class StageOptimizer:
                 group["foreach"] = True  # device, as cost_models.memory.step_transient_bytes counts them
         self.grad_chunks: dict[int, torch.Tensor] = {}
         self.param_shards = self._initial_shards() if self.zero_stage == 3 else {}
+        self._holds: dict[int, int] = {}  # ZeRO-3: gathers not yet released, per parameter
+        self._layered: frozenset[int] = frozenset()  # ZeRO-3: parameters their layers gather (attach_layers)
+        self._end_pass: Callable[[], None] | None = None
         # grads_on_host: each sent parameter's gradient summed on the host, in buffers made once (the plan counts
         # them as host memory all along), and which of them hold this step's sum
         self.host_grads = {index: self._new_host_buffer(index) for index, (name, param) in enumerate(params.items())
@@ -152,17 +155,62 @@ class StageOptimizer:
                 self.params[index].grad = None
 
     @contextlib.contextmanager
-    def in_use(self) -> Iterator[None]:
-        """ZeRO-3: the stage's parameters all-gathered for the enclosed forward or backward, freed after."""
-        if self.zero_stage != 3 or not any(is_freed(self.params[i]) for i in self.param_shards):
+    def in_use(self, *, whole: bool = False) -> Iterator[None]:
+        """ZeRO-3: the stage's parameters that no layer gathers itself (runtime/layer_gathers.py; every one if
+        ``whole``) all-gathered for the enclosed forward or backward, freed after."""
+        if self.zero_stage != 3:
             yield
             return
-        self._gather_params()
+        indices = [index for index in self.param_shards if whole or index not in self._layered]
+        self.gather(indices)
         try:
             yield
         finally:
-            for index in self.param_shards:
+            self.release(indices)
+            if not whole and self._end_pass is not None:
+                self._end_pass()
+
+    def attach_layers(self, layered: frozenset[int], end_pass: Callable[[], None]) -> None:
+        """ZeRO-3: the parameters ``layered`` are gathered by their layers' hooks, which ``end_pass`` settles
+        after each forward or backward (runtime/layer_gathers.py)."""
+        self._layered, self._end_pass = layered, end_pass
+
+    def gather(self, indices: Sequence[int]) -> None:
+        """ZeRO-3: parameters ``indices`` whole until as many :meth:`release` calls (one all-gather of those
+        not held already; every replica asks for the same ones in the same order)."""
+        missing = [index for index in indices if not self._holds.get(index)]
+        if missing:
+            assert self.shards is not None
+            layout = self.shards.layout([self.params[i].numel() for i in missing])
+            rows = self.shards.all_gather(layout, [self.param_shards[i] for i in missing],
+                                          f"stage {self.stage} parameters", staged=True)
+            for slot, (index, table) in enumerate(zip(missing, rows)):
+                fill_storage(self.params[index], layout.unpad(slot, table, self.params[index].shape))
+        for index in indices:
+            self._holds[index] = self._holds.get(index, 0) + 1
+
+    def release(self, indices: Sequence[int]) -> None:
+        """One :meth:`gather` of ``indices`` undone: the parameters no one holds any more are freed."""
+        for index in indices:
+            self._holds[index] -= 1
+            if not self._holds[index]:
                 free_storage(self.params[index])
+
+    def reduce_now(self, indices: Sequence[int]) -> None:
+        """ZeRO-3, a layer's backward done: its parameters' gradients (``indices``, each present) summed over the
+        group now, this rank adding its chunk to its sum of the step's; the whole gradients freed."""
+        if not indices:
+            return
+        assert self.shards is not None
+        layout = self.shards.layout([self.params[i].numel() for i in indices])
+        chunks = self.shards.reduce_scatter(layout, [self.params[i].grad for i in indices],  # type: ignore[misc]
+                                            f"stage {self.stage} layer gradients", staged=True)
+        for index, chunk in zip(indices, chunks):  # (views of the group's buffer: added, or copied)
+            if index in self.grad_chunks:
+                self.grad_chunks[index].add_(chunk)
+            else:
+                self.grad_chunks[index] = chunk.clone()
+            self.params[index].grad = None
 
     def prefetch(self) -> None:
         """Start reading the paged state back (called at the stage's backwards; idempotent)."""
@@ -343,19 +391,6 @@ class StageOptimizer:
         return copied_into_new(masters, [(m.shape, m.dtype, self.device) for m in masters],
                                non_blocking=self.pager is None)
 
-    def _gather_params(self) -> None:
-        chunks = [self.param_shards[i] for i in self._slot]
-        for index, rows in zip(self._slot, self._all_gather(chunks, "parameters")):
-            fill_storage(self.params[index], self._unpad(index, rows))
-
-    def _all_gather(self, chunks: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
-        assert self.shards is not None and self.layout is not None
-        return self.shards.all_gather(self.layout, chunks, f"stage {self.stage} {what}")
-
-    def _unpad(self, index: int, rows: torch.Tensor) -> torch.Tensor:
-        assert self.layout is not None
-        return self.layout.unpad(self._slot[index], rows, self.params[index].shape)
-
     # ------------------------------------------------------------ NVMe paging
     def _page_out(self) -> None:
         """Write the masters and per-element state to the stage's file and drop them from memory."""
@@ -413,7 +448,7 @@ class StageOptimizer:
     @contextlib.contextmanager
     def params_gathered(self) -> Iterator[None]:
         """Whole parameters for the enclosed block (collective under ZeRO-3; see :meth:`in_use`)."""
-        with self.in_use():
+        with self.in_use(whole=True):
             yield
 
     def gather_full(self, per_master: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
@@ -484,12 +519,13 @@ class StageOptimizer:
             return [t.clone() for t in self.gather_full([m.detach() for m in self.masters])]  # type: ignore[union-attr]
 
     def held_tensors(self) -> list[torch.Tensor]:
-        """Masters, their state, parameter shards and gradient sums on the host this stage holds in memory now
-        (not the params)."""
+        """Masters, their state, parameter shards, gradient sums on the host and the buffers of ZeRO-3's layer
+        collectives this stage holds in memory now (not the params)."""
         tensors = [] if self.plain else [m for m in self.masters if m.numel()]
         tensors += [v for state in self.optimizer.state.values() for v in state.values()
                     if isinstance(v, torch.Tensor)]
-        return tensors + list(self.param_shards.values()) + list(self.host_grads.values())
+        staged = self.shards.staged_tensors() if self.shards is not None else []  # ZeRO-3's layers' collectives
+        return tensors + list(self.param_shards.values()) + list(self.host_grads.values()) + staged
 
     def device_tensors(self) -> list[torch.Tensor]:
         """Of :meth:`held_tensors`, those the plan counts as device memory: all but the host tier's masters and
@@ -497,8 +533,9 @@ class StageOptimizer:
         held = self.held_tensors()
         if self.spec.optimizer_state is StateTier.GPU:
             return held
-        shards = {id(t) for t in self.param_shards.values()}
-        return [t for t in held if id(t) in shards]
+        on_device = {id(t) for t in (*self.param_shards.values(),
+                                     *(self.shards.staged_tensors() if self.shards is not None else ()))}
+        return [t for t in held if id(t) in on_device]
 
     @property
     def host_bytes(self) -> int:

@@ -181,7 +181,8 @@ def _micro_batchings(space: SearchSpace, stages: int, replicas: int,
             for micro in sizes if per_replica % micro == 0 for schedule in space.schedules
             for virtual in _family_shapes(schedule, stages, per_replica // micro, bool(spatial))
             for state in ((ON_GPU,) if schedule.stale_weights else modes)
-            if not (state.grads_on_host and schedule is ScheduleKind.GEMS_MASTER)]  # (its parts have two copies)
+            if not (state.grads_on_host and schedule is ScheduleKind.GEMS_MASTER)  # (its parts have two copies)
+            and not (state.zero_stage == 3 and schedule.splits_backward)]  # (a W gathers no layer: runtime/checks.py)
 
 
 def _family_shapes(schedule: ScheduleKind, ranks: int, num_microbatches: int, spatial: bool) -> tuple[int, ...]:

@@ -74,6 +74,13 @@ class Unit:
     summing_transient_bytes: int = 0  # where its backward may sum a tied weight's partial gradients (a use
     # follows the weight's first here, in it or in a later unit): that first user's working set (0: none)
     largest_own_param_numel: int = 0  # of its own parameters (the shared ones apart), the largest's elements
+    # ZeRO-3 gathers each module call's own parameters around its forward and backward (runtime/
+    # layer_gathers.py): those that only module calls use, never read through get_attr (the rest are gathered
+    # for the whole pass and their gradients summed whole at the step)
+    layered_weight_bytes: int = 0  # of weight_bytes: such parameters' weights
+    layered_grad_bytes: int = 0  # of grad_bytes: their gradients (reduce-scattered after each layer's backward)
+    layered_calls: int = 0  # its module calls with such parameters: one all-gather each per pass
+    largest_layer_bytes: int = 0  # the most weight bytes one of those calls gathers
 
     @property
     def region_transient_bytes(self) -> int:
@@ -110,11 +117,13 @@ class LinearCost:
 
 @dataclass(frozen=True)
 class StateMode:
-    """Where a part keeps its model state: ZeRO-1 over its copies or not, and the optimizer's tier.
+    """Where a part keeps its model state: ZeRO-1 or ZeRO-3 over its copies or not, and the optimizer's tier.
 
     ``zero_stage`` 1 splits the fp32 master weights and optimizer state over the part's copies
     (each steps its shard; the gradient all-reduce becomes a reduce-scatter plus an all-gather of
-    the same volume). On the host or NVMe the optimizer step runs on the host's cores; there
+    the same volume). 3 also splits the weights and gradients its layers own (Unit.layered_weight_bytes): each
+    module call all-gathers its weights before its forward and again before its backward, and reduce-scatters
+    its gradients after it, every micro-batch (runtime/layer_gathers.py); the rest stay whole. On the host or NVMe the optimizer step runs on the host's cores; there
     ``grads_on_host`` also sends each backward's gradients to the host as it makes them, where they add
     up (ZeRO-Offload), so the device holds none between backwards (a part with one copy only).
     """
@@ -126,7 +135,7 @@ class StateMode:
     def describe(self) -> str:
         where = {StateTier.GPU: "", StateTier.HOST: "optimizer on host",
                  StateTier.NVME: "optimizer state on NVMe, step on host"}[self.optimizer]
-        sharded = "model state sharded (ZeRO-1)" if self.zero_stage else ""
+        sharded = f"model state sharded (ZeRO-{self.zero_stage})" if self.zero_stage else ""
         grads = "gradients to host each backward" if self.grads_on_host else ""
         return ", ".join(text for text in (sharded, where, grads) if text)
 
@@ -140,7 +149,7 @@ class Offload(str, Enum):
 
     RECOMPUTE = "recompute"  # per unit: drop saved activations, recompute them in the backward
     SWAP = "swap"  # per unit: saved activations to the host and back
-    ZERO = "zero"  # per configuration: master weights and optimizer state sharded over replicas (ZeRO-1)
+    ZERO = "zero"  # per configuration: model state sharded over replicas (ZeRO-1; ZeRO-3: weights and gradients too)
     HOST = "host"  # per configuration: optimizer state and step on the host
     NVME = "nvme"  # per configuration: optimizer state on NVMe, step on the host
     GRADS = "grads"  # per configuration, with HOST or NVME: gradients to the host each backward (ZeRO-Offload)
@@ -160,12 +169,12 @@ class Offload(str, Enum):
 
 
 def state_modes(offload: frozenset[Offload], sharded: bool) -> tuple[StateMode, ...]:
-    """The modes a configuration may use: ON_GPU always; ZeRO-1 ones only for parts with
+    """The modes a configuration may use: ON_GPU always; ZeRO-1 and ZeRO-3 ones only for parts with
     data-parallel copies (``sharded``); host and NVMe ones when allowed, and with them gradients sent to
     the host only for parts without copies (whose gradients are summed on the device)."""
     tiers = (StateTier.GPU, *(tier for tier, kind in ((StateTier.HOST, Offload.HOST), (StateTier.NVME, Offload.NVME))
                               if kind in offload))
-    zero = (0, 1) if sharded and Offload.ZERO in offload else (0,)
+    zero = (0, 1, 3) if sharded and Offload.ZERO in offload else (0,)
     sent = (StateMode(0, tier, grads_on_host=True) for tier in tiers[1:]) if (
         Offload.GRADS in offload and not sharded) else ()
     return (*(StateMode(stage, tier) for stage in zero for tier in tiers), *sent)
@@ -460,8 +469,9 @@ def group_units(graph: LayerGraph, table: CostTable, precision: Precision, optim
         last = max(holders)
         for unit in holders - {last}:
             used_later[unit].add(name)
+    whole_pass = _whole_pass_params(graph)
     units = tuple(_unit(graph, table, group, precision, optimizer, shared_index, crossing[start - 1] if start else 0,
-                        frozenset(used_later[position]))
+                        frozenset(used_later[position]), whole_pass)
                   for position, (group, start) in enumerate(zip(groups, starts)))
     shared = tuple(_shared_param(name, _param_state(graph, name, precision, optimizer))
                    for name in shared_names)
@@ -552,6 +562,12 @@ def _param_users(graph: LayerGraph, groups: list[list[str]]) -> dict[str, set[in
     return users
 
 
+def _whole_pass_params(graph: LayerGraph) -> frozenset[str]:
+    """Parameters a ZeRO-3 stage cannot gather layer by layer: read through get_attr, or used by a node that is
+    not a module call."""
+    return frozenset(p for node in graph if node.kind is not NodeKind.MODULE for p in node.param_names)
+
+
 def _shared_param(name: str, state: _ParamState) -> SharedParam:
     return SharedParam(name, state.state_bytes, state.grad_bytes, state.weight_bytes, state.optimizer_bytes,
                        state.numel, state.tensors)
@@ -574,8 +590,9 @@ def _param_state(graph: LayerGraph, name: str, precision: Precision, optimizer: 
 
 def _unit(graph: LayerGraph, table: CostTable, names: list[str], precision: Precision,
           optimizer: Optimizer, shared_index: dict[str, int], crossing_before: int,
-          used_later: frozenset[str] = frozenset()) -> Unit:
-    """The unit of nodes ``names``; ``used_later``: parameters a later unit uses too."""
+          used_later: frozenset[str] = frozenset(), whole_pass: frozenset[str] = frozenset()) -> Unit:
+    """The unit of nodes ``names``; ``used_later``: parameters a later unit uses too; ``whole_pass``: those ZeRO-3
+    cannot gather layer by layer (:func:`_whole_pass_params`)."""
     params = {p for name in names if graph.node(name).kind is not NodeKind.PARAM
               for p in graph.node(name).param_names}
     own = [p for p in params if p not in shared_index]
@@ -595,6 +612,9 @@ def _unit(graph: LayerGraph, table: CostTable, names: list[str], precision: Prec
     # a weight used again after its first use here has its partial gradients summed in that first user's backward
     summed = [p for p in params if uses[p] > 1 or p in used_later]
     summing = {next(name for name in working if p in graph.node(name).param_names) for p in summed}
+    layered = {p: grads[p] for p in own if p not in whole_pass and not graph.parameter(p).is_buffer}
+    layers = [sum(layered[p].weight_bytes for p in dict.fromkeys(graph.node(name).param_names) if p in layered)
+              for name in names if graph.node(name).kind is NodeKind.MODULE]
     return Unit(
         nodes=tuple(names),
         fwd_ms=sum(c.fwd_ms for c in costs),
@@ -622,6 +642,10 @@ def _unit(graph: LayerGraph, table: CostTable, names: list[str], precision: Prec
                                     default=0),
         tied_grad_bytes=sum(p.grad_bytes for name, p in zip(own, state) if uses[name] > 1),
         accumulating_bytes=max((transient, *(work.accumulating for work in works.values()))),
+        layered_weight_bytes=sum(p.weight_bytes for p in layered.values()),
+        layered_grad_bytes=sum(p.grad_bytes for p in layered.values()),
+        layered_calls=sum(1 for nbytes in layers if nbytes),
+        largest_layer_bytes=max(layers, default=0),
     )
 
 

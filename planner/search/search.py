@@ -555,12 +555,15 @@ class Search:
 
     def _seed(self, ranked: Sequence[Config], plan_of: Callable[[Config], Candidate | None], *,
               limit: int | None = None) -> Candidate | None:
-        """The fastest of ``plan_of`` over the first ``limit`` (default SEED_CONFIGS) configurations that may fit."""
+        """The fastest of ``plan_of`` over the first ``limit`` (default SEED_CONFIGS) configurations that may fit and
+        hold one part per slot (the least-memory partitions are the dynamic programs', which need that)."""
         best: Candidate | None = None
         tried, limit = 0, SEED_CONFIGS if limit is None else limit
         for config in ranked:  # (by bound where the time limit allowed ranking them: Search.ranked)
             if tried == limit:
                 break
+            if config.virtual_stages > 1 or config.schedule is ScheduleKind.GEMS_MASTER:  # parts sharing ranks: no
+                continue  # dynamic program gives their partitions
             if best is not None and self._known_bound(config) >= best.objective_ms or not self.fits(config):
                 continue
             tried += 1

@@ -47,6 +47,7 @@ from planner.plan.kinds import ScheduleKind
 from planner.plan.parts import StateTier
 from planner.schedules.generate import STASHED_WEIGHT_VERSIONS
 from planner.search.problem import (
+    LinearCost,
     MemoryTiers,
     PipelineProblem,
     SharedParam,
@@ -574,8 +575,14 @@ def _mode_terms(tiers: MemoryTiers, mode: StateMode, copies: int,
     """One mode's (device state bytes, host bytes, NVMe bytes, optimizer step ms) of a part (of a model whose
     largest parameter a unit owns has ``largest_param_numel`` elements)."""
     share = 1.0 / copies if mode.zero_stage else 1.0
+    spared = 1.0 - share if mode.zero_stage == 3 else 0.0  # ZeRO-3: of its layers' weights and gradients, a shard
+
+    def layered(a: Any) -> float:
+        return a.layered_weight_bytes + a.layered_grad_bytes if isinstance(a, Unit) else 0.0
+
     if mode.optimizer is StateTier.GPU:
-        return (per_parameter(lambda a: a.state_bytes - a.optimizer_bytes + share * a.optimizer_bytes),
+        return (per_parameter(lambda a: a.state_bytes - a.optimizer_bytes + share * a.optimizer_bytes
+                              - spared * layered(a)),
                 Term(), Term(),
                 per_parameter(lambda a: share * tiers.device_step_ms_per_byte
                               * (2 * a.weight_bytes + a.grad_bytes + 2 * a.optimizer_bytes) if tiers.device_step is None
@@ -583,7 +590,7 @@ def _mode_terms(tiers: MemoryTiers, mode: StateMode, copies: int,
     link, disk = tiers.host_link, tiers.nvme_link
     sent = mode.grads_on_host  # (then a unit's own gradients are on the host: a shared parameter's stay)
     device = per_parameter(lambda a: a.state_bytes - a.optimizer_bytes - (a.grad_bytes if sent and isinstance(a, Unit)
-                                                                          else 0))
+                                                                          else 0) - spared * layered(a))
     if sent:  # each gradient's cast to the masters' dtype, on the device before it goes down: at most the
         # model's largest sent parameter's (a constant: the part's largest would be a second maximum over units)
         device = device.plus(Term(constant=largest_param_numel * tiers.host_grad_bytes_per_param))
@@ -634,6 +641,11 @@ def _part_terms(problem: PipelineProblem, part: int, shared: dict[str, Term],
     is_first, is_last = part == 0, part == problem.num_parts - 1
     boundary = problem.boundary_bytes
     allreduce = problem.allreduce[part]
+    copies = len(problem.layout.part_ranks(part))
+    layered = problem.tiers.state.zero_stage == 3 and copies > 1
+    if layered:  # ZeRO-3: its layers' gathers and reductions in every forward and backward
+        shared = {**shared, **_gathering_terms(problem.units, problem.shared, allreduce, copies,
+                                               problem.tiers.recompute, shared["fwd_ms"], shared["bwd_ms"])}
     terms: dict[str, Term] = {name: shared[name] for name in (
         "fwd_ms", "bwd_ms", "weight_grad_ms", "split_extra_ms", "split_kept_bytes", "weight_grad_working_bytes",
         "compute_ms", "grad_bytes", "swap_bytes", "swap_ms", "recompute_bytes", "tied_bytes", "accumulate_bytes",
@@ -641,7 +653,6 @@ def _part_terms(problem: PipelineProblem, part: int, shared: dict[str, Term],
     if is_first:  # its inputs are data, carrying no gradient: a split backward's I has nothing to do, W all of it
         terms["weight_grad_ms"] = dataclasses.replace(shared["bwd_ms"], family="weight_grad_ms")
         terms["split_extra_ms"] = terms["split_kept_bytes"] = Term()  # (the runtime's W there is one whole backward)
-    copies = len(problem.layout.part_ranks(part))
     if copies not in states:
         states[copies] = _state_terms(problem, copies)
     state = states[copies]
@@ -657,26 +668,59 @@ def _part_terms(problem: PipelineProblem, part: int, shared: dict[str, Term],
         working = working.plus(shared["sent_bytes"], ahead)
     if "untileable_bytes" in shared:
         working = working.plus(shared["untileable_bytes"])
+    if layered:
+        working = working.plus(shared["gathered_bytes"])
     terms["state_bytes"] = state["state_bytes"]
     if part in problem.schedule.stale_parts(problem.num_parts):  # WPipe's stashed weight versions
         terms["state_bytes"] = terms["state_bytes"].plus(state["weight_bytes"], float(STASHED_WEIGHT_VERSIONS))
     terms["kept_bytes"] = terms["state_bytes"].plus(working)  # + one send buffer
     terms["static_bytes"] = terms["kept_bytes"].plus(shared["transient_bytes"])
     terms.update({name: state[name] for name in ("host_bytes", "nvme_bytes", "optimizer_ms", "step_bytes")})
-    if problem.tiers.state.zero_stage and copies > 1:  # the updated shards are all-gathered into every copy:
+    if problem.tiers.state.zero_stage in (1, 2) and copies > 1:  # the updated shards are all-gathered into every copy:
         gather = Term(constant=allreduce.fixed_ms / 2).plus(state["weight_bytes"], allreduce.ms_per_byte / 2)
         terms["optimizer_ms"] = terms["optimizer_ms"].plus(gather)  # half a ring all-reduce of the weights
     terms["activation_bytes"] = shared["saved_bytes" if is_first else "activation_bytes"]  # + received inputs
     terms["send_ms"] = Term(ends_after=() if is_last else tuple(problem.links[part].ms(b) for b in boundary))
+    summed = shared["whole_grad_bytes" if layered else "grad_bytes"]  # (ZeRO-3's layers reduced theirs already)
     terms["allreduce_ms"] = dataclasses.replace(
-        Term(constant=allreduce.fixed_ms).plus(shared["grad_bytes"], allreduce.ms_per_byte), family="allreduce_ms")
+        Term(constant=allreduce.fixed_ms).plus(summed, allreduce.ms_per_byte), family="allreduce_ms")
     hidden = _overlapped(problem, part, average)  # the share the last backward hides
     terms["allreduce_tail_ms"] = dataclasses.replace(Term(constant=allreduce.fixed_ms).plus(
-        shared["grad_bytes"], allreduce.ms_per_byte * (1 - hidden)), family="allreduce_tail_ms")
+        summed, allreduce.ms_per_byte * (1 - hidden)), family="allreduce_tail_ms")
     if problem.schedule is ScheduleKind.ONE_F_ONE_B and not is_first:
         round_trip = tuple(2 * problem.links[part - 1].ms(b) for b in boundary)
         terms["round_trip_ms"] = shared["compute_ms"].plus(Term(starts_after=round_trip))
     return terms
+
+
+def gathered_layer_copies(copies: int) -> float:
+    """What a ZeRO-3 part with ``copies`` copies holds of its largest layer's weights at the worst moment, in copies
+    of them: in that layer's backward the gathered weights and their whole gradient, beside the buffers its
+    collectives keep (runtime/sharding.py, staged): the all-gather's rows and the reduce-scatter's table (one
+    each), and this rank's row of each (1 / copies each)."""
+    return 4.0 + 2.0 / copies
+
+
+@functools.lru_cache(maxsize=64)
+def _gathering_terms(units: tuple[Unit, ...], shared: tuple[SharedParam, ...], allreduce: LinearCost, copies: int,
+                     recompute: bool, fwd_ms: Term, bwd_ms: Term) -> dict[str, Term]:
+    """A ZeRO-3 part's shared terms ``fwd_ms`` and ``bwd_ms`` with its layers' collectives (runtime/layer_gathers.py), over
+    ``allreduce``'s link: each module call all-gathers its weights before its forward, again before its backward
+    (and before a recomputed forward), and reduce-scatters its gradients after its backward, each half a ring
+    all-reduce; its largest layer's gathered weights and their gradient beside the rest
+    (:func:`gathered_layer_copies`); and the gradients the step still sums whole (those no layer owns)."""
+    half_fixed_ms, half_ms_per_byte = allreduce.fixed_ms / 2, allreduce.ms_per_byte / 2
+    gather = tuple(u.layered_calls * half_fixed_ms + u.layered_weight_bytes * half_ms_per_byte for u in units)
+    scatter = tuple(u.layered_calls * half_fixed_ms + u.layered_grad_bytes * half_ms_per_byte for u in units)
+    fwd_ms = fwd_ms.plus(Term(per_unit=gather))
+    bwd_ms = bwd_ms.plus(Term(per_unit=tuple(g + r for g, r in zip(gather, scatter)),
+                                       per_recompute=gather if recompute else ()))
+    largest = max((u.largest_layer_bytes for u in units), default=0)
+    terms = {"fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "compute_ms": fwd_ms.plus(bwd_ms),
+             "gathered_bytes": Term(constant=gathered_layer_copies(copies) * largest),
+             "whole_grad_bytes": Term(per_unit=tuple(float(u.grad_bytes - u.layered_grad_bytes) for u in units),
+                                      per_shared=tuple(float(p.grad_bytes) for p in shared))}
+    return {name: dataclasses.replace(term, family=name) for name, term in terms.items()}
 
 
 def _objective(problem: PipelineProblem, parts: tuple[dict[str, Term], ...]) -> Objective:

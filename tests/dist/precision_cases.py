@@ -166,20 +166,23 @@ def mixed_reference(case: MixedCase) -> MixedOutcome:
     losses, scales = [], []
     for step in range(case.steps):
         batch = data.samples(step, 0, training.global_batch_size)
-        summed: dict[str, torch.Tensor] = {}
+        made: list[list[dict[str, torch.Tensor]]] = []  # per replica, per micro-batch: each gradient
         step_losses = []
-        for replica in range(plan.data_parallel):  # each replica accumulates its own gradients
+        for replica in range(plan.data_parallel):
+            made.append([])
             for microbatch in range(training.num_microbatches):
                 rows = slice((replica * training.num_microbatches + microbatch) * size,
                              (replica * training.num_microbatches + microbatch + 1) * size)
                 loss = data.task(model(batch.inputs[0][rows]).to(torch.float32), batch.targets[rows])
                 ((loss * scale if scaled else loss) / total).backward()
                 step_losses.append(loss.item())
-            if tie is not None:  # the two stages' copies, summed as the tied all-reduce does
-                tie.weight.grad, tie.lookup.grad = tie.weight.grad + tie.lookup.grad, None
-            for name, param in named.items():
-                summed[name] = param.grad if name not in summed else summed[name] + param.grad
-                param.grad = None
+                grads = {name: param.grad for name, param in named.items()}
+                if tie is not None:  # the embedding's own copy (the two stages' copies are summed apart)
+                    grads["lookup"], tie.lookup.grad = tie.lookup.grad, None
+                made[-1].append(grads)
+                for param in named.values():
+                    param.grad = None
+        summed = _summed_as_the_runtime_does(plan, made, tie is not None)
         losses.append(sum(step_losses) / total)
         finite = step_masters(optimizer, masters, named, summed, 1.0 / scale if scaled else None)
         if (finite or not scaled) and tie is not None:
@@ -192,6 +195,37 @@ def mixed_reference(case: MixedCase) -> MixedOutcome:
         if case.inf_at is not None:
             done[0] += 1
     return MixedOutcome(losses, _numpy(dict(masters)), _numpy(named), scales, skipped)
+
+
+def _summed_as_the_runtime_does(plan: Plan, made: list[list[dict[str, torch.Tensor]]],
+                                tied: bool) -> dict[str, torch.Tensor]:
+    """Each parameter's gradients ``made[replica][microbatch]`` summed in the runtime's order: each replica's over
+    its micro-batches, then over the replicas (the all-reduce at the step), the tied copies added per replica
+    (the tied all-reduce); a ZeRO-3 stage's layers reduce-scatter each micro-batch's at once (runtime/
+    layer_gathers.py), so theirs are summed over the replicas first, then over the micro-batches (the one-stage
+    GPT's embedding, also read as its head, is gathered for the whole pass and keeps the first order)."""
+    layered = plan.data_parallel > 1 and plan.stages[0].offload.zero_stage == 3 and plan.num_stages == 1
+    summed: dict[str, torch.Tensor] = {}
+    for name in made[0][0]:
+        if name == "lookup":
+            continue
+        if layered and name != "wte.weight":
+            per_microbatch = [_in_order([replica[m][name] for replica in made]) for m in range(len(made[0]))]
+            summed[name] = _in_order(per_microbatch)
+            continue
+        per_replica = [_in_order([grads[name] for grads in replica]) for replica in made]
+        if tied and name == "wte.weight":
+            per_replica = [total + _in_order([grads["lookup"] for grads in replica])
+                           for total, replica in zip(per_replica, made)]
+        summed[name] = _in_order(per_replica)
+    return summed
+
+
+def _in_order(tensors: list[torch.Tensor]) -> torch.Tensor:
+    total = tensors[0]
+    for tensor in tensors[1:]:
+        total = total + tensor
+    return total
 
 
 def step_masters(optimizer: torch.optim.Optimizer, masters: dict[str, nn.Parameter], named: dict[str, torch.Tensor],

@@ -51,3 +51,36 @@ def test_each_ranks_measured_peak_is_the_plans_within_5_percent(model: list[str]
     print(" ".join(f"rank {rank}: {p:,} B predicted, {m:,} measured ({e:+.1%})"
                    for rank, (p, m, e) in enumerate(zip(predicted, measured, errors))))
     assert all(abs(error) <= 0.05 for error in errors), (predicted, measured, errors)
+
+
+GPT_WIDE = ["examples/models/gpt.py:gpt", "--model-arg", "hidden=256", "--model-arg", "layers=4", "--model-arg",
+            "heads=4", "--model-arg", "seq_len=16", "--model-arg", "vocab=512", "--model-arg", "dropout=0.0",
+            "--model-arg", "tie_embeddings=false", "--input", "16:int64", "--schedule", "gpipe", "--batch-size", "4"]
+# 3.4M parameters: 13 MB of weights, as much of gradients and of momentum, beside well under 1 MB of activations
+
+
+def test_a_searched_zero_3_plan_gathers_layer_by_layer_and_peaks_as_planned(tmp_path) -> None:
+    """One stage x 2 replicas of a GPT whose model state is what fills memory: at 80% of what the plan keeping it
+    whole needs, neither that nor ZeRO-1 (the optimizer's momentum halved) fits, ZeRO-3 does (weights and
+    gradients halved, its largest layer gathered whole beside them: runtime/layer_gathers.py); each rank's peak
+    measured within 10% of its plan and under the budget. (10%, not 5%: a gloo collective's temporary is sometimes
+    freed on gloo's worker thread, where the CPU meter does not see it, and a layer-by-layer step runs hundreds of
+    them; runtime/sharding.py keeps the ones it can. Measured 27.0-30.6 MB against 28.3 MB planned.)"""
+    whole_file, plan_file, report_file = tmp_path / "whole.json", tmp_path / "plan.json", tmp_path / "report.json"
+    common = ["--gpus", "2", "--device", "cpu", "--num-stages", "1", "--optimizer", "momentum", "--no-spatial", "-q"]
+    planned = tessera("plan", *GPT_WIDE, *common, "--mem", "8GB", "--no-offload", "-o", str(whole_file))
+    assert planned.returncode == 0, planned.stderr
+    whole = Plan.load(whole_file)
+    budget = int(0.8 * max(whole.predicted.peak_mem_bytes))
+    planned = tessera("plan", *GPT_WIDE, *common, "--mem", f"{budget}B", "--offload", "zero", "-o", str(plan_file))
+    assert planned.returncode == 0, planned.stderr
+    sharded = Plan.load(plan_file)
+    assert sharded.stages[0].offload.zero_stage == 3, str(sharded)
+    ran = tessera("run", str(plan_file), "--steps", "2", "--", "--report", str(report_file))
+    assert ran.returncode == 0, ran.stderr
+    predicted, measured = sharded.predicted.peak_mem_bytes, RunReport.load(report_file).peak_mem_bytes
+    errors = [m / p - 1 for m, p in zip(measured, predicted)]
+    print(" ".join(f"rank {rank}: {p:,} B predicted, {m:,} measured ({e:+.1%})"
+                   for rank, (p, m, e) in enumerate(zip(predicted, measured, errors))), f"budget {budget:,} B")
+    assert all(abs(error) <= 0.10 for error in errors), (predicted, measured, errors)
+    assert max(measured) <= budget

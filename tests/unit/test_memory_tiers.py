@@ -32,7 +32,7 @@ from planner.schedules.generate import gpipe
 from planner.schedules.lower import lower
 from planner.schedules.simulate import SimCosts, StageCosts, simulate
 from planner.schedules.swaps import insert_swaps
-from planner.search.evaluate import Decisions, Evaluation, evaluate, row_value
+from planner.search.evaluate import Decisions, Evaluation, PartSummary, evaluate, row_value
 from planner.search.ilp import IlpResult, SolveStatus, solve_partition
 from planner.search.oracle import _row_interp, decided_step_floor, shared_slot_step_floor, window_memory_floor
 from planner.search.problem import (
@@ -394,7 +394,7 @@ def test_tied_gradients_are_summed_beside_their_first_users_working_set_not_the_
 def test_state_modes_follow_what_offload_allows() -> None:
     assert state_modes(frozenset(), sharded=True) == (ON_GPU,)
     everything = state_modes(frozenset(Offload), sharded=True)
-    assert len(everything) == 6 and StateMode(1, StateTier.NVME) in everything
+    assert len(everything) == 9 and StateMode(1, StateTier.NVME) in everything and StateMode(3, StateTier.HOST) in everything
     assert state_modes(frozenset({Offload.HOST}), sharded=True) == (ON_GPU, StateMode(0, StateTier.HOST))
     assert all(mode.zero_stage == 0 for mode in state_modes(frozenset(Offload), sharded=False))
     with pytest.raises(InvalidArgument, match="offload must be True, False or some of"):
@@ -442,6 +442,37 @@ def test_gradients_sent_to_the_host_per_parameter_by_hand() -> None:
     assert part.optimizer_ms == pytest.approx(8.0 + 1.0)
     assert StateMode(0, StateTier.NVME, grads_on_host=True) in state_modes(frozenset(Offload), sharded=False)
     assert not any(mode.grads_on_host for mode in state_modes(frozenset(Offload), sharded=True))
+
+
+def test_zero_3_per_layer_by_hand() -> None:
+    """ZeRO-3 over 2 replicas of the fp32 Adam unit above (1000 parameters: 4000 bytes of weights, 4000 of
+    gradients, 8000 of moments), whose two module calls own 3000 and 800 bytes of its weights, and whose other 200
+    (a weight read through get_attr) stay whole with their gradient (runtime/layer_gathers.py): on the device half
+    the layered weights and gradients, the whole 200 twice, half the moments, and 5 copies of the largest layer
+    (3000 bytes: gathered, its gradient, the all-gather's and the reduce-scatter's kept buffers and this rank's
+    half-row of each). Each forward all-gathers the layers' weights
+    (two calls at half the link's 1 ms and 3800 bytes at half its 0.001 ms/B: 2.9 ms), each backward that and the
+    gradients' reduce-scatter (2 x 2.9 ms); the step's all-reduce sums the 200 whole bytes only, and no all-gather
+    follows the step (ZeRO-1's does)."""
+    unit = Unit(("a",), 1.0, 1.0, 16_000, 4000, 0, 0, (), 4000, 8000, 1000, 0, 0, layered_weight_bytes=3800,
+                layered_grad_bytes=3800, layered_calls=2, largest_layer_bytes=3000)
+    link = LinearCost(1.0, 0.001)
+
+    def part(zero_stage: int) -> PartSummary:
+        problem = PipelineProblem((unit,), (), (), Layout.pipeline(1, 2), ScheduleKind.GPIPE, 1, (1,), (),
+                                  (link,), 10**6, _tiers(False, False, StateMode(zero_stage, StateTier.GPU)))
+        return evaluate(cost_model(problem), ()).parts[0]
+
+    zero_1, zero_3 = part(1), part(3)
+    assert zero_3.static_bytes == (3800 + 3800) / 2 + 2 * 200 + 8000 / 2 + 5 * 3000
+    assert zero_1.static_bytes == 4000 + 4000 + 8000 / 2
+    assert zero_3.fwd_ms == pytest.approx(1.0 + 2 * 0.5 + 3800 * 0.0005)
+    assert zero_3.bwd_ms == pytest.approx(1.0 + 2 * (2 * 0.5 + 3800 * 0.0005))
+    assert (zero_1.fwd_ms, zero_1.bwd_ms) == (1.0, 1.0)
+    assert zero_3.allreduce_ms == pytest.approx(1.0 + 200 * 0.001)
+    assert zero_1.allreduce_ms == pytest.approx(1.0 + 4000 * 0.001)
+    assert zero_1.optimizer_ms - zero_3.optimizer_ms == pytest.approx(0.5 + 4000 * 0.0005)  # ZeRO-1's gather
+    assert not any(mode.zero_stage == 3 for mode in state_modes(frozenset(Offload), sharded=False))
 
 
 def test_a_model_whose_weights_and_gradients_fill_the_gpu_trains_with_its_gradients_sent_to_the_host() -> None:
