@@ -62,7 +62,8 @@ def plan(model: nn.Module, gpus: int, mem: str | int, *, batch_size: int,
 
     Memory decisions are made in the same optimisation as the split: per unit of nodes, keep its
     saved activations, recompute them or swap them to the host; per stage, its model state
-    sharded over its data-parallel copies (ZeRO-1) or not, and its optimizer state on the GPU, the
+    sharded over its data-parallel copies (ZeRO-1, or ZeRO-3: weights and gradients too, gathered layer by layer)
+    or not, and its optimizer state on the GPU, the
     host or NVMe (the step then runs on the host, and each backward's gradients may go there as they are
     made: ZeRO-Offload). ``host_mem`` and ``nvme`` are each node's host memory and NVMe capacity (default:
     the device preset's node); ``offload=False`` keeps everything on the GPU, and a list of "recompute",

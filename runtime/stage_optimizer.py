@@ -22,10 +22,13 @@ The plan's ``offload`` section decides, per stage (planner/plan/parts.py ``Offlo
   are its chunks of the parameters (on the tier's device), it steps only those, then the updated
   chunks are all-gathered into the parameters, bucket by bucket (1, 2), or kept as the parameter's
   shard (3).
-  2 and 3 reduce-scatter the gradients at the stage's ``ALLREDUCE`` (after the last micro-batch:
+  2 reduces-scatters the gradients at the stage's ``ALLREDUCE`` (after the last micro-batch:
   the gradients of all micro-batches are accumulated whole, then each rank keeps its chunk of
-  the sum). 3 also keeps parameters freed between uses: :meth:`in_use` all-gathers them around a
-  forward or backward. Tied parameters (summed across stages) and scalars are never sharded.
+  the sum). 3 also keeps parameters freed between uses: each layer gathers its own around its forward and
+  backward and reduce-scatters its gradients after each backward (runtime/layer_gathers.py, through
+  :meth:`gather`, :meth:`release` and :meth:`reduce_now`); :meth:`in_use` gathers the rest (parameters read
+  through get_attr) around a whole forward or backward, and their gradients are reduce-scattered at
+  ``ALLREDUCE`` as 2's are. Tied parameters (summed across stages) and scalars are never sharded.
 
 Mixed precision (fp16/bf16, runtime/precision.py) uses the same masters on every tier: ``sources``
 are fp32 copies of the parameters taken before the model was cast to 16 bits; the masters are

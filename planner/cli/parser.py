@@ -163,7 +163,7 @@ def _add_plan(parser: argparse.ArgumentParser) -> None:
                              "short says NOT PROVEN OPTIMAL")
     tiers = parser.add_argument_group("memory tiers", "by default the search decides per unit of nodes "
                                       "whether to keep, recompute or swap saved activations, and per "
-                                      "configuration whether to shard model state (ZeRO-1), keep the "
+                                      "configuration whether to shard model state (ZeRO-1 or ZeRO-3), keep the "
                                       "optimizer on the GPU, the host or NVMe, and with it off the GPU send "
                                       "each backward's gradients to the host")
     decisions = tiers.add_mutually_exclusive_group()
@@ -171,7 +171,7 @@ def _add_plan(parser: argparse.ArgumentParser) -> None:
                            help="keep every activation and all model state on the GPU")
     decisions.add_argument("--offload", dest="offload_kinds", action="append", type=str.lower, metavar="KIND",
                            choices=[kind.value for kind in Offload],
-                           help="allow only these memory decisions (repeatable): recompute, swap, zero (ZeRO-1), "
+                           help="allow only these memory decisions (repeatable): recompute, swap, zero (ZeRO-1 or -3), "
                                 "host or nvme (the optimizer's tier), grads (gradients to the host, with host "
                                 "or nvme)")
     tiers.add_argument("--host-mem", default=None, metavar="SIZE",
