@@ -48,6 +48,10 @@ def check_executable(plan: Plan) -> None:
     for stage in plan.stages:
         _check_offload(stage.index, stage.offload)
         copies = len(layout.part_ranks(stage.index))
+        if stage.offload.params is ParamTier.HOST and copies == 1:
+            raise RuntimeSetupError(f"stage {stage.index} keeps its parameters on the host as ZeRO-3 shards but runs on "
+                                    f"one rank, which holds no shard of another; re-plan it with its parameters on "
+                                    f"the GPU or with data-parallel replicas")
         if stage.offload.grads_on_host and copies > 1:
             raise RuntimeSetupError(f"stage {stage.index} sends its gradients to the host each backward and runs on "
                                     f"{copies} ranks (replicas, mirror copies or tiles), whose gradients this runtime "
@@ -104,11 +108,14 @@ def _check_leading(plan: Plan, stage: int) -> None:
 
 def _check_offload(stage: int, offload: OffloadSpec) -> None:
     """This runtime executes recomputation, activation swapping, ZeRO 0-3 and the optimizer state on
-    the GPU, host or NVMe (any mix, in every precision); not yet parameters kept on the host."""
-    if offload.params is not ParamTier.GPU:
-        raise RuntimeSetupError(f"stage {stage} keeps its parameters on the {offload.params.value}, which "
-                                f"this runtime does not execute yet; re-plan with parameters on the GPU "
-                                f"for stage {stage}")
+    the GPU, host or NVMe (any mix, in every precision), and with ZeRO-3 and the optimizer off the GPU the
+    parameters' shards on the host (ZeRO-Infinity's parameter offload: each layer's gather copies them up)."""
+    if offload.params is not ParamTier.GPU and not (offload.zero_stage == 3 and offload.host_step):
+        raise RuntimeSetupError(f"stage {stage} keeps its parameters on the {offload.params.value} with ZeRO stage "
+                                f"{offload.zero_stage} and the optimizer on the {offload.optimizer_state.value}; "
+                                f"this runtime keeps parameters on the host only as ZeRO-3 shards stepped off the "
+                                f"GPU: re-plan stage {stage} with ZeRO-3 and the optimizer on the host or NVMe, "
+                                f"or its parameters on the GPU")
     if not 0 <= offload.zero_stage <= 3:
         raise RuntimeSetupError(f"stage {stage} asks for ZeRO stage {offload.zero_stage}; the runtime runs "
                                 f"ZeRO stages 0 to 3, re-plan with one of those")

@@ -102,12 +102,20 @@ class ShardGroup:
         return ShardLayout(tuple(numels), self.world, self.rank)
 
     def all_gather(self, layout: ShardLayout, chunks: Sequence[torch.Tensor], label: str, *,
-                   staged: bool = False) -> list[torch.Tensor]:
-        """Every rank's chunks -> each parameter's ``(world, chunk_numel)`` rows (padding kept)."""
+                   staged: bool = False, device: torch.device | None = None) -> list[torch.Tensor]:
+        """Every rank's chunks -> each parameter's ``(world, chunk_numel)`` rows (padding kept), on ``device``
+        (default the chunks'; chunks on the host are copied up first: ZeRO-Infinity's parameters on the host)."""
         flat = [chunk.reshape(-1) for chunk in chunks]
         self._last_work = None
-        row = self._buffer("row", layout.row_numel, flat[0], staged)
-        torch.cat(flat, out=row)
+        like = flat[0] if device is None else flat[0].new_empty(0, device=device)
+        row = self._buffer("row", layout.row_numel, like, staged)
+        if all(chunk.device == row.device for chunk in flat):
+            torch.cat(flat, out=row)
+        else:
+            start = 0
+            for chunk in flat:
+                row[start:start + chunk.numel()].copy_(chunk, non_blocking=True)  # (pinned host chunks)
+                start += chunk.numel()
         rows = self._buffer("rows", self.world * row.numel(), row, staged)
         work = dist.all_gather_single(rows, row, group=self.group, async_op=True)
         wait_for(work, self.timeout, f"the {label} all-gather")

@@ -54,7 +54,7 @@ import torch
 from torch import nn
 
 from cost_models.memory import step_bucket_bytes, step_buckets
-from planner.plan import OffloadSpec, StateTier
+from planner.plan import OffloadSpec, ParamTier, StateTier
 from runtime.nvme import PagedFile
 from runtime.sharding import ShardGroup, fill_storage, free_storage
 from runtime.stages import OptimizerFactory
@@ -122,14 +122,17 @@ class StageOptimizer:
 
     def _initial_shards(self) -> dict[int, torch.Tensor]:
         """ZeRO-3: each sharded parameter's chunk on the device (the master itself on the GPU tier,
-        a copy otherwise, also where the CPU stands in for the device); the parameter's memory freed."""
+        a copy otherwise, also where the CPU stands in for the device), or with the parameters on the host a
+        copy there (pinned beside a GPU; never the master, which NVMe pages out); the parameter's memory freed."""
         shards = {}
         on_device = self.spec.optimizer_state is StateTier.GPU
+        home = torch.device("cpu") if self.spec.params is ParamTier.HOST else self.device
         for index, master in enumerate(self.masters):
             if self.sharded[index]:
                 dtype = self.params[index].dtype  # 16 bits under mixed precision: a copy, not the master
-                shards[index] = (master.detach() if on_device and dtype == master.dtype
-                                 else master.detach().to(self.device, dtype, copy=True))
+                shard = (master.detach() if on_device and dtype == master.dtype and home == self.device
+                         else master.detach().to(home, dtype, copy=True))
+                shards[index] = shard.pin_memory() if self.device.type == "cuda" and home.type == "cpu" else shard
                 free_storage(self.params[index])
         return shards
 
@@ -186,7 +189,7 @@ class StageOptimizer:
             assert self.shards is not None
             layout = self.shards.layout([self.params[i].numel() for i in missing])
             rows = self.shards.all_gather(layout, [self.param_shards[i] for i in missing],
-                                          f"stage {self.stage} parameters", staged=True)
+                                          f"stage {self.stage} parameters", staged=True, device=self.device)
             for slot, (index, table) in enumerate(zip(missing, rows)):
                 fill_storage(self.params[index], layout.unpad(slot, table, self.params[index].shape))
         for index in indices:
@@ -536,8 +539,8 @@ class StageOptimizer:
         held = self.held_tensors()
         if self.spec.optimizer_state is StateTier.GPU:
             return held
-        on_device = {id(t) for t in (*self.param_shards.values(),
-                                     *(self.shards.staged_tensors() if self.shards is not None else ()))}
+        shards = self.param_shards.values() if self.spec.params is ParamTier.GPU else ()  # (else the host's)
+        on_device = {id(t) for t in (*shards, *(self.shards.staged_tensors() if self.shards is not None else ()))}
         return [t for t in held if id(t) in on_device]
 
     @property

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from cost_models.memory import Optimizer, Precision, model_state_bytes
-from planner.plan import OffloadSpec, StateTier
+from planner.plan import OffloadSpec, ParamTier, StateTier
 from tests.dist.harness import run_ranks
 from tests.dist.precision_cases import MixedCase, MixedOutcome, mixed_reference, run_mixed_cases
 from tests.runtime_plans import GPT, make_plan
@@ -111,6 +111,7 @@ def test_mixed_precision_with_zero_and_offloaded_optimizer_state_equals_the_sing
                                      ("bf16", OffloadSpec(zero_stage=2, optimizer_state=host)),
                                      ("fp16", OffloadSpec(zero_stage=3)),
                                      ("bf16", OffloadSpec(zero_stage=3, optimizer_state=nvme)),
+                                     ("fp16", OffloadSpec(zero_stage=3, optimizer_state=host, params=ParamTier.HOST)),
                                      ("fp16", OffloadSpec(optimizer_state=nvme)))]
     cases.append(MixedCase(_plan("fp16", "1f1b", offload=[OffloadSpec(optimizer_state=host),
                                                           OffloadSpec(optimizer_state=nvme)]),

@@ -320,7 +320,7 @@ def test_actions_the_runtime_does_not_run_yet_are_named() -> None:
     assert checks.segments((Action(0, ActionKind.F, 0),)) == [Action(0, ActionKind.F, 0)]
 
 
-def test_the_runtime_executes_recompute_swap_zero_and_tiers_but_not_host_params(plan: Plan) -> None:
+def test_the_runtime_executes_recompute_swap_zero_and_tiers_and_host_params_only_as_zero_3_shards(plan: Plan) -> None:
     from planner.plan import OffloadSpec, ParamTier, StateTier
 
     def offloaded(spec: OffloadSpec) -> Plan:
@@ -329,14 +329,24 @@ def test_the_runtime_executes_recompute_swap_zero_and_tiers_but_not_host_params(
 
     for executed in (OffloadSpec(recompute=(("blocks_0_ln_2", "blocks_0_mlp_fc"),), swap=("blocks_0_attn_qkv",)),
                      OffloadSpec(zero_stage=1), OffloadSpec(zero_stage=3, optimizer_state=StateTier.NVME),
-                     OffloadSpec(optimizer_state=StateTier.HOST, swap=("blocks_0_attn_qkv",))):
+                     OffloadSpec(optimizer_state=StateTier.HOST, swap=("blocks_0_attn_qkv",)),
+                     OffloadSpec(zero_stage=3, optimizer_state=StateTier.HOST, params=ParamTier.HOST)):
         checks.check_executable(offloaded(executed))
     sharded = offloaded(OffloadSpec(zero_stage=2, optimizer_state=StateTier.HOST))
     for precision in (Precision.FP16, Precision.BF16):  # mixed precision composes with every tier
         checks.check_executable(dataclasses.replace(sharded, model=dataclasses.replace(plan.model,
                                                                                        precision=precision)))
-    with pytest.raises(RuntimeSetupError, match=r"^stage 0 keeps its parameters on the host"):
+    with pytest.raises(RuntimeSetupError, match=r"^stage 0 keeps its parameters on the host with ZeRO stage 0 .*"
+                                                r"re-plan stage 0 with ZeRO-3 and the optimizer on the host or NVMe"):
         checks.check_executable(offloaded(OffloadSpec(params=ParamTier.HOST, swap=("blocks_0_attn_qkv",))))
+    with pytest.raises(RuntimeSetupError, match=r"^stage 0 keeps its parameters on the host with ZeRO stage 3 and "
+                                                r"the optimizer on the gpu"):
+        checks.check_executable(offloaded(OffloadSpec(zero_stage=3, params=ParamTier.HOST)))
+    one_copy = Plan.from_dict(json.loads(make_plan(GPT, ["blocks_1_ln_1"], schedule="1f1b", offload=[
+        OffloadSpec(zero_stage=3, optimizer_state=StateTier.HOST, params=ParamTier.HOST), OffloadSpec()])))
+    with pytest.raises(RuntimeSetupError, match=r"^stage 0 keeps its parameters on the host as ZeRO-3 shards but "
+                                                r"runs on one rank"):
+        checks.check_executable(one_copy)
 
 
 def test_the_run_report_keeps_swapped_bytes_and_reads_reports_without_them(plan: Plan) -> None:
