@@ -49,6 +49,12 @@ ALL_GATHER_STAGING: dict[str, int] = {"nccl": 0, "gloo": 1}  # output-sized buff
 out (measured on torch 2.13's CPU build: tests/dist/test_step_memory.py); NCCL writes the output in place."""
 
 
+LAYER_REDUCE_SHARE: dict[str, float] = {"nccl": 0.5, "gloo": 1.0}
+"""What ZeRO-3's per-layer gradient reduce-scatter costs, as a share of a ring all-reduce of the same bytes: half on
+NCCL; on gloo the runtime sums the layer's table with an in-place all-reduce instead (runtime/sharding.py, staged
+collectives: gloo's reduce-scatter's temporary is freed where the CPU meter cannot see it)."""
+
+
 def hidden_share(grad_bytes: float, backend: str) -> float:
     """Of a data-parallel all-reduce of ``grad_bytes``, the share its last backward hides: DDP's buckets before
     the last (:func:`overlapped_share`), or none on gloo, whose copies and sums take the very core the

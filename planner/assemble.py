@@ -18,6 +18,7 @@ from planner.plan import (
     LayerRow,
     ModelRef,
     OffloadSpec,
+    ParamTier,
     Plan,
     Prediction,
     RunnerUp,
@@ -284,7 +285,7 @@ def _stage_plan(best: Candidate, index: int, nodes: tuple[str, ...], graph: Laye
         part.held_bytes, part.activation_bytes,
         untied_allreduce_ms(index, part.allreduce_ms, best.setup.problem.allreduce[index], tied),
         part.optimizer_ms, part.swap_bytes, part.swap_ms, part.host_bytes, part.nvme_bytes,
-        part.weight_grad_ms, part.grad_bytes if best.setup.config.state.zero_stage < 2 else 0,  # ZeRO-2/3: shards
+        part.weight_grad_ms, part.grad_bytes if best.setup.config.state.zero_stage != 2 else 0,  # (ZeRO-3's: shards)
         part.step_excess_bytes, part.tied_excess_bytes, part.accumulate_excess_bytes, part.split_extra_ms,
         first_backward_bytes, part.split_kept_bytes,
         part.split_relief_bytes if best.setup.config.schedule.splits_backward and index > 0 else 0),
@@ -351,7 +352,8 @@ def _offload(best: Candidate, index: int, graph: LayerGraph) -> OffloadSpec:
             swapped += [name for name in units[unit].nodes
                         if graph.node(name).kind not in (NodeKind.PARAM, NodeKind.INPUT, NodeKind.OUTPUT)]
     return OffloadSpec(tuple(tuple(region) for region in regions if region), tuple(swapped), state.zero_stage,
-                       state.optimizer, grads_on_host=state.grads_on_host)
+                       state.optimizer, ParamTier.HOST if state.params_on_host else ParamTier.GPU,
+                       grads_on_host=state.grads_on_host)
 
 
 def _report(result: SearchResult, space: SearchSpace, simulated: SimResult,

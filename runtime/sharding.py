@@ -70,10 +70,11 @@ class ShardGroup:
     With ``staged``, a collective's input and output live in buffers the group keeps (grown to the largest
     asked for, one per role and dtype) instead of new tensors: ZeRO-3's layer-by-layer collectives, hundreds a
     step, allocate none of them each, and the results are views of those buffers, valid until the next staged
-    collective. A staged collective's work is also kept until the next one starts: gloo's worker thread may drop
-    its reference to the work after ``wait`` returns, and a temporary the work holds (gloo's reduce-scatter
-    flattens its input into one) is then freed on that thread, outside what the CPU meter records
-    (runtime/memory.py); kept, it is freed here, when the next staged collective begins.
+    collective. On gloo a staged reduce-scatter is an all-reduce of the table in place, this rank's row then
+    copied out (twice the bytes on the wire, costed so: planner/search/terms.py): gloo's reduce-scatter copies
+    its input into a temporary that its worker thread often frees, outside what the CPU meter records
+    (runtime/memory.py), so a step of hundreds of them measured up to 20% above what it held; its in-place
+    all-reduce allocates nothing.
     """
 
     def __init__(self, group: dist.ProcessGroup, timeout_s: float) -> None:
@@ -82,7 +83,7 @@ class ShardGroup:
         self.rank = dist.get_rank(group)
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self._staging: dict[tuple[str, torch.dtype], torch.Tensor] = {}
-        self._last_work: dist.Work | None = None  # the latest staged collective's (see above)
+        self._in_place_sums = dist.get_backend(group) == "gloo"  # staged reduce-scatters (see above)
 
     def _buffer(self, role: str, numel: int, like: torch.Tensor, staged: bool) -> torch.Tensor:
         """A flat tensor of ``numel`` elements of ``like``'s dtype and device: new, or a view of the kept one."""
@@ -106,7 +107,6 @@ class ShardGroup:
         """Every rank's chunks -> each parameter's ``(world, chunk_numel)`` rows (padding kept), on ``device``
         (default the chunks'; chunks on the host are copied up first: ZeRO-Infinity's parameters on the host)."""
         flat = [chunk.reshape(-1) for chunk in chunks]
-        self._last_work = None
         like = flat[0] if device is None else flat[0].new_empty(0, device=device)
         row = self._buffer("row", layout.row_numel, like, staged)
         if all(chunk.device == row.device for chunk in flat):
@@ -117,10 +117,8 @@ class ShardGroup:
                 row[start:start + chunk.numel()].copy_(chunk, non_blocking=True)  # (pinned host chunks)
                 start += chunk.numel()
         rows = self._buffer("rows", self.world * row.numel(), row, staged)
-        work = dist.all_gather_single(rows, row, group=self.group, async_op=True)
-        wait_for(work, self.timeout, f"the {label} all-gather")
-        if staged:
-            self._last_work = work
+        wait_for(dist.all_gather_single(rows, row, group=self.group, async_op=True), self.timeout,
+                 f"the {label} all-gather")
         table = rows.view(self.world, -1)
         offsets = _offsets(layout)
         return [table[:, start:start + layout.chunk_numel(index)] for index, start in enumerate(offsets)]
@@ -130,15 +128,16 @@ class ShardGroup:
         """Sum ``fulls`` over the group; this rank keeps its chunk of each sum (flat: new tensors, or views of a
         kept buffer if ``staged``)."""
         padded = [layout.padded(index, full) for index, full in enumerate(fulls)]
-        self._last_work = None
         table = self._buffer("table", self.world * layout.row_numel, padded[0], staged).view(self.world, -1)
         torch.cat(padded, dim=1, out=table)
         del padded
         mine = self._buffer("mine", layout.row_numel, table, staged)
-        work = dist.reduce_scatter_single(mine, table.reshape(-1), group=self.group, async_op=True)
-        wait_for(work, self.timeout, f"the {label} reduce-scatter")
-        if staged:
-            self._last_work = work
+        if staged and self._in_place_sums:
+            wait_for(dist.all_reduce(table, group=self.group, async_op=True), self.timeout, f"the {label} sum")
+            mine.copy_(table[self.rank])
+        else:
+            wait_for(dist.reduce_scatter_single(mine, table.reshape(-1), group=self.group, async_op=True),
+                     self.timeout, f"the {label} reduce-scatter")
         offsets = _offsets(layout)
         return [mine[start:start + layout.chunk_numel(index)] for index, start in enumerate(offsets)]
 

@@ -125,19 +125,23 @@ class StateMode:
     module call all-gathers its weights before its forward and again before its backward, and reduce-scatters
     its gradients after it, every micro-batch (runtime/layer_gathers.py); the rest stay whole. On the host or NVMe the optimizer step runs on the host's cores; there
     ``grads_on_host`` also sends each backward's gradients to the host as it makes them, where they add
-    up (ZeRO-Offload), so the device holds none between backwards (a part with one copy only).
+    up (ZeRO-Offload), so the device holds none between backwards (a part with one copy only); with ZeRO-3
+    ``params_on_host`` keeps the weights' shards on the host as well, each layer's gather copying this rank's up
+    first (ZeRO-Infinity's parameter offload).
     """
 
     zero_stage: int
     optimizer: StateTier
     grads_on_host: bool = False
+    params_on_host: bool = False  # ZeRO-3 with the step off the GPU: the weights' shards on the host too
 
     def describe(self) -> str:
         where = {StateTier.GPU: "", StateTier.HOST: "optimizer on host",
                  StateTier.NVME: "optimizer state on NVMe, step on host"}[self.optimizer]
         sharded = f"model state sharded (ZeRO-{self.zero_stage})" if self.zero_stage else ""
         grads = "gradients to host each backward" if self.grads_on_host else ""
-        return ", ".join(text for text in (sharded, where, grads) if text)
+        params = "params on host" if self.params_on_host else ""
+        return ", ".join(text for text in (sharded, where, grads, params) if text)
 
 
 ON_GPU = StateMode(0, StateTier.GPU)
@@ -153,6 +157,7 @@ class Offload(str, Enum):
     HOST = "host"  # per configuration: optimizer state and step on the host
     NVME = "nvme"  # per configuration: optimizer state on NVMe, step on the host
     GRADS = "grads"  # per configuration, with HOST or NVME: gradients to the host each backward (ZeRO-Offload)
+    PARAMS = "params"  # per configuration, with ZeRO-3 and HOST or NVME: the weights' shards on the host
 
     @classmethod
     def parse(cls, offload: bool | Iterable[str | Offload]) -> frozenset[Offload]:
@@ -171,13 +176,16 @@ class Offload(str, Enum):
 def state_modes(offload: frozenset[Offload], sharded: bool) -> tuple[StateMode, ...]:
     """The modes a configuration may use: ON_GPU always; ZeRO-1 and ZeRO-3 ones only for parts with
     data-parallel copies (``sharded``); host and NVMe ones when allowed, and with them gradients sent to
-    the host only for parts without copies (whose gradients are summed on the device)."""
+    the host only for parts without copies (whose gradients are summed on the device), and ZeRO-3's weight shards
+    on the host too where ``params`` is allowed."""
     tiers = (StateTier.GPU, *(tier for tier, kind in ((StateTier.HOST, Offload.HOST), (StateTier.NVME, Offload.NVME))
                               if kind in offload))
     zero = (0, 1, 3) if sharded and Offload.ZERO in offload else (0,)
     sent = (StateMode(0, tier, grads_on_host=True) for tier in tiers[1:]) if (
         Offload.GRADS in offload and not sharded) else ()
-    return (*(StateMode(stage, tier) for stage in zero for tier in tiers), *sent)
+    hosted = (StateMode(3, tier, params_on_host=True) for tier in tiers[1:]) if (
+        3 in zero and Offload.PARAMS in offload) else ()
+    return (*(StateMode(stage, tier) for stage in zero for tier in tiers), *sent, *hosted)
 
 
 @dataclass(frozen=True)

@@ -733,7 +733,8 @@ class Search:
         frugal = min(one_per_slot, key=lambda c: (-c.num_stages, c.micro_batch_size,
                                              sum(self.setup(c).problem.in_flight),
                                              c.state.optimizer is StateTier.GPU, c.state.optimizer is StateTier.HOST,
-                                             -c.state.zero_stage, c.state.grads_on_host))
+                                             -c.state.zero_stage, not c.state.params_on_host,
+                                             c.state.grads_on_host))
         # sending the gradients to the host spares them but holds a cast of the largest: whichever needs less
         sent = dataclasses.replace(frugal, state=dataclasses.replace(frugal.state, grads_on_host=True))
         candidates = [frugal, *([sent] if sent != frugal and sent in one_per_slot else [])]

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from cost_models.comm import ALL_GATHER_STAGING, RECEIVES_POSTED_AHEAD, hidden_share
+from cost_models.comm import ALL_GATHER_STAGING, LAYER_REDUCE_SHARE, RECEIVES_POSTED_AHEAD, hidden_share
 from cost_models.memory import step_bucket_bytes, step_transient_bytes, zero_gather_bytes
 from planner.plan.kinds import ScheduleKind
 from planner.plan.parts import StateTier
@@ -589,12 +589,16 @@ def _mode_terms(tiers: MemoryTiers, mode: StateMode, copies: int,
                               else tiers.device_step.ms(a.param_tensors, share * a.param_numel)))  # a shard of each
     link, disk = tiers.host_link, tiers.nvme_link
     sent = mode.grads_on_host  # (then a unit's own gradients are on the host: a shared parameter's stay)
+
+    def hosted(a: Any) -> float:  # ZeRO-3's weight shards on the host (ZeRO-Infinity's parameter offload)
+        return share * a.layered_weight_bytes if mode.params_on_host and isinstance(a, Unit) else 0.0
+
     device = per_parameter(lambda a: a.state_bytes - a.optimizer_bytes - (a.grad_bytes if sent and isinstance(a, Unit)
-                                                                          else 0) - spared * layered(a))
+                                                                          else 0) - spared * layered(a) - hosted(a))
     if sent:  # each gradient's cast to the masters' dtype, on the device before it goes down: at most the
         # model's largest sent parameter's (a constant: the part's largest would be a second maximum over units)
         device = device.plus(Term(constant=largest_param_numel * tiers.host_grad_bytes_per_param))
-    host_grads = per_parameter(lambda a: share * a.param_numel * tiers.host_grad_bytes_per_param)
+    host_grads = per_parameter(lambda a: share * a.param_numel * tiers.host_grad_bytes_per_param + hosted(a))
     # the gradient down and the weight up cross the link in the masters' dtype (runtime/stage_optimizer.py
     # casts on the GPU: casting on the host would be a pass over every parameter on the CPU); gradients sent
     # each backward are down before the step
@@ -644,7 +648,8 @@ def _part_terms(problem: PipelineProblem, part: int, shared: dict[str, Term],
     copies = len(problem.layout.part_ranks(part))
     layered = problem.tiers.state.zero_stage == 3 and copies > 1
     if layered:  # ZeRO-3: its layers' gathers and reductions in every forward and backward
-        shared = {**shared, **_gathering_terms(problem.units, problem.shared, allreduce, copies,
+        up = problem.tiers.host_link if problem.tiers.state.params_on_host else None  # shards copied up first
+        shared = {**shared, **_gathering_terms(problem.units, problem.shared, allreduce, up, copies, problem.backend,
                                                problem.tiers.recompute, shared["fwd_ms"], shared["bwd_ms"])}
     terms: dict[str, Term] = {name: shared[name] for name in (
         "fwd_ms", "bwd_ms", "weight_grad_ms", "split_extra_ms", "split_kept_bytes", "weight_grad_working_bytes",
@@ -702,16 +707,25 @@ def gathered_layer_copies(copies: int) -> float:
 
 
 @functools.lru_cache(maxsize=64)
-def _gathering_terms(units: tuple[Unit, ...], shared: tuple[SharedParam, ...], allreduce: LinearCost, copies: int,
-                     recompute: bool, fwd_ms: Term, bwd_ms: Term) -> dict[str, Term]:
-    """A ZeRO-3 part's shared terms ``fwd_ms`` and ``bwd_ms`` with its layers' collectives (runtime/layer_gathers.py), over
-    ``allreduce``'s link: each module call all-gathers its weights before its forward, again before its backward
-    (and before a recomputed forward), and reduce-scatters its gradients after its backward, each half a ring
-    all-reduce; its largest layer's gathered weights and their gradient beside the rest
-    (:func:`gathered_layer_copies`); and the gradients the step still sums whole (those no layer owns)."""
+def _gathering_terms(units: tuple[Unit, ...], shared: tuple[SharedParam, ...], allreduce: LinearCost,
+                     up: LinearCost | None, copies: int, backend: str, recompute: bool, fwd_ms: Term,
+                     bwd_ms: Term) -> dict[str, Term]:
+    """A ZeRO-3 part's shared terms ``fwd_ms`` and ``bwd_ms`` with its layers' collectives (runtime/
+    layer_gathers.py) over ``allreduce``'s link: each module call all-gathers its weights before its forward,
+    again before its backward (and before a recomputed forward), each half a ring all-reduce (with the shards on
+    the host, each gather first copies this rank's up over ``up``, the host link, a message per call), and
+    reduce-scatters its gradients after its backward (:data:`cost_models.comm.LAYER_REDUCE_SHARE` of a ring
+    all-reduce: half on NCCL, a whole one on gloo); its largest layer's gathered weights and their gradient beside
+    the rest (:func:`gathered_layer_copies`); the gradients it holds (its layers' shards, the rest whole); and those
+    the step still sums whole (the ones no layer owns)."""
     half_fixed_ms, half_ms_per_byte = allreduce.fixed_ms / 2, allreduce.ms_per_byte / 2
     gather = tuple(u.layered_calls * half_fixed_ms + u.layered_weight_bytes * half_ms_per_byte for u in units)
-    scatter = tuple(u.layered_calls * half_fixed_ms + u.layered_grad_bytes * half_ms_per_byte for u in units)
+    if up is not None:
+        gather = tuple(g + u.layered_calls * up.fixed_ms + u.layered_weight_bytes / copies * up.ms_per_byte
+                       for g, u in zip(gather, units))
+    reduce = LAYER_REDUCE_SHARE[backend]
+    scatter = tuple(reduce * (u.layered_calls * allreduce.fixed_ms + u.layered_grad_bytes * allreduce.ms_per_byte)
+                    for u in units)
     fwd_ms = fwd_ms.plus(Term(per_unit=gather))
     bwd_ms = bwd_ms.plus(Term(per_unit=tuple(g + r for g, r in zip(gather, scatter)),
                                        per_recompute=gather if recompute else ()))
@@ -719,7 +733,10 @@ def _gathering_terms(units: tuple[Unit, ...], shared: tuple[SharedParam, ...], a
     terms = {"fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "compute_ms": fwd_ms.plus(bwd_ms),
              "gathered_bytes": Term(constant=gathered_layer_copies(copies) * largest),
              "whole_grad_bytes": Term(per_unit=tuple(float(u.grad_bytes - u.layered_grad_bytes) for u in units),
-                                      per_shared=tuple(float(p.grad_bytes) for p in shared))}
+                                      per_shared=tuple(float(p.grad_bytes) for p in shared)),
+             # the gradients it holds from its first backward to its step: the layers' shards, the rest whole
+             "grad_bytes": Term(per_unit=tuple(u.grad_bytes - (1 - 1 / copies) * u.layered_grad_bytes for u in units),
+                                per_shared=tuple(float(p.grad_bytes) for p in shared))}
     return {name: dataclasses.replace(term, family=name) for name, term in terms.items()}
 
 

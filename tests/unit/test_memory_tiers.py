@@ -394,7 +394,9 @@ def test_tied_gradients_are_summed_beside_their_first_users_working_set_not_the_
 def test_state_modes_follow_what_offload_allows() -> None:
     assert state_modes(frozenset(), sharded=True) == (ON_GPU,)
     everything = state_modes(frozenset(Offload), sharded=True)
-    assert len(everything) == 9 and StateMode(1, StateTier.NVME) in everything and StateMode(3, StateTier.HOST) in everything
+    assert len(everything) == 11 and StateMode(1, StateTier.NVME) in everything and StateMode(3, StateTier.HOST) in everything
+    assert StateMode(3, StateTier.NVME, params_on_host=True) in everything
+    assert not any(mode.params_on_host for mode in state_modes(frozenset(Offload) - {Offload.PARAMS}, sharded=True))
     assert state_modes(frozenset({Offload.HOST}), sharded=True) == (ON_GPU, StateMode(0, StateTier.HOST))
     assert all(mode.zero_stage == 0 for mode in state_modes(frozenset(Offload), sharded=False))
     with pytest.raises(InvalidArgument, match="offload must be True, False or some of"):
@@ -473,6 +475,15 @@ def test_zero_3_per_layer_by_hand() -> None:
     assert zero_1.allreduce_ms == pytest.approx(1.0 + 4000 * 0.001)
     assert zero_1.optimizer_ms - zero_3.optimizer_ms == pytest.approx(0.5 + 4000 * 0.0005)  # ZeRO-1's gather
     assert not any(mode.zero_stage == 3 for mode in state_modes(frozenset(Offload), sharded=False))
+    # the weights' shards on the host too (the optimizer there: its master copy and moments, half each, and half the
+    # fp32 gradients): 1900 bytes of weights leave the device for the host, and each gather first copies them up
+    # over the host link (0.002 ms/B)
+    hosted = PipelineProblem((unit,), (), (), Layout.pipeline(1, 2), ScheduleKind.GPIPE, 1, (1,), (), (link,), 10**6,
+                             _tiers(False, False, StateMode(3, StateTier.HOST, params_on_host=True)))
+    part = evaluate(cost_model(hosted), ()).parts[0]
+    assert part.static_bytes == 200 + 1900 + 200 + 5 * 3000
+    assert part.host_bytes == 1000 * 4 / 2 + 1900 + (8000 + 1000 * 4) / 2
+    assert part.fwd_ms == pytest.approx(1.0 + 2 * 0.5 + 3800 * 0.0005 + 1900 * 0.002)
 
 
 def test_a_model_whose_weights_and_gradients_fill_the_gpu_trains_with_its_gradients_sent_to_the_host() -> None:
