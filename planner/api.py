@@ -67,7 +67,8 @@ def plan(model: nn.Module, gpus: int, mem: str | int, *, batch_size: int,
     host or NVMe (the step then runs on the host, and each backward's gradients may go there as they are
     made: ZeRO-Offload). ``host_mem`` and ``nvme`` are each node's host memory and NVMe capacity (default:
     the device preset's node); ``offload=False`` keeps everything on the GPU, and a list of "recompute",
-    "swap", "zero", "host", "nvme", "grads" allows only those ("grads" with "host" or "nvme").
+    "swap", "zero", "host", "nvme", "grads", "params" allows only those ("grads" with "host" or "nvme"; "params", the
+    weights' ZeRO-3 shards on the host, with "zero" and "host" or "nvme").
 
     On ``device="cpu"`` a model whose weights are on the CPU is costed from per-node times measured on
     this machine at each micro-batch size the search tries (cached under ~/.cache/tessera/profiles, or

@@ -173,7 +173,7 @@ def _add_plan(parser: argparse.ArgumentParser) -> None:
                            choices=[kind.value for kind in Offload],
                            help="allow only these memory decisions (repeatable): recompute, swap, zero (ZeRO-1 or -3), "
                                 "host or nvme (the optimizer's tier), grads (gradients to the host, with host "
-                                "or nvme)")
+                                "or nvme), params (ZeRO-3's weight shards on the host, with zero and host or nvme)")
     tiers.add_argument("--host-mem", default=None, metavar="SIZE",
                        help="host memory per node the plan may use (default: the device preset's node)")
     tiers.add_argument("--nvme", default=None, metavar="SIZE",

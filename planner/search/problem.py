@@ -161,16 +161,26 @@ class Offload(str, Enum):
 
     @classmethod
     def parse(cls, offload: bool | Iterable[str | Offload]) -> frozenset[Offload]:
-        """True: every decision; False: none; else the named ones (InvalidArgument naming the choices)."""
+        """True: every decision; False: none; else the named ones (InvalidArgument naming the choices, or what a
+        named one needs beside it)."""
         if offload is True:
             return frozenset(cls)
         if offload is False:
             return frozenset()
         try:
-            return frozenset(cls(name) for name in offload)  # type: ignore[union-attr]
+            kinds = frozenset(cls(name) for name in offload)  # type: ignore[union-attr]
         except (ValueError, TypeError):
             raise InvalidArgument(f"offload must be True, False or some of {[kind.value for kind in cls]}, "
                                   f"got {offload!r}") from None
+        off_gpu = {cls.HOST, cls.NVME} & kinds
+        if cls.GRADS in kinds and not off_gpu:
+            raise InvalidArgument(f"offload {sorted(kind.value for kind in kinds)} sends gradients to the host "
+                                  f"('grads') for an optimizer stepping there; add 'host' or 'nvme'")
+        if cls.PARAMS in kinds and not (off_gpu and cls.ZERO in kinds):
+            raise InvalidArgument(f"offload {sorted(kind.value for kind in kinds)} keeps ZeRO-3's weight shards on "
+                                  f"the host ('params'), which needs 'zero' and the optimizer there; add 'zero' "
+                                  f"and 'host' or 'nvme'")
+        return kinds
 
 
 def state_modes(offload: frozenset[Offload], sharded: bool) -> tuple[StateMode, ...]:

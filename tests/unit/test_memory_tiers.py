@@ -401,6 +401,11 @@ def test_state_modes_follow_what_offload_allows() -> None:
     assert all(mode.zero_stage == 0 for mode in state_modes(frozenset(Offload), sharded=False))
     with pytest.raises(InvalidArgument, match="offload must be True, False or some of"):
         Offload.parse(["tape"])
+    with pytest.raises(InvalidArgument, match=r"^offload \['grads', 'zero'\] sends gradients .* add 'host' or 'nvme'$"):
+        Offload.parse(["zero", "grads"])
+    with pytest.raises(InvalidArgument, match=r"^offload \['host', 'params'\] keeps ZeRO-3's weight shards .* add 'zero'"):
+        Offload.parse(["params", "host"])
+    assert Offload.parse(["zero", "nvme", "params"]) == {Offload.ZERO, Offload.NVME, Offload.PARAMS}
 
 
 def test_host_optimizer_state_per_parameter_by_hand() -> None:
