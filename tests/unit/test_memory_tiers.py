@@ -26,7 +26,7 @@ from cost_models.errors import InvalidArgument, PlanInfeasible
 from cost_models.memory import Optimizer, Precision
 from examples.models.gpt import gpt, gpt_tiny
 from planner import plan, trace
-from planner.plan import Layout, OffloadSpec, Plan, ScheduleKind, StateTier
+from planner.plan import Layout, OffloadSpec, ParamTier, Plan, ScheduleKind, StateTier
 from planner.schedules.balanced import BalancedStep
 from planner.schedules.generate import gpipe
 from planner.schedules.lower import lower
@@ -489,6 +489,38 @@ def test_zero_3_per_layer_by_hand() -> None:
     assert part.static_bytes == 200 + 1900 + 200 + 5 * 3000
     assert part.host_bytes == 1000 * 4 / 2 + 1900 + (8000 + 1000 * 4) / 2
     assert part.fwd_ms == pytest.approx(1.0 + 2 * 0.5 + 3800 * 0.0005 + 1900 * 0.002)
+
+
+def test_the_search_shards_weights_and_gradients_where_zero_1_and_pipelines_cost_more() -> None:
+    """Megatron's 8.3B GPT in fp16 on 8 V100-32GB, batch 8, at a 20 GB budget: ZeRO-1 does not fit one stage, and
+    the pipelines that fit run slower than one stage x 8 replicas with ZeRO-3 (its weights and gradients sharded,
+    each layer gathered around its forward and backward); without ZeRO-3 in the search (offload without 'zero')
+    the plan is slower."""
+    from examples.models.gpt import megatron_8_3b
+
+    arguments = {"gpus": 8, "batch_size": 8, "device": "V100-32GB", "precision": "fp16", "mem": "20GB",
+                 "example_inputs": torch.empty(1, 1024, dtype=torch.long, device="meta")}
+    model = megatron_8_3b()
+    sharded = plan(model, **arguments)
+    assert (sharded.num_stages, sharded.data_parallel, sharded.stages[0].offload.zero_stage) == (1, 8, 3)
+    assert "model state sharded (ZeRO-3)" in str(sharded) and "ZeRO-3" in sharded.solver.why
+    assert max(sharded.predicted.peak_mem_bytes) <= sharded.cluster.usable_mem_bytes
+    without = plan(model, offload=["recompute", "swap", "host", "nvme"], **arguments)
+    assert without.predicted.step_ms > sharded.predicted.step_ms
+
+
+def test_zero_infinitys_layout_plans_with_the_weights_on_the_host() -> None:
+    """The 50B GPT in fp32 on 16 V100-32GB held to one stage (ZeRO-Infinity's layout: no model parallelism): only
+    ZeRO-3 with the optimizer and the weights' shards on the host fits, which the plan says and the plan file
+    records (ParamTier.HOST)."""
+    from examples.models.gpt import gpt_50b
+
+    held = plan(gpt_50b(), gpus=16, batch_size=64, device="V100-32GB", mem="32GB", num_stages=[1],
+                example_inputs=torch.empty(1, 1024, dtype=torch.long, device="meta"))
+    offload = held.stages[0].offload
+    assert (offload.zero_stage, offload.params) == (3, ParamTier.HOST) and offload.host_step
+    assert "params on host" in str(held)
+    assert Plan.from_dict(json.loads(held.to_json())).stages[0].offload == offload
 
 
 def test_a_model_whose_weights_and_gradients_fill_the_gpu_trains_with_its_gradients_sent_to_the_host() -> None:
