@@ -104,8 +104,9 @@ class LayerGathers:
             self.state.release(self.layers[k])
 
     def end_pass(self) -> None:
-        """After a forward or backward: release what a backward that made no gradient for some parameter of a
-        layer still holds (their gradients, if any, are reduced with the whole-pass ones at ALLREDUCE)."""
+        """After a forward or backward: release what a layer's backward still holds where it made no gradient for
+        some parameter (those it made are reduced with the whole-pass ones at ALLREDUCE), or where the layer ran
+        twice (its second gather outlives the one completion of its gradients)."""
         for k, held in enumerate(self._held):
             for _ in range(held):
                 self.state.release(self.layers[k])

@@ -22,7 +22,7 @@ The plan's ``offload`` section decides, per stage (planner/plan/parts.py ``Offlo
   are its chunks of the parameters (on the tier's device), it steps only those, then the updated
   chunks are all-gathered into the parameters, bucket by bucket (1, 2), or kept as the parameter's
   shard (3).
-  2 reduces-scatters the gradients at the stage's ``ALLREDUCE`` (after the last micro-batch:
+  2 reduce-scatters the gradients at the stage's ``ALLREDUCE`` (after the last micro-batch:
   the gradients of all micro-batches are accumulated whole, then each rank keeps its chunk of
   the sum). 3 also keeps parameters freed between uses: each layer gathers its own around its forward and
   backward and reduce-scatters its gradients after each backward (runtime/layer_gathers.py, through
@@ -168,7 +168,7 @@ class StageOptimizer:
             yield
             return
         indices = [index for index in self.param_shards if whole or index not in self._layered]
-        self.gather(indices)
+        self.gather(indices, staged=False)  # (a whole-pass gather must not grow the layers' kept buffers)
         try:
             yield
         finally:
@@ -181,15 +181,16 @@ class StageOptimizer:
         after each forward or backward (runtime/layer_gathers.py)."""
         self._layered, self._end_pass = layered, end_pass
 
-    def gather(self, indices: Sequence[int]) -> None:
+    def gather(self, indices: Sequence[int], *, staged: bool = True) -> None:
         """ZeRO-3: parameters ``indices`` whole until as many :meth:`release` calls (one all-gather of those
-        not held already; every replica asks for the same ones in the same order)."""
+        not held already; every replica asks for the same ones in the same order), through the group's kept
+        buffers (``staged``: a layer's, which the plan counts at the largest layer) or new ones."""
         missing = [index for index in indices if not self._holds.get(index)]
         if missing:
             assert self.shards is not None
             layout = self.shards.layout([self.params[i].numel() for i in missing])
             rows = self.shards.all_gather(layout, [self.param_shards[i] for i in missing],
-                                          f"stage {self.stage} parameters", staged=True, device=self.device)
+                                          f"stage {self.stage} parameters", staged=staged, device=self.device)
             for slot, (index, table) in enumerate(zip(missing, rows)):
                 fill_storage(self.params[index], layout.unpad(slot, table, self.params[index].shape))
         for index in indices:
