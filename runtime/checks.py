@@ -49,9 +49,9 @@ def check_executable(plan: Plan) -> None:
         _check_offload(stage.index, stage.offload)
         copies = len(layout.part_ranks(stage.index))
         if stage.offload.params is ParamTier.HOST and copies == 1:
-            raise RuntimeSetupError(f"stage {stage.index} keeps its parameters on the host as ZeRO-3 shards but runs on "
-                                    f"one rank, which holds no shard of another; re-plan it with its parameters on "
-                                    f"the GPU or with data-parallel replicas")
+            raise RuntimeSetupError(f"stage {stage.index} keeps its parameters on the host as ZeRO-3 shards but runs "
+                                    f"on one rank, which holds no shard of another; re-plan it with its parameters "
+                                    f"on the GPU or with data-parallel replicas")
         if stage.offload.grads_on_host and copies > 1:
             raise RuntimeSetupError(f"stage {stage.index} sends its gradients to the host each backward and runs on "
                                     f"{copies} ranks (replicas, mirror copies or tiles), whose gradients this runtime "

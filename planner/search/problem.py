@@ -123,7 +123,8 @@ class StateMode:
     (each steps its shard; the gradient all-reduce becomes a reduce-scatter plus an all-gather of
     the same volume). 3 also splits the weights and gradients its layers own (Unit.layered_weight_bytes): each
     module call all-gathers its weights before its forward and again before its backward, and reduce-scatters
-    its gradients after it, every micro-batch (runtime/layer_gathers.py); the rest stay whole. On the host or NVMe the optimizer step runs on the host's cores; there
+    its gradients after it, every micro-batch (runtime/layer_gathers.py); the rest stay whole. On the host or
+    NVMe the optimizer step runs on the host's cores; there
     ``grads_on_host`` also sends each backward's gradients to the host as it makes them, where they add
     up (ZeRO-Offload), so the device holds none between backwards (a part with one copy only); with ZeRO-3
     ``params_on_host`` keeps the weights' shards on the host as well, each layer's gather copying this rank's up
