@@ -56,6 +56,11 @@ def check_executable(plan: Plan) -> None:
             raise RuntimeSetupError(f"stage {stage.index} sends its gradients to the host each backward and runs on "
                                     f"{copies} ranks (replicas, mirror copies or tiles), whose gradients this runtime "
                                     f"sums on the device; re-plan it with its gradients on the GPU or on one rank")
+        if layout.num_copies > 1 and stage.offload.zero_stage == 3:
+            raise RuntimeSetupError(f"stage {stage.index} shards its parameters (ZeRO-3) over {copies} ranks that run "
+                                    f"it for {layout.num_copies} model copies in opposite directions (GEMS-MASTER), "
+                                    f"whose layer gathers would wait for each other at different points of the "
+                                    f"schedule; re-plan with ZeRO 0-2 there or another schedule")
         if split and stage.offload.zero_stage == 3:
             raise RuntimeSetupError(f"stage {stage.index} shards its parameters (ZeRO-3) and the schedule splits "
                                     f"backwards into I and W, which this runtime does not execute together yet; "

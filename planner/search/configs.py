@@ -182,7 +182,8 @@ def _micro_batchings(space: SearchSpace, stages: int, replicas: int,
             for virtual in _family_shapes(schedule, stages, per_replica // micro, bool(spatial))
             for state in ((ON_GPU,) if schedule.stale_weights else modes)
             if not (state.grads_on_host and schedule is ScheduleKind.GEMS_MASTER)  # (its parts have two copies)
-            and not (state.zero_stage == 3 and schedule.splits_backward)]  # (a W gathers no layer: runtime/checks.py)
+            and not (state.zero_stage == 3 and (schedule.splits_backward  # (a W gathers no layer: runtime/checks.py)
+                                                 or schedule is ScheduleKind.GEMS_MASTER))]  # (mirrors gather apart)
 
 
 def _family_shapes(schedule: ScheduleKind, ranks: int, num_microbatches: int, spatial: bool) -> tuple[int, ...]:

@@ -510,6 +510,21 @@ def test_the_search_shards_weights_and_gradients_where_zero_1_and_pipelines_cost
     assert without.predicted.step_ms > sharded.predicted.step_ms
 
 
+def test_zero_3_is_searched_with_every_family_whose_replicas_gather_together() -> None:
+    """ZeRO-3's layer gathers are collectives over a part's copies, which must reach them in one order: replicas
+    running the same program do (GPipe, 1F1B, interleaved 1F1B), GEMS-MASTER's mirror copies do not (they run a
+    part at opposite ends of the schedule), and ZB-H1's W gathers no layer; the search offers ZeRO-3 only to
+    the first."""
+    from planner.api import validate_space
+    from planner.search.configs import configurations
+
+    space, _ = validate_space(8, "16GB", 16, "V100-16GB", None, "adam", "fp16", None, None, 60.0)
+    configs = configurations(space, 64)
+    sharded = {config.schedule for config in configs if config.state.zero_stage == 3}
+    assert sharded == {ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B, ScheduleKind.INTERLEAVED_1F1B}
+    assert any(config.schedule is ScheduleKind.GEMS_MASTER and config.state.zero_stage == 1 for config in configs)
+
+
 def test_zero_infinitys_layout_plans_with_the_weights_on_the_host() -> None:
     """The 50B GPT in fp32 on 16 V100-32GB held to one stage (ZeRO-Infinity's layout: no model parallelism): only
     ZeRO-3 with the optimizer and the weights' shards on the host fits, which the plan says and the plan file

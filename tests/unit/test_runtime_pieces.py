@@ -342,6 +342,11 @@ def test_the_runtime_executes_recompute_swap_zero_and_tiers_and_host_params_only
     with pytest.raises(RuntimeSetupError, match=r"^stage 0 keeps its parameters on the host with ZeRO stage 3 and "
                                                 r"the optimizer on the gpu"):
         checks.check_executable(offloaded(OffloadSpec(zero_stage=3, params=ParamTier.HOST)))
+    mirrored = Plan.from_dict(json.loads(make_plan(GPT, ["blocks_1_ln_1"], schedule="gems-master", microbatches=2,
+                                                   offload=[OffloadSpec(zero_stage=3)] * 2)))
+    with pytest.raises(RuntimeSetupError, match=r"^stage 0 shards its parameters \(ZeRO-3\) over 2 ranks that run it "
+                                                r"for 2 model copies in opposite directions \(GEMS-MASTER\)"):
+        checks.check_executable(mirrored)  # (measured: the two ranks' layer gathers time out waiting for each other)
     one_copy = Plan.from_dict(json.loads(make_plan(GPT, ["blocks_1_ln_1"], schedule="1f1b", offload=[
         OffloadSpec(zero_stage=3, optimizer_state=StateTier.HOST, params=ParamTier.HOST), OffloadSpec()])))
     with pytest.raises(RuntimeSetupError, match=r"^stage 0 keeps its parameters on the host as ZeRO-3 shards but "
