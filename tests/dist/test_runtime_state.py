@@ -134,6 +134,9 @@ def test_four_ranks_two_stages_of_two_replicas_equal_a_single_process(tmp_path: 
         _case(cut, [OffloadSpec(zero_stage=3), OffloadSpec(zero_stage=3)], optimizer="adam", nvme_dir=tmp_path),
         _case(cut, [OffloadSpec(zero_stage=1, optimizer_state=NVME), OffloadSpec(zero_stage=2,
               optimizer_state=HOST)], optimizer="momentum", nvme_dir=tmp_path, schedule="1f1b"),
+        # a rank holding two parts, each gathering its layers over its own replicas' group
+        _case(FOUR_GPT_STAGES, [OffloadSpec(zero_stage=3)] * 4, optimizer="adam", nvme_dir=tmp_path,
+              schedule="interleaved-1f1b"),
     ]
     outcomes = run_ranks(run_cases, 4, cases, timeout_s=240)
     for index, case in enumerate(cases):
