@@ -49,7 +49,12 @@ ALL_GATHER_STAGING: dict[str, int] = {"nccl": 0, "gloo": 1}  # output-sized buff
 out (measured on torch 2.13's CPU build: tests/dist/test_step_memory.py); NCCL writes the output in place."""
 
 
-LAYER_REDUCE_SHARE: dict[str, float] = {"nccl": 0.5, "gloo": 1.0}
+ALL_GATHER_SHARE = 0.5
+"""What an all-gather (or a reduce-scatter) of a ring costs, as a share of a ring all-reduce of the same bytes: one
+of its two passes (n - 1 steps each of 1/n of the bytes)."""
+
+
+LAYER_REDUCE_SHARE: dict[str, float] = {"nccl": ALL_GATHER_SHARE, "gloo": 1.0}
 """What ZeRO-3's per-layer gradient reduce-scatter costs, as a share of a ring all-reduce of the same bytes: half on
 NCCL; on gloo the runtime sums the layer's table with an in-place all-reduce instead (runtime/sharding.py, staged
 collectives: gloo's reduce-scatter's temporary is freed where the CPU meter cannot see it)."""

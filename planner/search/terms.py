@@ -41,7 +41,13 @@ from typing import Any
 
 import numpy as np
 
-from cost_models.comm import ALL_GATHER_STAGING, LAYER_REDUCE_SHARE, RECEIVES_POSTED_AHEAD, hidden_share
+from cost_models.comm import (
+    ALL_GATHER_SHARE,
+    ALL_GATHER_STAGING,
+    LAYER_REDUCE_SHARE,
+    RECEIVES_POSTED_AHEAD,
+    hidden_share,
+)
 from cost_models.memory import step_bucket_bytes, step_transient_bytes, zero_gather_bytes
 from planner.plan.kinds import ScheduleKind
 from planner.plan.parts import StateTier
@@ -682,7 +688,8 @@ def _part_terms(problem: PipelineProblem, part: int, shared: dict[str, Term],
     terms["static_bytes"] = terms["kept_bytes"].plus(shared["transient_bytes"])
     terms.update({name: state[name] for name in ("host_bytes", "nvme_bytes", "optimizer_ms", "step_bytes")})
     if problem.tiers.state.zero_stage in (1, 2) and copies > 1:  # the updated shards are all-gathered into every copy:
-        gather = Term(constant=allreduce.fixed_ms / 2).plus(state["weight_bytes"], allreduce.ms_per_byte / 2)
+        gather = Term(constant=allreduce.fixed_ms * ALL_GATHER_SHARE).plus(state["weight_bytes"],
+                                                                           allreduce.ms_per_byte * ALL_GATHER_SHARE)
         terms["optimizer_ms"] = terms["optimizer_ms"].plus(gather)  # half a ring all-reduce of the weights
     terms["activation_bytes"] = shared["saved_bytes" if is_first else "activation_bytes"]  # + received inputs
     terms["send_ms"] = Term(ends_after=() if is_last else tuple(problem.links[part].ms(b) for b in boundary))
@@ -718,7 +725,7 @@ def _gathering_terms(units: tuple[Unit, ...], shared: tuple[SharedParam, ...], a
     all-reduce: half on NCCL, a whole one on gloo); its largest layer's gathered weights and their gradient beside
     the rest (:func:`gathered_layer_copies`); the gradients it holds (its layers' shards, the rest whole); and those
     the step still sums whole (the ones no layer owns)."""
-    half_fixed_ms, half_ms_per_byte = allreduce.fixed_ms / 2, allreduce.ms_per_byte / 2
+    half_fixed_ms, half_ms_per_byte = allreduce.fixed_ms * ALL_GATHER_SHARE, allreduce.ms_per_byte * ALL_GATHER_SHARE
     gather = tuple(u.layered_calls * half_fixed_ms + u.layered_weight_bytes * half_ms_per_byte for u in units)
     if up is not None:
         gather = tuple(g + u.layered_calls * up.fixed_ms + u.layered_weight_bytes / copies * up.ms_per_byte
