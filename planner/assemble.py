@@ -12,6 +12,7 @@ from cost_models.fused import FusedHalos
 from cost_models.graph.ir import LayerGraph, NodeKind
 from cost_models.spatial import halo_bytes, stage_geometry, tile_geometry
 from cost_models.units import format_ms, plural
+from planner.gathers import group_layers, layer_calls, regrouped
 from planner.plan import (
     ClusterSpec,
     HaloMode,
@@ -40,7 +41,7 @@ from planner.schedules.validate import validate
 from planner.search.configs import gpus_note
 from planner.search.evaluate import PartSummary, evaluate, region_start
 from planner.search.ilp import SolveStatus
-from planner.search.problem import ON_GPU, tied_sums, untied_allreduce_ms
+from planner.search.problem import ON_GPU, tied_sums, untied_allreduce_ms, whole_pass_params
 from planner.search.search import (
     FAMILY_SLACK,
     OFFLOAD_MUST_GAIN,
@@ -49,6 +50,7 @@ from planner.search.search import (
     SearchResult,
     SearchSpace,
 )
+from planner.search.terms import gathered_layer_copies, layer_collective_fixed_ms
 from planner.search.working import PartWorking, part_working
 from planner.simulation import sim_costs
 from planner.stepped import stage_step_bytes
@@ -123,7 +125,7 @@ def build_plan(graph: LayerGraph, device: DeviceSpec, space: SearchSpace, result
         tied_sums=lowered.tied_sums,
         predicted=Prediction(simulated.step_ms, space.global_batch_size / simulated.step_ms * 1e3,
                              simulated.bubble_fraction, simulated.peak_mem_bytes),
-        solver=_report(result, space, simulated, runner_up, simulations.step_ms),
+        solver=_report(result, space, lowered, runner_up, simulations.step_ms),
     )
 
 
@@ -272,6 +274,8 @@ def _stage_plan(best: Candidate, index: int, nodes: tuple[str, ...], graph: Laye
     if step_bytes is not None:
         part = dataclasses.replace(part, step_bytes=round(step_bytes))
     offload = _offload(best, index, graph)
+    if offload.zero_stage == 3 and not offload.gathers and len(best.setup.schedule.layout.part_ranks(index)) > 1:
+        part, offload = _gathered(best, index, nodes, graph, part, offload)
     tiers = best.setup.problem.tiers
     first_backward_bytes = 0
     if not (offload.recompute or offload.swap or offload.grads_on_host or offload.zero_stage == 3
@@ -290,6 +294,33 @@ def _stage_plan(best: Candidate, index: int, nodes: tuple[str, ...], graph: Laye
         first_backward_bytes, part.split_kept_bytes,
         part.split_relief_bytes if best.setup.config.schedule.splits_backward and index > 0 else 0),
         spatial=_spatial(best, index, nodes, graph, offload), offload=offload)
+
+
+def _gathered(best: Candidate, index: int, nodes: tuple[str, ...], graph: LayerGraph, part: PartSummary,
+              offload: OffloadSpec) -> tuple[PartSummary, OffloadSpec]:
+    """ZeRO-3 part ``index`` with its layers gathered in groups (planner/gathers.py) as large as the memory its
+    ranks have left under the search's bound allows, shared among the parts each holds."""
+    problem = best.setup.problem
+    tiers, layout = problem.tiers, best.setup.schedule.layout
+    if tiers.precision is None:  # (a bare problem: no weights' bytes to group by)
+        return part, offload
+    copies = layout.part_ranks(index)
+    room = min((problem.mem_bytes - best.evaluation.slot_peak_bytes[layout.place(rank).slot])
+               / len(layout.parts_of_rank(rank)) for rank in copies)
+    held = gathered_layer_copies(len(copies))
+    largest = max((unit.largest_layer_bytes for unit in problem.units), default=0)
+    shared = {p.name for p in problem.shared}
+    gathered = frozenset(p for name in nodes for p in graph.node(name).param_names
+                         if graph.node(name).kind is NodeKind.MODULE and p not in shared
+                         and not graph.parameter(p).is_buffer) - whole_pass_params(graph)
+    weight_bytes = {p: graph.parameter(p).numel * tiers.precision.itemsize for p in gathered}
+    calls = layer_calls(graph, nodes, gathered, weight_bytes, offload)
+    gathers = group_layers(calls, largest + max(0.0, room) / held)
+    up = tiers.host_link if tiers.state.params_on_host else None
+    gather_ms, reduce_ms = layer_collective_fixed_ms(problem.allreduce[index], up, problem.backend)
+    part = regrouped(part, calls, gathers, gather_ms=gather_ms, reduce_ms=reduce_ms, copies_held=held,
+                     largest_layer_bytes=largest)
+    return part, dataclasses.replace(offload, gathers=gathers.groups)
 
 
 def _node_by_node(part: PartSummary, working: PartWorking) -> tuple[PartSummary, int]:
@@ -356,9 +387,9 @@ def _offload(best: Candidate, index: int, graph: LayerGraph) -> OffloadSpec:
                        grads_on_host=state.grads_on_host)
 
 
-def _report(result: SearchResult, space: SearchSpace, simulated: SimResult,
+def _report(result: SearchResult, space: SearchSpace, lowered: Lowered,
             runner_up_simulated: SimResult | None, simulated_ms: Callable[[Candidate], float]) -> SolverReport:
-    best, runner_up = result.best, result.runner_up
+    best, runner_up, simulated = result.best, result.runner_up, lowered.simulated
     if best.solver == "manual split":
         return SolverReport(best.solver, best.status.value, best.objective_ms, 0.0, result.wall_s, 1,
                             f"split given by the user: {best.setup.config.describe()}; not searched", "")
@@ -387,19 +418,24 @@ def _report(result: SearchResult, space: SearchSpace, simulated: SimResult,
     why += _unproven(best, result, space)
     gap = None if math.isnan(best.gap) else best.gap  # unknown: the solve stopped before proving a bound
     return SolverReport(best.solver, best.status.value, best.objective_ms, gap, result.wall_s,
-                        result.configs_total, why, _binding(best, space, simulated), runner,
+                        result.configs_total, why, _binding(best, space, lowered), runner,
                         result.configs_unexamined, best.local)
 
 
-def _binding(best: Candidate, space: SearchSpace, simulated: SimResult) -> str:
+def _binding(best: Candidate, space: SearchSpace, lowered: Lowered) -> str:
     """The slowest stage, and the fullest rank when the search's bound on its memory (every saved activation
-    beside the largest working set: planner/search/terms.py) is near the usable budget, with its predicted
-    peak (node by node, planner/search/working.py: at most the bound)."""
-    parts = best.evaluation.parts
-    slowest = max(range(len(parts)), key=lambda part: parts[part].compute_ms)
-    binding = f"compute of stage {slowest} ({format_ms(parts[slowest].compute_ms)} per micro-batch)"
+    beside the largest working set: planner/search/terms.py, with the ZeRO-3 gather groups' memory,
+    :func:`_gathered`) is near the usable budget, with its predicted peak (node by node,
+    planner/search/working.py: at most the bound)."""
+    parts, simulated = best.evaluation.parts, lowered.simulated
+    compute_ms = [stage.predicted.fwd_ms + stage.predicted.bwd_ms for stage in lowered.parts]
+    slowest = max(range(len(parts)), key=lambda part: compute_ms[part])
+    binding = f"compute of stage {slowest} ({format_ms(compute_ms[slowest])} per micro-batch)"
     layout = best.setup.schedule.layout
-    bounds = [best.evaluation.slot_peak_bytes[layout.place(rank).slot] for rank in range(layout.world_size)]
+    grouped = [stage.predicted.static_bytes - part.held_bytes if stage.offload.gathers else 0
+               for stage, part in zip(lowered.parts, parts)]  # (what its gather groups add)
+    bounds = [best.evaluation.slot_peak_bytes[layout.place(rank).slot]
+              + sum(grouped[part] for part in layout.parts_of_rank(rank)) for rank in range(layout.world_size)]
     fullest = max(range(len(bounds)), key=lambda rank: (bounds[rank], simulated.peak_mem_bytes[rank]))
     share = bounds[fullest] / space.mem_bytes
     if share >= MEMORY_BINDS_AT:

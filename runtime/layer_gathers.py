@@ -1,31 +1,34 @@
-"""ZeRO-3 layer by layer: a stage's sharded parameters gathered around each layer's forward and backward.
+"""ZeRO-3 layer by layer: a stage's sharded parameters gathered around its layers' forwards and backwards.
 
 A stage whose parameters are sharded (ZeRO-3, runtime/stage_optimizer.py) holds only its chunk of each
 between uses. Gathering the whole stage for every forward and backward would hold every parameter at once,
-beside the whole gradients: no less than ZeRO-1 at the peak. Here each layer (a ``call_module`` of the stage's
-graph that owns sharded parameters) gathers its own, as ZeRO-3 and FSDP do per wrapped block:
+beside the whole gradients: no less than ZeRO-1 at the peak. Here the stage's layers (the modules its forward
+calls, found inside the runs, checkpoint regions and swapped runs that runtime/offload.py cut it into) gather
+their parameters in groups, one all-gather per group, as ZeRO-3 and FSDP gather per wrapped block:
 
-* before its forward (a forward pre-hook) the layer's parameters are all-gathered; after it (a forward hook)
-  they are freed again;
-* before its backward (a hook on its outputs' gradients, the first of them to arrive) they are gathered once
+* the plan's groups (``OffloadSpec.gathers``: consecutive layers' parameters, chosen by the planner within the
+  memory the plan leaves, planner/gathers.py), or one group per layer where it names none;
+* before a group's first layer's forward its parameters are all-gathered; after its last layer's forward (or
+  when a layer of another group starts) they are freed again;
+* before its layers' backward (a hook on their outputs' gradients, the first to arrive) they are gathered once
   more; when every one of them has its gradient (post-accumulate-grad hooks) that micro-batch's gradients are
   reduce-scattered at once, each rank adding its chunk to its shard's sum (``StageOptimizer.reduce_now``),
-  and the parameters freed: no whole gradient outlives its layer's backward;
+  and the parameters freed: no whole gradient outlives its group's backward;
 * a checkpointed region recomputes its layers' forwards inside the backward: their hooks gather and free
-  again. Gathers are counted per parameter, so a layer whose backward holds its parameters keeps them through
+  again. Gathers are counted per parameter, so a group whose backward holds its parameters keeps them through
   its own recompute.
 
-Parameters no layer owns, or that the stage's graph also reads through ``get_attr`` (a weight tied within the
-stage, as a GPT's embedding and head), keep the whole-pass gather of
-``StageOptimizer.in_use``. Every replica of the stage runs the same graph, so the collectives come in the same
-order on each. Why not FSDP2's ``fully_shard`` per layer: runtime/sharding.py's docstring (its DTensor
-parameters replace the ones the executor and the optimizer tiers hold).
+Parameters in no group (those the stage's graph also reads through ``get_attr``, as a GPT's tied embedding and
+head, and those the plan leaves out) keep the whole-pass gather of ``StageOptimizer.in_use``. Every replica of
+the stage runs the same graph, so the collectives come in the same order on each. Why not FSDP2's
+``fully_shard`` per block: runtime/sharding.py's docstring (its DTensor parameters replace the ones the
+executor and the optimizer tiers hold).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,93 +36,206 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch import nn
 
+from cost_models.errors import RuntimeSetupError
+
 if TYPE_CHECKING:
     from runtime.stage_optimizer import StageOptimizer
 
+_TOP = -1  # the segment of layers the stage's own graph calls (not inside a run or region cut out of it)
+
+
+def layer_calls(module: nn.Module) -> list[tuple[nn.Module, int]]:
+    """The layers ``module`` calls, each once, in the order of their first call, with the segment each runs in:
+    the position of the run, checkpoint region or swapped run (runtime/regions.py cuts a stage into those
+    submodules) that calls it, or ``_TOP`` for a layer the stage's graph calls itself. A layer is a module
+    whose forward is not itself a graph of calls: an ``nn.Linear``, or a fused block of the spatial runtime."""
+    seen: set[int] = set()
+    calls: list[tuple[nn.Module, int]] = []
+    for layer, segment in _walk(module, None):
+        if id(layer) not in seen:
+            seen.add(id(layer))
+            calls.append((layer, segment))
+    return calls
+
+
+def _walk(module: nn.Module, segment: int | None) -> Iterator[tuple[nn.Module, int]]:
+    if not isinstance(module, torch.fx.GraphModule):
+        yield module, _TOP if segment is None else segment
+        return
+    for position, node in enumerate(node for node in module.graph.nodes if node.op == "call_module"):
+        called = module.get_submodule(node.target)
+        inner = _graph_of(called)
+        if inner is None:
+            yield called, _TOP if segment is None else segment
+        else:
+            yield from _walk(inner, position if segment is None else segment)
+
+
+def _graph_of(module: nn.Module) -> torch.fx.GraphModule | None:
+    """The graph a called module runs: itself (a cut run), the one graph it wraps (a checkpointed or swapped
+    region), or None (a layer)."""
+    if isinstance(module, torch.fx.GraphModule):
+        return module
+    graphs = [child for child in module.children() if isinstance(child, torch.fx.GraphModule)]
+    return graphs[0] if len(graphs) == 1 and not any(True for _ in module.parameters(recurse=False)) else None
+
 
 class LayerGathers:
-    """The hooks that gather, free and reduce one ZeRO-3 stage's parameters layer by layer."""
+    """The hooks that gather, free and reduce one ZeRO-3 stage's parameters group by group."""
 
-    def __init__(self, module: torch.fx.GraphModule, state: StageOptimizer, read: Iterable[torch.Tensor]) -> None:
+    def __init__(self, module: nn.Module, state: StageOptimizer, read: Iterable[torch.Tensor],
+                 names: Mapping[int, str], gathers: Sequence[Sequence[str]], *, stage: int) -> None:
+        """``names``: each parameter's canonical name by ``id``; ``gathers``: the plan's groups of names (empty:
+        one group per layer)."""
         self.state = state
         read_ids = {id(tensor) for tensor in read}  # fed to the graph as inputs: used outside any one layer
         index_of = {id(param): index for index, param in enumerate(state.params)
                     if index in state.param_shards and id(param) not in read_ids}
-        self.layers: list[tuple[int, ...]] = []  # per layer: its sharded parameters' indices in the stage
-        seen: set[int] = set()
-        for node in module.graph.nodes:
-            if node.op != "call_module":
-                continue
-            layer = module.get_submodule(node.target)
-            if id(layer) in seen:
-                continue
-            seen.add(id(layer))
-            indices = tuple(sorted({index_of[id(p)] for p in layer.parameters() if id(p) in index_of}))
-            if indices:
-                self._hook(layer, len(self.layers))
-                self.layers.append(indices)
-        self.covered = frozenset(index for layer in self.layers for index in layer)
-        self._layers_of: dict[int, list[int]] = {}
-        for k, layer in enumerate(self.layers):
-            for index in layer:
-                self._layers_of.setdefault(index, []).append(k)
+        calls = [(layer, segment, tuple(sorted({index_of[id(p)] for p in layer.parameters() if id(p) in index_of})))
+                 for layer, segment in layer_calls(module)]
+        calls = [call for call in calls if call[2]]
+        if gathers:
+            self.groups, group_of = _planned_groups(gathers, index_of, names, calls, stage)
+        else:
+            self.groups, group_of = _one_per_layer(calls)
+        self._group_of_index = group_of
+        self._last: dict[int, int] = {}  # group -> its last layer (position among the layers)
+        for position, (layer, segment, indices) in enumerate(calls):
+            group = group_of[indices[0]]
+            self._last[group] = position
+            layer.register_forward_pre_hook(functools.partial(self._before_forward, group))
+            layer.register_forward_hook(functools.partial(self._after_forward, group, position),
+                                        always_call=True)  # (also where a recomputation stops early inside it)
+        self.covered = frozenset(group_of)
         for index in self.covered:
             if state.params[index].requires_grad:
                 state.params[index].register_post_accumulate_grad_hook(functools.partial(self._grad_made, index))
-        self._held = [0] * len(self.layers)  # backward gathers not yet released, per layer
-        self._waiting: list[set[int]] = [set() for _ in self.layers]  # per layer: gradients its backward awaits
+        self._open: int | None = None  # the group a forward holds
+        self._held = [0] * len(self.groups)  # backward gathers not yet released, per group
+        self._waiting: list[set[int]] = [set() for _ in self.groups]  # per group: gradients its backward awaits
 
-    def _hook(self, layer: nn.Module, k: int) -> None:
-        layer.register_forward_pre_hook(functools.partial(self._before_forward, k))
-        layer.register_forward_hook(functools.partial(self._after_forward, k))
+    def _before_forward(self, group: int, _layer: nn.Module, _args: Any) -> None:
+        if self._open == group:
+            return
+        if self._open is not None:  # (a layer of another group runs: the open one is done)
+            self.state.release(self.groups[self._open])
+        self.state.gather(self.groups[group])
+        self._open = group
 
-    def _before_forward(self, k: int, _layer: nn.Module, _args: Any) -> None:
-        self.state.gather(self.layers[k])
-
-    def _after_forward(self, k: int, _layer: nn.Module, _args: Any, output: Any) -> None:
-        self.state.release(self.layers[k])
+    def _after_forward(self, group: int, position: int, _layer: nn.Module, _args: Any, output: Any) -> None:
+        if self._open == group and self._last[group] == position:
+            self.state.release(self.groups[group])
+            self._open = None
         outputs = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
         if outputs and torch.is_grad_enabled():
-            torch.autograd.graph.register_multi_grad_hook(outputs, functools.partial(self._before_backward, k),
+            torch.autograd.graph.register_multi_grad_hook(outputs, functools.partial(self._before_backward, group),
                                                           mode="any")
 
-    def _before_backward(self, k: int, _grad: Any) -> None:
-        self.state.gather(self.layers[k])
-        self._held[k] += 1
-        self._waiting[k] = {index for index in self.layers[k] if self.state.params[index].requires_grad}
+    def _before_backward(self, group: int, _grad: Any) -> None:
+        if self._held[group] and self._waiting[group]:  # (another of its layers' backward gathered it)
+            return
+        self.state.gather(self.groups[group])
+        self._held[group] += 1
+        self._waiting[group] = {index for index in self.groups[group] if self.state.params[index].requires_grad}
 
     def _grad_made(self, index: int, _param: torch.Tensor) -> None:
-        for k in self._layers_of[index]:
-            waiting = self._waiting[k]
-            if index in waiting:
-                waiting.discard(index)
-                if not waiting:
-                    self._backward_done(k)
+        group = self._group_of_index[index]
+        waiting = self._waiting[group]
+        if index in waiting:
+            waiting.discard(index)
+            if not waiting:
+                self._backward_done(group)
 
-    def _backward_done(self, k: int) -> None:
-        """Layer ``k``'s gradients of this micro-batch reduce-scattered, its parameters freed."""
-        self.state.reduce_now([index for index in self.layers[k] if self.state.params[index].grad is not None])
-        if self._held[k]:
-            self._held[k] -= 1
-            self.state.release(self.layers[k])
+    def _backward_done(self, group: int) -> None:
+        """Group ``group``'s gradients of this micro-batch reduce-scattered, its parameters freed."""
+        self.state.reduce_now([index for index in self.groups[group] if self.state.params[index].grad is not None])
+        if self._held[group]:
+            self._held[group] -= 1
+            self.state.release(self.groups[group])
 
     def end_pass(self) -> None:
-        """After a forward or backward: release what a layer's backward still holds where it made no gradient for
-        some parameter (those it made are reduced with the whole-pass ones at ALLREDUCE), or where the layer ran
-        twice (its second gather outlives the one completion of its gradients)."""
-        for k, held in enumerate(self._held):
+        """After a forward or backward: release what a forward left open (a recomputation that stopped early) and
+        what a group's backward still holds where it made no gradient for some parameter (those it made are
+        reduced with the whole-pass ones at ALLREDUCE)."""
+        if self._open is not None:
+            self.state.release(self.groups[self._open])
+            self._open = None
+        for group, held in enumerate(self._held):
             for _ in range(held):
-                self.state.release(self.layers[k])
-            self._held[k] = 0
-            self._waiting[k] = set()
+                self.state.release(self.groups[group])
+            self._held[group] = 0
+            self._waiting[group] = set()
 
 
-def gathered_layers(module: torch.fx.GraphModule, state: StageOptimizer,
-                    read: Iterable[torch.Tensor]) -> LayerGathers | None:
-    """Install the layer-by-layer gathers on a ZeRO-3 stage whose graph reads the tensors ``read`` as inputs
-    (get_attr parameters: those stay gathered for the whole pass); None for any other stage."""
+def _one_per_layer(calls: Sequence[tuple[nn.Module, int, tuple[int, ...]]]
+                   ) -> tuple[list[tuple[int, ...]], dict[int, int]]:
+    """A group per layer, in their order; layers sharing a parameter share one group."""
+    groups: list[list[int]] = []
+    group_of: dict[int, int] = {}
+    for _layer, _segment, indices in calls:
+        joined = sorted({group_of[index] for index in indices if index in group_of})
+        target = joined[0] if joined else len(groups)
+        if not joined:
+            groups.append([])
+        for other in joined[1:]:  # (merged into the first)
+            for index in groups[other]:
+                group_of[index] = target
+            groups[target] += groups[other]
+            groups[other] = []
+        for index in indices:
+            if index not in group_of:
+                group_of[index] = target
+                groups[target].append(index)
+    kept = [group for group in groups if group]
+    renumber = {id(group): number for number, group in enumerate(kept)}
+    return ([tuple(sorted(group)) for group in kept],
+            {index: renumber[id(groups[group])] for index, group in group_of.items()})
+
+
+def _planned_groups(gathers: Sequence[Sequence[str]], index_of: Mapping[int, int], names: Mapping[int, str],
+                    calls: Sequence[tuple[nn.Module, int, tuple[int, ...]]], stage: int
+                    ) -> tuple[list[tuple[int, ...]], dict[int, int]]:
+    """The plan's groups as parameter indices; refused where they name parameters the stage does not gather by
+    layer, split a layer's parameters, or span the runs and regions the stage was cut into."""
+    by_name = {names[param_id]: index for param_id, index in index_of.items() if param_id in names}
+    strangers = sorted(name for group in gathers for name in group if name not in by_name)
+    if strangers:
+        raise RuntimeSetupError(f"stage {stage}'s plan gathers parameters {strangers[:4]} by layer, but the stage "
+                                f"does not shard them or reads them outside its layers; re-plan it with "
+                                f"`tessera plan`")
+    groups = [tuple(sorted(by_name[name] for name in group)) for group in gathers]
+    group_of = {index: number for number, group in enumerate(groups) for index in group}
+    segments: dict[int, set[int]] = {}
+    for layer, segment, indices in calls:
+        mine = {group_of[index] for index in indices if index in group_of}
+        if len(mine) > 1:
+            raise RuntimeSetupError(f"stage {stage}'s plan gathers the parameters of one layer "
+                                    f"({type(layer).__name__}) in groups {sorted(mine)}; a layer's parameters are "
+                                    f"gathered together: re-plan it with `tessera plan`")
+        for group in mine:
+            segments.setdefault(group, set()).add(segment)
+    split = sorted(group for group, seen in segments.items() if len(seen) > 1)
+    if split:
+        raise RuntimeSetupError(f"stage {stage}'s plan gather group {split[0]} spans layers of different checkpoint "
+                                f"regions or swapped runs, which the runtime runs apart; re-plan it with "
+                                f"`tessera plan`")
+    used = {index for _layer, _segment, indices in calls for index in indices}
+    unread = sorted(name for group in gathers for name in group if by_name[name] not in used)
+    if unread:
+        raise RuntimeSetupError(f"stage {stage}'s plan gathers parameters {unread[:4]} by layer, but none of its "
+                                f"layers reads them; re-plan it with `tessera plan`")
+    return groups, group_of
+
+
+def gathered_layers(module: nn.Module, state: StageOptimizer, read: Iterable[torch.Tensor],
+                    params: Mapping[str, torch.Tensor], gathers: Sequence[Sequence[str]], *,
+                    stage: int) -> LayerGathers | None:
+    """Install the group-by-group gathers on a ZeRO-3 stage whose graph reads the tensors ``read`` as inputs
+    (get_attr parameters: those stay gathered for the whole pass), its parameters ``params`` by canonical name,
+    in the plan's groups ``gathers`` (empty: a group per layer); None for any other stage."""
     if state.zero_stage != 3:
         return None
-    layers = LayerGathers(module, state, read)
+    names = {id(tensor): name for name, tensor in params.items()}
+    layers = LayerGathers(module, state, read, names, gathers, stage=stage)
     state.attach_layers(layers.covered, layers.end_pass)
     return layers

@@ -102,8 +102,9 @@ def _tied_sums(plan: Plan) -> Iterator[str]:
 
 
 def _offload(plan: Plan) -> Iterator[str]:
-    """ZeRO stages 0-3; gradients on the host only beside a step there; checkpoint regions are runs of
-    consecutive stage nodes, disjoint from each other and from swaps."""
+    """ZeRO stages 0-3; gradients on the host only beside a step there; gather groups only under ZeRO-3, each
+    parameter in one; checkpoint regions are runs of consecutive stage nodes, disjoint from each other and from
+    swaps."""
     for position, stage in enumerate(plan.stages):
         path, offload = f"stages[{position}].offload", stage.offload
         order = {name: index for index, name in enumerate(stage.nodes)}
@@ -112,6 +113,13 @@ def _offload(plan: Plan) -> Iterator[str]:
         if offload.grads_on_host and not offload.host_step:
             yield (f"{path}.grads_on_host is true but its optimizer_state is {offload.optimizer_state.value}; "
                    f"gradients on the host need the step on the host (optimizer_state host or nvme)")
+        if offload.gathers and offload.zero_stage != 3:
+            yield (f"{path}.gathers lists {len(offload.gathers)} gather groups but zero_stage is "
+                   f"{offload.zero_stage}; only ZeRO-3 gathers parameters (zero_stage 3), or leave gathers empty")
+        gathered = [param for group in offload.gathers for param in group]
+        if any(not group for group in offload.gathers) or len(set(gathered)) != len(gathered):
+            yield (f"{path}.gathers has an empty group or names a parameter twice "
+                   f"({sorted({p for p in gathered if gathered.count(p) > 1})}); each parameter is in one group")
         named = [node for region in offload.recompute for node in region] + list(offload.swap)
         strangers = sorted({node for node in named if node not in order})
         if strangers:

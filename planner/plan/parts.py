@@ -157,6 +157,11 @@ class OffloadSpec:
     * ``grads_on_host``: each backward's parameter gradients leave the device as it makes them and add up
       on the host, where the host's step reads them (ZeRO-Offload), instead of adding up on the device
       until the step; it needs the step on the host (``optimizer_state`` host or nvme).
+    * ``gathers``: under ZeRO-3, the parameters (canonical names) each all-gather fetches together, in the
+      order the stage's layers use them: a group is gathered at its first layer's forward and freed after its
+      last, gathered again for its layers' backward and its gradients reduce-scattered once they are all made
+      (runtime/layer_gathers.py). Parameters in no group are gathered for the whole pass. Empty: one group per
+      layer (module call) that reads sharded parameters.
     """
 
     recompute: tuple[tuple[str, ...], ...] = ()
@@ -165,6 +170,7 @@ class OffloadSpec:
     optimizer_state: StateTier = StateTier.GPU
     params: ParamTier = ParamTier.GPU
     grads_on_host: bool = False
+    gathers: tuple[tuple[str, ...], ...] = ()
 
     @property
     def is_default(self) -> bool:
@@ -191,6 +197,8 @@ class OffloadSpec:
             said.append(f"swap {len(self.swap)} node{'s' if len(self.swap) != 1 else ''}' activations to host")
         if self.zero_stage:
             said.append(f"model state sharded (ZeRO-{self.zero_stage})")
+        if self.gathers:
+            said.append(f"its weights gathered in {len(self.gathers)} group{'s' if len(self.gathers) != 1 else ''}")
         if self.optimizer_state is StateTier.HOST:
             said.append("optimizer on host")
         elif self.optimizer_state is StateTier.NVME:
@@ -206,8 +214,9 @@ class OffloadSpec:
         return codec.fields(cls, data, path, {
             "recompute": codec.tuple_of(codec.tuple_of(codec.string)), "swap": codec.tuple_of(codec.string),
             "zero_stage": codec.integer, "optimizer_state": codec.enum_of(StateTier),
-            "params": codec.enum_of(ParamTier), "grads_on_host": codec.boolean},
-            optional=frozenset({"grads_on_host"}))
+            "params": codec.enum_of(ParamTier), "grads_on_host": codec.boolean,
+            "gathers": codec.tuple_of(codec.tuple_of(codec.string))},
+            optional=frozenset({"grads_on_host", "gathers"}))
 
 
 @dataclass(frozen=True)

@@ -488,7 +488,7 @@ def group_units(graph: LayerGraph, table: CostTable, precision: Precision, optim
         last = max(holders)
         for unit in holders - {last}:
             used_later[unit].add(name)
-    whole_pass = _whole_pass_params(graph)
+    whole_pass = whole_pass_params(graph)
     units = tuple(_unit(graph, table, group, precision, optimizer, shared_index, crossing[start - 1] if start else 0,
                         frozenset(used_later[position]), whole_pass)
                   for position, (group, start) in enumerate(zip(groups, starts)))
@@ -581,7 +581,7 @@ def _param_users(graph: LayerGraph, groups: list[list[str]]) -> dict[str, set[in
     return users
 
 
-def _whole_pass_params(graph: LayerGraph) -> frozenset[str]:
+def whole_pass_params(graph: LayerGraph) -> frozenset[str]:
     """Parameters a ZeRO-3 stage cannot gather layer by layer: read through get_attr, or used by a node that is
     not a module call."""
     return frozenset(p for node in graph if node.kind is not NodeKind.MODULE for p in node.param_names)
@@ -611,7 +611,7 @@ def _unit(graph: LayerGraph, table: CostTable, names: list[str], precision: Prec
           optimizer: Optimizer, shared_index: dict[str, int], crossing_before: int,
           used_later: frozenset[str] = frozenset(), whole_pass: frozenset[str] = frozenset()) -> Unit:
     """The unit of nodes ``names``; ``used_later``: parameters a later unit uses too; ``whole_pass``: those ZeRO-3
-    cannot gather layer by layer (:func:`_whole_pass_params`)."""
+    cannot gather layer by layer (:func:`whole_pass_params`)."""
     params = {p for name in names if graph.node(name).kind is not NodeKind.PARAM
               for p in graph.node(name).param_names}
     own = [p for p in params if p not in shared_index]

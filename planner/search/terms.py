@@ -713,6 +713,13 @@ def gathered_layer_copies(copies: int) -> float:
     return 4.0 + 2.0 / copies
 
 
+def layer_collective_fixed_ms(allreduce: LinearCost, up: LinearCost | None, backend: str) -> tuple[float, float]:
+    """The fixed time (bytes apart) of one ZeRO-3 gather over ``allreduce``'s link, half a ring all-reduce's (with
+    the shards on the host, plus a message up ``up``, the host link), and of one gradient reduce-scatter."""
+    gather_ms = allreduce.fixed_ms * ALL_GATHER_SHARE + (up.fixed_ms if up is not None else 0.0)
+    return gather_ms, LAYER_REDUCE_SHARE[backend] * allreduce.fixed_ms
+
+
 @functools.lru_cache(maxsize=64)
 def _gathering_terms(units: tuple[Unit, ...], shared: tuple[SharedParam, ...], allreduce: LinearCost,
                      up: LinearCost | None, copies: int, backend: str, recompute: bool, fwd_ms: Term,
@@ -725,13 +732,13 @@ def _gathering_terms(units: tuple[Unit, ...], shared: tuple[SharedParam, ...], a
     all-reduce: half on NCCL, a whole one on gloo); its largest layer's gathered weights and their gradient beside
     the rest (:func:`gathered_layer_copies`); the gradients it holds (its layers' shards, the rest whole); and those
     the step still sums whole (the ones no layer owns)."""
-    half_fixed_ms, half_ms_per_byte = allreduce.fixed_ms * ALL_GATHER_SHARE, allreduce.ms_per_byte * ALL_GATHER_SHARE
-    gather = tuple(u.layered_calls * half_fixed_ms + u.layered_weight_bytes * half_ms_per_byte for u in units)
+    gather_ms, reduce_ms = layer_collective_fixed_ms(allreduce, up, backend)
+    half_ms_per_byte = allreduce.ms_per_byte * ALL_GATHER_SHARE
+    gather = tuple(u.layered_calls * gather_ms + u.layered_weight_bytes * half_ms_per_byte for u in units)
     if up is not None:
-        gather = tuple(g + u.layered_calls * up.fixed_ms + u.layered_weight_bytes / copies * up.ms_per_byte
-                       for g, u in zip(gather, units))
+        gather = tuple(g + u.layered_weight_bytes / copies * up.ms_per_byte for g, u in zip(gather, units))
     reduce = LAYER_REDUCE_SHARE[backend]
-    scatter = tuple(reduce * (u.layered_calls * allreduce.fixed_ms + u.layered_grad_bytes * allreduce.ms_per_byte)
+    scatter = tuple(u.layered_calls * reduce_ms + reduce * u.layered_grad_bytes * allreduce.ms_per_byte
                     for u in units)
     fwd_ms = fwd_ms.plus(Term(per_unit=gather))
     bwd_ms = bwd_ms.plus(Term(per_unit=tuple(g + r for g, r in zip(gather, scatter)),
