@@ -7,6 +7,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from cost_models.comm import GATHERS_AHEAD
 from cost_models.devices import DeviceSpec
 from cost_models.fused import FusedHalos
 from cost_models.graph.ir import LayerGraph, NodeKind
@@ -307,7 +308,9 @@ def _gathered(best: Candidate, index: int, nodes: tuple[str, ...], graph: LayerG
     copies = layout.part_ranks(index)
     room = min((problem.mem_bytes - best.evaluation.slot_peak_bytes[layout.place(rank).slot])
                / len(layout.parts_of_rank(rank)) for rank in copies)
-    held = gathered_layer_copies(len(copies))
+    ahead = offload.prefetch or GATHERS_AHEAD[problem.backend]  # (a hand-made plan may ask for it)
+    held = gathered_layer_copies(len(copies), ahead)
+    searched = gathered_layer_copies(len(copies), GATHERS_AHEAD[problem.backend])  # (what the search counted)
     largest = max((unit.largest_layer_bytes for unit in problem.units), default=0)
     shared = {p.name for p in problem.shared}
     gathered = frozenset(p for name in nodes for p in graph.node(name).param_names
@@ -315,12 +318,12 @@ def _gathered(best: Candidate, index: int, nodes: tuple[str, ...], graph: LayerG
                          and not graph.parameter(p).is_buffer) - whole_pass_params(graph)
     weight_bytes = {p: graph.parameter(p).numel * tiers.precision.itemsize for p in gathered}
     calls = layer_calls(graph, nodes, gathered, weight_bytes, offload)
-    gathers = group_layers(calls, largest + max(0.0, room) / held)
+    gathers = group_layers(calls, (searched * largest + max(0.0, room)) / held)
     up = tiers.host_link if tiers.state.params_on_host else None
     gather_ms, reduce_ms = layer_collective_fixed_ms(problem.allreduce[index], up, problem.backend)
-    part = regrouped(part, calls, gathers, gather_ms=gather_ms, reduce_ms=reduce_ms, copies_held=held,
+    part = regrouped(part, calls, gathers, gather_ms=gather_ms, reduce_ms=reduce_ms, copies_held=(held, searched),
                      largest_layer_bytes=largest)
-    return part, dataclasses.replace(offload, gathers=gathers.groups)
+    return part, dataclasses.replace(offload, gathers=gathers.groups, prefetch=ahead)
 
 
 def _node_by_node(part: PartSummary, working: PartWorking) -> tuple[PartSummary, int]:

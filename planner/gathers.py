@@ -126,11 +126,11 @@ def group_layers(calls: Sequence[LayerCall], cap_bytes: float) -> Gathers:
 
 
 def regrouped(part: PartSummary, calls: Sequence[LayerCall], gathers: Gathers, *, gather_ms: float,
-              reduce_ms: float, copies_held: float, largest_layer_bytes: int) -> PartSummary:
+              reduce_ms: float, copies_held: tuple[float, float], largest_layer_bytes: int) -> PartSummary:
     """``part`` (as the search costed it: a gather per layer call, :func:`group_layers` at no cap) with the
     collectives of ``gathers``: each all-gather saved ``gather_ms`` less, each reduce-scatter ``reduce_ms``, and
-    ``copies_held`` copies of the largest group's weights held in place of the largest layer's
-    (``largest_layer_bytes``, the model's, as the search counts it)."""
+    ``copies_held[0]`` copies of the largest group's weights held in place of the ``copies_held[1]`` copies of the
+    largest layer's (``largest_layer_bytes``, the model's) that the search counts."""
     per_layer = group_layers(calls, 0)
     fewer_forward = per_layer.forward - gathers.forward
     fewer_backward = per_layer.backward - gathers.backward
@@ -138,4 +138,5 @@ def regrouped(part: PartSummary, calls: Sequence[LayerCall], gathers: Gathers, *
     return dataclasses.replace(
         part, fwd_ms=part.fwd_ms - fewer_forward * gather_ms,
         bwd_ms=part.bwd_ms - fewer_backward * (gather_ms + reduce_ms) - fewer_recompute * gather_ms,
-        static_bytes=part.static_bytes + round(copies_held * (gathers.largest_bytes - largest_layer_bytes)))
+        static_bytes=part.static_bytes + round(copies_held[0] * gathers.largest_bytes
+                                               - copies_held[1] * largest_layer_bytes))

@@ -16,7 +16,12 @@ their parameters in groups, one all-gather per group, as ZeRO-3 and FSDP gather 
   and the parameters freed: no whole gradient outlives its group's backward;
 * a checkpointed region recomputes its layers' forwards inside the backward: their hooks gather and free
   again. Gathers are counted per parameter, so a group whose backward holds its parameters keeps them through
-  its own recompute.
+  its own recompute;
+* where the plan says so (``OffloadSpec.prefetch``: on NCCL), each gather starts the one that comes next
+  (FSDP's forward and backward prefetch: ``StageOptimizer.gather_ahead``), so that it runs while the group
+  computes: in a forward the next group, in a backward the one before, where the order is certain (not into a
+  checkpoint region, whose recomputation may come first). The plan does not count what this hides
+  (planner/search/terms.py costs each gather on the critical path); it counts its buffers.
 
 Parameters in no group (those the stage's graph also reads through ``get_attr``, as a GPT's tied embedding and
 head, and those the plan leaves out) keep the whole-pass gather of ``StageOptimizer.in_use``. Every replica of
@@ -37,38 +42,42 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from cost_models.errors import RuntimeSetupError
+from runtime.recompute import Checkpointed
 
 if TYPE_CHECKING:
+    from planner.plan import OffloadSpec
     from runtime.stage_optimizer import StageOptimizer
 
 _TOP = -1  # the segment of layers the stage's own graph calls (not inside a run or region cut out of it)
 
 
-def layer_calls(module: nn.Module) -> list[tuple[nn.Module, int]]:
+def layer_calls(module: nn.Module) -> list[tuple[nn.Module, int, bool]]:
     """The layers ``module`` calls, each once, in the order of their first call, with the segment each runs in:
     the position of the run, checkpoint region or swapped run (runtime/regions.py cuts a stage into those
-    submodules) that calls it, or ``_TOP`` for a layer the stage's graph calls itself. A layer is a module
-    whose forward is not itself a graph of calls: an ``nn.Linear``, or a fused block of the spatial runtime."""
+    submodules) that calls it, or ``_TOP`` for a layer the stage's graph calls itself; and whether that segment is
+    a checkpoint region. A layer is a module whose forward is not itself a graph of calls: an ``nn.Linear``, or a
+    fused block of the spatial runtime."""
     seen: set[int] = set()
-    calls: list[tuple[nn.Module, int]] = []
-    for layer, segment in _walk(module, None):
+    calls: list[tuple[nn.Module, int, bool]] = []
+    for layer, segment, recomputed in _walk(module, None, False):
         if id(layer) not in seen:
             seen.add(id(layer))
-            calls.append((layer, segment))
+            calls.append((layer, segment, recomputed))
     return calls
 
 
-def _walk(module: nn.Module, segment: int | None) -> Iterator[tuple[nn.Module, int]]:
+def _walk(module: nn.Module, segment: int | None, recomputed: bool) -> Iterator[tuple[nn.Module, int, bool]]:
     if not isinstance(module, torch.fx.GraphModule):
-        yield module, _TOP if segment is None else segment
+        yield module, _TOP if segment is None else segment, recomputed
         return
     for position, node in enumerate(node for node in module.graph.nodes if node.op == "call_module"):
         called = module.get_submodule(node.target)
         inner = _graph_of(called)
         if inner is None:
-            yield called, _TOP if segment is None else segment
+            yield called, _TOP if segment is None else segment, recomputed
         else:
-            yield from _walk(inner, position if segment is None else segment)
+            yield from _walk(inner, position if segment is None else segment,
+                             recomputed or isinstance(called, Checkpointed))
 
 
 def _graph_of(module: nn.Module) -> torch.fx.GraphModule | None:
@@ -84,15 +93,18 @@ class LayerGathers:
     """The hooks that gather, free and reduce one ZeRO-3 stage's parameters group by group."""
 
     def __init__(self, module: nn.Module, state: StageOptimizer, read: Iterable[torch.Tensor],
-                 names: Mapping[int, str], gathers: Sequence[Sequence[str]], *, stage: int) -> None:
+                 names: Mapping[int, str], gathers: Sequence[Sequence[str]], *, ahead: bool, stage: int) -> None:
         """``names``: each parameter's canonical name by ``id``; ``gathers``: the plan's groups of names (empty:
-        one group per layer)."""
+        one group per layer); ``ahead``: each gather starts the next one (the plan's ``prefetch``)."""
         self.state = state
+        self.ahead = ahead
         read_ids = {id(tensor) for tensor in read}  # fed to the graph as inputs: used outside any one layer
         index_of = {id(param): index for index, param in enumerate(state.params)
                     if index in state.param_shards and id(param) not in read_ids}
+        found = layer_calls(module)
+        recomputed = {segment for _layer, segment, again in found if again}
         calls = [(layer, segment, tuple(sorted({index_of[id(p)] for p in layer.parameters() if id(p) in index_of})))
-                 for layer, segment in layer_calls(module)]
+                 for layer, segment, _again in found]
         calls = [call for call in calls if call[2]]
         if gathers:
             self.groups, group_of = _planned_groups(gathers, index_of, names, calls, stage)
@@ -100,9 +112,12 @@ class LayerGathers:
             self.groups, group_of = _one_per_layer(calls)
         self._group_of_index = group_of
         self._last: dict[int, int] = {}  # group -> its last layer (position among the layers)
+        self._segment: dict[int, int] = {}  # group -> the segment of its first layer
+        self._recomputed = recomputed  # segments that are checkpoint regions
         for position, (layer, segment, indices) in enumerate(calls):
             group = group_of[indices[0]]
             self._last[group] = position
+            self._segment.setdefault(group, segment)
             layer.register_forward_pre_hook(functools.partial(self._before_forward, group))
             layer.register_forward_hook(functools.partial(self._after_forward, group, position),
                                         always_call=True)  # (also where a recomputation stops early inside it)
@@ -113,6 +128,7 @@ class LayerGathers:
         self._open: int | None = None  # the group a forward holds
         self._held = [0] * len(self.groups)  # backward gathers not yet released, per group
         self._waiting: list[set[int]] = [set() for _ in self.groups]  # per group: gradients its backward awaits
+        self._backward = False  # in a backward pass (whose forwards are recomputations)
 
     def _before_forward(self, group: int, _layer: nn.Module, _args: Any) -> None:
         if self._open == group:
@@ -121,6 +137,10 @@ class LayerGathers:
             self.state.release(self.groups[self._open])
         self.state.gather(self.groups[group])
         self._open = group
+        following = group + 1  # next, unless a recomputation ends with this group
+        if self.ahead and following < len(self.groups) and (not self._backward
+                                                             or self._segment[following] == self._segment[group]):
+            self.state.gather_ahead(self.groups[following])
 
     def _after_forward(self, group: int, position: int, _layer: nn.Module, _args: Any, output: Any) -> None:
         if self._open == group and self._last[group] == position:
@@ -134,9 +154,14 @@ class LayerGathers:
     def _before_backward(self, group: int, _grad: Any) -> None:
         if self._held[group] and self._waiting[group]:  # (another of its layers' backward gathered it)
             return
+        self._backward = True
         self.state.gather(self.groups[group])
         self._held[group] += 1
         self._waiting[group] = {index for index in self.groups[group] if self.state.params[index].requires_grad}
+        before = group - 1  # the next backward, unless that group's recomputation comes first
+        if self.ahead and before >= 0 and (self._segment[before] == self._segment[group]
+                                           or self._segment[before] not in self._recomputed):
+            self.state.gather_ahead(self.groups[before])
 
     def _grad_made(self, index: int, _param: torch.Tensor) -> None:
         group = self._group_of_index[index]
@@ -157,6 +182,8 @@ class LayerGathers:
         """After a forward or backward: release what a forward left open (a recomputation that stopped early) and
         what a group's backward still holds where it made no gradient for some parameter (those it made are
         reduced with the whole-pass ones at ALLREDUCE)."""
+        self.state.drop_ahead()
+        self._backward = False
         if self._open is not None:
             self.state.release(self.groups[self._open])
             self._open = None
@@ -228,14 +255,14 @@ def _planned_groups(gathers: Sequence[Sequence[str]], index_of: Mapping[int, int
 
 
 def gathered_layers(module: nn.Module, state: StageOptimizer, read: Iterable[torch.Tensor],
-                    params: Mapping[str, torch.Tensor], gathers: Sequence[Sequence[str]], *,
-                    stage: int) -> LayerGathers | None:
+                    params: Mapping[str, torch.Tensor], spec: OffloadSpec, *, stage: int) -> LayerGathers | None:
     """Install the group-by-group gathers on a ZeRO-3 stage whose graph reads the tensors ``read`` as inputs
     (get_attr parameters: those stay gathered for the whole pass), its parameters ``params`` by canonical name,
-    in the plan's groups ``gathers`` (empty: a group per layer); None for any other stage."""
+    in the groups of its plan's ``spec`` (none: a group per layer), each gathered ahead if it says so; None for
+    any other stage."""
     if state.zero_stage != 3:
         return None
     names = {id(tensor): name for name, tensor in params.items()}
-    layers = LayerGathers(module, state, read, names, gathers, stage=stage)
+    layers = LayerGathers(module, state, read, names, spec.gathers, ahead=spec.prefetch, stage=stage)
     state.attach_layers(layers.covered, layers.end_pass)
     return layers

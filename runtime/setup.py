@@ -111,7 +111,7 @@ def set_up(plan: Plan, model: nn.Module, optimizer_factory: OptimizerFactory, *,
                                       timeout_s=timeout_s, nvme_dir=nvme_dir, sources=sources.get(stage.index))
         if stage.state is not None:
             gathered_layers(stage.module, stage.state, stage.attrs.values(), stage.params,  # ZeRO-3: by layer
-                            plan.stages[stage.part].offload.gathers, stage=stage.index)
+                            plan.stages[stage.part].offload, stage=stage.index)
     mixed = None
     if precision.master_weights:
         stepped = {a.stage for a in segments if isinstance(a, Action) and a.kind is ActionKind.OPTIMIZER_STEP}

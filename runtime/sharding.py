@@ -68,9 +68,9 @@ class ShardGroup:
     """The collectives of one stage's ZeRO group, each waited for with the executor's timeout.
 
     With ``staged``, a collective's input and output live in buffers the group keeps (grown to the largest
-    asked for, one per role and dtype) instead of new tensors: ZeRO-3's layer-by-layer collectives, hundreds a
-    step, allocate none of them each, and the results are views of those buffers, valid until the next staged
-    collective. On gloo a staged reduce-scatter is an all-reduce of the table in place, this rank's row then
+    asked for, one per role and dtype; a gather started ahead has its own) instead of new tensors: ZeRO-3's
+    layer-by-layer collectives, hundreds a step, allocate none of them each, and the results are views of those
+    buffers, valid until the next staged collective of their role. On gloo a staged reduce-scatter is an all-reduce of the table in place, this rank's row then
     copied out (twice the bytes on the wire, costed so: planner/search/terms.py): gloo's reduce-scatter copies
     its input into a temporary that its worker thread often frees, outside what the CPU meter records
     (runtime/memory.py), so a step of hundreds of them measured up to 20% above what it held; its in-place
@@ -106,9 +106,17 @@ class ShardGroup:
                    staged: bool = False, device: torch.device | None = None) -> list[torch.Tensor]:
         """Every rank's chunks -> each parameter's ``(world, chunk_numel)`` rows (padding kept), on ``device``
         (default the chunks'; chunks on the host are copied up first: ZeRO-Infinity's parameters on the host)."""
+        return self.start_all_gather(layout, chunks, label, staged=staged, device=device).finish()
+
+    def start_all_gather(self, layout: ShardLayout, chunks: Sequence[torch.Tensor], label: str, *,
+                         staged: bool = False, ahead: bool = False,
+                         device: torch.device | None = None) -> PendingGather:
+        """:meth:`all_gather` started, its rows taken by :meth:`PendingGather.finish`; ``ahead``: into staged
+        buffers of their own, so that the gather runs while others start and finish (ZeRO-3's prefetch)."""
         flat = [chunk.reshape(-1) for chunk in chunks]
         like = flat[0] if device is None else flat[0].new_empty(0, device=device)
-        row = self._buffer("row", layout.row_numel, like, staged)
+        roles = ("row ahead", "rows ahead") if ahead else ("row", "rows")
+        row = self._buffer(roles[0], layout.row_numel, like, staged or ahead)
         if all(chunk.device == row.device for chunk in flat):
             torch.cat(flat, out=row)
         else:
@@ -116,12 +124,9 @@ class ShardGroup:
             for chunk in flat:
                 row[start:start + chunk.numel()].copy_(chunk, non_blocking=True)  # (pinned host chunks)
                 start += chunk.numel()
-        rows = self._buffer("rows", self.world * row.numel(), row, staged)
-        wait_for(dist.all_gather_single(rows, row, group=self.group, async_op=True), self.timeout,
-                 f"the {label} all-gather")
-        table = rows.view(self.world, -1)
-        offsets = _offsets(layout)
-        return [table[:, start:start + layout.chunk_numel(index)] for index, start in enumerate(offsets)]
+        rows = self._buffer(roles[1], self.world * row.numel(), row, staged or ahead)
+        work = dist.all_gather_single(rows, row, group=self.group, async_op=True)
+        return PendingGather(work, rows.view(self.world, -1), layout, self.timeout, f"the {label} all-gather")
 
     def reduce_scatter(self, layout: ShardLayout, fulls: Sequence[torch.Tensor], label: str, *,
                        staged: bool = False) -> list[torch.Tensor]:
@@ -140,6 +145,23 @@ class ShardGroup:
                      self.timeout, f"the {label} reduce-scatter")
         offsets = _offsets(layout)
         return [mine[start:start + layout.chunk_numel(index)] for index, start in enumerate(offsets)]
+
+
+@dataclass(frozen=True)
+class PendingGather:
+    """An all-gather started (:meth:`ShardGroup.start_all_gather`), its rows valid once :meth:`finish` returns."""
+
+    work: dist.Work
+    table: torch.Tensor
+    layout: ShardLayout
+    timeout: datetime.timedelta
+    label: str
+
+    def finish(self) -> list[torch.Tensor]:
+        """Wait for it: each parameter's ``(world, chunk_numel)`` rows (views of its buffer)."""
+        wait_for(self.work, self.timeout, self.label)
+        offsets = _offsets(self.layout)
+        return [self.table[:, start:start + self.layout.chunk_numel(index)] for index, start in enumerate(offsets)]
 
 
 def _offsets(layout: ShardLayout) -> list[int]:

@@ -56,7 +56,7 @@ from torch import nn
 from cost_models.memory import step_bucket_bytes, step_buckets
 from planner.plan import OffloadSpec, ParamTier, StateTier
 from runtime.nvme import PagedFile
-from runtime.sharding import ShardGroup, fill_storage, free_storage
+from runtime.sharding import PendingGather, ShardGroup, ShardLayout, fill_storage, free_storage
 from runtime.stages import OptimizerFactory
 
 
@@ -92,6 +92,7 @@ class StageOptimizer:
         self.grad_chunks: dict[int, torch.Tensor] = {}
         self.param_shards = self._initial_shards() if self.zero_stage == 3 else {}
         self._holds: dict[int, int] = {}  # ZeRO-3: gathers not yet released, per parameter
+        self._ahead: tuple[tuple[int, ...], list[int], PendingGather] | None = None  # ZeRO-3: a gather started early
         self._layered: frozenset[int] = frozenset()  # ZeRO-3: parameters their layers gather (attach_layers)
         self._end_pass: Callable[[], None] | None = None
         # grads_on_host: each sent parameter's gradient summed on the host, in buffers made once (the plan counts
@@ -184,17 +185,55 @@ class StageOptimizer:
     def gather(self, indices: Sequence[int], *, staged: bool = True) -> None:
         """ZeRO-3: parameters ``indices`` whole until as many :meth:`release` calls (one all-gather of those
         not held already; every replica asks for the same ones in the same order), through the group's kept
-        buffers (``staged``: a layer's, which the plan counts at the largest layer) or new ones."""
-        missing = [index for index in indices if not self._holds.get(index)]
-        if missing:
+        buffers (``staged``: a layer's, which the plan counts at the largest layer) or new ones; the gather
+        :meth:`gather_ahead` started, where it was of these parameters (another is waited for and dropped, by the
+        first gather that is not of parameters held already)."""
+        ahead = None
+        if self._ahead is not None and any(not self._holds.get(index) for index in indices):
+            ahead, self._ahead = self._ahead, None  # (the next gather that needs a collective takes it)
+            rows = ahead[2].finish()
+            if ahead[0] != tuple(indices):
+                ahead = None  # (every replica started and drops the same one)
+        filled: set[int] = set()
+        if ahead is not None:
+            filled = {index for index in ahead[1] if not self._holds.get(index)}
+            self._fill(filled, ahead[1], ahead[2].layout, rows)
+        missing = [index for index in indices if not self._holds.get(index) and index not in filled]
+        if missing:  # (all of them, unless gathered ahead)
             assert self.shards is not None
             layout = self.shards.layout([self.params[i].numel() for i in missing])
             rows = self.shards.all_gather(layout, [self.param_shards[i] for i in missing],
                                           f"stage {self.stage} parameters", staged=staged, device=self.device)
-            for slot, (index, table) in enumerate(zip(missing, rows)):
-                fill_storage(self.params[index], layout.unpad(slot, table, self.params[index].shape))
+            self._fill(set(missing), missing, layout, rows)
         for index in indices:
             self._holds[index] = self._holds.get(index, 0) + 1
+
+    def gather_ahead(self, indices: Sequence[int]) -> None:
+        """ZeRO-3: start the all-gather of parameters ``indices`` that the next :meth:`gather` will ask for, so that
+        it runs while this rank computes (FSDP's prefetch); nothing where one is started already or all are held.
+        Every replica starts the same ones in the same order."""
+        missing = [index for index in indices if not self._holds.get(index)]
+        if self._ahead is not None or not missing:
+            return
+        assert self.shards is not None
+        layout = self.shards.layout([self.params[i].numel() for i in missing])
+        pending = self.shards.start_all_gather(layout, [self.param_shards[i] for i in missing],
+                                               f"stage {self.stage} parameters (ahead)", ahead=True,
+                                               device=self.device)
+        self._ahead = (tuple(indices), missing, pending)
+
+    def drop_ahead(self) -> None:
+        """Wait for a gather started ahead that no :meth:`gather` took (at a pass's end), and forget it."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead[2].finish()
+
+    def _fill(self, indices: set[int], gathered: Sequence[int], layout: ShardLayout,
+              rows: Sequence[torch.Tensor]) -> None:
+        """Parameters ``indices`` (of those ``gathered`` into ``rows``, in ``layout``) whole again."""
+        for slot, (index, table) in enumerate(zip(gathered, rows)):
+            if index in indices:
+                fill_storage(self.params[index], layout.unpad(slot, table, self.params[index].shape))
 
     def release(self, indices: Sequence[int]) -> None:
         """One :meth:`gather` of ``indices`` undone: the parameters no one holds any more are freed."""

@@ -113,6 +113,9 @@ def _offload(plan: Plan) -> Iterator[str]:
         if offload.grads_on_host and not offload.host_step:
             yield (f"{path}.grads_on_host is true but its optimizer_state is {offload.optimizer_state.value}; "
                    f"gradients on the host need the step on the host (optimizer_state host or nvme)")
+        if offload.prefetch and offload.zero_stage != 3:
+            yield (f"{path}.prefetch is true but zero_stage is {offload.zero_stage}; only ZeRO-3 gathers parameters "
+                   f"ahead (zero_stage 3), or set prefetch false")
         if offload.gathers and offload.zero_stage != 3:
             yield (f"{path}.gathers lists {len(offload.gathers)} gather groups but zero_stage is "
                    f"{offload.zero_stage}; only ZeRO-3 gathers parameters (zero_stage 3), or leave gathers empty")

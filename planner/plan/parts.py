@@ -162,6 +162,9 @@ class OffloadSpec:
       last, gathered again for its layers' backward and its gradients reduce-scattered once they are all made
       (runtime/layer_gathers.py). Parameters in no group are gathered for the whole pass. Empty: one group per
       layer (module call) that reads sharded parameters.
+    * ``prefetch``: under ZeRO-3, each group's gather starts the next one's, which runs while the group computes
+      (FSDP's prefetch), in buffers of its own (the planner sets it where the backend overlaps collectives with
+      compute: cost_models.comm.GATHERS_AHEAD).
     """
 
     recompute: tuple[tuple[str, ...], ...] = ()
@@ -171,6 +174,7 @@ class OffloadSpec:
     params: ParamTier = ParamTier.GPU
     grads_on_host: bool = False
     gathers: tuple[tuple[str, ...], ...] = ()
+    prefetch: bool = False
 
     @property
     def is_default(self) -> bool:
@@ -198,7 +202,8 @@ class OffloadSpec:
         if self.zero_stage:
             said.append(f"model state sharded (ZeRO-{self.zero_stage})")
         if self.gathers:
-            said.append(f"its weights gathered in {len(self.gathers)} group{'s' if len(self.gathers) != 1 else ''}")
+            said.append(f"its weights gathered in {len(self.gathers)} group{'s' if len(self.gathers) != 1 else ''}"
+                        + (", each the next's ahead" if self.prefetch else ""))
         if self.optimizer_state is StateTier.HOST:
             said.append("optimizer on host")
         elif self.optimizer_state is StateTier.NVME:
@@ -215,8 +220,8 @@ class OffloadSpec:
             "recompute": codec.tuple_of(codec.tuple_of(codec.string)), "swap": codec.tuple_of(codec.string),
             "zero_stage": codec.integer, "optimizer_state": codec.enum_of(StateTier),
             "params": codec.enum_of(ParamTier), "grads_on_host": codec.boolean,
-            "gathers": codec.tuple_of(codec.tuple_of(codec.string))},
-            optional=frozenset({"grads_on_host", "gathers"}))
+            "gathers": codec.tuple_of(codec.tuple_of(codec.string)), "prefetch": codec.boolean},
+            optional=frozenset({"grads_on_host", "gathers", "prefetch"}))
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ import numpy as np
 from cost_models.comm import (
     ALL_GATHER_SHARE,
     ALL_GATHER_STAGING,
+    GATHERS_AHEAD,
     LAYER_REDUCE_SHARE,
     RECEIVES_POSTED_AHEAD,
     hidden_share,
@@ -705,12 +706,13 @@ def _part_terms(problem: PipelineProblem, part: int, shared: dict[str, Term],
     return terms
 
 
-def gathered_layer_copies(copies: int) -> float:
-    """What a ZeRO-3 part with ``copies`` copies holds of its largest layer's weights at the worst moment, in copies
-    of them: in that layer's backward the gathered weights and their whole gradient, beside the buffers its
+def gathered_layer_copies(copies: int, ahead: bool) -> float:
+    """What a ZeRO-3 part with ``copies`` copies holds of its largest gather group's weights at the worst moment, in
+    copies of them: in that group's backward the gathered weights and their whole gradient, beside the buffers its
     collectives keep (runtime/sharding.py, staged): the all-gather's rows and the reduce-scatter's table (one
-    each), and this rank's row of each (1 / copies each)."""
-    return 4.0 + 2.0 / copies
+    each), and this rank's row of each (1 / copies each); and with each group's gather started ahead
+    (:data:`cost_models.comm.GATHERS_AHEAD`), that gather's rows and row."""
+    return (4.0 + 2.0 / copies) + ((1.0 + 1.0 / copies) if ahead else 0.0)
 
 
 def layer_collective_fixed_ms(allreduce: LinearCost, up: LinearCost | None, backend: str) -> tuple[float, float]:
@@ -745,7 +747,7 @@ def _gathering_terms(units: tuple[Unit, ...], shared: tuple[SharedParam, ...], a
                                        per_recompute=gather if recompute else ()))
     largest = max((u.largest_layer_bytes for u in units), default=0)
     terms = {"fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "compute_ms": fwd_ms.plus(bwd_ms),
-             "gathered_bytes": Term(constant=gathered_layer_copies(copies) * largest),
+             "gathered_bytes": Term(constant=gathered_layer_copies(copies, GATHERS_AHEAD[backend]) * largest),
              "whole_grad_bytes": Term(per_unit=tuple(float(u.grad_bytes - u.layered_grad_bytes) for u in units),
                                       per_shared=tuple(float(p.grad_bytes) for p in shared)),
              # the gradients it holds from its first backward to its step: the layers' shards, the rest whole

@@ -80,8 +80,10 @@ def test_zero_3_layer_by_layer_with_recompute_and_swap_equals_a_single_process(t
     """ZeRO-3 gathers each layer around its forward and backward (runtime/layer_gathers.py): inside checkpoint
     regions too, whose backward recomputes their layers' forwards (each gathering again while the layer whose
     backward started holds its own), beside swapped activations, with batch-norm (ResNet, momentum) and with the
-    GPT's embedding read again as its head (gathered for the whole pass); 1F1B and GPipe, 3 micro-batches; and
-    with the parameters' shards on the host (stepped on the host or paged to NVMe: ZeRO-Infinity). ZeRO-3
+    GPT's embedding read again as its head (gathered for the whole pass); 1F1B and GPipe, 3 micro-batches; with
+    the parameters' shards on the host (stepped on the host or paged to NVMe: ZeRO-Infinity); and with each gather
+    starting the next group's (FSDP's prefetch, which NCCL plans do), its layers in the planner's groups
+    (planner/gathers.py: a plan made by hand is grouped too). ZeRO-3
     sums each micro-batch's gradients over the replicas before adding the micro-batches (another float64 order
     than the reference's): the ResNet's stem gradients, sums that nearly cancel, then differ by up to 7e-12
     (relative 5e-10 on the smallest), as they also do without ZeRO at 3 and 4 micro-batches; they are checked to
@@ -90,11 +92,14 @@ def test_zero_3_layer_by_layer_with_recompute_and_swap_equals_a_single_process(t
                       swap=("blocks_0_attn_qkv", "blocks_1_mlp_fc"))
     resnet = OffloadSpec(zero_stage=3, recompute=(RESNET_STEM, RESNET_RESIDUAL_2_0), swap=("layer2_1_conv1",))
     on_host = [dataclasses.replace(gpt, optimizer_state=tier, params=ParamTier.HOST) for tier in (HOST, NVME)]
+    ahead = [dataclasses.replace(spec, prefetch=True) for spec in (gpt, on_host[0])]  # (NCCL's plans do it)
     cases = [_case([], [gpt], optimizer="adam", nvme_dir=tmp_path, schedule="1f1b", microbatches=3),
              Case(make_plan(RESNET, [], schedule="gpipe", data_parallel=2, microbatches=3, offload=[resnet])),
-             *(_case([], [spec], optimizer="momentum", nvme_dir=tmp_path, microbatches=3) for spec in on_host)]
+             *(_case([], [spec], optimizer="momentum", nvme_dir=tmp_path, microbatches=3) for spec in on_host),
+             _case([], [ahead[0]], optimizer="adam", nvme_dir=tmp_path, schedule="1f1b", microbatches=3),
+             _case([], [ahead[1]], optimizer="momentum", nvme_dir=tmp_path, microbatches=3)]
     outcomes = run_ranks(run_cases, 2, cases, timeout_s=240)
-    for index, (case, atol) in enumerate(zip(cases, (ATOL, 1e-10, ATOL, ATOL))):
+    for index, (case, atol) in enumerate(zip(cases, (ATOL, 1e-10, ATOL, ATOL, ATOL, ATOL))):
         check_outcomes(reference(case), case, [outcomes[rank][index] for rank in range(2)], atol=atol)
         assert all(outcome.checkpointed for outcome in (outcomes[rank][index] for rank in range(2)))
 
