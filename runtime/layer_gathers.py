@@ -86,7 +86,7 @@ def _graph_of(module: nn.Module) -> torch.fx.GraphModule | None:
     if isinstance(module, torch.fx.GraphModule):
         return module
     graphs = [child for child in module.children() if isinstance(child, torch.fx.GraphModule)]
-    return graphs[0] if len(graphs) == 1 and not any(True for _ in module.parameters(recurse=False)) else None
+    return graphs[0] if len(graphs) == 1 and next(module.parameters(recurse=False), None) is None else None
 
 
 class LayerGathers:
@@ -114,8 +114,9 @@ class LayerGathers:
         self._last: dict[int, int] = {}  # group -> its last layer (position among the layers)
         self._segment: dict[int, int] = {}  # group -> the segment of its first layer
         self._recomputed = recomputed  # segments that are checkpoint regions
+        calls = [call for call in calls if any(index in group_of for index in call[2])]  # (others: whole-pass)
         for position, (layer, segment, indices) in enumerate(calls):
-            group = group_of[indices[0]]
+            group = next(group_of[index] for index in indices if index in group_of)
             self._last[group] = position
             self._segment.setdefault(group, segment)
             layer.register_forward_pre_hook(functools.partial(self._before_forward, group))

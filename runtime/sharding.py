@@ -70,11 +70,11 @@ class ShardGroup:
     With ``staged``, a collective's input and output live in buffers the group keeps (grown to the largest
     asked for, one per role and dtype; a gather started ahead has its own) instead of new tensors: ZeRO-3's
     layer-by-layer collectives, hundreds a step, allocate none of them each, and the results are views of those
-    buffers, valid until the next staged collective of their role. On gloo a staged reduce-scatter is an all-reduce of the table in place, this rank's row then
-    copied out (twice the bytes on the wire, costed so: planner/search/terms.py): gloo's reduce-scatter copies
-    its input into a temporary that its worker thread often frees, outside what the CPU meter records
-    (runtime/memory.py), so a step of hundreds of them measured up to 20% above what it held; its in-place
-    all-reduce allocates nothing.
+    buffers, valid until the next staged collective of their role. On gloo a staged reduce-scatter is an
+    all-reduce of the table in place, this rank's row then copied out (twice the bytes on the wire, costed so:
+    planner/search/terms.py): gloo's reduce-scatter copies its input into a temporary that its worker thread often
+    frees, outside what the CPU meter records (runtime/memory.py), so a step of hundreds of them measured up to 20%
+    above what it held; its in-place all-reduce allocates nothing.
     """
 
     def __init__(self, group: dist.ProcessGroup, timeout_s: float) -> None:
