@@ -13,7 +13,7 @@ from cost_models.fused import FusedHalos
 from cost_models.graph.ir import LayerGraph, NodeKind
 from cost_models.spatial import halo_bytes, stage_geometry, tile_geometry
 from cost_models.units import format_ms, plural
-from planner.gathers import group_layers, layer_calls, regrouped
+from planner.gathers import group_cap_bytes, group_layers, layer_calls, regrouped
 from planner.plan import (
     ClusterSpec,
     HaloMode,
@@ -51,7 +51,7 @@ from planner.search.search import (
     SearchResult,
     SearchSpace,
 )
-from planner.search.terms import gathered_layer_copies, layer_collective_fixed_ms
+from planner.search.terms import gathered_layer_copies, layer_collective_fixed_ms, layer_gather_ms_per_byte
 from planner.search.working import PartWorking, part_working
 from planner.simulation import sim_costs
 from planner.stepped import stage_step_bytes
@@ -318,9 +318,10 @@ def _gathered(best: Candidate, index: int, nodes: tuple[str, ...], graph: LayerG
                          and not graph.parameter(p).is_buffer) - whole_pass_params(graph)
     weight_bytes = {p: graph.parameter(p).numel * tiers.precision.itemsize for p in gathered}
     calls = layer_calls(graph, nodes, gathered, weight_bytes, offload)
-    gathers = group_layers(calls, (searched * largest + max(0.0, room)) / held)
     up = tiers.host_link if tiers.state.params_on_host else None
     gather_ms, reduce_ms = layer_collective_fixed_ms(problem.allreduce[index], up, problem.backend)
+    gathers = group_layers(calls, group_cap_bytes(largest, (searched * largest + max(0.0, room)) / held, gather_ms,
+                                                  layer_gather_ms_per_byte(problem.allreduce[index])))
     part = regrouped(part, calls, gathers, gather_ms=gather_ms, reduce_ms=reduce_ms, copies_held=(held, searched),
                      largest_layer_bytes=largest)
     return part, dataclasses.replace(offload, gathers=gathers.groups, prefetch=ahead)

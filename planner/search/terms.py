@@ -722,6 +722,12 @@ def layer_collective_fixed_ms(allreduce: LinearCost, up: LinearCost | None, back
     return gather_ms, LAYER_REDUCE_SHARE[backend] * allreduce.fixed_ms
 
 
+def layer_gather_ms_per_byte(allreduce: LinearCost) -> float:
+    """What a ZeRO-3 gather over ``allreduce``'s link takes per byte of the weights it gathers (half a ring
+    all-reduce's)."""
+    return allreduce.ms_per_byte * ALL_GATHER_SHARE
+
+
 @functools.lru_cache(maxsize=64)
 def _gathering_terms(units: tuple[Unit, ...], shared: tuple[SharedParam, ...], allreduce: LinearCost,
                      up: LinearCost | None, copies: int, backend: str, recompute: bool, fwd_ms: Term,
@@ -735,8 +741,8 @@ def _gathering_terms(units: tuple[Unit, ...], shared: tuple[SharedParam, ...], a
     the rest (:func:`gathered_layer_copies`); the gradients it holds (its layers' shards, the rest whole); and those
     the step still sums whole (the ones no layer owns)."""
     gather_ms, reduce_ms = layer_collective_fixed_ms(allreduce, up, backend)
-    half_ms_per_byte = allreduce.ms_per_byte * ALL_GATHER_SHARE
-    gather = tuple(u.layered_calls * gather_ms + u.layered_weight_bytes * half_ms_per_byte for u in units)
+    gather = tuple(u.layered_calls * gather_ms + u.layered_weight_bytes * layer_gather_ms_per_byte(allreduce)
+                   for u in units)
     if up is not None:
         gather = tuple(g + u.layered_weight_bytes / copies * up.ms_per_byte for g, u in zip(gather, units))
     reduce = LAYER_REDUCE_SHARE[backend]

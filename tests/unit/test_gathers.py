@@ -14,7 +14,7 @@ from torch import nn
 from cost_models.errors import PlanFileError, RuntimeSetupError
 from cost_models.graph.ir import NodeKind
 from cost_models.graph.tracing import trace
-from planner.gathers import Gathers, LayerCall, group_layers, layer_calls, regrouped, segments
+from planner.gathers import Gathers, LayerCall, group_cap_bytes, group_layers, layer_calls, regrouped, segments
 from planner.plan import OffloadSpec, Plan
 from planner.search.evaluate import PartSummary
 from runtime.layer_gathers import LayerGathers
@@ -39,6 +39,15 @@ def test_layers_group_within_their_run_up_to_the_cap_and_count_the_hooks_collect
     assert grouped.backward == 4
     apart = group_layers(CALLS, 0)
     assert (len(apart.groups), apart.forward, apart.backward, apart.recompute) == (6, 7, 6, 2)
+
+
+def test_a_group_grows_within_the_memory_left_while_its_gathers_fixed_time_matters() -> None:
+    """1 ms fixed and 0.001 ms a byte: a 20,000-byte gather's fixed time is 5% of its bytes' (LATENCY_SHARE), past
+    which a group need not grow; the memory left bounds it below that; the largest layer (10 bytes) is the least."""
+    assert group_cap_bytes(10, 1000, 1.0, 0.001) == 1000
+    assert group_cap_bytes(10, 50_000, 1.0, 0.001) == pytest.approx(20_000)
+    assert group_cap_bytes(10, 5, 1.0, 0.001) == 10
+    assert group_cap_bytes(10, 50_000, 1.0, 0.0) == 50_000
 
 
 def test_regrouping_saves_each_collectives_fixed_time_and_holds_the_largest_group() -> None:
