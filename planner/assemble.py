@@ -11,6 +11,7 @@ from cost_models.comm import GATHERS_AHEAD
 from cost_models.devices import DeviceSpec
 from cost_models.fused import FusedHalos
 from cost_models.graph.ir import LayerGraph, NodeKind
+from cost_models.memory import model_state_bytes
 from cost_models.spatial import halo_bytes, stage_geometry, tile_geometry
 from cost_models.units import format_ms, plural
 from planner.gathers import group_cap_bytes, group_layers, layer_calls, regrouped
@@ -303,7 +304,7 @@ def _gathered(best: Candidate, index: int, nodes: tuple[str, ...], graph: LayerG
     ranks have left under the search's bound allows, shared among the parts each holds."""
     problem = best.setup.problem
     tiers, layout = problem.tiers, best.setup.schedule.layout
-    if tiers.precision is None:  # (a bare problem: no weights' bytes to group by)
+    if tiers.precision is None or tiers.optimizer is None:  # (a bare problem: no weights' bytes to group by)
         return part, offload
     copies = layout.part_ranks(index)
     room = min((problem.mem_bytes - best.evaluation.slot_peak_bytes[layout.place(rank).slot])
@@ -316,7 +317,8 @@ def _gathered(best: Candidate, index: int, nodes: tuple[str, ...], graph: LayerG
     gathered = frozenset(p for name in nodes for p in graph.node(name).param_names
                          if graph.node(name).kind is NodeKind.MODULE and p not in shared
                          and not graph.parameter(p).is_buffer) - whole_pass_params(graph)
-    weight_bytes = {p: graph.parameter(p).numel * tiers.precision.itemsize for p in gathered}
+    weight_bytes = {p: model_state_bytes(graph.parameter(p).numel, tiers.precision, tiers.optimizer).param_bytes
+                    for p in gathered}
     calls = layer_calls(graph, nodes, gathered, weight_bytes, offload)
     up = tiers.host_link if tiers.state.params_on_host else None
     gather_ms, reduce_ms = layer_collective_fixed_ms(problem.allreduce[index], up, problem.backend)

@@ -44,7 +44,6 @@ def group_cap_bytes(largest_layer_bytes: float, room_bytes: float, gather_ms: fl
 class LayerCall:
     """One module call of a stage that reads parameters its layers gather."""
 
-    node: str
     layer: str  # the module called (a layer called twice is one layer)
     params: tuple[str, ...]  # the gathered parameters it reads
     weight_bytes: int
@@ -78,7 +77,7 @@ def layer_calls(graph: LayerGraph, nodes: Sequence[str], gathered: frozenset[str
         node = graph.node(name)
         params = tuple(p for p in dict.fromkeys(node.param_names) if p in gathered)
         if node.kind is NodeKind.MODULE and params:
-            calls.append(LayerCall(name, node.target, params, sum(weight_bytes[p] for p in params), segment[name],
+            calls.append(LayerCall(node.target, params, sum(weight_bytes[p] for p in params), segment[name],
                                    name in recomputed))
     return tuple(calls)
 

@@ -22,7 +22,7 @@ from runtime.recompute import recompute
 
 
 def _call(layer: str, nbytes: int, segment: int, recomputed: bool = False) -> LayerCall:
-    return LayerCall(f"{layer}_node", layer, (f"{layer}.weight",), nbytes, segment, recomputed)
+    return LayerCall(layer, (f"{layer}.weight",), nbytes, segment, recomputed)
 
 
 CALLS = (_call("a", 10, 0), _call("b", 10, 0), _call("c", 30, 0), _call("d", 5, 1, True), _call("e", 5, 1, True),
