@@ -3,8 +3,8 @@
 The search costs ZeRO-3 layer by layer (planner/search/terms.py: each module call gathers its weights before its
 forward and its backward and reduce-scatters its gradients after it; the largest layer gathered whole). Every
 collective also costs its link's fixed time, and on gloo a rank's own core time for its messages: fewer, larger
-gathers are faster, at the memory of the largest group (a 3.4M-parameter GPT on 2 CPU ranks: 205 ms a step
-gathering each of its 28 layers apart, 85 ms in groups of up to 4 MB). Once the search chose a ZeRO-3 plan, each
+gathers are faster, at the memory of the largest group (a 3.4M-parameter GPT on 2 CPU ranks: about 207 ms a step
+gathering each of its 28 layers apart, 147 ms in the 12 groups its plan's memory allowed). Once the search chose a ZeRO-3 plan, each
 of its stages groups consecutive layers up to the size the memory the plan leaves on its ranks allows: the memory
 rows grow by :func:`~planner.search.terms.gathered_layer_copies` copies of what the largest group adds over the
 largest layer, and the stage's times lose the fixed cost of each collective saved. The runtime gathers a group at
