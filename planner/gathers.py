@@ -4,8 +4,9 @@ The search costs ZeRO-3 layer by layer (planner/search/terms.py: each module cal
 forward and its backward and reduce-scatters its gradients after it; the largest layer gathered whole). Every
 collective also costs its link's fixed time, and on gloo a rank's own core time for its messages: fewer, larger
 gathers are faster, at the memory of the largest group (a 3.4M-parameter GPT on 2 CPU ranks: about 207 ms a step
-gathering each of its 28 layers apart, 147 ms in the 12 groups its plan's memory allowed). Once the search chose a ZeRO-3 plan, each
-of its stages groups consecutive layers up to the size the memory the plan leaves on its ranks allows: the memory
+gathering each of its 28 layers apart, 147 ms in the 12 groups its plan's memory allowed). Once the search chose a
+ZeRO-3 plan, each of its stages groups consecutive layers up to the size the memory the plan leaves on its ranks
+allows (and no larger than :data:`LATENCY_SHARE` makes worth it): the memory
 rows grow by :func:`~planner.search.terms.gathered_layer_copies` copies of what the largest group adds over the
 largest layer, and the stage's times lose the fixed cost of each collective saved. The runtime gathers a group at
 its first layer's forward and frees it after its last (runtime/layer_gathers.py), so a group never spans the runs
@@ -108,8 +109,9 @@ def group_layers(calls: Sequence[LayerCall], cap_bytes: float) -> Gathers:
     placed: dict[str, tuple[int, int]] = {}  # parameter -> the place of the first layer reading it
     for call in calls:
         seen = [placed[p] for p in call.params if p in placed]
-        if call.layer in position or seen:  # (a layer called again, or one sharing another's parameter)
-            position.setdefault(call.layer, seen[0] if seen else position[call.layer])
+        if call.layer not in position and seen:  # (a layer reading another's parameter: gathered with it)
+            position[call.layer] = seen[0]
+        if call.layer in position:  # (and a layer called again)
             continue
         current = groups[-1] if groups else None
         if (current is None or current[-1].segment != call.segment
@@ -141,7 +143,7 @@ def group_layers(calls: Sequence[LayerCall], cap_bytes: float) -> Gathers:
 
 def regrouped(part: PartSummary, calls: Sequence[LayerCall], gathers: Gathers, *, gather_ms: float,
               reduce_ms: float, copies_held: tuple[float, float], largest_layer_bytes: int) -> PartSummary:
-    """``part`` (as the search costed it: a gather per layer call, :func:`group_layers` at no cap) with the
+    """``part`` (as the search costed it: a gather per layer, :func:`group_layers` at no cap) with the
     collectives of ``gathers``: each all-gather saved ``gather_ms`` less, each reduce-scatter ``reduce_ms``, and
     ``copies_held[0]`` copies of the largest group's weights held in place of the ``copies_held[1]`` copies of the
     largest layer's (``largest_layer_bytes``, the model's) that the search counts."""

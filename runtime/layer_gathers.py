@@ -197,27 +197,22 @@ class LayerGathers:
 
 def _one_per_layer(calls: Sequence[tuple[nn.Module, int, tuple[int, ...]]]
                    ) -> tuple[list[tuple[int, ...]], dict[int, int]]:
-    """A group per layer, in their order; layers sharing a parameter share one group."""
-    groups: list[list[int]] = []
+    """A group per layer, in their order (what a plan naming no groups gathers); layers sharing a parameter share
+    one group."""
+    groups: list[set[int]] = []
     group_of: dict[int, int] = {}
     for _layer, _segment, indices in calls:
         joined = sorted({group_of[index] for index in indices if index in group_of})
         target = joined[0] if joined else len(groups)
         if not joined:
-            groups.append([])
+            groups.append(set())
         for other in joined[1:]:  # (merged into the first)
-            for index in groups[other]:
-                group_of[index] = target
-            groups[target] += groups[other]
-            groups[other] = []
-        for index in indices:
-            if index not in group_of:
-                group_of[index] = target
-                groups[target].append(index)
-    kept = [group for group in groups if group]
-    renumber = {id(group): number for number, group in enumerate(kept)}
-    return ([tuple(sorted(group)) for group in kept],
-            {index: renumber[id(groups[group])] for index, group in group_of.items()})
+            groups[target] |= groups[other]
+            groups[other] = set()
+        groups[target].update(indices)
+        group_of.update(dict.fromkeys(groups[target], target))
+    kept = [tuple(sorted(group)) for group in groups if group]
+    return kept, {index: number for number, group in enumerate(kept) for index in group}
 
 
 def _planned_groups(gathers: Sequence[Sequence[str]], index_of: Mapping[int, int], names: Mapping[int, str],

@@ -14,7 +14,15 @@ from torch import nn
 from cost_models.errors import PlanFileError, RuntimeSetupError
 from cost_models.graph.ir import NodeKind
 from cost_models.graph.tracing import trace
-from planner.gathers import Gathers, LayerCall, group_cap_bytes, group_layers, layer_calls, regrouped, segments
+from planner.gathers import (
+    Gathers,
+    LayerCall,
+    group_cap_bytes,
+    group_layers,
+    layer_calls,
+    regrouped,
+    segments,
+)
 from planner.plan import OffloadSpec, Plan
 from planner.search.evaluate import PartSummary
 from runtime.layer_gathers import LayerGathers
@@ -172,6 +180,12 @@ def test_the_runtimes_hooks_make_the_collectives_the_plan_counts() -> None:
         assert planned.backward <= len(recorder.gathers) - forward <= planned.backward + planned.recompute
         assert not any(recorder.holds.values()) and recorder.wasted == 0
         assert (planned.forward, len(planned.groups)) == ((5, 5) if cap == 0 else (3, 3))
+        if cap == 0:  # a plan naming no groups (written before they were planned): the same, a group per layer
+            net, _calls = _net_calls(offload)
+            stage, unnamed, hooks = _hooked(net, (), ahead)
+            stage(torch.randn(2, 8, dtype=torch.float64)).sum().backward()
+            hooks.end_pass()
+            assert (unnamed.gathers, unnamed.reduces) == (recorder.gathers, recorder.reduces)
 
 
 def test_the_runtime_refuses_groups_that_split_a_layer_span_runs_or_name_strangers() -> None:
