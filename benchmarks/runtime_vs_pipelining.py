@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import multiprocessing as mp
+import queue
 import statistics
 import sys
 import tempfile
@@ -172,7 +173,8 @@ def _rank(rank: int, init_file: str, plan_json: str, steps: int, schedule: str, 
 
 def spawned(target: Callable[..., None], world: int, *args: Any, timeout_s: float = 1800) -> Any:
     """``target(rank, init_file, *args, results)`` on ``world`` spawned processes (a file rendezvous in a
-    scratch folder); what rank 0 puts in ``results``."""
+    scratch folder); what rank 0 puts in ``results``. A process that fails first stops the others and raises
+    (its traceback is on stderr), and so does ``timeout_s`` without an answer."""
     context = mp.get_context("spawn")
     results = context.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -180,7 +182,22 @@ def spawned(target: Callable[..., None], world: int, *args: Any, timeout_s: floa
                      for rank in range(world)]
         for process in processes:
             process.start()
-        answer = results.get(timeout=timeout_s)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                try:
+                    answer = results.get(timeout=1.0)
+                    break
+                except queue.Empty:
+                    failed = [rank for rank, process in enumerate(processes) if process.exitcode]
+                    if failed or time.monotonic() > deadline:
+                        raise RuntimeError(f"rank {failed[0]} exited with {processes[failed[0]].exitcode}" if failed
+                                           else f"no answer from the ranks within {timeout_s:.0f} s") from None
+        except BaseException:
+            for process in processes:
+                if process.is_alive():
+                    process.terminate()
+            raise
         for process in processes:
             process.join(timeout=120)
     return answer

@@ -12,6 +12,8 @@ __all__ = [
     "ALLREDUCE_BUCKET_BYTES",
     "FIRST_BUCKET_BYTES",
     "GATHERS_AHEAD",
+    "GATHER_ROW_HELD",
+    "KEPT_SUM_TABLE",
     "allreduce_link",
     "overlapped_share",
     "halo_exchange_ms",
@@ -52,6 +54,19 @@ with its compute (measured on a 3.4M-parameter GPT over 2 CPU ranks: 136.9 ms a 
 of 4 alternated runs each within the machine's spread), so its plans keep the memory it would take."""
 
 
+KEPT_SUM_TABLE: dict[str, int] = {"nccl": 0, "gloo": 1}
+"""Copies of the largest ZeRO-3 gather group's gradients a rank keeps between its layer sums: none on NCCL (each
+reduce-scatter's table is the caching allocator's to reuse); on gloo the table of its in-place all-reduces
+(runtime/sharding.py, ShardGroup: a new table each time was sometimes freed on gloo's worker thread, where the CPU
+meter does not see it)."""
+
+
+GATHER_ROW_HELD: dict[str, bool] = {"nccl": True, "gloo": False}
+"""Whether a ZeRO-3 all-gather's input (this rank's row of shards) is still held while the weights are filled from
+its output: NCCL's process group keeps a collective's tensors until its watchdog sees it complete; on gloo the
+runtime waits for the worker thread to let go and drops it first (runtime/sharding.py)."""
+
+
 ALL_GATHER_STAGING: dict[str, int] = {"nccl": 0, "gloo": 1}  # output-sized buffers an all-gather allocates
 """gloo's ``all_gather_into_tensor`` gathers into a buffer of its own the size of the output, then copies it
 out (measured on torch 2.13's CPU build: tests/dist/test_step_memory.py); NCCL writes the output in place."""
@@ -64,8 +79,8 @@ of its two passes (n - 1 steps each of 1/n of the bytes)."""
 
 LAYER_REDUCE_SHARE: dict[str, float] = {"nccl": ALL_GATHER_SHARE, "gloo": 1.0}
 """What ZeRO-3's per-layer gradient reduce-scatter costs, as a share of a ring all-reduce of the same bytes: half on
-NCCL; on gloo the runtime sums the layer's table with an in-place all-reduce instead (runtime/sharding.py, staged
-collectives: gloo's reduce-scatter's temporary is freed where the CPU meter cannot see it)."""
+NCCL; on gloo the runtime sums the layer's table with an in-place all-reduce instead (runtime/sharding.py,
+ShardGroup: gloo's reduce-scatter's temporary is freed where the CPU meter cannot see it)."""
 
 
 def hidden_share(grad_bytes: float, backend: str) -> float:

@@ -310,8 +310,8 @@ def _gathered(best: Candidate, index: int, nodes: tuple[str, ...], graph: LayerG
     room = min((problem.mem_bytes - best.evaluation.slot_peak_bytes[layout.place(rank).slot])
                / len(layout.parts_of_rank(rank)) for rank in copies)
     ahead = offload.prefetch or GATHERS_AHEAD[problem.backend]  # (a hand-made plan may ask for it)
-    held = gathered_layer_copies(len(copies), ahead)
-    searched = gathered_layer_copies(len(copies), GATHERS_AHEAD[problem.backend])  # (what the search counted)
+    held = gathered_layer_copies(len(copies), problem.backend, ahead)
+    searched = gathered_layer_copies(len(copies), problem.backend, GATHERS_AHEAD[problem.backend])  # (the search's)
     largest = max((unit.largest_layer_bytes for unit in problem.units), default=0)
     shared = {p.name for p in problem.shared}
     gathered = frozenset(p for name in nodes for p in graph.node(name).param_names

@@ -173,11 +173,12 @@ class LayerGathers:
                 self._backward_done(group)
 
     def _backward_done(self, group: int) -> None:
-        """Group ``group``'s gradients of this micro-batch reduce-scattered, its parameters freed."""
-        self.state.reduce_now([index for index in self.groups[group] if self.state.params[index].grad is not None])
+        """Group ``group``'s parameters freed, then its gradients of this micro-batch reduce-scattered (the
+        parameters and the sum's table are never held at once)."""
         if self._held[group]:
             self._held[group] -= 1
             self.state.release(self.groups[group])
+        self.state.reduce_now([index for index in self.groups[group] if self.state.params[index].grad is not None])
 
     def end_pass(self) -> None:
         """After a forward or backward: release what a forward left open (a recomputation that stopped early) and

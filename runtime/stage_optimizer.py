@@ -169,7 +169,7 @@ class StageOptimizer:
             yield
             return
         indices = [index for index in self.param_shards if whole or index not in self._layered]
-        self.gather(indices, staged=False)  # (a whole-pass gather must not grow the layers' kept buffers)
+        self.gather(indices)
         try:
             yield
         finally:
@@ -182,10 +182,9 @@ class StageOptimizer:
         after each forward or backward (runtime/layer_gathers.py)."""
         self._layered, self._end_pass = layered, end_pass
 
-    def gather(self, indices: Sequence[int], *, staged: bool = True) -> None:
+    def gather(self, indices: Sequence[int]) -> None:
         """ZeRO-3: parameters ``indices`` whole until as many :meth:`release` calls (one all-gather of those
-        not held already; every replica asks for the same ones in the same order), through the group's kept
-        buffers (``staged``: a layer's, which the plan counts at the largest layer) or new ones; the gather
+        not held already; every replica asks for the same ones in the same order); the gather
         :meth:`gather_ahead` started, where it was of these parameters (another is waited for and dropped, by the
         first gather that is not of parameters held already)."""
         ahead = None
@@ -203,7 +202,7 @@ class StageOptimizer:
             assert self.shards is not None
             layout = self.shards.layout([self.params[i].numel() for i in missing])
             rows = self.shards.all_gather(layout, [self.param_shards[i] for i in missing],
-                                          f"stage {self.stage} parameters", staged=staged, device=self.device)
+                                          f"stage {self.stage} parameters", device=self.device)
             self._fill(set(missing), missing, layout, rows)
         for index in indices:
             self._holds[index] = self._holds.get(index, 0) + 1
@@ -218,8 +217,7 @@ class StageOptimizer:
         assert self.shards is not None
         layout = self.shards.layout([self.params[i].numel() for i in missing])
         pending = self.shards.start_all_gather(layout, [self.param_shards[i] for i in missing],
-                                               f"stage {self.stage} parameters (ahead)", ahead=True,
-                                               device=self.device)
+                                               f"stage {self.stage} parameters (ahead)", device=self.device)
         self._ahead = (tuple(indices), missing, pending)
 
     def drop_ahead(self) -> None:
@@ -244,19 +242,21 @@ class StageOptimizer:
 
     def reduce_now(self, indices: Sequence[int]) -> None:
         """ZeRO-3, a layer's backward done: its parameters' gradients (``indices``, each present) summed over the
-        group now, this rank adding its chunk to its sum of the step's; the whole gradients freed."""
+        group now, this rank adding its chunk to its sum of the step's; the whole gradients freed as soon as the
+        sum's table holds them."""
         if not indices:
             return
         assert self.shards is not None
         layout = self.shards.layout([self.params[i].numel() for i in indices])
-        chunks = self.shards.reduce_scatter(layout, [self.params[i].grad for i in indices],  # type: ignore[misc]
-                                            f"stage {self.stage} layer gradients", staged=True)
-        for index, chunk in zip(indices, chunks):  # (views of the group's buffer: added, or copied)
+        fulls: list[torch.Tensor] = [self.params[i].grad for i in indices]  # type: ignore[misc]
+        for index in indices:
+            self.params[index].grad = None
+        chunks = self.shards.reduce_scatter(layout, fulls, f"stage {self.stage} layer gradients", in_place=True)
+        for index, chunk in zip(indices, chunks):  # (views of the sum's table: added, or copied)
             if index in self.grad_chunks:
                 self.grad_chunks[index].add_(chunk)
             else:
                 self.grad_chunks[index] = chunk.clone()
-            self.params[index].grad = None
 
     def prefetch(self) -> None:
         """Start reading the paged state back (called at the stage's backwards; idempotent)."""
@@ -565,13 +565,13 @@ class StageOptimizer:
             return [t.clone() for t in self.gather_full([m.detach() for m in self.masters])]  # type: ignore[union-attr]
 
     def held_tensors(self) -> list[torch.Tensor]:
-        """Masters, their state, parameter shards, gradient sums on the host and the buffers of ZeRO-3's layer
-        collectives this stage holds in memory now (not the params)."""
+        """Masters, their state, parameter shards, gradient sums on the host and the table ZeRO-3's layer sums
+        keep on gloo (runtime/sharding.py) this stage holds in memory now (not the params)."""
         tensors = [] if self.plain else [m for m in self.masters if m.numel()]
         tensors += [v for state in self.optimizer.state.values() for v in state.values()
                     if isinstance(v, torch.Tensor)]
-        staged = self.shards.staged_tensors() if self.shards is not None else []  # ZeRO-3's layers' collectives
-        return tensors + list(self.param_shards.values()) + list(self.host_grads.values()) + staged
+        kept = self.shards.kept_tensors() if self.shards is not None else []
+        return tensors + list(self.param_shards.values()) + list(self.host_grads.values()) + kept
 
     def device_tensors(self) -> list[torch.Tensor]:
         """Of :meth:`held_tensors`, those the plan counts as device memory: all but the host tier's masters and
@@ -580,7 +580,7 @@ class StageOptimizer:
         if self.spec.optimizer_state is StateTier.GPU:
             return held
         shards = self.param_shards.values() if self.spec.params is ParamTier.GPU else ()  # (else the host's)
-        on_device = {id(t) for t in (*shards, *(self.shards.staged_tensors() if self.shards is not None else ()))}
+        on_device = {id(t) for t in (*shards, *(self.shards.kept_tensors() if self.shards is not None else ()))}
         return [t for t in held if id(t) in on_device]
 
     @property

@@ -44,7 +44,9 @@ import numpy as np
 from cost_models.comm import (
     ALL_GATHER_SHARE,
     ALL_GATHER_STAGING,
+    GATHER_ROW_HELD,
     GATHERS_AHEAD,
+    KEPT_SUM_TABLE,
     LAYER_REDUCE_SHARE,
     RECEIVES_POSTED_AHEAD,
     hidden_share,
@@ -706,13 +708,17 @@ def _part_terms(problem: PipelineProblem, part: int, shared: dict[str, Term],
     return terms
 
 
-def gathered_layer_copies(copies: int, ahead: bool) -> float:
+def gathered_layer_copies(copies: int, backend: str, ahead: bool) -> float:
     """What a ZeRO-3 part with ``copies`` copies holds of its largest gather group's weights at the worst moment, in
-    copies of them: in that group's backward the gathered weights and their whole gradient, beside the buffers its
-    collectives keep (runtime/sharding.py, staged): the all-gather's rows and the reduce-scatter's table (one
-    each), and this rank's row of each (1 / copies each); and with each group's gather started ahead
-    (:data:`cost_models.comm.GATHERS_AHEAD`), that gather's rows and row."""
-    return (4.0 + 2.0 / copies) + ((1.0 + 1.0 / copies) if ahead else 0.0)
+    copies of them. A group's all-gather holds its output (one) only until the weights are filled from it
+    (runtime/sharding.py), in the group's forward and again in its backward: two at the fill, with its input, this
+    rank's row (1 / copies), where ``backend`` still holds that (:data:`cost_models.comm.GATHER_ROW_HELD`); at its
+    backward's end the weights and their whole gradient (two), the weights freed before the gradient is packed
+    into the sum's table (two again). Besides: the table ``backend`` keeps between sums
+    (:data:`cost_models.comm.KEPT_SUM_TABLE`), and with each group's gather started ``ahead``
+    (:data:`cost_models.comm.GATHERS_AHEAD`), that gather's output and row."""
+    row = 1.0 / copies
+    return 2.0 + (row if GATHER_ROW_HELD[backend] else 0.0) + KEPT_SUM_TABLE[backend] + ((1.0 + row) if ahead else 0.0)
 
 
 def layer_collective_fixed_ms(allreduce: LinearCost, up: LinearCost | None, backend: str) -> tuple[float, float]:
@@ -753,7 +759,7 @@ def _gathering_terms(units: tuple[Unit, ...], shared: tuple[SharedParam, ...], a
                                        per_recompute=gather if recompute else ()))
     largest = max((u.largest_layer_bytes for u in units), default=0)
     terms = {"fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "compute_ms": fwd_ms.plus(bwd_ms),
-             "gathered_bytes": Term(constant=gathered_layer_copies(copies, GATHERS_AHEAD[backend]) * largest),
+             "gathered_bytes": Term(constant=gathered_layer_copies(copies, backend, GATHERS_AHEAD[backend]) * largest),
              "whole_grad_bytes": Term(per_unit=tuple(float(u.grad_bytes - u.layered_grad_bytes) for u in units),
                                       per_shared=tuple(float(p.grad_bytes) for p in shared)),
              # the gradients it holds from its first backward to its step: the layers' shards, the rest whole

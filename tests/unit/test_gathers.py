@@ -205,7 +205,7 @@ def test_a_plan_gathers_in_groups_as_large_as_its_memory_allows_and_saves_their_
     one group per run of the stage) against the same plan gathering one layer at a time (its groups given): the
     forward loses the fixed time of every all-gather saved (half a two-rank ring all-reduce's: one link latency),
     the backward that of every all-gather and reduce-scatter saved (a whole ring all-reduce's on nccl), and the
-    stage holds 6.5 copies (5 + 3 / 2: planner/search/terms.py gathered_layer_copies) of its whole weights in place
+    stage holds 4 copies (3 + 2 / 2: planner/search/terms.py gathered_layer_copies) of its whole weights in place
     of its largest layer's."""
     from examples.models.gpt import gpt_tiny
     from planner.manual import plan_with_split
@@ -233,7 +233,7 @@ def test_a_plan_gathers_in_groups_as_large_as_its_memory_allows_and_saves_their_
     assert a.bwd_ms == pytest.approx(b.bwd_ms - saved * 2 * latency_ms)
     sizes = {name: p.numel() * 8 for name, p in model.named_parameters()}
     whole, largest = sum(sizes[p] for p in covered), max(sum(sizes[p] for p in layer) for layer in per_layer)
-    assert a.static_bytes - b.static_bytes == round(6.5 * (whole - largest))
+    assert a.static_bytes - b.static_bytes == round(4 * (whole - largest))
     assert grouped.predicted.step_ms < apart.predicted.step_ms
     assert Plan.from_dict(json.loads(grouped.to_json())).stages[0].offload == grouped.stages[0].offload
     assert "its weights gathered in 1 group, each the next's ahead" in str(grouped)  # (V100s: NCCL prefetches)

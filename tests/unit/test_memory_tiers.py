@@ -456,9 +456,10 @@ def test_zero_3_per_layer_by_hand() -> None:
     """ZeRO-3 over 2 replicas of the fp32 Adam unit above (1000 parameters: 4000 bytes of weights, 4000 of
     gradients, 8000 of moments), whose two module calls own 3000 and 800 bytes of its weights, and whose other 200
     (a weight read through get_attr) stay whole with their gradient (runtime/layer_gathers.py): on the device half
-    the layered weights and gradients, the whole 200 twice, half the moments, and 6.5 copies of the largest layer
-    (3000 bytes: gathered, its gradient, the kept buffers of the all-gather, of the reduce-scatter and of the next
-    gather started ahead, and this rank's half-row of each). Each forward all-gathers the layers' weights
+    the layered weights and gradients, the whole 200 twice, half the moments, and 4 copies of the largest layer
+    (3000 bytes: its all-gather's rows and this rank's half-row, then the layer gathered from them; at its
+    backward's end the gathered layer and its gradient; and the next gather started ahead, its rows and
+    half-row). Each forward all-gathers the layers' weights
     (two calls at half the link's 1 ms and 3800 bytes at half its 0.001 ms/B: 2.9 ms), each backward that and the
     gradients' reduce-scatter (2 x 2.9 ms); the step's all-reduce sums the 200 whole bytes only, and no all-gather
     follows the step (ZeRO-1's does)."""
@@ -472,7 +473,7 @@ def test_zero_3_per_layer_by_hand() -> None:
         return evaluate(cost_model(problem), ()).parts[0]
 
     zero_1, zero_3 = part(1), part(3)
-    assert zero_3.static_bytes == (3800 + 3800) / 2 + 2 * 200 + 8000 / 2 + 6.5 * 3000
+    assert zero_3.static_bytes == (3800 + 3800) / 2 + 2 * 200 + 8000 / 2 + 4 * 3000
     assert zero_1.static_bytes == 4000 + 4000 + 8000 / 2
     assert zero_3.fwd_ms == pytest.approx(1.0 + 2 * 0.5 + 3800 * 0.0005)
     assert zero_3.bwd_ms == pytest.approx(1.0 + 2 * (2 * 0.5 + 3800 * 0.0005))
@@ -487,7 +488,7 @@ def test_zero_3_per_layer_by_hand() -> None:
     hosted = PipelineProblem((unit,), (), (), Layout.pipeline(1, 2), ScheduleKind.GPIPE, 1, (1,), (), (link,), 10**6,
                              _tiers(False, False, StateMode(3, StateTier.HOST, params_on_host=True)))
     part = evaluate(cost_model(hosted), ()).parts[0]
-    assert part.static_bytes == 200 + 1900 + 200 + 6.5 * 3000
+    assert part.static_bytes == 200 + 1900 + 200 + 4 * 3000
     assert part.host_bytes == 1000 * 4 / 2 + 1900 + (8000 + 1000 * 4) / 2
     assert part.fwd_ms == pytest.approx(1.0 + 2 * 0.5 + 3800 * 0.0005 + 1900 * 0.002)
 
