@@ -140,19 +140,24 @@ def compare(name: str, plan: Plan, steps: int) -> dict[str, list[float]]:
     return spawned(_rank, RANKS, name, plan.to_json(), steps)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def arguments(description: str) -> tuple[list[str], int]:
+    """The cases (``--quick``: GPT only) and the timed steps per system (``--steps``) the command line asks for."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--steps", type=int, default=30, help="timed steps per system (after 2 warm-up steps)")
     parser.add_argument("--quick", action="store_true", help="GPT only")
     args = parser.parse_args()
-    names = list(CASES)[:1] if args.quick else list(CASES)
-    print(f"{RANKS} gloo processes, 1 thread each; {args.steps} timed steps per system, alternating; "
+    return (list(CASES)[:1] if args.quick else list(CASES)), args.steps
+
+
+def main() -> None:
+    names, steps = arguments(__doc__.splitlines()[0])
+    print(f"{RANKS} gloo processes, 1 thread each; {steps} timed steps per system, alternating; "
           f"samples/s of the median step (min..max step ms)")
     print(f"{'model':<20} {'tessera samples/s':>18} {'(ms)':>18} {'DDP samples/s':>14} {'(ms)':>18} "
           f"{'tessera / DDP':>14}")
     for name in names:
         case = CASES[name]
-        times = compare(name, data_parallel_plan(case), args.steps)
+        times = compare(name, data_parallel_plan(case), steps)
         rates = {system: case["batch"] / statistics.median(values) for system, values in times.items()}
         spread = {system: f"{min(values) * 1e3:.1f}..{max(values) * 1e3:.1f}" for system, values in times.items()}
         print(f"{name:<20} {rates['tessera']:>18.1f} {spread['tessera']:>18} {rates['ddp']:>14.1f} "

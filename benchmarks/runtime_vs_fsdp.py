@@ -30,7 +30,6 @@ Run: python benchmarks/runtime_vs_fsdp.py [--steps 30] [--quick]   (--quick: GPT
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import json
@@ -46,7 +45,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runtime_vs_ddp import CASES, batch, example, loss_fn, sgd  # noqa: E402
+from runtime_vs_ddp import CASES, arguments, batch, example, loss_fn, sgd  # noqa: E402
 from runtime_vs_pipelining import spawned, timed_pair  # noqa: E402
 
 from planner.plan import Plan  # noqa: E402
@@ -190,19 +189,10 @@ def _rank(rank: int, init_file: str, name: str, plan_json: str, steps: int, resu
     dist.destroy_process_group()
 
 
-def compare(name: str, plan: Plan, steps: int) -> dict[str, Any]:
-    """Seconds per step of each system, their first losses and peaks, measured in one set of processes."""
-    return spawned(_rank, RANKS, name, plan.to_json(), steps)
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30, help="timed steps per system (after 2 warm-up steps)")
-    parser.add_argument("--quick", action="store_true", help="GPT only")
-    args = parser.parse_args()
-    names = list(CASES)[:1] if args.quick else list(CASES)
+    names, steps = arguments(__doc__.splitlines()[0])
     print(f"{RANKS} gloo processes, 1 thread each, parameters, gradients and optimizer state sharded over them; "
-          f"{args.steps} timed steps per system, alternating; samples/s of the median step (min..max step ms) and "
+          f"{steps} timed steps per system, alternating; samples/s of the median step (min..max step ms) and "
           f"peak MiB of a profiled step (the higher rank's) of tessera in its plan's gather groups, tessera in "
           f"FSDP2's groups, and FSDP2; the largest difference of their first losses")
     print(f"{'model':<20} {'system':<22} {'groups':>6} {'samples/s':>10} {'(ms)':>14} {'/ FSDP2':>8} "
@@ -210,7 +200,7 @@ def main() -> None:
     for name in names:
         case = CASES[name]
         plan = sharded_plan(case)
-        found = compare(name, plan, args.steps)
+        found = spawned(_rank, RANKS, name, plan.to_json(), steps)  # (seconds per step, first losses, peaks)
         times, first = found["times"], found["first_loss"]
         rates = {system: case["batch"] / statistics.median(values) for system, values in times.items()}
         groups = {"tessera": len(plan.stages[0].offload.gathers),

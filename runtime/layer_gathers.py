@@ -11,9 +11,9 @@ their parameters in groups, one all-gather per group, as ZeRO-3 and FSDP gather 
 * before a group's first layer's forward its parameters are all-gathered; after its last layer's forward (or
   when a layer of another group starts) they are freed again;
 * before its layers' backward (a hook on their outputs' gradients, the first to arrive) they are gathered once
-  more; when every one of them has its gradient (post-accumulate-grad hooks) that micro-batch's gradients are
-  reduce-scattered at once, each rank adding its chunk to its shard's sum (``StageOptimizer.reduce_now``),
-  and the parameters freed: no whole gradient outlives its group's backward;
+  more; when every one of them has its gradient (post-accumulate-grad hooks) the parameters are freed and that
+  micro-batch's gradients reduce-scattered at once, each rank adding its chunk to its shard's sum
+  (``StageOptimizer.reduce_now``): no whole gradient outlives its group's backward;
 * a checkpointed region recomputes its layers' forwards inside the backward: their hooks gather and free
   again. Gathers are counted per parameter, so a group whose backward holds its parameters keeps them through
   its own recompute;
