@@ -42,6 +42,22 @@ def test_chunks_of_every_rank_rebuild_the_parameter_and_pad_with_zeros() -> None
     assert layouts[0].row_numel == 3
 
 
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_packing_a_table_in_place_equals_concatenating_the_padded_parameters(world: int) -> None:
+    """A reduce-scatter's table, each gradient written into its columns (ShardLayout.pack, what the runtime sums),
+    equals the padded gradients concatenated: sizes dividing the ranks, not dividing them, and smaller than them;
+    the table's stale contents (a kept one's) are overwritten, padding included."""
+    fulls = [torch.arange(1.0, 1.0 + numel).view(*shape) for numel, shape in
+             ((12, (3, 4)), (7, (7,)), (1, (1,)), (5, (5, 1)))]
+    layout = ShardLayout(tuple(full.numel() for full in fulls), world=world, rank=0)
+    table = torch.full((world, layout.row_numel), float("nan"))
+    start = 0
+    for index, full in enumerate(fulls):
+        layout.pack(index, full, table[:, start:start + layout.chunk_numel(index)])
+        start += layout.chunk_numel(index)
+    assert torch.equal(table, torch.cat([layout.padded(index, full) for index, full in enumerate(fulls)], dim=1))
+
+
 def test_a_freed_parameter_keeps_its_identity_and_autograd_sees_it_refilled() -> None:
     weight = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
     loss = (weight * weight).sum()  # saves the parameter for backward
