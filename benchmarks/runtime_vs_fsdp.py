@@ -1,6 +1,6 @@
 """tessera's ZeRO-3 against FSDP2's ``fully_shard``: a one-stage sharded data-parallel plan, 2 CPU processes.
 
-FSDP2 is what a PyTorch user runs for ZeRO-3. Both systems train the same model (``runtime.initialize``'s
+FSDP2 is what a PyTorch user runs for ZeRO-3. The systems train the same model (``runtime.initialize``'s
 weights) on the same global batch, each replica its half cut into the same micro-batches, SGD with momentum,
 on 2 gloo processes with one intra-op thread each, the parameters, gradients and optimizer state sharded over
 the two ranks:
@@ -9,13 +9,15 @@ the two ranks:
   the Executor: the plan's gather groups (planner/gathers.py) all-gathered before their layers' forward and
   again for their backward, each micro-batch's gradients reduce-scattered group by group as they are made
   (runtime/layer_gathers.py);
+* tessera in FSDP2's groups (:func:`fsdp_grouped`): the same plan gathering one group per block and the rest in
+  one, which sets the runtime beside FSDP2's apart from the planner's choice of groups;
 * FSDP2: ``fully_shard`` on every block (each child of the model's ``nn.ModuleList`` / ``nn.Sequential``
   containers: a GPT's transformer blocks, a ResNet's bottlenecks), then on the root, as its documentation
   wraps a model; every micro-batch's backward reduce-scatters (FSDP2's default, the same traffic as ZeRO-3's),
   the parameters resharded after each forward.
 
-The systems alternate step by step (a shared machine's drifts hit both alike), each step between two barriers;
-the median step and the spread (min..max) over the timed steps are printed, and the ratio of tessera's
+The systems alternate step by step (a shared machine's drifts hit them alike), each step between two barriers;
+the median step and the spread (min..max) over the timed steps are printed, and the ratio of each one's
 samples/s over FSDP2's (target >= 1.0). The first step's losses are compared (the same computation: they
 agree to float32 rounding), and one more step of each is run under the allocation profiler for its peak
 memory: the model state alive when it starts (each storage once: parameters' shards and buffers, gradients,
