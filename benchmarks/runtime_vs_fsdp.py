@@ -37,7 +37,7 @@ import datetime
 import json
 import statistics
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -151,10 +151,11 @@ def fsdp_system(plan: Plan, case: dict[str, Any]) -> System:
 
     def profiled_peak() -> int:
         from cost_models.allocations import allocated_peak_bytes, allocation_profiler
+        from runtime.memory import storage_bytes
 
         state = [*model.parameters(), *model.buffers(),
                  *(value for per_param in optimizer.state.values() for value in per_param.values())]
-        baseline = _storage_bytes(_local(tensor) for tensor in state)
+        baseline = storage_bytes(_local(tensor) for tensor in state)
         with allocation_profiler() as profile:
             step()
         return baseline + allocated_peak_bytes(profile)
@@ -165,11 +166,6 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's shard on this rank (the tensor itself otherwise)."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
-
-def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    storages = {tensor.untyped_storage()._cdata: tensor.untyped_storage().nbytes() for tensor in tensors
-                if isinstance(tensor, torch.Tensor)}
-    return sum(storages.values())
 
 
 def _rank(rank: int, init_file: str, name: str, plan_json: str, steps: int, results: Any) -> None:

@@ -95,7 +95,7 @@ class MemoryTracker:
     def model_state_bytes(self) -> int:
         """Bytes of the model state now alive (each storage once): under mixed precision the 16-bit
         weights and gradients, the fp32 masters and the optimizer state over them."""
-        return sum(_storages(self.model_state()).values())
+        return storage_bytes(self.model_state())
 
     @property
     def peak_bytes(self) -> int:
@@ -131,6 +131,11 @@ class MemoryTracker:
             self.active = False
             self.saved.clear()
         self.profiled_bytes = max(self.profiled_bytes, baseline + allocated_peak_bytes(profile))
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the storages behind ``tensors``, each counted once (meta tensors hold none)."""
+    return sum(_storages(tensors).values())
 
 
 def _storages(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
